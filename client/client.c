@@ -1,0 +1,941 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * libaoq: the session with aoqd.  The control socket carries requests and
+ * replies (blocking, under ctl_lock); gradients and parameters move through
+ * the arena's rings.  A progress thread sleeps on the daemon's doorbell,
+ * takes param records and starts the copies back to the device.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <poll.h>
+#include <stdarg.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "aoq-arena.h"
+#include "backend.h"
+#include "wire.h"
+
+#define TENSORS_PER_FRAME 256
+
+struct tensor {
+	struct aoq_tensor d;
+	size_t gsize, psize;
+	uint64_t pushed;    /* records posted */
+	uint64_t answered;  /* records answered */
+	uint64_t copies;    /* gradient copies started */
+	uint64_t copied;    /* gradient copies finished */
+	struct aoq_event *h2d; /* the last parameter copy */
+	uint8_t *grad_area, *param_area;
+	void *stream;       /* stream of the last push */
+};
+
+struct copy_done {
+	struct aoq_client *c;
+	uint32_t t;
+	struct aoq_rec rec;
+};
+
+struct aoq_client {
+	int sock;
+	pthread_mutex_t ctl_lock;
+	struct aoq_options o;
+	char *job, *socket_path, *device;
+	const struct aoq_backend_ops *ops;
+	struct aoq_backend *be;
+	uint64_t session_id;
+
+	struct aoq_group *groups;
+	uint32_t ngroups, cap_groups;
+	struct tensor *tensors;
+	uint32_t ntensors, cap_tensors;
+	bool registered;
+
+	uint8_t *arena;
+	uint64_t arena_size;
+	struct aoq_arena_header hdr; /* validated copy */
+	int bell_out;  /* we ring the daemon */
+	int bell_in;   /* the daemon rings us */
+	int wake_fd;   /* stops the progress thread */
+	pthread_t progress;
+	bool progress_running;
+
+	pthread_mutex_t lock; /* tensors' counters, the rings, error */
+	pthread_cond_t cond;
+	struct aoq_ring_prod to_daemon;
+	struct aoq_ring_cons to_client;
+	int error;            /* sticky: the session is over */
+	char errmsg[256];
+
+	uint64_t step;        /* the step pushes belong to */
+	uint64_t step_ends_pending;
+	struct aoq_step_result last;
+};
+
+static int fail_session(struct aoq_client *c, int err, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+/* Marks the session broken (caller holds c->lock) and wakes every waiter. */
+static int fail_session(struct aoq_client *c, int err, const char *fmt, ...)
+{
+	if (!c->error) {
+		c->error = err;
+		va_list ap;
+		va_start(ap, fmt);
+		vsnprintf(c->errmsg, sizeof(c->errmsg), fmt, ap);
+		va_end(ap);
+	}
+	pthread_cond_broadcast(&c->cond);
+	return err;
+}
+
+static int session_error(struct aoq_client *c)
+{
+	return aoq_set_error(c->error, "aoq session ended: %s", c->errmsg);
+}
+
+static void ring(int fd)
+{
+	uint64_t one = 1;
+	ssize_t r = write(fd, &one, sizeof(one));
+	(void)r;
+}
+
+/* ---- control path ---- */
+
+/* Sends env and returns the reply of the wanted kind; StepEnded replies of
+ * earlier StepEnd requests that arrive first are consumed on the way.
+ * Caller holds ctl_lock. */
+static int ctl_recv(struct aoq_client *c, int want, Aoq__Envelope **out, int *fds, int *nfds)
+{
+	for (;;) {
+		Aoq__Envelope *rep;
+		int r = aoq_recv_frame(c->sock, &rep, fds, fds ? AOQ_MAX_FDS : 0, nfds);
+		if (r < 0) {
+			pthread_mutex_lock(&c->lock);
+			fail_session(c, r, "control socket: %s", strerror(-r));
+			pthread_mutex_unlock(&c->lock);
+			return aoq_set_error(r, "aoqd: control socket: %s", strerror(-r));
+		}
+		if (rep->msg_case == AOQ__ENVELOPE__MSG_STEP_ENDED && c->step_ends_pending > 0) {
+			pthread_mutex_lock(&c->lock);
+			c->step_ends_pending--;
+			c->last.step = rep->step_ended->step;
+			c->last.grad_sumsq = rep->step_ended->grad_sumsq;
+			c->last.nonfinite = rep->step_ended->nonfinite;
+			c->last.tensors_updated = rep->step_ended->tensors_updated;
+			pthread_mutex_unlock(&c->lock);
+			aoq_envelope_free(rep);
+			if (want == AOQ__ENVELOPE__MSG_STEP_ENDED)
+				return 0;
+			continue;
+		}
+		if (rep->msg_case == AOQ__ENVELOPE__MSG_ERROR) {
+			r = aoq_error_to_errno(rep->error->code);
+			aoq_set_error(r ? r : -EIO, "aoqd: %s: %s", aoq_error_name(rep->error->code), rep->error->message);
+			aoq_envelope_free(rep);
+			if (fds && *nfds) {
+				for (int i = 0; i < *nfds; i++)
+					close(fds[i]);
+				*nfds = 0;
+			}
+			return r ? r : -EIO;
+		}
+		if ((int)rep->msg_case != want) {
+			aoq_envelope_free(rep);
+			pthread_mutex_lock(&c->lock);
+			fail_session(c, -EPROTO, "unexpected reply %d", (int)rep->msg_case);
+			pthread_mutex_unlock(&c->lock);
+			return aoq_set_error(-EPROTO, "aoqd sent an unexpected reply");
+		}
+		if (out)
+			*out = rep;
+		else
+			aoq_envelope_free(rep);
+		return 0;
+	}
+}
+
+static int ctl_call(struct aoq_client *c, const Aoq__Envelope *env, int want, Aoq__Envelope **out)
+{
+	if (c->error)
+		return session_error(c);
+	int r = aoq_send_frame(c->sock, env, NULL, 0);
+	if (r < 0)
+		return aoq_set_error(r, "aoqd: send: %s", strerror(-r));
+	return ctl_recv(c, want, out, NULL, NULL);
+}
+
+int aoq_connect(struct aoq_client **out, const struct aoq_options *opts)
+{
+	struct aoq_options def = AOQ_OPTIONS_INIT;
+	if (!opts)
+		opts = &def;
+	struct aoq_client *c = calloc(1, sizeof(*c));
+	if (!c)
+		return -ENOMEM;
+	c->sock = c->bell_in = c->bell_out = c->wake_fd = -1;
+	pthread_mutex_init(&c->ctl_lock, NULL);
+	pthread_mutex_init(&c->lock, NULL);
+	pthread_cond_init(&c->cond, NULL);
+	c->o = *opts;
+	c->job = strdup(opts->job ? opts->job : "default");
+	c->device = strdup(opts->device ? opts->device : "cpu");
+	c->step = 1;
+	char path[256];
+	int r = aoq_socket_path(opts->socket, path, sizeof(path));
+	if (r < 0 || !c->job || !c->device || !(c->socket_path = strdup(path))) {
+		aoq_close(c);
+		return aoq_set_error(r < 0 ? r : -ENOMEM, "socket path too long");
+	}
+	c->o.job = c->job;
+	c->o.device = c->device;
+	c->o.socket = c->socket_path;
+	int index;
+	if ((r = aoq_backend_lookup(c->device, &c->ops, &index)) < 0) {
+		aoq_close(c);
+		return r;
+	}
+	if ((r = c->ops->open(&c->be, index, &c->o)) < 0) {
+		c->be = NULL;
+		aoq_close(c);
+		return r;
+	}
+	c->sock = aoq_socket_connect(path);
+	if (c->sock < 0) {
+		r = c->sock;
+		aoq_set_error(r, "cannot connect to aoqd at %s: %s (is aoqd running? set AOQ_SOCKET)", path, strerror(-r));
+		aoq_close(c);
+		return r;
+	}
+	Aoq__Hello h = AOQ__HELLO__INIT;
+	h.protocol_version = AOQ_PROTOCOL_VERSION;
+	h.job = c->job;
+	h.rank = opts->rank;
+	h.device = c->device;
+	h.pid = (uint32_t)getpid();
+	Aoq__Envelope env = AOQ__ENVELOPE__INIT;
+	env.msg_case = AOQ__ENVELOPE__MSG_HELLO;
+	env.hello = &h;
+	Aoq__Envelope *rep;
+	r = ctl_call(c, &env, AOQ__ENVELOPE__MSG_WELCOME, &rep);
+	if (r < 0) {
+		aoq_close(c);
+		return r;
+	}
+	c->session_id = rep->welcome->session_id;
+	aoq_envelope_free(rep);
+	*out = c;
+	return 0;
+}
+
+static void *grow(void *p, uint32_t *cap, uint32_t need, size_t elem)
+{
+	if (need <= *cap)
+		return p;
+	uint32_t n = *cap ? *cap * 2 : 16;
+	if (n < need)
+		n = need;
+	void *q = realloc(p, (size_t)n * elem);
+	if (q)
+		*cap = n;
+	return q;
+}
+
+int aoq_add_group(struct aoq_client *c, const struct aoq_group *g)
+{
+	if (c->registered)
+		return aoq_set_error(-EBUSY, "groups must be added before aoq_register()");
+	struct aoq_group *n = grow(c->groups, &c->cap_groups, c->ngroups + 1, sizeof(*n));
+	if (!n)
+		return -ENOMEM;
+	c->groups = n;
+	c->groups[c->ngroups] = *g;
+	return (int)c->ngroups++;
+}
+
+static bool dtype_ok(enum aoq_dtype t)
+{
+	return t == AOQ_FP32 || t == AOQ_BF16 || t == AOQ_FP16;
+}
+
+int aoq_add_tensor(struct aoq_client *c, const struct aoq_tensor *t)
+{
+	if (c->registered)
+		return aoq_set_error(-EBUSY, "tensors must be added before aoq_register()");
+	if (t->numel == 0 || !dtype_ok(t->param_dtype) || !dtype_ok(t->grad_dtype) ||
+	    (t->init && !dtype_ok(t->init_dtype)) || !t->param)
+		return aoq_set_error(-EINVAL, "tensor '%s': needs numel > 0, known dtypes and a param buffer",
+		                     t->name ? t->name : "");
+	if (c->ntensors >= INT32_MAX)
+		return -E2BIG;
+	struct tensor *n = grow(c->tensors, &c->cap_tensors, c->ntensors + 1, sizeof(*n));
+	if (!n)
+		return -ENOMEM;
+	c->tensors = n;
+	struct tensor *x = &c->tensors[c->ntensors];
+	memset(x, 0, sizeof(*x));
+	x->d = *t;
+	x->d.name = strdup(t->name ? t->name : "");
+	if (!x->d.name)
+		return -ENOMEM;
+	x->gsize = t->grad_dtype == AOQ_FP32 ? 4 : 2;
+	x->psize = t->param_dtype == AOQ_FP32 ? 4 : 2;
+	return (int)c->ntensors++;
+}
+
+static Aoq__Hyperparams hp_of(const struct aoq_group *g)
+{
+	Aoq__Hyperparams h = AOQ__HYPERPARAMS__INIT;
+	h.lr = g->lr;
+	h.beta1 = g->beta1;
+	h.beta2 = g->beta2;
+	h.eps = g->eps;
+	h.weight_decay = g->weight_decay;
+	return h;
+}
+
+/* Sends the groups and tensors in frames of TENSORS_PER_FRAME. */
+static int send_registration(struct aoq_client *c, int *fds, int *nfds, Aoq__Envelope **reply)
+{
+	Aoq__Hyperparams *hps = calloc(c->ngroups, sizeof(*hps));
+	Aoq__Group *gs = calloc(c->ngroups, sizeof(*gs));
+	Aoq__Group **gp = calloc(c->ngroups, sizeof(*gp));
+	Aoq__TensorDesc *ts = calloc(TENSORS_PER_FRAME, sizeof(*ts));
+	Aoq__TensorDesc *tp[TENSORS_PER_FRAME];
+	int r = -ENOMEM;
+	if (!hps || !gs || !gp || !ts)
+		goto out;
+	for (uint32_t i = 0; i < c->ngroups; i++) {
+		hps[i] = hp_of(&c->groups[i]);
+		aoq__group__init(&gs[i]);
+		gs[i].kind = c->groups[i].kind == AOQ_ADAM ? AOQ__OPTIMIZER_KIND__ADAM : AOQ__OPTIMIZER_KIND__ADAMW;
+		gs[i].hp = &hps[i];
+		gp[i] = &gs[i];
+	}
+	uint32_t next = 0;
+	bool first = true;
+	do {
+		Aoq__Register reg = AOQ__REGISTER__INIT;
+		if (first) {
+			reg.n_groups = c->ngroups;
+			reg.groups = gp;
+			reg.precision = (Aoq__StatePrecision)c->o.precision;
+			reg.window = c->o.window;
+			reg.seed = c->o.seed;
+		}
+		size_t n = 0;
+		while (n < TENSORS_PER_FRAME && next < c->ntensors) {
+			struct tensor *x = &c->tensors[next++];
+			aoq__tensor_desc__init(&ts[n]);
+			ts[n].name = (char *)x->d.name;
+			ts[n].numel = x->d.numel;
+			ts[n].param_dtype = (Aoq__DType)x->d.param_dtype;
+			ts[n].grad_dtype = (Aoq__DType)x->d.grad_dtype;
+			ts[n].group = x->d.group;
+			tp[n] = &ts[n];
+			n++;
+		}
+		reg.n_tensors = n;
+		reg.tensors = tp;
+		reg.more = next < c->ntensors;
+		Aoq__Envelope env = AOQ__ENVELOPE__INIT;
+		env.msg_case = AOQ__ENVELOPE__MSG_REGISTER;
+		env.register_ = &reg;
+		if ((r = aoq_send_frame(c->sock, &env, NULL, 0)) < 0) {
+			aoq_set_error(r, "aoqd: send: %s", strerror(-r));
+			goto out;
+		}
+		if (reg.more)
+			r = ctl_recv(c, AOQ__ENVELOPE__MSG_REGISTER_MORE, NULL, NULL, NULL);
+		else
+			r = ctl_recv(c, AOQ__ENVELOPE__MSG_REGISTERED, reply, fds, nfds);
+		if (r < 0)
+			goto out;
+		first = false;
+	} while (next < c->ntensors);
+out:
+	free(hps);
+	free(gs);
+	free(gp);
+	free(ts);
+	return r;
+}
+
+/* Checks the daemon's arena header against the mapping and our tensors. */
+static int check_arena(struct aoq_client *c)
+{
+	const struct aoq_arena_header *h = (const void *)c->arena;
+	struct aoq_arena_header hd;
+	memcpy(&hd, h, sizeof(hd));
+	uint64_t ring_bytes, tt_bytes, st_bytes;
+	if (hd.magic != AOQ_ARENA_MAGIC || hd.version != AOQ_ARENA_VERSION || hd.size != c->arena_size ||
+	    hd.tensors != c->ntensors || hd.rec_size != sizeof(struct aoq_rec) || hd.ring_capacity == 0 ||
+	    hd.ring_capacity > (1u << 20) || hd.window != c->o.window)
+		return -EPROTO;
+	ring_bytes = sizeof(struct aoq_ring) + (uint64_t)hd.ring_capacity * sizeof(struct aoq_rec);
+	tt_bytes = (uint64_t)hd.tensors * sizeof(struct aoq_arena_tensor);
+	st_bytes = (uint64_t)hd.slots * sizeof(struct aoq_arena_slot);
+	if (!aoq_range_ok(hd.tensor_table_off, tt_bytes, hd.size) || !aoq_range_ok(hd.slot_table_off, st_bytes, hd.size) ||
+	    !aoq_range_ok(hd.to_daemon_off, ring_bytes, hd.size) || !aoq_range_ok(hd.to_client_off, ring_bytes, hd.size) ||
+	    !aoq_range_ok(hd.xfer_off, hd.xfer_bytes, hd.size) || hd.xfer_bytes < 4 ||
+	    hd.to_daemon_off % 64 || hd.to_client_off % 64 || hd.tensor_table_off % 8 || hd.slot_table_off % 8)
+		return -EPROTO;
+	if (hd.window == 0 && hd.slots != hd.tensors)
+		return -EPROTO;
+	const struct aoq_arena_tensor *tt = (const void *)(c->arena + hd.tensor_table_off);
+	const struct aoq_arena_slot *sl = (const void *)(c->arena + hd.slot_table_off);
+	for (uint32_t i = 0; i < c->ntensors; i++) {
+		struct tensor *x = &c->tensors[i];
+		if (tt[i].numel != x->d.numel || tt[i].param_dtype != (uint32_t)x->d.param_dtype ||
+		    tt[i].grad_dtype != (uint32_t)x->d.grad_dtype)
+			return -EPROTO;
+		if (hd.window)
+			continue;
+		struct aoq_arena_slot s = sl[i];
+		if (s.grad_bytes < x->d.numel * x->gsize || s.param_bytes < x->d.numel * x->psize ||
+		    !aoq_range_ok(s.grad_off, s.grad_bytes, hd.size) || !aoq_range_ok(s.param_off, s.param_bytes, hd.size))
+			return -EPROTO;
+		x->grad_area = c->arena + s.grad_off;
+		x->param_area = c->arena + s.param_off;
+	}
+	c->hdr = hd;
+	c->to_daemon = (struct aoq_ring_prod){ .ring = (void *)(c->arena + hd.to_daemon_off), .cap = hd.ring_capacity };
+	c->to_client = (struct aoq_ring_cons){ .ring = (void *)(c->arena + hd.to_client_off), .cap = hd.ring_capacity };
+	return 0;
+}
+
+static void handle_record(struct aoq_client *c, const struct aoq_rec *r)
+{
+	struct tensor *x = &c->tensors[r->tensor];
+	if (r->status == AOQ_REC_UPDATED) {
+		struct aoq_event *ev = NULL;
+		int e = c->ops->h2d(c->be, (uint8_t *)x->d.param + r->offset * x->psize,
+		                    x->param_area + r->offset * x->psize, r->count * x->psize, x->stream, &ev);
+		pthread_mutex_lock(&c->lock);
+		if (e < 0)
+			fail_session(c, e, "parameter copy to the device failed: %s", aoq_last_error());
+		if (x->h2d)
+			c->ops->event_release(c->be, x->h2d);
+		x->h2d = ev;
+	} else {
+		pthread_mutex_lock(&c->lock);
+	}
+	x->answered++;
+	pthread_cond_broadcast(&c->cond);
+	pthread_mutex_unlock(&c->lock);
+}
+
+/* Takes every param record off the ring.  False when the session broke. */
+static bool drain_params(struct aoq_client *c)
+{
+	for (;;) {
+		struct aoq_rec r;
+		int n = aoq_ring_peek(&c->to_client, &r);
+		if (n < 0) {
+			pthread_mutex_lock(&c->lock);
+			fail_session(c, -EPROTO, "the daemon's ring counter is corrupt");
+			pthread_mutex_unlock(&c->lock);
+			return false;
+		}
+		if (n == 0) {
+			if (aoq_ring_idle(&c->to_client))
+				return true;
+			continue;
+		}
+		bool ok = r.tensor < c->ntensors && aoq_range_ok(r.offset, r.count, c->tensors[r.tensor].d.numel) &&
+		          (r.status == AOQ_REC_UPDATED || r.status == AOQ_REC_ACCUMULATED || r.status == AOQ_REC_SKIPPED);
+		if (ok) {
+			pthread_mutex_lock(&c->lock);
+			ok = c->tensors[r.tensor].answered < c->tensors[r.tensor].pushed;
+			pthread_mutex_unlock(&c->lock);
+		}
+		if (!ok) {
+			pthread_mutex_lock(&c->lock);
+			fail_session(c, -EPROTO, "the daemon sent a bad record (tensor %u)", r.tensor);
+			pthread_mutex_unlock(&c->lock);
+			return false;
+		}
+		aoq_ring_pop(&c->to_client);
+		if (aoq_ring_producer_waiting(&c->to_client))
+			ring(c->bell_out);
+		handle_record(c, &r);
+	}
+}
+
+static void *progress_main(void *arg)
+{
+	struct aoq_client *c = arg;
+	struct pollfd p[3] = {
+		{ .fd = c->bell_in, .events = POLLIN },
+		{ .fd = c->wake_fd, .events = POLLIN },
+		{ .fd = c->sock, .events = POLLRDHUP },
+	};
+	for (;;) {
+		if (poll(p, 3, -1) < 0) {
+			if (errno == EINTR)
+				continue;
+			break;
+		}
+		if (p[1].revents)
+			break;
+		uint64_t v;
+		if (p[0].revents & POLLIN) {
+			ssize_t r = read(c->bell_in, &v, sizeof(v));
+			(void)r;
+			/* The daemon also rings when it freed space in our ring. */
+			pthread_mutex_lock(&c->lock);
+			pthread_cond_broadcast(&c->cond);
+			pthread_mutex_unlock(&c->lock);
+		}
+		if (!drain_params(c))
+			break;
+		if (p[2].revents & (POLLRDHUP | POLLHUP | POLLERR)) {
+			drain_params(c);
+			pthread_mutex_lock(&c->lock);
+			fail_session(c, -ECONNRESET, "aoqd closed the session (see its log, or the reply to the next request)");
+			pthread_mutex_unlock(&c->lock);
+			break;
+		}
+	}
+	return NULL;
+}
+
+/* Moves a tensor's initial values into the daemon's master copy. */
+static int load_initial(struct aoq_client *c, uint32_t i)
+{
+	struct tensor *x = &c->tensors[i];
+	enum aoq_dtype dt = x->d.init ? x->d.init_dtype : x->d.param_dtype;
+	size_t dsize = dt == AOQ_FP32 ? 4 : 2;
+	uint64_t room = c->hdr.xfer_bytes / dsize;
+	uint8_t *xfer = c->arena + c->hdr.xfer_off;
+	for (uint64_t off = 0; off < x->d.numel; off += room) {
+		uint64_t n = x->d.numel - off < room ? x->d.numel - off : room;
+		int r;
+		if (x->d.init)
+			memcpy(xfer, (const uint8_t *)x->d.init + off * dsize, n * dsize);
+		else if ((r = c->ops->copy_to_host(c->be, xfer, (const uint8_t *)x->d.param + off * dsize, n * dsize)) < 0)
+			return r;
+		Aoq__LoadState m = AOQ__LOAD_STATE__INIT;
+		m.tensor = i;
+		m.what = AOQ__STATE_KIND__PARAM;
+		m.dtype = (Aoq__DType)dt;
+		m.offset = off;
+		m.count = n;
+		Aoq__Envelope env = AOQ__ENVELOPE__INIT;
+		env.msg_case = AOQ__ENVELOPE__MSG_LOAD_STATE;
+		env.load_state = &m;
+		if ((r = ctl_call(c, &env, AOQ__ENVELOPE__MSG_DONE, NULL)) < 0)
+			return r;
+	}
+	return 0;
+}
+
+int aoq_register(struct aoq_client *c)
+{
+	if (c->registered)
+		return aoq_set_error(-EBUSY, "already registered");
+	if (c->ntensors == 0 || c->ngroups == 0)
+		return aoq_set_error(-EINVAL, "nothing to register: add groups and tensors first");
+	for (uint32_t i = 0; i < c->ntensors; i++)
+		if (c->tensors[i].d.group >= c->ngroups)
+			return aoq_set_error(-EINVAL, "tensor '%s': no group %u", c->tensors[i].d.name, c->tensors[i].d.group);
+	if (c->o.window)
+		return aoq_set_error(-ENOTSUP, "the staging window is not supported by this libaoq yet");
+	pthread_mutex_lock(&c->ctl_lock);
+	int fds[AOQ_MAX_FDS], nfds = 0;
+	Aoq__Envelope *rep = NULL;
+	int r = send_registration(c, fds, &nfds, &rep);
+	if (r < 0)
+		goto out;
+	if (nfds != 3 || rep->registered->fds != 3) {
+		r = aoq_set_error(-EPROTO, "aoqd sent %d fds with the arena, expected 3", nfds);
+		goto out_fds;
+	}
+	struct stat st;
+	c->arena_size = rep->registered->arena_size;
+	if (fstat(fds[0], &st) < 0 || (uint64_t)st.st_size != c->arena_size || c->arena_size < sizeof(struct aoq_arena_header)) {
+		r = aoq_set_error(-EPROTO, "the arena's size does not match");
+		goto out_fds;
+	}
+	void *p = mmap(NULL, c->arena_size, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0], 0);
+	if (p == MAP_FAILED) {
+		r = aoq_set_error(-errno, "cannot map the arena: %s", strerror(errno));
+		goto out_fds;
+	}
+	close(fds[0]);
+	c->arena = p;
+	c->bell_out = fds[1];
+	c->bell_in = fds[2];
+	nfds = 0;
+	if ((r = check_arena(c)) < 0) {
+		aoq_set_error(r, "the arena's layout is inconsistent");
+		goto out;
+	}
+	if ((r = c->ops->register_host(c->be, c->arena, c->arena_size)) < 0)
+		goto out;
+	c->registered = true;
+	for (uint32_t i = 0; i < c->ntensors && r == 0; i++)
+		r = load_initial(c, i);
+	if (r < 0)
+		goto out;
+	c->wake_fd = eventfd(0, EFD_CLOEXEC);
+	if (c->wake_fd < 0) {
+		r = -errno;
+		goto out;
+	}
+	if ((r = -pthread_create(&c->progress, NULL, progress_main, c)) < 0)
+		goto out;
+	c->progress_running = true;
+	goto out;
+out_fds:
+	for (int i = 0; i < nfds; i++)
+		close(fds[i]);
+out:
+	aoq_envelope_free(rep);
+	pthread_mutex_unlock(&c->ctl_lock);
+	return r;
+}
+
+uint64_t aoq_current_step(struct aoq_client *c)
+{
+	pthread_mutex_lock(&c->lock);
+	uint64_t s = c->step;
+	pthread_mutex_unlock(&c->lock);
+	return s;
+}
+
+/* The gradient is in the arena: post its record (any thread). */
+static void grad_copied(void *arg, int status)
+{
+	struct copy_done *d = arg;
+	struct aoq_client *c = d->c;
+	struct tensor *x = &c->tensors[d->t];
+	pthread_mutex_lock(&c->lock);
+	x->copied++;
+	if (status < 0) {
+		fail_session(c, status, "gradient copy of tensor %u failed", d->t);
+	} else {
+		int r;
+		while ((r = aoq_ring_push(&c->to_daemon, &d->rec)) == -EAGAIN && !c->error)
+			if (!aoq_ring_wait_space(&c->to_daemon, 1))
+				pthread_cond_wait(&c->cond, &c->lock);
+		if (r == 1)
+			ring(c->bell_out);
+		else if (r < 0 && !c->error)
+			fail_session(c, r, "the daemon's ring counter is corrupt");
+	}
+	pthread_cond_broadcast(&c->cond);
+	pthread_mutex_unlock(&c->lock);
+	free(d);
+}
+
+int aoq_push_grad_ptr(struct aoq_client *c, uint32_t t, const void *grad, unsigned flags, void *stream)
+{
+	if (!c->registered)
+		return aoq_set_error(-EINVAL, "aoq_push_grad before aoq_register");
+	if (t >= c->ntensors || !grad || (flags & ~AOQ_PUSH_ACCUMULATE))
+		return aoq_set_error(-EINVAL, "aoq_push_grad: bad tensor %u, buffer or flags", t);
+	struct tensor *x = &c->tensors[t];
+	struct copy_done *d = malloc(sizeof(*d));
+	if (!d)
+		return -ENOMEM;
+	pthread_mutex_lock(&c->lock);
+	/* The slot is free once the daemon answered the last push. */
+	while (!c->error && x->answered < x->pushed)
+		pthread_cond_wait(&c->cond, &c->lock);
+	if (c->error) {
+		pthread_mutex_unlock(&c->lock);
+		free(d);
+		return session_error(c);
+	}
+	d->c = c;
+	d->t = t;
+	d->rec = (struct aoq_rec){ .tensor = t, .slot = t, .offset = 0, .count = x->d.numel, .step = c->step,
+	                           .flags = (flags & AOQ_PUSH_ACCUMULATE) ? AOQ_REC_ACCUMULATE : 0 };
+	x->pushed++;
+	x->copies++;
+	x->stream = stream ? stream : c->o.cuda_stream;
+	pthread_mutex_unlock(&c->lock);
+	int r = c->ops->d2h(c->be, x->grad_area, grad, x->d.numel * x->gsize, x->stream, grad_copied, d);
+	if (r < 0) {
+		pthread_mutex_lock(&c->lock);
+		fail_session(c, r, "gradient copy of tensor %u failed: %s", t, aoq_last_error());
+		pthread_mutex_unlock(&c->lock);
+		free(d);
+	}
+	return r;
+}
+
+int aoq_push_grad(struct aoq_client *c, uint32_t t, unsigned flags, void *stream)
+{
+	if (t >= c->ntensors)
+		return aoq_set_error(-EINVAL, "aoq_push_grad: no tensor %u", t);
+	if (!c->tensors[t].d.grad)
+		return aoq_set_error(-EINVAL, "tensor %u has no registered grad buffer", t);
+	return aoq_push_grad_ptr(c, t, c->tensors[t].d.grad, flags, stream);
+}
+
+int aoq_grad_copied(struct aoq_client *c, uint32_t t)
+{
+	if (t >= c->ntensors)
+		return -EINVAL;
+	struct tensor *x = &c->tensors[t];
+	pthread_mutex_lock(&c->lock);
+	while (!c->error && x->copied < x->copies)
+		pthread_cond_wait(&c->cond, &c->lock);
+	int r = c->error && x->copied < x->copies ? session_error(c) : 0;
+	pthread_mutex_unlock(&c->lock);
+	return r;
+}
+
+/* Waits until tensor t's last record is answered; returns its copy event. */
+static int wait_answered(struct aoq_client *c, uint32_t t, struct aoq_event **ev)
+{
+	if (t >= c->ntensors)
+		return aoq_set_error(-EINVAL, "no tensor %u", t);
+	struct tensor *x = &c->tensors[t];
+	pthread_mutex_lock(&c->lock);
+	while (!c->error && x->answered < x->pushed)
+		pthread_cond_wait(&c->cond, &c->lock);
+	int r = x->answered < x->pushed ? session_error(c) : 0;
+	*ev = x->h2d;
+	pthread_mutex_unlock(&c->lock);
+	return r;
+}
+
+int aoq_wait_param(struct aoq_client *c, uint32_t t, void *stream)
+{
+	struct aoq_event *ev;
+	int r = wait_answered(c, t, &ev);
+	if (r < 0 || !ev)
+		return r;
+	return c->ops->stream_wait(c->be, ev, stream ? stream : c->o.cuda_stream);
+}
+
+int aoq_sync_param(struct aoq_client *c, uint32_t t)
+{
+	struct aoq_event *ev;
+	int r = wait_answered(c, t, &ev);
+	if (r < 0 || !ev)
+		return r;
+	return c->ops->host_wait(c->be, ev);
+}
+
+int aoq_set_hyperparams(struct aoq_client *c, uint32_t g, const struct aoq_group *hp)
+{
+	if (g >= c->ngroups)
+		return aoq_set_error(-EINVAL, "no group %u", g);
+	if (!c->registered) {
+		c->groups[g] = *hp;
+		return 0;
+	}
+	Aoq__Hyperparams h = hp_of(hp);
+	Aoq__SetHyperparams m = AOQ__SET_HYPERPARAMS__INIT;
+	m.group = g;
+	m.hp = &h;
+	pthread_mutex_lock(&c->ctl_lock);
+	m.step = aoq_current_step(c);
+	Aoq__Envelope env = AOQ__ENVELOPE__INIT;
+	env.msg_case = AOQ__ENVELOPE__MSG_SET_HYPERPARAMS;
+	env.set_hyperparams = &m;
+	int r = ctl_call(c, &env, AOQ__ENVELOPE__MSG_DONE, NULL);
+	if (r == 0)
+		c->groups[g] = *hp;
+	pthread_mutex_unlock(&c->ctl_lock);
+	return r;
+}
+
+int aoq_step_end(struct aoq_client *c)
+{
+	if (!c->registered)
+		return aoq_set_error(-EINVAL, "aoq_step_end before aoq_register");
+	pthread_mutex_lock(&c->ctl_lock);
+	Aoq__StepEnd m = AOQ__STEP_END__INIT;
+	pthread_mutex_lock(&c->lock);
+	m.step = c->step;
+	/* Gradient copies still in flight must post before the step closes. */
+	for (uint32_t i = 0; i < c->ntensors; i++)
+		while (!c->error && c->tensors[i].copied < c->tensors[i].copies)
+			pthread_cond_wait(&c->cond, &c->lock);
+	int r = c->error ? session_error(c) : 0;
+	pthread_mutex_unlock(&c->lock);
+	if (r == 0) {
+		Aoq__Envelope env = AOQ__ENVELOPE__INIT;
+		env.msg_case = AOQ__ENVELOPE__MSG_STEP_END;
+		env.step_end = &m;
+		r = aoq_send_frame(c->sock, &env, NULL, 0);
+		if (r < 0)
+			aoq_set_error(r, "aoqd: send: %s", strerror(-r));
+	}
+	if (r == 0) {
+		pthread_mutex_lock(&c->lock);
+		c->step_ends_pending++;
+		c->step++;
+		pthread_mutex_unlock(&c->lock);
+	}
+	pthread_mutex_unlock(&c->ctl_lock);
+	return r;
+}
+
+int aoq_sync(struct aoq_client *c, struct aoq_step_result *last)
+{
+	if (!c->registered)
+		return aoq_set_error(-EINVAL, "aoq_sync before aoq_register");
+	int r = 0;
+	pthread_mutex_lock(&c->ctl_lock);
+	while (r == 0 && c->step_ends_pending > 0)
+		r = ctl_recv(c, AOQ__ENVELOPE__MSG_STEP_ENDED, NULL, NULL, NULL);
+	pthread_mutex_unlock(&c->ctl_lock);
+	for (uint32_t i = 0; r == 0 && i < c->ntensors; i++)
+		r = aoq_sync_param(c, i);
+	if (r == 0 && last) {
+		pthread_mutex_lock(&c->lock);
+		*last = c->last;
+		pthread_mutex_unlock(&c->lock);
+	}
+	return r;
+}
+
+static int transfer(struct aoq_client *c, bool load, uint32_t t, int what, enum aoq_dtype dtype,
+                    uint64_t offset, uint64_t count, void *buf)
+{
+	if (!c->registered || t >= c->ntensors || what < 0 || what > 2 || !dtype_ok(dtype) ||
+	    !aoq_range_ok(offset, count, c->tensors[t].d.numel))
+		return aoq_set_error(-EINVAL, "state transfer: bad arguments");
+	int r = aoq_sync(c, NULL);
+	if (r < 0)
+		return r;
+	size_t dsize = dtype == AOQ_FP32 ? 4 : 2;
+	uint64_t room = c->hdr.xfer_bytes / dsize;
+	uint8_t *xfer = c->arena + c->hdr.xfer_off;
+	pthread_mutex_lock(&c->ctl_lock);
+	for (uint64_t done = 0; r == 0 && done < count; done += room) {
+		uint64_t n = count - done < room ? count - done : room;
+		uint8_t *p = (uint8_t *)buf + done * dsize;
+		Aoq__Envelope env = AOQ__ENVELOPE__INIT;
+		Aoq__LoadState lm = AOQ__LOAD_STATE__INIT;
+		Aoq__ReadState rm = AOQ__READ_STATE__INIT;
+		if (load) {
+			memcpy(xfer, p, n * dsize);
+			lm.tensor = t, lm.what = what, lm.dtype = (Aoq__DType)dtype, lm.offset = offset + done, lm.count = n;
+			env.msg_case = AOQ__ENVELOPE__MSG_LOAD_STATE;
+			env.load_state = &lm;
+		} else {
+			rm.tensor = t, rm.what = what, rm.dtype = (Aoq__DType)dtype, rm.offset = offset + done, rm.count = n;
+			env.msg_case = AOQ__ENVELOPE__MSG_READ_STATE;
+			env.read_state = &rm;
+		}
+		r = ctl_call(c, &env, AOQ__ENVELOPE__MSG_DONE, NULL);
+		if (r == 0 && !load)
+			memcpy(p, xfer, n * dsize);
+	}
+	pthread_mutex_unlock(&c->ctl_lock);
+	return r;
+}
+
+int aoq_read_state(struct aoq_client *c, uint32_t t, int what, enum aoq_dtype dtype, uint64_t offset,
+                   uint64_t count, void *dst)
+{
+	return transfer(c, false, t, what, dtype, offset, count, dst);
+}
+
+int aoq_load_state(struct aoq_client *c, uint32_t t, int what, enum aoq_dtype dtype, uint64_t offset,
+                   uint64_t count, const void *src)
+{
+	return transfer(c, true, t, what, dtype, offset, count, (void *)src);
+}
+
+static int tensor_steps(struct aoq_client *c, uint32_t first, uint32_t n, uint64_t *steps, bool set)
+{
+	if (!c->registered || !aoq_range_ok(first, n, c->ntensors))
+		return aoq_set_error(-EINVAL, "tensor steps: bad range");
+	int r = aoq_sync(c, NULL);
+	for (uint32_t done = 0; r == 0 && done < n;) {
+		uint32_t k = n - done < 65536 ? n - done : 65536;
+		Aoq__TensorSteps m = AOQ__TENSOR_STEPS__INIT;
+		m.first = first + done;
+		m.set = set;
+		m.count = k;
+		if (set) {
+			m.n_steps = k;
+			m.steps = steps + done;
+		}
+		Aoq__Envelope env = AOQ__ENVELOPE__INIT, *rep = NULL;
+		env.msg_case = AOQ__ENVELOPE__MSG_TENSOR_STEPS;
+		env.tensor_steps = &m;
+		pthread_mutex_lock(&c->ctl_lock);
+		r = ctl_call(c, &env, AOQ__ENVELOPE__MSG_TENSOR_STEPS, &rep);
+		pthread_mutex_unlock(&c->ctl_lock);
+		if (r == 0 && rep->tensor_steps->n_steps != k)
+			r = aoq_set_error(-EPROTO, "aoqd answered %zu steps for %u", rep->tensor_steps->n_steps, k);
+		if (r == 0 && !set)
+			memcpy(steps + done, rep->tensor_steps->steps, k * sizeof(uint64_t));
+		aoq_envelope_free(rep);
+		done += k;
+	}
+	return r;
+}
+
+int aoq_get_tensor_steps(struct aoq_client *c, uint32_t first, uint32_t n, uint64_t *steps)
+{
+	return tensor_steps(c, first, n, steps, false);
+}
+
+int aoq_set_tensor_steps(struct aoq_client *c, uint32_t first, uint32_t n, const uint64_t *steps)
+{
+	return tensor_steps(c, first, n, (uint64_t *)steps, true);
+}
+
+void aoq_close(struct aoq_client *c)
+{
+	if (!c)
+		return;
+	if (c->sock >= 0 && !c->error) {
+		if (c->registered)
+			aoq_sync(c, NULL);
+		Aoq__Bye b = AOQ__BYE__INIT;
+		Aoq__Envelope env = AOQ__ENVELOPE__INIT;
+		env.msg_case = AOQ__ENVELOPE__MSG_BYE;
+		env.bye = &b;
+		aoq_send_frame(c->sock, &env, NULL, 0);
+	}
+	if (c->progress_running) {
+		ring(c->wake_fd);
+		pthread_join(c->progress, NULL);
+	}
+	for (uint32_t i = 0; i < c->ntensors; i++) {
+		if (c->tensors[i].h2d && c->be)
+			c->ops->event_release(c->be, c->tensors[i].h2d);
+		free((char *)c->tensors[i].d.name);
+	}
+	if (c->arena) {
+		if (c->be && c->registered)
+			c->ops->unregister_host(c->be, c->arena, c->arena_size);
+		munmap(c->arena, c->arena_size);
+	}
+	if (c->be)
+		c->ops->close(c->be);
+	if (c->sock >= 0)
+		close(c->sock);
+	if (c->bell_in >= 0)
+		close(c->bell_in);
+	if (c->bell_out >= 0)
+		close(c->bell_out);
+	if (c->wake_fd >= 0)
+		close(c->wake_fd);
+	free(c->tensors);
+	free(c->groups);
+	free(c->job);
+	free(c->device);
+	free(c->socket_path);
+	pthread_mutex_destroy(&c->ctl_lock);
+	pthread_mutex_destroy(&c->lock);
+	pthread_cond_destroy(&c->cond);
+	free(c);
+}

@@ -1,0 +1,192 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * libaoq: stream gradients to aoqd and get updated parameters back.
+ *
+ * A trainer connects once, describes its parameter groups and tensors,
+ * registers them (the daemon allocates the optimizer state and a shared
+ * arena), then per step pushes each tensor's gradient as soon as it is
+ * final and waits for the updated parameter where it is next used:
+ *
+ *     struct aoq_options o = AOQ_OPTIONS_INIT;
+ *     o.device = "cpu"; o.job = "demo";
+ *     struct aoq_client *c;
+ *     aoq_connect(&c, &o);
+ *     int g = aoq_add_group(c, &(struct aoq_group){ .kind = AOQ_ADAMW, .lr = 1e-3, ... });
+ *     int t = aoq_add_tensor(c, &(struct aoq_tensor){ .name = "w", .numel = n, .group = g,
+ *                                                    .param = w, .grad = gw });
+ *     aoq_register(c);
+ *     for (step...) {
+ *         ... backward produces gw ...
+ *         aoq_push_grad(c, t, 0, NULL);
+ *         aoq_step_end(c);
+ *         aoq_wait_param(c, t, NULL);     // or aoq_sync(c)
+ *     }
+ *     aoq_close(c);
+ *
+ * Every function returns 0 (or a non-negative value where documented) or a
+ * negative errno value.  aoq_last_error() gives a message for the last
+ * failure on the calling thread, including the daemon's Error text.
+ *
+ * Thread safety: one client may be used from several threads; push and wait
+ * calls for different tensors may run concurrently.
+ */
+#ifndef AOQ_AOQ_H
+#define AOQ_AOQ_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(AOQ_BUILDING_LIBRARY)
+#define AOQ_API __attribute__((visibility("default")))
+#else
+#define AOQ_API
+#endif
+
+#define AOQ_VERSION_STRING "0.1.0"
+
+enum aoq_dtype {
+	AOQ_FP32 = 0,
+	AOQ_BF16 = 1,
+	AOQ_FP16 = 2,
+};
+
+enum aoq_optimizer {
+	AOQ_ADAMW = 0,
+	AOQ_ADAM = 1,
+};
+
+/* Optimizer state precision of the session (see kernels/README.md). */
+enum aoq_precision {
+	AOQ_STATE_FP32 = 0,    /* fp32 master, m, v: 12 bytes per parameter */
+	AOQ_STATE_Q8 = 1,      /* fp32 master, 8-bit blockwise m, v */
+	AOQ_STATE_BF16 = 2,    /* bf16 master with stochastic rounding, fp32 m, v */
+	AOQ_STATE_BF16_Q8 = 3, /* bf16 master, 8-bit m, v */
+};
+
+/* Flags of aoq_push_grad(). */
+enum {
+	/* A non-final micro-batch: the daemon adds the gradient to an fp32
+	 * accumulator and updates nothing.  The final push (without this
+	 * flag) updates with the sum. */
+	AOQ_PUSH_ACCUMULATE = 1u << 0,
+};
+
+struct aoq_options {
+	const char *socket; /* NULL: $AOQ_SOCKET, else /run/aoq/aoqd.sock when it
+	                     * exists, else $XDG_RUNTIME_DIR/aoq/aoqd.sock */
+	const char *job;    /* job name; the session key is (uid, job, rank) */
+	uint32_t rank;
+	const char *device; /* "cpu" (host backend), "cuda:N", "xpu:N" */
+	enum aoq_precision precision;
+	uint64_t window;    /* staging bytes; 0 = a slot per tensor */
+	uint64_t seed;      /* stochastic rounding seed; 0 = daemon's choice */
+	void *cuda_stream;  /* default stream for push/wait (cudaStream_t), or NULL */
+	void *ze_context;   /* Level Zero handles to use as given, or NULL */
+	void *ze_device;
+	void *ze_queue;
+};
+
+#define AOQ_OPTIONS_INIT { .job = "default", .device = "cpu" }
+
+struct aoq_group {
+	enum aoq_optimizer kind;
+	double lr;
+	double beta1;
+	double beta2;
+	double eps;
+	double weight_decay;
+};
+
+struct aoq_tensor {
+	const char *name;
+	uint64_t numel;
+	enum aoq_dtype param_dtype;
+	enum aoq_dtype grad_dtype;
+	uint32_t group;
+	void *param;      /* device (or host, for "cpu") parameter: the initial value
+	                   * is read from it at aoq_register(), updates land in it */
+	const void *grad; /* device gradient buffer pushed by aoq_push_grad(); may
+	                   * be NULL and given per push with aoq_push_grad_ptr() */
+	/* Initial master values in another dtype (e.g. the fp32 master of a bf16
+	 * model), or NULL to start from `param`.  Host memory. */
+	const void *init;
+	enum aoq_dtype init_dtype;
+};
+
+struct aoq_client;
+
+AOQ_API const char *aoq_last_error(void);
+AOQ_API const char *aoq_dtype_name(enum aoq_dtype t);
+
+/* Connects and performs the handshake. */
+AOQ_API int aoq_connect(struct aoq_client **out, const struct aoq_options *opts);
+
+/* Describe before aoq_register().  Return the index of the group/tensor. */
+AOQ_API int aoq_add_group(struct aoq_client *c, const struct aoq_group *g);
+AOQ_API int aoq_add_tensor(struct aoq_client *c, const struct aoq_tensor *t);
+
+/* Sends the description, maps and pins the arena, loads initial values. */
+AOQ_API int aoq_register(struct aoq_client *c);
+
+/* The step that the next pushes belong to (1-based). */
+AOQ_API uint64_t aoq_current_step(struct aoq_client *c);
+
+/* Pushes tensor t's gradient (from its registered grad buffer).  With a
+ * device backend, the copy is ordered after the work already on `stream`
+ * (NULL: the options' stream) and the call does not block on it. */
+AOQ_API int aoq_push_grad(struct aoq_client *c, uint32_t t, unsigned flags, void *stream);
+AOQ_API int aoq_push_grad_ptr(struct aoq_client *c, uint32_t t, const void *grad,
+                              unsigned flags, void *stream);
+
+/* Host-blocking until tensor t's last pushed gradient has been copied off
+ * the device (the buffer may be freed or reused). */
+AOQ_API int aoq_grad_copied(struct aoq_client *c, uint32_t t);
+
+/* Makes `stream` wait until tensor t's updated parameter has landed, without
+ * blocking the host.  With the host backend this blocks. */
+AOQ_API int aoq_wait_param(struct aoq_client *c, uint32_t t, void *stream);
+/* Host-blocking form. */
+AOQ_API int aoq_sync_param(struct aoq_client *c, uint32_t t);
+
+/* Hyperparameters of group g from the next step on.  Call between
+ * aoq_step_end() and the first push of the next step. */
+AOQ_API int aoq_set_hyperparams(struct aoq_client *c, uint32_t g, const struct aoq_group *hp);
+
+/* Ends the current step (every gradient of it has been pushed); returns at
+ * once.  aoq_sync() waits for it. */
+AOQ_API int aoq_step_end(struct aoq_client *c);
+
+struct aoq_step_result {
+	uint64_t step;
+	double grad_sumsq;
+	bool nonfinite;
+	uint64_t tensors_updated;
+};
+
+/* Waits for every pushed gradient's parameter and every ended step; the
+ * result of the last ended step goes to *last when non-NULL. */
+AOQ_API int aoq_sync(struct aoq_client *c, struct aoq_step_result *last);
+
+/* Optimizer state transfer (checkpoints).  `what`: 0 master, 1 exp_avg,
+ * 2 exp_avg_sq.  Host buffers of `count` elements of `dtype`. */
+AOQ_API int aoq_read_state(struct aoq_client *c, uint32_t t, int what, enum aoq_dtype dtype,
+                           uint64_t offset, uint64_t count, void *dst);
+AOQ_API int aoq_load_state(struct aoq_client *c, uint32_t t, int what, enum aoq_dtype dtype,
+                           uint64_t offset, uint64_t count, const void *src);
+/* Per-tensor step counters (Adam bias correction). */
+AOQ_API int aoq_get_tensor_steps(struct aoq_client *c, uint32_t first, uint32_t n, uint64_t *steps);
+AOQ_API int aoq_set_tensor_steps(struct aoq_client *c, uint32_t first, uint32_t n, const uint64_t *steps);
+
+/* Ends the session cleanly and frees the client. */
+AOQ_API void aoq_close(struct aoq_client *c);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,21 @@
+/* SPDX-License-Identifier: MIT */
+/* Element conversions for state transfer (load/read), off the step path. */
+#ifndef AOQD_CONVERT_H
+#define AOQD_CONVERT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "aoq-kernel.h"
+
+float aoqd_half_to_float(uint16_t h);
+uint16_t aoqd_float_to_half(float f);   /* round to nearest even */
+float aoqd_bf16_to_float(uint16_t b);
+uint16_t aoqd_float_to_bf16(float f);   /* round to nearest even */
+
+/* dst[i] = (float)src[i] */
+void aoqd_to_f32(float *dst, const void *src, enum aoqk_dtype t, size_t n);
+/* dst[i] = src[i] rounded to t */
+void aoqd_from_f32(void *dst, enum aoqk_dtype t, const float *src, size_t n);
+
+#endif

@@ -1,0 +1,161 @@
+/* SPDX-License-Identifier: MIT */
+#include <errno.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "log.h"
+#include "pool.h"
+
+struct worker {
+	struct aoqd_pool *pool;
+	pthread_t thread;
+	unsigned index;
+	int cpu;
+};
+
+struct aoqd_pool {
+	pthread_mutex_t lock;
+	pthread_cond_t cond;
+	struct aoqd_queue *rr_head, *rr_tail; /* queues with work */
+	bool stop;
+	unsigned n;
+	struct worker *workers;
+};
+
+static struct aoqd_task *take(struct aoqd_pool *p)
+{
+	struct aoqd_queue *q = p->rr_head;
+	struct aoqd_task *t = q->head;
+	q->head = t->next;
+	q->queued--;
+	p->rr_head = q->next;
+	if (!p->rr_head)
+		p->rr_tail = NULL;
+	q->next = NULL;
+	if (q->head) {
+		/* Back of the line: one task per turn. */
+		if (p->rr_tail)
+			p->rr_tail->next = q;
+		else
+			p->rr_head = q;
+		p->rr_tail = q;
+	} else {
+		q->tail = NULL;
+		q->active = false;
+	}
+	t->next = NULL;
+	return t;
+}
+
+static void *worker_main(void *arg)
+{
+	struct worker *w = arg;
+	struct aoqd_pool *p = w->pool;
+	if (w->cpu >= 0) {
+		cpu_set_t set;
+		CPU_ZERO(&set);
+		CPU_SET(w->cpu, &set);
+		if (pthread_setaffinity_np(pthread_self(), sizeof(set), &set) != 0)
+			aoqd_warn("pool", "worker %u: cannot pin to cpu %d", w->index, w->cpu);
+	}
+	pthread_mutex_lock(&p->lock);
+	for (;;) {
+		while (!p->stop && !p->rr_head)
+			pthread_cond_wait(&p->cond, &p->lock);
+		if (!p->rr_head) /* stop, and nothing left */
+			break;
+		struct aoqd_task *t = take(p);
+		pthread_mutex_unlock(&p->lock);
+		t->run(t, w->index);
+		pthread_mutex_lock(&p->lock);
+	}
+	pthread_mutex_unlock(&p->lock);
+	return NULL;
+}
+
+struct aoqd_pool *aoqd_pool_new(unsigned n, const int *cpus)
+{
+	struct aoqd_pool *p = calloc(1, sizeof(*p));
+	if (!p)
+		return NULL;
+	p->workers = calloc(n, sizeof(*p->workers));
+	if (!p->workers) {
+		free(p);
+		return NULL;
+	}
+	pthread_mutex_init(&p->lock, NULL);
+	pthread_cond_init(&p->cond, NULL);
+	for (unsigned i = 0; i < n; i++) {
+		struct worker *w = &p->workers[i];
+		w->pool = p;
+		w->index = i;
+		w->cpu = cpus ? cpus[i] : -1;
+		int r = pthread_create(&w->thread, NULL, worker_main, w);
+		if (r != 0) {
+			aoqd_err("pool", "cannot start worker %u: %s", i, strerror(r));
+			p->n = i;
+			aoqd_pool_free(p);
+			errno = r;
+			return NULL;
+		}
+		p->n = i + 1;
+	}
+	return p;
+}
+
+void aoqd_pool_free(struct aoqd_pool *p)
+{
+	if (!p)
+		return;
+	pthread_mutex_lock(&p->lock);
+	p->stop = true;
+	pthread_cond_broadcast(&p->cond);
+	pthread_mutex_unlock(&p->lock);
+	for (unsigned i = 0; i < p->n; i++)
+		pthread_join(p->workers[i].thread, NULL);
+	pthread_mutex_destroy(&p->lock);
+	pthread_cond_destroy(&p->cond);
+	free(p->workers);
+	free(p);
+}
+
+unsigned aoqd_pool_threads(const struct aoqd_pool *p)
+{
+	return p->n;
+}
+
+void aoqd_pool_submit(struct aoqd_pool *p, struct aoqd_queue *q,
+                      struct aoqd_task *first, struct aoqd_task *last, uint64_t n)
+{
+	last->next = NULL;
+	pthread_mutex_lock(&p->lock);
+	if (q->tail)
+		q->tail->next = first;
+	else
+		q->head = first;
+	q->tail = last;
+	q->queued += n;
+	if (!q->active) {
+		q->active = true;
+		q->next = NULL;
+		if (p->rr_tail)
+			p->rr_tail->next = q;
+		else
+			p->rr_head = q;
+		p->rr_tail = q;
+	}
+	if (n == 1)
+		pthread_cond_signal(&p->cond);
+	else
+		pthread_cond_broadcast(&p->cond);
+	pthread_mutex_unlock(&p->lock);
+}
+
+uint64_t aoqd_pool_queued(struct aoqd_pool *p, struct aoqd_queue *q)
+{
+	pthread_mutex_lock(&p->lock);
+	uint64_t n = q->queued;
+	pthread_mutex_unlock(&p->lock);
+	return n;
+}

@@ -1,0 +1,143 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * aoq CPU optimizer kernel interface.
+ *
+ * A kernel updates one chunk of one tensor: elements [begin, begin + count)
+ * of the tensor's optimizer state.  It reads the gradient chunk (any dtype,
+ * optionally plus an fp32 accumulator), updates master weights and moments in
+ * place, and writes the new parameter in the device dtype.  One pass over
+ * memory: the casts are fused into the update.
+ *
+ * The daemon owns the state and calls the kernel from its worker threads; a
+ * kernel call never allocates and never blocks.  Every variant (plain C,
+ * AVX2, AVX-512, AVX-512+BF16) implements the same table, chosen once at
+ * start by aoq_kernel_select().
+ */
+#ifndef AOQ_KERNEL_H
+#define AOQ_KERNEL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Values match enum aoq_dtype in <aoq/aoq.h> and the protocol's DType. */
+enum aoqk_dtype {
+	AOQK_FP32 = 0,
+	AOQK_BF16 = 1,
+	AOQK_FP16 = 2,
+};
+
+/* Values match the protocol's StatePrecision. */
+enum aoqk_precision {
+	AOQK_STATE_FP32 = 0,    /* fp32 master, fp32 m, fp32 v */
+	AOQK_STATE_Q8 = 1,      /* fp32 master, q8 m and v */
+	AOQK_STATE_BF16 = 2,    /* bf16 master (stochastic rounding), fp32 m, v */
+	AOQK_STATE_BF16_Q8 = 3, /* bf16 master (stochastic rounding), q8 m, v */
+};
+
+/* q8 moments are quantized in blocks of this many elements, one fp32 scale
+ * per block.  Chunks handed to a kernel start on a block boundary. */
+#define AOQK_Q8_BLOCK 256
+
+static inline size_t aoqk_dtype_size(enum aoqk_dtype t)
+{
+	return t == AOQK_FP32 ? 4 : 2;
+}
+
+static inline bool aoqk_precision_q8(enum aoqk_precision p)
+{
+	return p == AOQK_STATE_Q8 || p == AOQK_STATE_BF16_Q8;
+}
+
+static inline bool aoqk_precision_bf16_master(enum aoqk_precision p)
+{
+	return p == AOQK_STATE_BF16 || p == AOQK_STATE_BF16_Q8;
+}
+
+/* Hyperparameters of one update, fixed for the whole step. */
+struct aoqk_hparams {
+	float lr;
+	float beta1;
+	float beta2;
+	float eps;
+	float weight_decay;
+	bool decoupled;   /* true: AdamW (decoupled decay); false: Adam (L2 into grad) */
+	uint64_t step;    /* this tensor's step, 1-based, for bias correction */
+	float grad_scale; /* every gradient is multiplied by this (unscale, clip); 1 = none */
+};
+
+/*
+ * One tensor's state.  Element i of the tensor lives at index i of every
+ * array.  fp32 state: master, m, v are float[n].  bf16 master: master is
+ * uint16_t[n] (bf16 bits).  q8: m is int8_t[n], v is uint8_t[n], with
+ * m_scale and v_scale float[ceil(n / AOQK_Q8_BLOCK)].
+ */
+struct aoqk_state {
+	enum aoqk_precision precision;
+	size_t n;
+	void *master;
+	void *m;
+	void *v;
+	float *m_scale;
+	float *v_scale;
+};
+
+/* The chunk to update and where its data is. */
+struct aoqk_chunk {
+	size_t begin; /* first element; a multiple of AOQK_Q8_BLOCK for q8 state */
+	size_t count; /* elements; begin + count <= state->n */
+	const void *grad;          /* grad of element begin; any alignment */
+	enum aoqk_dtype grad_dtype;
+	float *acc;                /* optional fp32 accumulator of element begin: the
+	                            * gradient used is acc[i] + grad[i], and acc[i]
+	                            * is set to 0; NULL when there is none */
+	void *param;               /* param out of element begin, or NULL */
+	enum aoqk_dtype param_dtype;
+	uint64_t seed;             /* stochastic rounding: seed for this step */
+	bool skip_nonfinite;       /* if any gradient value in the chunk is not
+	                            * finite, change nothing and report it */
+};
+
+/* What a chunk pass saw. */
+struct aoqk_report {
+	double sumsq;   /* sum of squares of the (scaled) gradient */
+	bool nonfinite; /* some gradient value was inf or nan */
+};
+
+struct aoqk_kernel {
+	const char *name; /* "scalar", "avx2", "avx512", "avx512bf16" */
+	/* Update one chunk.  Returns 0, or -EINVAL for arguments that violate
+	 * the contract above (the daemon validates before calling). */
+	int (*adam)(const struct aoqk_hparams *hp, const struct aoqk_state *st,
+	            const struct aoqk_chunk *c, struct aoqk_report *rep);
+	/* acc[i] += grad[i] * scale for i < n (non-final micro-batch). */
+	void (*accumulate)(float *acc, const void *grad, enum aoqk_dtype grad_dtype,
+	                   float scale, size_t n);
+	/* Added by the kernels: the report of a chunk without updating it, for
+	 * a norm pass before updates that need the global norm (clipping) or a
+	 * whole-step non-finite check.  sumsq of (acc[i] + grad[i]) * scale in
+	 * double (acc may be NULL); nonfinite if any such value is inf or nan. */
+	void (*sumsq)(const void *grad, enum aoqk_dtype grad_dtype, const float *acc,
+	              float scale, size_t n, struct aoqk_report *rep);
+};
+
+/*
+ * The best kernel this CPU runs, or the one named by `force` ("scalar",
+ * "avx2", "avx512", "avx512bf16"; NULL or "auto" = best).  Returns NULL with
+ * errno = ENOENT for an unknown name, ENOTSUP when the CPU lacks the
+ * instructions of the forced variant.
+ */
+const struct aoqk_kernel *aoqk_select(const char *force);
+
+/* Every variant compiled in and runnable here, best first, NULL-terminated. */
+const struct aoqk_kernel *const *aoqk_available(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,118 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * AVX2 + FMA + F16C kernel: 8 lanes.  Compiled with -mavx2 -mfma -mf16c;
+ * FMA is never used in the update itself (-ffp-contract=off and explicit
+ * mul/add intrinsics), so the results equal the plain C kernel's bit for bit.
+ */
+#include <immintrin.h>
+
+#include "kernel-common.h"
+
+#define W 8
+#define KVAR avx2
+#define KHAS_NT 1
+
+typedef __m256 vf;
+typedef __m256i vi;
+typedef __m128i vh;
+typedef struct {
+	__m256d a, b;
+} vacc;
+
+#define KI static AOQK_ALWAYS_INLINE
+
+KI vf vf_zero(void) { return _mm256_setzero_ps(); }
+KI vf vf_set1(float x) { return _mm256_set1_ps(x); }
+KI vf vf_loadu(const float *p) { return _mm256_loadu_ps(p); }
+KI void vf_storeu(float *p, vf x) { _mm256_storeu_ps(p, x); }
+KI void vf_stream(float *p, vf x) { _mm256_stream_ps(p, x); }
+KI void vf_sfence(void) { _mm_sfence(); }
+KI vf vf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
+KI vf vf_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+KI vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+KI vf vf_div(vf a, vf b) { return _mm256_div_ps(a, b); }
+KI vf vf_sqrt(vf a) { return _mm256_sqrt_ps(a); }
+KI vf vf_max(vf a, vf b) { return _mm256_max_ps(a, b); }
+KI vf vf_min(vf a, vf b) { return _mm256_min_ps(a, b); }
+KI vf vf_abs(vf a) { return _mm256_and_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))); }
+KI vf vf_copysign(vf x, vf s)
+{
+	return _mm256_or_ps(x, _mm256_and_ps(s, _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u))));
+}
+KI float vf_hmax(vf a)
+{
+	__m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+	m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+	m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+	return _mm_cvtss_f32(m);
+}
+
+KI vi vi_set1(uint32_t x) { return _mm256_set1_epi32((int)x); }
+KI vi vi_iota(uint32_t base)
+{
+	return _mm256_add_epi32(_mm256_set1_epi32((int)base), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+KI vi vi_add(vi a, vi b) { return _mm256_add_epi32(a, b); }
+KI vi vi_xor(vi a, vi b) { return _mm256_xor_si256(a, b); }
+KI vi vi_or(vi a, vi b) { return _mm256_or_si256(a, b); }
+KI vi vi_mullo(vi a, vi b) { return _mm256_mullo_epi32(a, b); }
+#define vi_srli(a, s) _mm256_srli_epi32((a), (s))
+#define vi_slli(a, s) _mm256_slli_epi32((a), (s))
+KI vi vf_as_vi(vf a) { return _mm256_castps_si256(a); }
+KI vf vi_as_vf(vi a) { return _mm256_castsi256_ps(a); }
+KI vf vi_to_vf(vi a) { return _mm256_cvtepi32_ps(a); }
+KI vi vf_to_vi_trunc(vf a) { return _mm256_cvttps_epi32(a); }
+KI vi vi_select_nan(vf x, vi if_nan, vi other)
+{
+	return _mm256_blendv_epi8(other, if_nan, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+}
+
+KI vh vh_zero(void) { return _mm_setzero_si128(); }
+KI vh vh_loadu(const uint16_t *p) { return _mm_loadu_si128((const __m128i *)(const void *)p); }
+KI void vh_storeu(uint16_t *p, vh x) { _mm_storeu_si128((__m128i *)(void *)p, x); }
+KI void vh_stream(uint16_t *p, vh x) { _mm_stream_si128((__m128i *)(void *)p, x); }
+KI vh vi_to_vh(vi a)
+{
+	return _mm_packus_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+}
+KI vf vh_bf16_to_f(vh h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
+KI vf vh_f16_to_f(vh h) { return _mm256_cvtph_ps(h); }
+KI vh vf_to_f16(vf x) { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+KI vh vf_to_bf16(vf x)
+{
+	vi b = _mm256_castps_si256(x);
+	vi lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+	vi r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb), 16);
+	vi q = _mm256_or_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(0x40));
+	return vi_to_vh(vi_select_nan(x, q, r));
+}
+
+KI vi vb_load_i8(const int8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)p)); }
+KI vi vb_load_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)p)); }
+KI void vb_store_i8(int8_t *p, vi q)
+{
+	__m128i h = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+	_mm_storel_epi64((__m128i *)(void *)p, _mm_packs_epi16(h, h));
+}
+KI void vb_store_u8(uint8_t *p, vi q)
+{
+	__m128i h = _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+	_mm_storel_epi64((__m128i *)(void *)p, _mm_packus_epi16(h, h));
+}
+
+KI vacc vacc_zero(void) { return (vacc){ _mm256_setzero_pd(), _mm256_setzero_pd() }; }
+KI void vacc_add_sq(vacc *a, vf g)
+{
+	__m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(g));
+	__m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(g, 1));
+	a->a = _mm256_add_pd(a->a, _mm256_mul_pd(lo, lo));
+	a->b = _mm256_add_pd(a->b, _mm256_mul_pd(hi, hi));
+}
+KI double vacc_sum(vacc a)
+{
+	__m256d s = _mm256_add_pd(a.a, a.b);
+	__m128d t = _mm_add_pd(_mm256_castpd256_pd128(s), _mm256_extractf128_pd(s, 1));
+	return _mm_cvtsd_f64(_mm_add_sd(t, _mm_unpackhi_pd(t, t)));
+}
+
+#include "kernel-body.h"

@@ -1,0 +1,108 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * AVX-512 (F, BW, VL) + F16C kernel: 16 lanes.  Built twice: as "avx512",
+ * and with AOQK_AVX512BF16 (and -mavx512bf16) as "avx512bf16", which writes
+ * bf16 parameters with vcvtneps2bf16 (round to nearest even; the one
+ * difference: results below 2^-126 in magnitude are flushed to zero).
+ * No FMA in the update, so results equal the plain C kernel's bit for bit.
+ */
+#include <immintrin.h>
+
+#include "kernel-common.h"
+
+#define W 16
+#ifdef AOQK_AVX512BF16
+#define KVAR avx512bf16
+#else
+#define KVAR avx512
+#endif
+#define KHAS_NT 1
+
+typedef __m512 vf;
+typedef __m512i vi;
+typedef __m256i vh;
+typedef struct {
+	__m512d a, b;
+} vacc;
+
+#define KI static AOQK_ALWAYS_INLINE
+
+KI vf vf_zero(void) { return _mm512_setzero_ps(); }
+KI vf vf_set1(float x) { return _mm512_set1_ps(x); }
+KI vf vf_loadu(const float *p) { return _mm512_loadu_ps(p); }
+KI void vf_storeu(float *p, vf x) { _mm512_storeu_ps(p, x); }
+KI void vf_stream(float *p, vf x) { _mm512_stream_ps(p, x); }
+KI void vf_sfence(void) { _mm_sfence(); }
+KI vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+KI vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+KI vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+KI vf vf_div(vf a, vf b) { return _mm512_div_ps(a, b); }
+KI vf vf_sqrt(vf a) { return _mm512_sqrt_ps(a); }
+KI vf vf_max(vf a, vf b) { return _mm512_max_ps(a, b); }
+KI vf vf_min(vf a, vf b) { return _mm512_min_ps(a, b); }
+KI vf vf_abs(vf a) { return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(0x7fffffff))); }
+KI vf vf_copysign(vf x, vf s)
+{
+	return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(x), _mm512_castps_si512(s),
+	                                                     _mm512_set1_epi32((int)0x80000000u), 0xf8));
+}
+KI float vf_hmax(vf a) { return _mm512_reduce_max_ps(a); }
+
+KI vi vi_set1(uint32_t x) { return _mm512_set1_epi32((int)x); }
+KI vi vi_iota(uint32_t base)
+{
+	return _mm512_add_epi32(_mm512_set1_epi32((int)base),
+	                        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+}
+KI vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
+KI vi vi_xor(vi a, vi b) { return _mm512_xor_si512(a, b); }
+KI vi vi_or(vi a, vi b) { return _mm512_or_si512(a, b); }
+KI vi vi_mullo(vi a, vi b) { return _mm512_mullo_epi32(a, b); }
+#define vi_srli(a, s) _mm512_srli_epi32((a), (s))
+#define vi_slli(a, s) _mm512_slli_epi32((a), (s))
+KI vi vf_as_vi(vf a) { return _mm512_castps_si512(a); }
+KI vf vi_as_vf(vi a) { return _mm512_castsi512_ps(a); }
+KI vf vi_to_vf(vi a) { return _mm512_cvtepi32_ps(a); }
+KI vi vf_to_vi_trunc(vf a) { return _mm512_cvttps_epi32(a); }
+KI vi vi_select_nan(vf x, vi if_nan, vi other)
+{
+	return _mm512_mask_mov_epi32(other, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), if_nan);
+}
+
+KI vh vh_zero(void) { return _mm256_setzero_si256(); }
+KI vh vh_loadu(const uint16_t *p) { return _mm256_loadu_si256((const __m256i *)(const void *)p); }
+KI void vh_storeu(uint16_t *p, vh x) { _mm256_storeu_si256((__m256i *)(void *)p, x); }
+KI void vh_stream(uint16_t *p, vh x) { _mm256_stream_si256((__m256i *)(void *)p, x); }
+KI vh vi_to_vh(vi a) { return _mm512_cvtepi32_epi16(a); }
+KI vf vh_bf16_to_f(vh h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+KI vf vh_f16_to_f(vh h) { return _mm512_cvtph_ps(h); }
+KI vh vf_to_f16(vf x) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+#ifdef AOQK_AVX512BF16
+KI vh vf_to_bf16(vf x) { return (__m256i)_mm512_cvtneps_pbh(x); }
+#else
+KI vh vf_to_bf16(vf x)
+{
+	vi b = _mm512_castps_si512(x);
+	vi lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+	vi r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb), 16);
+	vi q = _mm512_or_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(0x40));
+	return vi_to_vh(vi_select_nan(x, q, r));
+}
+#endif
+
+KI vi vb_load_i8(const int8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(const void *)p)); }
+KI vi vb_load_u8(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)p)); }
+KI void vb_store_i8(int8_t *p, vi q) { _mm_storeu_si128((__m128i *)(void *)p, _mm512_cvtepi32_epi8(q)); }
+KI void vb_store_u8(uint8_t *p, vi q) { _mm_storeu_si128((__m128i *)(void *)p, _mm512_cvtepi32_epi8(q)); }
+
+KI vacc vacc_zero(void) { return (vacc){ _mm512_setzero_pd(), _mm512_setzero_pd() }; }
+KI void vacc_add_sq(vacc *a, vf g)
+{
+	__m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(g));
+	__m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(g), 1)));
+	a->a = _mm512_add_pd(a->a, _mm512_mul_pd(lo, lo));
+	a->b = _mm512_add_pd(a->b, _mm512_mul_pd(hi, hi));
+}
+KI double vacc_sum(vacc a) { return _mm512_reduce_add_pd(_mm512_add_pd(a.a, a.b)); }
+
+#include "kernel-body.h"

@@ -1,0 +1,455 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The one kernel body, written once against a small vector layer that each
+ * variant defines before including this file (kernel-scalar.c,
+ * kernel-avx2.c, kernel-avx512.c).  Every variant runs the same IEEE
+ * operations in the same order, without FMA contraction, so all variants
+ * give bit-identical state and parameters (README.md lists the one
+ * exception: avx512bf16 flushes bf16 outputs below 2^-126 to zero).
+ *
+ * The includer defines:
+ *   W                     lanes per vector
+ *   vf, vi, vh, vacc      float, int32, 16-bit and sum-of-squares vector types
+ *   KVAR                  the variant's name token (scalar, avx2, ...)
+ *   KHAS_NT               1 if a non-temporal-store table is built too
+ * and the vf_, vi_, vh_, vb_, vacc_ functions used below.
+ */
+
+#define KCAT2(a, b) a##b
+#define KCAT(a, b) KCAT2(a, b)
+#define KSTR2(a) #a
+#define KSTR(a) KSTR2(a)
+
+enum { PD_FP32 = AOQK_FP32, PD_BF16 = AOQK_BF16, PD_FP16 = AOQK_FP16, PD_NONE = 3 };
+
+struct kptrs {
+	const void *grad;
+	float *acc;
+	void *master;
+	void *m;
+	void *v;
+	void *param;
+};
+
+static AOQK_ALWAYS_INLINE vf load_grad(const void *p, size_t j, const int gd)
+{
+	if (gd == AOQK_FP32)
+		return vf_loadu((const float *)p + j);
+	if (gd == AOQK_BF16)
+		return vh_bf16_to_f(vh_loadu((const uint16_t *)p + j));
+	return vh_f16_to_f(vh_loadu((const uint16_t *)p + j));
+}
+
+static AOQK_ALWAYS_INLINE void store_param(void *p, size_t j, vf x, vh xb, const int pd,
+                                           const int have_bf16, const int nt)
+{
+	if (pd == PD_FP32) {
+		if (nt)
+			vf_stream((float *)p + j, x);
+		else
+			vf_storeu((float *)p + j, x);
+	} else if (pd == PD_BF16 || pd == PD_FP16) {
+		vh h = pd == PD_FP16 ? vf_to_f16(x) : have_bf16 ? xb : vf_to_bf16(x);
+		if (nt)
+			vh_stream((uint16_t *)p + j, h);
+		else
+			vh_storeu((uint16_t *)p + j, h);
+	}
+}
+
+/* Stochastic rounding of x to bf16 with the hash of global index i0 + lane. */
+static AOQK_ALWAYS_INLINE vi sr_bf16(vf x, uint32_t srkey, uint64_t i0)
+{
+	vi h = vi_add(vi_iota((uint32_t)i0), vi_set1(aoqk_sr_vkey(srkey, i0)));
+	h = vi_xor(h, vi_srli(h, 16));
+	h = vi_mullo(h, vi_set1(0x85ebca6bu));
+	h = vi_xor(h, vi_srli(h, 13));
+	h = vi_mullo(h, vi_set1(0xc2b2ae35u));
+	h = vi_xor(h, vi_srli(h, 16));
+	vi r = vi_srli(h, 16);
+	vi b = vf_as_vi(x);
+	vi s = vi_srli(vi_add(b, r), 16);
+	vi q = vi_or(vi_srli(b, 16), vi_set1(0x40u));
+	return vi_select_nan(x, q, s); /* NaN lanes: q, others: s */
+}
+
+/* Decode q8 codes: m = q * |q| * sm; u = sqrt(v) = q * q * su. */
+static AOQK_ALWAYS_INLINE vf q8_m_decode(const int8_t *p, vf sm)
+{
+	vf q = vi_to_vf(vb_load_i8(p));
+	return vf_mul(vf_mul(q, vf_abs(q)), sm);
+}
+
+static AOQK_ALWAYS_INLINE vf q8_u_decode(const uint8_t *p, vf su)
+{
+	vf q = vi_to_vf(vb_load_u8(p));
+	return vf_mul(vf_mul(q, q), su);
+}
+
+/* One vector of the update, elements [j, j + W) of the pointers in p.
+ * q8: the new m and sqrt(v) go to bm/bu (block buffers), the maxima to
+ * mx_m/mx_u; the codes are written by q8_encode once the block is done. */
+static AOQK_ALWAYS_INLINE void vstep(const struct aoqk_consts *k, const struct kptrs *p,
+                                     size_t j, uint64_t gi, const int prec, const int gd,
+                                     const int pd, const int nt, int want_ss, vacc *ss,
+                                     float *bm, float *bu, vf sm, vf su, vf *mx_m, vf *mx_u)
+{
+	const int q8 = prec == AOQK_STATE_Q8 || prec == AOQK_STATE_BF16_Q8;
+	const int bfm = prec == AOQK_STATE_BF16 || prec == AOQK_STATE_BF16_Q8;
+	vf g = load_grad(p->grad, j, gd);
+	vf pw, m, v, u;
+
+	if (p->acc) {
+		g = vf_add(vf_loadu(p->acc + j), g);
+		vf_storeu(p->acc + j, vf_zero());
+	}
+	g = vf_mul(g, vf_set1(k->gscale));
+	if (want_ss)
+		vacc_add_sq(ss, g);
+
+	if (bfm)
+		pw = vh_bf16_to_f(vh_loadu((const uint16_t *)p->master + j));
+	else
+		pw = vf_loadu((const float *)p->master + j);
+	if (k->l2)
+		g = vf_add(g, vf_mul(pw, vf_set1(k->wd)));
+	if (k->adamw)
+		pw = vf_mul(pw, vf_set1(k->decay));
+
+	if (q8) {
+		m = q8_m_decode((const int8_t *)p->m + j, sm);
+		u = q8_u_decode((const uint8_t *)p->v + j, su);
+		v = vf_mul(u, u);
+	} else {
+		m = vf_loadu((const float *)p->m + j);
+		v = vf_loadu((const float *)p->v + j);
+	}
+
+	/* torch: exp_avg.lerp_(grad, 1 - beta1) */
+	if (k->lerp_small)
+		m = vf_add(m, vf_mul(vf_set1(k->w1), vf_sub(g, m)));
+	else
+		m = vf_sub(g, vf_mul(vf_sub(g, m), vf_set1(k->w1c)));
+	/* exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2) */
+	v = vf_add(vf_mul(v, vf_set1(k->b2)), vf_mul(vf_mul(vf_set1(k->w2), g), g));
+	u = vf_sqrt(v);
+	/* denom = sqrt(v) / sqrt(bc2) + eps; param -= step_size * m / denom */
+	vf den = vf_add(vf_div(u, vf_set1(k->bc2s)), vf_set1(k->eps));
+	pw = vf_sub(pw, vf_div(vf_mul(vf_set1(k->step_size), m), den));
+
+	if (q8) {
+		vf_storeu(bm, m);
+		vf_storeu(bu, u);
+		*mx_m = vf_max(vf_abs(m), *mx_m);
+		*mx_u = vf_max(vf_abs(u), *mx_u);
+	} else {
+		vf_storeu((float *)p->m + j, m);
+		vf_storeu((float *)p->v + j, v);
+	}
+
+	if (bfm) {
+		vi s = sr_bf16(pw, k->srkey, gi);
+		vh sh = vi_to_vh(s);
+		vh_storeu((uint16_t *)p->master + j, sh);
+		if (pd != PD_NONE)
+			store_param(p->param, j, vi_as_vf(vi_slli(s, 16)), sh, pd, 1, nt);
+	} else {
+		vf_storeu((float *)p->master + j, pw);
+		if (pd != PD_NONE)
+			store_param(p->param, j, pw, vh_zero(), pd, 0, nt);
+	}
+}
+
+/* Encode W elements of the block buffers into q8 codes. */
+static AOQK_ALWAYS_INLINE void q8_encode(const float *bm, const float *bu, int8_t *cm,
+                                         uint8_t *cu, vf inv_m, vf inv_u)
+{
+	vf magic = vf_set1(AOQK_ROUND_MAGIC);
+	vf m = vf_loadu(bm);
+	vf x = vf_mul(vf_sqrt(vf_mul(vf_abs(m), inv_m)), vf_set1(AOQK_Q8_M_MAX));
+	x = vf_min(vf_max(x, vf_zero()), vf_set1(AOQK_Q8_M_MAX));
+	x = vf_sub(vf_add(x, magic), magic);
+	vb_store_i8(cm, vf_to_vi_trunc(vf_copysign(x, m)));
+
+	vf u = vf_loadu(bu);
+	vf y = vf_mul(vf_sqrt(vf_mul(u, inv_u)), vf_set1(AOQK_Q8_U_MAX));
+	y = vf_min(vf_max(y, vf_zero()), vf_set1(AOQK_Q8_U_MAX));
+	y = vf_sub(vf_add(y, magic), magic);
+	/* a non-zero v never becomes code 0: 1 for any u > 0, 0 for u == 0 */
+	vf one_if_pos = vf_min(vf_mul(vf_mul(u, vf_set1(0x1p100f)), vf_set1(0x1p49f)), vf_set1(1.0f));
+	y = vf_max(y, one_if_pos);
+	vb_store_u8(cu, vf_to_vi_trunc(y));
+}
+
+static inline float block_inv(float s)
+{
+	return s > 0.0f ? 1.0f / s : 0.0f;
+}
+
+/* Bytes of element type for the tail copies. */
+struct ksizes {
+	size_t g, master, mom;
+};
+
+static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const struct aoqk_state *st,
+                                         const struct aoqk_chunk *c, int want_ss, double *ssum,
+                                         const int prec, const int gd, const int pd, const int nt)
+{
+	const int q8 = prec == AOQK_STATE_Q8 || prec == AOQK_STATE_BF16_Q8;
+	const int bfm = prec == AOQK_STATE_BF16 || prec == AOQK_STATE_BF16_Q8;
+	const struct ksizes sz = {
+		.g = gd == AOQK_FP32 ? 4 : 2,
+		.master = bfm ? 2 : 4,
+		.mom = q8 ? 1 : 4,
+	};
+	const size_t psz = pd == PD_FP32 ? 4 : 2;
+	const size_t b0 = c->begin;
+	const size_t n = c->count;
+	struct kptrs d = {
+		.grad = c->grad,
+		.acc = c->acc,
+		.master = (char *)st->master + b0 * sz.master,
+		.m = (char *)st->m + b0 * sz.mom,
+		.v = (char *)st->v + b0 * sz.mom,
+		.param = c->param,
+	};
+	_Alignas(64) float bm[AOQK_Q8_BLOCK], bu[AOQK_Q8_BLOCK];
+	vacc ss = vacc_zero();
+	const size_t blk = q8 ? AOQK_Q8_BLOCK : n;
+
+	for (size_t jb = 0; jb < n; jb += blk) {
+		size_t len = n - jb < blk ? n - jb : blk;
+		size_t bidx = (b0 + jb) / AOQK_Q8_BLOCK;
+		vf sm = vf_zero(), su = vf_zero(), mx_m = vf_zero(), mx_u = vf_zero();
+
+		if (q8) {
+			sm = vf_set1(st->m_scale[bidx] / AOQK_Q8_M_DIV);
+			su = vf_set1(st->v_scale[bidx] / AOQK_Q8_U_DIV);
+		}
+		for (size_t t = 0; t < len; t += W) {
+			size_t j = jb + t;
+			if (t + W <= len) {
+				vstep(k, &d, j, b0 + j, prec, gd, pd, nt, want_ss, &ss,
+				      bm + t, bu + t, sm, su, &mx_m, &mx_u);
+				continue;
+			}
+			/* the tail: run the same step on zero-padded copies */
+			size_t r = len - t;
+			_Alignas(64) unsigned char lg[W * 4], la[W * 4], lmst[W * 4], lm[W * 4],
+				lv[W * 4], lp[W * 4];
+			memset(lg, 0, sizeof(lg));
+			memset(la, 0, sizeof(la));
+			memset(lmst, 0, sizeof(lmst));
+			memset(lm, 0, sizeof(lm));
+			memset(lv, 0, sizeof(lv));
+			memcpy(lg, (const char *)d.grad + j * sz.g, r * sz.g);
+			if (d.acc)
+				memcpy(la, d.acc + j, r * 4);
+			memcpy(lmst, (char *)d.master + j * sz.master, r * sz.master);
+			memcpy(lm, (char *)d.m + j * sz.mom, r * sz.mom);
+			memcpy(lv, (char *)d.v + j * sz.mom, r * sz.mom);
+			struct kptrs l = {
+				.grad = lg,
+				.acc = d.acc ? (float *)(void *)la : NULL,
+				.master = lmst,
+				.m = lm,
+				.v = lv,
+				.param = lp,
+			};
+			vstep(k, &l, 0, b0 + j, prec, gd, pd, 0, want_ss, &ss, bm + t, bu + t, sm,
+			      su, &mx_m, &mx_u);
+			if (d.acc)
+				memset(d.acc + j, 0, r * 4);
+			memcpy((char *)d.master + j * sz.master, lmst, r * sz.master);
+			if (!q8) {
+				memcpy((char *)d.m + j * sz.mom, lm, r * sz.mom);
+				memcpy((char *)d.v + j * sz.mom, lv, r * sz.mom);
+			}
+			if (pd != PD_NONE)
+				memcpy((char *)d.param + j * psz, lp, r * psz);
+		}
+		if (q8) {
+			float mm = vf_hmax(mx_m), mu = vf_hmax(mx_u);
+			st->m_scale[bidx] = mm;
+			st->v_scale[bidx] = mu;
+			vf im = vf_set1(block_inv(mm)), iu = vf_set1(block_inv(mu));
+			int8_t *cm = (int8_t *)d.m + jb;
+			uint8_t *cu = (uint8_t *)d.v + jb;
+			size_t t = 0;
+			for (; t + W <= len; t += W)
+				q8_encode(bm + t, bu + t, cm + t, cu + t, im, iu);
+			if (t < len) {
+				_Alignas(64) int8_t tm[W];
+				_Alignas(64) uint8_t tu[W];
+				/* lanes past len hold zeros from the padded step */
+				q8_encode(bm + t, bu + t, tm, tu, im, iu);
+				memcpy(cm + t, tm, len - t);
+				memcpy(cu + t, tu, len - t);
+			}
+		}
+	}
+	if (want_ss)
+		*ssum = vacc_sum(ss);
+}
+
+/* Sum of squares of (acc + grad) * scale, in double. */
+static double scan_sumsq(const void *grad, enum aoqk_dtype gd, const float *acc, float scale,
+                         size_t n)
+{
+	vacc ss = vacc_zero();
+	vf s = vf_set1(scale);
+	size_t j = 0;
+
+#define SCAN_LOOP(GD)                                                        \
+	for (; j + W <= n; j += W) {                                         \
+		vf g = load_grad(grad, j, GD);                               \
+		if (acc)                                                     \
+			g = vf_add(vf_loadu(acc + j), g);                     \
+		vacc_add_sq(&ss, vf_mul(g, s));                              \
+	}                                                                    \
+	if (j < n) {                                                         \
+		_Alignas(64) unsigned char lg[W * 4], la[W * 4];             \
+		size_t r = n - j, gs = GD == AOQK_FP32 ? 4 : 2;             \
+		memset(lg, 0, sizeof(lg));                                   \
+		memset(la, 0, sizeof(la));                                   \
+		memcpy(lg, (const char *)grad + j * gs, r * gs);             \
+		if (acc)                                                     \
+			memcpy(la, acc + j, r * 4);                          \
+		vf g = vf_add(vf_loadu((const float *)(void *)la),           \
+		              load_grad(lg, 0, GD));                         \
+		vacc_add_sq(&ss, vf_mul(g, s));                              \
+	}
+
+	if (gd == AOQK_FP32) {
+		SCAN_LOOP(AOQK_FP32)
+	} else if (gd == AOQK_BF16) {
+		SCAN_LOOP(AOQK_BF16)
+	} else {
+		SCAN_LOOP(AOQK_FP16)
+	}
+#undef SCAN_LOOP
+	return vacc_sum(ss);
+}
+
+static void k_sumsq(const void *grad, enum aoqk_dtype gd, const float *acc, float scale,
+                    size_t n, struct aoqk_report *rep)
+{
+	double s = n ? scan_sumsq(grad, gd, acc, scale, n) : 0.0;
+	rep->sumsq = s;
+	rep->nonfinite = !isfinite(s);
+}
+
+static void k_accumulate(float *acc, const void *grad, enum aoqk_dtype gd, float scale, size_t n)
+{
+	vf s = vf_set1(scale);
+	size_t j = 0;
+
+#define ACC_LOOP(GD)                                                                    \
+	for (; j + W <= n; j += W)                                                      \
+		vf_storeu(acc + j, vf_add(vf_loadu(acc + j), vf_mul(load_grad(grad, j, GD), s))); \
+	if (j < n) {                                                                    \
+		_Alignas(64) unsigned char lg[W * 4];                                   \
+		_Alignas(64) float la[W];                                               \
+		size_t r = n - j, gs = GD == AOQK_FP32 ? 4 : 2;                        \
+		memset(lg, 0, sizeof(lg));                                              \
+		memset(la, 0, sizeof(la));                                              \
+		memcpy(lg, (const char *)grad + j * gs, r * gs);                        \
+		memcpy(la, acc + j, r * 4);                                             \
+		vf_storeu(la, vf_add(vf_loadu(la), vf_mul(load_grad(lg, 0, GD), s)));   \
+		memcpy(acc + j, la, r * 4);                                             \
+	}
+
+	if (!n)
+		return;
+	if (gd == AOQK_FP32) {
+		ACC_LOOP(AOQK_FP32)
+	} else if (gd == AOQK_BF16) {
+		ACC_LOOP(AOQK_BF16)
+	} else if (gd == AOQK_FP16) {
+		ACC_LOOP(AOQK_FP16)
+	}
+#undef ACC_LOOP
+}
+
+#define RUN_CASE(P, G, D, NT)                                                              \
+	case (P) * 12 + (G) * 4 + (D):                                                     \
+		run_chunk(&k, st, c, want_ss, &ss, P, G, D, NT);                           \
+		break;
+#define RUN_CASES_PG(P, G, NT) \
+	RUN_CASE(P, G, 0, NT) RUN_CASE(P, G, 1, NT) RUN_CASE(P, G, 2, NT) RUN_CASE(P, G, 3, NT)
+#define RUN_CASES_P(P, NT) RUN_CASES_PG(P, 0, NT) RUN_CASES_PG(P, 1, NT) RUN_CASES_PG(P, 2, NT)
+#define RUN_CASES(NT) RUN_CASES_P(0, NT) RUN_CASES_P(1, NT) RUN_CASES_P(2, NT) RUN_CASES_P(3, NT)
+
+static AOQK_ALWAYS_INLINE int adam_common(const struct aoqk_hparams *hp, const struct aoqk_state *st,
+                                          const struct aoqk_chunk *c, struct aoqk_report *rep,
+                                          const int nt)
+{
+	struct aoqk_consts k;
+	double ss = 0.0;
+	int want_ss = 1;
+	int r = aoqk_check(hp, st, c, rep);
+
+	if (rep) {
+		rep->sumsq = 0.0;
+		rep->nonfinite = false;
+	}
+	if (r < 0 || c->count == 0)
+		return r;
+	if (c->skip_nonfinite) {
+		ss = scan_sumsq(c->grad, c->grad_dtype, c->acc, hp->grad_scale, c->count);
+		rep->sumsq = ss;
+		rep->nonfinite = !isfinite(ss);
+		if (rep->nonfinite)
+			return 0;
+		want_ss = 0;
+	}
+	aoqk_consts_init(&k, hp, c->seed);
+	int pd = c->param ? (int)c->param_dtype : PD_NONE;
+	int sel = (int)st->precision * 12 + (int)c->grad_dtype * 4 + pd;
+
+	if (nt && pd != PD_NONE && (uintptr_t)c->param % (W * (pd == PD_FP32 ? 4 : 2)) == 0) {
+#if KHAS_NT
+		switch (sel) {
+			RUN_CASES(1)
+		}
+		vf_sfence();
+#endif
+	} else {
+		switch (sel) {
+			RUN_CASES(0)
+		}
+	}
+	if (want_ss) {
+		rep->sumsq = ss;
+		rep->nonfinite = !isfinite(ss);
+	}
+	return 0;
+}
+
+static int k_adam(const struct aoqk_hparams *hp, const struct aoqk_state *st,
+                  const struct aoqk_chunk *c, struct aoqk_report *rep)
+{
+	return adam_common(hp, st, c, rep, 0);
+}
+
+const struct aoqk_kernel KCAT(aoqk_kernel_, KVAR) = {
+	.name = KSTR(KVAR),
+	.adam = k_adam,
+	.accumulate = k_accumulate,
+	.sumsq = k_sumsq,
+};
+
+#if KHAS_NT
+static int k_adam_nt(const struct aoqk_hparams *hp, const struct aoqk_state *st,
+                     const struct aoqk_chunk *c, struct aoqk_report *rep)
+{
+	return adam_common(hp, st, c, rep, 1);
+}
+
+const struct aoqk_kernel KCAT(KCAT(aoqk_kernel_, KVAR), _nt) = {
+	.name = KSTR(KVAR) "-nt",
+	.adam = k_adam_nt,
+	.accumulate = k_accumulate,
+	.sumsq = k_sumsq,
+};
+#endif

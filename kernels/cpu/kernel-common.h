@@ -1,0 +1,220 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Helpers shared by every kernel variant: argument checks, the per-call
+ * constants, scalar dtype conversions (bit-exact with the F16C and integer
+ * SIMD paths), the stochastic-rounding hash and the q8 codebook constants.
+ *
+ * Everything here is plain C; the SIMD variants include it too, and use it
+ * only outside their inner loops.
+ */
+#ifndef AOQK_KERNEL_COMMON_H
+#define AOQK_KERNEL_COMMON_H
+
+#include <errno.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "aoq-kernel.h"
+
+#define AOQK_ALWAYS_INLINE inline __attribute__((always_inline))
+
+/* q8 codebooks (README.md, "q8 moments"):
+ *   m = sign(q) * q^2 / 127^2 * m_scale        q in [-127, 127]
+ *   sqrt(v) = q^2 / 255^2 * v_scale            q in [0, 255]
+ * m_scale is the block's max |m|, v_scale the block's max sqrt(v). */
+#define AOQK_Q8_M_MAX 127.0f
+#define AOQK_Q8_U_MAX 255.0f
+#define AOQK_Q8_M_DIV 16129.0f /* 127^2 */
+#define AOQK_Q8_U_DIV 65025.0f /* 255^2 */
+
+/* 1.5 * 2^23: adding it to 0 <= x < 2^22 rounds x to an integer (nearest
+ * even, the default rounding mode) in the low mantissa bits. */
+#define AOQK_ROUND_MAGIC 12582912.0f
+
+/* Per-call constants, computed once per chunk from the hyperparameters. */
+struct aoqk_consts {
+	float w1;        /* 1 - beta1 (lerp weight) */
+	float w1c;       /* 1 - w1, for the large-weight lerp form */
+	float b2;        /* beta2 */
+	float w2;        /* 1 - beta2 */
+	float step_size; /* lr / (1 - beta1^step) */
+	float bc2s;      /* sqrt(1 - beta2^step) */
+	float eps;
+	float decay;     /* AdamW: 1 - lr * weight_decay */
+	float wd;        /* Adam: weight_decay added as L2 to the gradient */
+	float gscale;
+	int lerp_small;  /* |w1| < 0.5: m + w1 * (g - m), else g - (g - m) * w1c */
+	int adamw;       /* apply decay */
+	int l2;          /* apply wd * param to the gradient */
+	uint32_t srkey;  /* stochastic rounding key from (seed, step) */
+};
+
+static inline uint64_t aoqk_splitmix64(uint64_t x)
+{
+	x += 0x9e3779b97f4a7c15ull;
+	x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+	x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+	return x ^ (x >> 31);
+}
+
+static inline uint32_t aoqk_fmix32(uint32_t h)
+{
+	h ^= h >> 16;
+	h *= 0x85ebca6bu;
+	h ^= h >> 13;
+	h *= 0xc2b2ae35u;
+	h ^= h >> 16;
+	return h;
+}
+
+/* Key of the index hash for the vector whose first element has global
+ * index i0 (the high half of the index only moves the key). */
+static inline uint32_t aoqk_sr_vkey(uint32_t srkey, uint64_t i0)
+{
+	return srkey + (uint32_t)(i0 >> 32) * 0x27d4eb2fu;
+}
+
+/* The 16 random bits used to round element i: the same function every
+ * variant computes lane-wise. */
+static inline uint32_t aoqk_sr_bits(uint32_t srkey, uint64_t i)
+{
+	return aoqk_fmix32((uint32_t)i + aoqk_sr_vkey(srkey, i)) >> 16;
+}
+
+static inline void aoqk_consts_init(struct aoqk_consts *k, const struct aoqk_hparams *hp,
+                                    uint64_t seed)
+{
+	double b1 = hp->beta1, b2 = hp->beta2, lr = hp->lr, wd = hp->weight_decay;
+	double step = (double)hp->step;
+	double bc1 = 1.0 - pow(b1, step);
+	double bc2 = 1.0 - pow(b2, step);
+
+	k->w1 = (float)(1.0 - b1);
+	k->w1c = (float)(1.0 - (double)k->w1);
+	k->b2 = hp->beta2;
+	k->w2 = (float)(1.0 - b2);
+	k->step_size = (float)(lr / bc1);
+	k->bc2s = (float)sqrt(bc2);
+	k->eps = hp->eps;
+	k->decay = (float)(1.0 - lr * wd);
+	k->wd = hp->weight_decay;
+	k->gscale = hp->grad_scale;
+	k->lerp_small = fabsf(k->w1) < 0.5f;
+	k->adamw = hp->decoupled && hp->weight_decay != 0.0f;
+	k->l2 = !hp->decoupled && hp->weight_decay != 0.0f;
+	k->srkey = (uint32_t)aoqk_splitmix64(seed ^ aoqk_splitmix64(hp->step));
+}
+
+static inline int aoqk_dtype_ok(enum aoqk_dtype t)
+{
+	return t == AOQK_FP32 || t == AOQK_BF16 || t == AOQK_FP16;
+}
+
+/* The contract of aoqk_kernel.adam, checked before touching anything. */
+static inline int aoqk_check(const struct aoqk_hparams *hp, const struct aoqk_state *st,
+                             const struct aoqk_chunk *c, const struct aoqk_report *rep)
+{
+	if (!hp || !st || !c || !rep)
+		return -EINVAL;
+	if ((unsigned)st->precision > AOQK_STATE_BF16_Q8)
+		return -EINVAL;
+	if (!aoqk_dtype_ok(c->grad_dtype) || (c->param && !aoqk_dtype_ok(c->param_dtype)))
+		return -EINVAL;
+	if (hp->step == 0)
+		return -EINVAL;
+	if (c->begin > st->n || c->count > st->n - c->begin)
+		return -EINVAL;
+	if (c->begin % AOQK_Q8_BLOCK != 0)
+		return -EINVAL;
+	if (c->count == 0)
+		return 0;
+	if (!c->grad || !st->master || !st->m || !st->v)
+		return -EINVAL;
+	if (aoqk_precision_q8(st->precision)) {
+		if (!st->m_scale || !st->v_scale)
+			return -EINVAL;
+		/* a chunk ends on a block boundary or at the tensor's end */
+		if (c->count % AOQK_Q8_BLOCK != 0 && c->begin + c->count != st->n)
+			return -EINVAL;
+	}
+	return 0;
+}
+
+static inline uint32_t aoqk_f2u(float f)
+{
+	uint32_t u;
+	memcpy(&u, &f, 4);
+	return u;
+}
+
+static inline float aoqk_u2f(uint32_t u)
+{
+	float f;
+	memcpy(&f, &u, 4);
+	return f;
+}
+
+/* fp32 -> bf16, round to nearest even; NaN -> quiet NaN keeping the sign and
+ * the top payload bits.  Same as the SIMD integer path. */
+static inline uint16_t aoqk_f32_to_bf16(float f)
+{
+	uint32_t b = aoqk_f2u(f);
+	if ((b & 0x7fffffffu) > 0x7f800000u)
+		return (uint16_t)((b >> 16) | 0x40u);
+	return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
+static inline float aoqk_bf16_to_f32(uint16_t h)
+{
+	return aoqk_u2f((uint32_t)h << 16);
+}
+
+/* fp32 -> fp16, round to nearest even, overflow -> inf, NaN -> quiet NaN
+ * keeping the top payload bits: bit-exact with F16C vcvtps2ph (imm RNE).
+ * Needs the default rounding mode and no FTZ/DAZ. */
+static inline uint16_t aoqk_f32_to_f16(float f)
+{
+	uint32_t x = aoqk_f2u(f);
+	uint32_t sign = (x >> 16) & 0x8000u;
+	uint32_t a = x & 0x7fffffffu;
+	uint32_t o;
+
+	if (a > 0x7f800000u) {
+		o = 0x7e00u | ((a >> 13) & 0x3ffu);
+	} else if (a >= 0x47800000u) { /* >= 65536: inf (65520..65536 round up below) */
+		o = 0x7c00u;
+	} else if (a < 0x38800000u) { /* fp16 subnormal or zero */
+		/* aligning the 10 fp16 mantissa bits at the bottom of a float
+		 * whose exponent is 2^-1: the float add rounds to nearest even */
+		float t = aoqk_u2f(a) + aoqk_u2f(126u << 23);
+		o = aoqk_f2u(t) - (126u << 23);
+	} else {
+		uint32_t odd = (a >> 13) & 1u;
+		a += ((uint32_t)(15 - 127) << 23) + 0xfffu + odd;
+		o = a >> 13;
+	}
+	return (uint16_t)(o | sign);
+}
+
+/* fp16 -> fp32, exact; NaN is quieted like F16C vcvtph2ps. */
+static inline float aoqk_f16_to_f32(uint16_t h)
+{
+	uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+	uint32_t e = (h >> 10) & 0x1fu;
+	uint32_t mant = h & 0x3ffu;
+	uint32_t o;
+
+	if (e == 0x1f) {
+		o = 0x7f800000u | (mant << 13) | (mant ? 0x400000u : 0);
+	} else if (e == 0) {
+		/* subnormal or zero: mant * 2^-24, exact */
+		float t = (float)mant * aoqk_u2f(103u << 23);
+		o = aoqk_f2u(t);
+	} else {
+		o = ((e + 112u) << 23) | (mant << 13);
+	}
+	return aoqk_u2f(o | sign);
+}
+
+#endif

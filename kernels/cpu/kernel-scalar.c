@@ -1,0 +1,75 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Plain C kernel: the body of kernel-body.h with one lane per "vector".
+ * The reference the SIMD variants must match bit for bit, and the fallback
+ * on CPUs without AVX2.  Compiled without special flags.
+ */
+#include "kernel-common.h"
+
+#define W 1
+#define KVAR scalar
+#define KHAS_NT 0
+
+typedef float vf;
+typedef uint32_t vi;
+typedef uint16_t vh;
+typedef double vacc;
+
+static AOQK_ALWAYS_INLINE vf vf_zero(void) { return 0.0f; }
+static AOQK_ALWAYS_INLINE vf vf_set1(float x) { return x; }
+static AOQK_ALWAYS_INLINE vf vf_loadu(const float *p) { return *p; }
+static AOQK_ALWAYS_INLINE void vf_storeu(float *p, vf x) { *p = x; }
+static AOQK_ALWAYS_INLINE void vf_stream(float *p, vf x) { *p = x; }
+static AOQK_ALWAYS_INLINE void vf_sfence(void) { }
+static AOQK_ALWAYS_INLINE vf vf_add(vf a, vf b) { return a + b; }
+static AOQK_ALWAYS_INLINE vf vf_sub(vf a, vf b) { return a - b; }
+static AOQK_ALWAYS_INLINE vf vf_mul(vf a, vf b) { return a * b; }
+static AOQK_ALWAYS_INLINE vf vf_div(vf a, vf b) { return a / b; }
+static AOQK_ALWAYS_INLINE vf vf_sqrt(vf a) { return sqrtf(a); }
+/* x86 maxps/minps semantics: the second operand when either is NaN */
+static AOQK_ALWAYS_INLINE vf vf_max(vf a, vf b) { return a > b ? a : b; }
+static AOQK_ALWAYS_INLINE vf vf_min(vf a, vf b) { return a < b ? a : b; }
+static AOQK_ALWAYS_INLINE vf vf_abs(vf a) { return aoqk_u2f(aoqk_f2u(a) & 0x7fffffffu); }
+static AOQK_ALWAYS_INLINE vf vf_copysign(vf x, vf s)
+{
+	return aoqk_u2f(aoqk_f2u(x) | (aoqk_f2u(s) & 0x80000000u));
+}
+static AOQK_ALWAYS_INLINE float vf_hmax(vf a) { return a; }
+
+static AOQK_ALWAYS_INLINE vi vi_set1(uint32_t x) { return x; }
+static AOQK_ALWAYS_INLINE vi vi_iota(uint32_t base) { return base; }
+static AOQK_ALWAYS_INLINE vi vi_add(vi a, vi b) { return a + b; }
+static AOQK_ALWAYS_INLINE vi vi_xor(vi a, vi b) { return a ^ b; }
+static AOQK_ALWAYS_INLINE vi vi_or(vi a, vi b) { return a | b; }
+static AOQK_ALWAYS_INLINE vi vi_mullo(vi a, vi b) { return a * b; }
+static AOQK_ALWAYS_INLINE vi vi_srli(vi a, int s) { return a >> s; }
+static AOQK_ALWAYS_INLINE vi vi_slli(vi a, int s) { return a << s; }
+static AOQK_ALWAYS_INLINE vi vf_as_vi(vf a) { return aoqk_f2u(a); }
+static AOQK_ALWAYS_INLINE vf vi_as_vf(vi a) { return aoqk_u2f(a); }
+static AOQK_ALWAYS_INLINE vf vi_to_vf(vi a) { return (float)(int32_t)a; }
+static AOQK_ALWAYS_INLINE vi vf_to_vi_trunc(vf a) { return (uint32_t)(int32_t)a; }
+static AOQK_ALWAYS_INLINE vi vi_select_nan(vf x, vi if_nan, vi other)
+{
+	return x != x ? if_nan : other;
+}
+
+static AOQK_ALWAYS_INLINE vh vh_zero(void) { return 0; }
+static AOQK_ALWAYS_INLINE vh vh_loadu(const uint16_t *p) { return *p; }
+static AOQK_ALWAYS_INLINE void vh_storeu(uint16_t *p, vh x) { *p = x; }
+static AOQK_ALWAYS_INLINE void vh_stream(uint16_t *p, vh x) { *p = x; }
+static AOQK_ALWAYS_INLINE vh vi_to_vh(vi a) { return (uint16_t)a; }
+static AOQK_ALWAYS_INLINE vf vh_bf16_to_f(vh h) { return aoqk_bf16_to_f32(h); }
+static AOQK_ALWAYS_INLINE vf vh_f16_to_f(vh h) { return aoqk_f16_to_f32(h); }
+static AOQK_ALWAYS_INLINE vh vf_to_bf16(vf x) { return aoqk_f32_to_bf16(x); }
+static AOQK_ALWAYS_INLINE vh vf_to_f16(vf x) { return aoqk_f32_to_f16(x); }
+
+static AOQK_ALWAYS_INLINE vi vb_load_i8(const int8_t *p) { return (uint32_t)(int32_t)*p; }
+static AOQK_ALWAYS_INLINE vi vb_load_u8(const uint8_t *p) { return *p; }
+static AOQK_ALWAYS_INLINE void vb_store_i8(int8_t *p, vi q) { *p = (int8_t)(int32_t)q; }
+static AOQK_ALWAYS_INLINE void vb_store_u8(uint8_t *p, vi q) { *p = (uint8_t)q; }
+
+static AOQK_ALWAYS_INLINE vacc vacc_zero(void) { return 0.0; }
+static AOQK_ALWAYS_INLINE void vacc_add_sq(vacc *a, vf g) { *a += (double)g * (double)g; }
+static AOQK_ALWAYS_INLINE double vacc_sum(vacc a) { return a; }
+
+#include "kernel-body.h"

@@ -1,0 +1,890 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Kernel tests (suite 'kernels').
+ *
+ *   test-kernels numerics     every runnable variant against a double
+ *                             precision reference written here, bit-identity
+ *                             of all variants with plain C, chunking
+ *                             independence, non-finite handling
+ *   test-kernels convergence  2000 steps of a noisy quadratic: q8 and bf16
+ *                             master end within 2% of the fp32 loss; the
+ *                             stochastic rounding is unbiased
+ *
+ * Fresh random inputs every run; AOQK_TEST_SEED=<n> repeats a run.
+ * Variants this CPU cannot run are listed as skipped.
+ */
+#include <errno.h>
+#include <float.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "aoq-kernel.h"
+#include "kernel-internal.h"
+
+static uint64_t rng_state;
+static unsigned failures;
+static unsigned checks;
+
+#define CHECK(cond, ...)                                                     \
+	do {                                                                 \
+		checks++;                                                    \
+		if (!(cond)) {                                               \
+			if (failures++ < 30) {                               \
+				fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
+				fprintf(stderr, __VA_ARGS__);                \
+				fputc('\n', stderr);                         \
+			}                                                    \
+		}                                                            \
+	} while (0)
+
+static uint64_t rnd(void)
+{
+	uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+	return z ^ (z >> 31);
+}
+
+static double urand(void) /* [0, 1) */
+{
+	return (double)(rnd() >> 11) * 0x1p-53;
+}
+
+static double nrand(void)
+{
+	double u = urand() + 1e-300, v = urand();
+	return sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v);
+}
+
+static uint32_t f2u(float f)
+{
+	uint32_t u;
+	memcpy(&u, &f, 4);
+	return u;
+}
+
+static float u2f(uint32_t u)
+{
+	float f;
+	memcpy(&f, &u, 4);
+	return f;
+}
+
+/* Independent conversions: exact decoding, and rounding to nearest even by
+ * comparing the two neighbours in double. */
+static double bf16_val(uint16_t h)
+{
+	return u2f((uint32_t)h << 16);
+}
+
+static double f16_val(uint16_t h)
+{
+	int e = (h >> 10) & 31, m = h & 1023;
+	double s = (h & 0x8000) ? -1.0 : 1.0;
+	if (e == 31)
+		return m ? NAN : s * INFINITY;
+	if (e == 0)
+		return s * ldexp(m, -24);
+	return s * ldexp(1024 + m, e - 25);
+}
+
+static uint16_t bf16_rne_ref(float f)
+{
+	if (isnan(f))
+		return 0x7fc0;
+	uint32_t b = f2u(f);
+	uint16_t lo = (uint16_t)(b >> 16);
+	if ((b & 0xffff) == 0)
+		return lo;
+	double x = fabs((double)f), vl = fabs(bf16_val(lo));
+	double vh = (lo & 0x7fff) == 0x7f7f ? 0x1p128 : fabs(bf16_val((uint16_t)(lo + 1)));
+	double dl = x - vl, dh = vh - x;
+	if (dl < dh || (dl == dh && !(lo & 1)))
+		return lo;
+	return (uint16_t)(lo + 1);
+}
+
+static uint16_t f16_rne_ref(float f)
+{
+	if (isnan(f))
+		return 0x7e00;
+	double x = fabs((double)f);
+	uint16_t s = signbit(f) ? 0x8000 : 0;
+	if (x >= 65520.0)
+		return s | 0x7c00;
+	/* the largest fp16 magnitude <= x by bisection over the ordered codes */
+	unsigned lo = 0, hi = 0x7bff;
+	while (lo < hi) {
+		unsigned mid = (lo + hi + 1) / 2;
+		if (f16_val((uint16_t)mid) <= x)
+			lo = mid;
+		else
+			hi = mid - 1;
+	}
+	if (f16_val((uint16_t)lo) == x)
+		return s | (uint16_t)lo;
+	double dl = x - f16_val((uint16_t)lo);
+	double dh = f16_val((uint16_t)(lo + 1)) - x; /* lo + 1 <= 0x7c00 */
+	if (lo + 1 == 0x7c00)
+		dh = 65536.0 - x;
+	if (dl < dh || (dl == dh && !(lo & 1)))
+		return s | (uint16_t)lo;
+	return s | (uint16_t)(lo + 1);
+}
+
+/* ------------------------------------------------------------------ */
+
+struct variant {
+	const struct aoqk_kernel *k;
+};
+
+static struct variant runnable[16];
+static size_t nrunnable;
+static const struct aoqk_kernel *scalar;
+
+static void list_variants(void)
+{
+	size_t n;
+	const struct aoqk_variant *v = aoqk_variants(&n);
+	printf("variants:");
+	for (size_t i = 0; i < n; i++) {
+		if (v[i].runnable) {
+			runnable[nrunnable++].k = v[i].kernel;
+			printf(" %s", v[i].kernel->name);
+			if (!strcmp(v[i].kernel->name, "scalar"))
+				scalar = v[i].kernel;
+		}
+	}
+	printf("\nskipped (CPU lacks them):");
+	int none = 1;
+	for (size_t i = 0; i < n; i++)
+		if (!v[i].runnable) {
+			printf(" %s", v[i].kernel->name);
+			none = 0;
+		}
+	printf("%s\n", none ? " none" : "");
+	const char *all[] = { "avx2", "avx512", "avx512bf16" };
+	for (size_t i = 0; i < 3; i++) {
+		int found = 0;
+		for (size_t j = 0; j < n; j++)
+			found |= !strcmp(v[j].kernel->name, all[i]);
+		if (!found)
+			printf("skipped (not compiled in): %s\n", all[i]);
+	}
+}
+
+/* ------------------------------------------------------------------ */
+/* One test case: a tensor, its state, a gradient, and the reference. */
+
+struct tcase {
+	enum aoqk_precision prec;
+	enum aoqk_dtype gd;
+	int pd; /* 0..2 dtype, 3 = no param */
+	int use_acc;
+	size_t n;
+	size_t off; /* misalignment in elements of every array */
+	struct aoqk_hparams hp;
+	uint64_t seed;
+	int wide; /* magnitudes 1e-30..1e30, denormals, zeros */
+};
+
+struct tbuf {
+	size_t n, nb;
+	unsigned char *grad, *param, *master, *m, *v;
+	float *acc, *ms, *vs;
+	void *raw[8];
+};
+
+static size_t gsize(enum aoqk_dtype d)
+{
+	return d == AOQK_FP32 ? 4 : 2;
+}
+
+static void *xalloc(size_t bytes, size_t off, void **raw)
+{
+	*raw = malloc(bytes + 64 + off);
+	if (!*raw) {
+		perror("malloc");
+		exit(2);
+	}
+	return (char *)*raw + 64 - ((uintptr_t)*raw % 64) % 64 + off;
+}
+
+static void tbuf_alloc(struct tbuf *b, const struct tcase *t)
+{
+	size_t n = t->n ? t->n : 1;
+	b->n = t->n;
+	b->nb = (n + AOQK_Q8_BLOCK - 1) / AOQK_Q8_BLOCK;
+	int q8 = aoqk_precision_q8(t->prec), bfm = aoqk_precision_bf16_master(t->prec);
+	b->grad = xalloc(n * 4, t->off * 2, &b->raw[0]);
+	b->param = xalloc(n * 4, t->off * 2, &b->raw[1]);
+	b->master = xalloc(n * (bfm ? 2 : 4), t->off * 2, &b->raw[2]);
+	b->m = xalloc(n * (q8 ? 1 : 4), t->off, &b->raw[3]);
+	b->v = xalloc(n * (q8 ? 1 : 4), t->off, &b->raw[4]);
+	b->acc = xalloc(n * 4, t->off * 4, &b->raw[5]);
+	b->ms = xalloc(b->nb * 4, 0, &b->raw[6]);
+	b->vs = xalloc(b->nb * 4, 0, &b->raw[7]);
+}
+
+static void tbuf_free(struct tbuf *b)
+{
+	for (int i = 0; i < 8; i++)
+		free(b->raw[i]);
+}
+
+static void tbuf_copy(struct tbuf *d, const struct tbuf *s, const struct tcase *t)
+{
+	size_t n = t->n;
+	int q8 = aoqk_precision_q8(t->prec), bfm = aoqk_precision_bf16_master(t->prec);
+	memcpy(d->grad, s->grad, n * 4);
+	memcpy(d->param, s->param, n * 4);
+	memcpy(d->master, s->master, n * (bfm ? 2 : 4));
+	memcpy(d->m, s->m, n * (q8 ? 1 : 4));
+	memcpy(d->v, s->v, n * (q8 ? 1 : 4));
+	memcpy(d->acc, s->acc, n * 4);
+	memcpy(d->ms, s->ms, s->nb * 4);
+	memcpy(d->vs, s->vs, s->nb * 4);
+}
+
+static int tbuf_equal(const struct tbuf *a, const struct tbuf *b, const struct tcase *t,
+                      int bf16_param_ftz)
+{
+	size_t n = t->n;
+	int q8 = aoqk_precision_q8(t->prec), bfm = aoqk_precision_bf16_master(t->prec);
+	if (memcmp(a->master, b->master, n * (bfm ? 2 : 4)) ||
+	    memcmp(a->m, b->m, n * (q8 ? 1 : 4)) || memcmp(a->v, b->v, n * (q8 ? 1 : 4)) ||
+	    memcmp(a->acc, b->acc, n * 4) || (q8 && (memcmp(a->ms, b->ms, a->nb * 4) ||
+	                                             memcmp(a->vs, b->vs, a->nb * 4))))
+		return 0;
+	if (t->pd == 3)
+		return 1;
+	if (!bf16_param_ftz || t->pd != AOQK_BF16)
+		return !memcmp(a->param, b->param, n * gsize(t->pd));
+	/* avx512bf16: bf16 results below 2^-126 may be flushed to zero */
+	const uint16_t *pa = (const uint16_t *)a->param, *pb = (const uint16_t *)b->param;
+	for (size_t i = 0; i < n; i++) {
+		if (pa[i] == pb[i])
+			continue;
+		if ((pa[i] & 0x7f80) == 0 && (pb[i] & 0x7f80) == 0 &&
+		    ((pa[i] & 0x7fff) == 0 || (pb[i] & 0x7fff) == 0))
+			continue;
+		return 0;
+	}
+	return 1;
+}
+
+static float wide_float(void)
+{
+	uint64_t r = rnd();
+	switch (r % 16) {
+	case 0:
+		return 0.0f;
+	case 1:
+		return -0.0f;
+	case 2: /* denormal */
+		return u2f((uint32_t)(rnd() & 0x807fffffu) | 1u);
+	default: {
+		double e = -30.0 + 60.0 * urand();
+		double x = pow(10.0, e);
+		return (float)((r & 16) ? -x : x);
+	}
+	}
+}
+
+static void fill_grad(struct tbuf *b, const struct tcase *t, size_t i, double scale)
+{
+	float g;
+	if (t->gd == AOQK_FP16) {
+		uint16_t h;
+		do
+			h = (uint16_t)rnd();
+		while ((h & 0x7c00) == 0x7c00);
+		if (!t->wide)
+			h = (uint16_t)(((uint32_t)(f16_rne_ref((float)(nrand() * scale)))));
+		((uint16_t *)b->grad)[i] = h;
+		return;
+	}
+	g = t->wide ? wide_float() : (float)(nrand() * scale);
+	if (t->gd == AOQK_FP32)
+		((float *)b->grad)[i] = g;
+	else
+		((uint16_t *)b->grad)[i] = bf16_rne_ref(g);
+}
+
+static double grad_val(const struct tbuf *b, const struct tcase *t, size_t i)
+{
+	if (t->gd == AOQK_FP32)
+		return ((const float *)b->grad)[i];
+	if (t->gd == AOQK_BF16)
+		return bf16_val(((const uint16_t *)b->grad)[i]);
+	return f16_val(((const uint16_t *)b->grad)[i]);
+}
+
+/* Random state; q8 codes and scales random too. */
+static void fill_state(struct tbuf *b, const struct tcase *t)
+{
+	int q8 = aoqk_precision_q8(t->prec), bfm = aoqk_precision_bf16_master(t->prec);
+	for (size_t i = 0; i < t->n; i++) {
+		float p = t->wide ? wide_float() : (float)nrand();
+		if (bfm)
+			((uint16_t *)b->master)[i] = bf16_rne_ref(p);
+		else
+			((float *)b->master)[i] = p;
+		if (q8) {
+			((int8_t *)b->m)[i] = (int8_t)((int)(rnd() % 255) - 127);
+			((uint8_t *)b->v)[i] = (uint8_t)(rnd() % 256);
+		} else {
+			double gm = t->wide ? wide_float() * 0.1 : nrand() * 0.01;
+			((float *)b->m)[i] = (float)gm;
+			((float *)b->v)[i] = (float)(gm * gm * (1.0 + urand()));
+		}
+		((float *)b->acc)[i] = t->use_acc ? (float)(nrand() * 0.01) : 0.0f;
+		fill_grad(b, t, i, 0.01);
+		memset(b->param + i * 4, 0xa5, 4); /* poison */
+	}
+	for (size_t k = 0; k < b->nb; k++) {
+		b->ms[k] = q8 ? (float)(0.01 * urand()) : 0.0f;
+		b->vs[k] = q8 ? (float)(0.01 * urand()) : 0.0f;
+	}
+}
+
+static int run_kernel(const struct aoqk_kernel *k, const struct tcase *t, struct tbuf *b,
+                      size_t begin, size_t count, int skip, struct aoqk_report *rep)
+{
+	struct aoqk_state st = {
+		.precision = t->prec, .n = t->n, .master = b->master, .m = b->m, .v = b->v,
+		.m_scale = b->ms, .v_scale = b->vs,
+	};
+	struct aoqk_chunk c = {
+		.begin = begin,
+		.count = count,
+		.grad = b->grad + begin * gsize(t->gd),
+		.grad_dtype = t->gd,
+		.acc = t->use_acc ? b->acc + begin : NULL,
+		.param = t->pd == 3 ? NULL : b->param + begin * gsize(t->pd == 3 ? 0 : t->pd),
+		.param_dtype = t->pd == 3 ? AOQK_FP32 : (enum aoqk_dtype)t->pd,
+		.seed = t->seed,
+		.skip_nonfinite = skip,
+	};
+	return k->adam(&t->hp, &st, &c, rep);
+}
+
+/* Chunks that start on block boundaries, random sizes. */
+static int run_chunked(const struct aoqk_kernel *k, const struct tcase *t, struct tbuf *b,
+                       double *sumsq)
+{
+	size_t pos = 0;
+	*sumsq = 0;
+	do {
+		size_t nblk = 1 + rnd() % 3;
+		size_t cnt = nblk * AOQK_Q8_BLOCK;
+		if (cnt > t->n - pos)
+			cnt = t->n - pos;
+		struct aoqk_report rep;
+		int r = run_kernel(k, t, b, pos, cnt, 0, &rep);
+		if (r)
+			return r;
+		*sumsq += rep.sumsq;
+		pos += cnt;
+	} while (pos < t->n);
+	return 0;
+}
+
+/* The reference update of element i in double.  Returns the new master
+ * (before any rounding to bf16), and the new m, v. */
+struct ref {
+	double p, m, v, g, upd, m0;
+	int v_overflow;
+};
+
+static struct ref ref_elem(const struct tcase *t, const struct tbuf *b0, size_t i)
+{
+	const struct aoqk_hparams *hp = &t->hp;
+	int q8 = aoqk_precision_q8(t->prec), bfm = aoqk_precision_bf16_master(t->prec);
+	struct ref r = { 0 };
+	double g = grad_val(b0, t, i);
+	if (t->use_acc)
+		g = (double)b0->acc[i] + g;
+	g *= hp->grad_scale;
+	r.g = g;
+	double p = bfm ? bf16_val(((const uint16_t *)b0->master)[i]) : ((const float *)b0->master)[i];
+	double m, v;
+	if (q8) {
+		size_t blk = i / AOQK_Q8_BLOCK;
+		int qm = ((const int8_t *)b0->m)[i], qv = ((const uint8_t *)b0->v)[i];
+		m = (double)qm * abs(qm) / 16129.0 * b0->ms[blk];
+		double u = (double)qv * qv / 65025.0 * b0->vs[blk];
+		v = u * u;
+	} else {
+		m = ((const float *)b0->m)[i];
+		v = ((const float *)b0->v)[i];
+	}
+	if (hp->weight_decay != 0) {
+		if (hp->decoupled)
+			p *= 1.0 - (double)hp->lr * hp->weight_decay;
+		else
+			g += hp->weight_decay * p;
+	}
+	double b1 = hp->beta1, b2 = hp->beta2;
+	r.m0 = m;
+	m = b1 * m + (1 - b1) * g;
+	double gg = (1 - b2) * g * g;
+	v = b2 * v + gg;
+	if (gg > FLT_MAX || v > FLT_MAX) /* fp32 arithmetic overflows here */
+		r.v_overflow = 1;
+	double bc1 = 1 - pow(b1, (double)hp->step), bc2 = 1 - pow(b2, (double)hp->step);
+	double mh = m / bc1, vh = v / bc2;
+	r.upd = r.v_overflow ? 0.0 : hp->lr * mh / (sqrt(vh) + hp->eps);
+	r.p = p - r.upd;
+	r.m = m;
+	r.v = v;
+	return r;
+}
+
+static double bf16_ulp(double x)
+{
+	int e;
+	if (x == 0)
+		return ldexp(1, -133);
+	frexp(x, &e);
+	if (e < -125)
+		e = -125;
+	return ldexp(1, e - 8);
+}
+
+/* Check a result against the reference. */
+static void check_case(const struct tcase *t, const struct tbuf *b0, const struct tbuf *b,
+                       const char *who, double sumsq)
+{
+	int q8 = aoqk_precision_q8(t->prec), bfm = aoqk_precision_bf16_master(t->prec);
+	double ss_ref = 0;
+	unsigned bad = 0;
+	char tag[160];
+	snprintf(tag, sizeof(tag), "%s prec=%d gd=%d pd=%d acc=%d n=%zu off=%zu adamw=%d wide=%d", who,
+	         t->prec, t->gd, t->pd, t->use_acc, t->n, t->off, t->hp.decoupled, t->wide);
+
+	for (size_t i = 0; i < t->n && bad < 5; i++) {
+		struct ref r = ref_elem(t, b0, i);
+		ss_ref += r.g * r.g;
+		double p_new = bfm ? bf16_val(((const uint16_t *)b->master)[i])
+		                   : ((const float *)b->master)[i];
+		/* master */
+		double p_dec = r.p + r.upd;
+		double tol = 3e-6 * (fabs(p_dec) + fabs(r.upd)) + 1e-37;
+		if (q8) /* the update read m, v through the codebook: same in both */
+			tol = 3e-6 * (fabs(p_dec) + fabs(r.upd)) + 1e-37;
+		if (bfm) {
+			double lo = r.p - tol, hi = r.p + tol;
+			double u = bf16_ulp(r.p);
+			if (!(p_new >= lo - u && p_new <= hi + u)) {
+				bad++;
+				CHECK(0, "%s: master[%zu]=%.9g ref %.9g (bf16 SR)", tag, i, p_new, r.p);
+			}
+		} else if (!(fabs(p_new - r.p) <= tol) && !(isinf(r.p) && p_new == r.p)) {
+			bad++;
+			CHECK(0, "%s: master[%zu]=%.9g ref %.9g upd %.3g", tag, i, p_new, r.p, r.upd);
+		}
+		/* moments */
+		if (!q8) {
+			double m = ((const float *)b->m)[i], v = ((const float *)b->v)[i];
+			double g2 = r.g * r.g;
+			if (!(fabs(m - r.m) <= 2e-6 * (fabs(r.m) + fabs(r.m0) + fabs(r.g) * 0.2) + 1e-44)) {
+				bad++;
+				CHECK(0, "%s: m[%zu]=%.9g ref %.9g", tag, i, m, r.m);
+			}
+			if (r.v_overflow ? !isinf(v)
+			                 : !(fabs(v - r.v) <= 2e-6 * (r.v + g2 * 1e-3) + 1e-44)) {
+				bad++;
+				CHECK(0, "%s: v[%zu]=%.9g ref %.9g", tag, i, v, r.v);
+			}
+		}
+		/* param out: the new master cast with round to nearest even */
+		if (t->pd != 3) {
+			float pm = (float)p_new;
+			int ok;
+			if (t->pd == AOQK_FP32)
+				ok = f2u(((const float *)b->param)[i]) == f2u(pm);
+			else if (t->pd == AOQK_BF16) {
+				uint16_t got = ((const uint16_t *)b->param)[i], want = bf16_rne_ref(pm);
+				ok = got == want;
+				if (!ok && !strncmp(who, "avx512bf16", 10) && fabsf(pm) < FLT_MIN)
+					ok = (got & 0x7fff) == 0;
+			} else
+				ok = ((const uint16_t *)b->param)[i] == f16_rne_ref(pm);
+			if (!ok) {
+				bad++;
+				CHECK(0, "%s: param[%zu] wrong for master %.9g", tag, i, pm);
+			}
+		}
+		if (t->use_acc && b->acc[i] != 0.0f) {
+			bad++;
+			CHECK(0, "%s: acc[%zu] not cleared", tag, i);
+		}
+	}
+	/* q8: per block, scales are the maxima and codes the nearest */
+	if (q8 && !bad) {
+		for (size_t blk = 0; blk < b->nb && blk * AOQK_Q8_BLOCK < t->n; blk++) {
+			size_t s = blk * AOQK_Q8_BLOCK, e = s + AOQK_Q8_BLOCK;
+			if (e > t->n)
+				e = t->n;
+			double mm = 0, mu = 0;
+			for (size_t i = s; i < e; i++) {
+				struct ref r = ref_elem(t, b0, i);
+				mm = fmax(mm, fabs(r.m));
+				mu = fmax(mu, sqrt(r.v));
+			}
+			if (!isfinite(mm) || !isfinite(mu) || mu > FLT_MAX) {
+				/* v overflowed in fp32: the block saturates */
+				CHECK(isinf(b->vs[blk]), "%s: v_scale[%zu]=%g, want inf", tag, blk,
+				      b->vs[blk]);
+				continue;
+			}
+			CHECK(fabs(b->ms[blk] - mm) <= 1e-5 * mm + 1e-38, "%s: m_scale[%zu]=%g ref %g",
+			      tag, blk, b->ms[blk], mm);
+			CHECK(fabs(b->vs[blk] - mu) <= 1e-5 * mu + 1e-38, "%s: v_scale[%zu]=%g ref %g",
+			      tag, blk, b->vs[blk], mu);
+			for (size_t i = s; i < e && bad < 5; i++) {
+				struct ref r = ref_elem(t, b0, i);
+				int qm = ((const int8_t *)b->m)[i], qv = ((const uint8_t *)b->v)[i];
+				double xm = mm > 0 ? 127.0 * sqrt(fabs(r.m) / mm) : 0;
+				double xu = mu > 0 ? 255.0 * sqrt(sqrt(r.v) / mu) : 0;
+				if (fabs(abs(qm) - xm) > 0.5 + 1e-3 || (qm != 0 && (qm < 0) != (r.m < 0))) {
+					bad++;
+					CHECK(0, "%s: m code[%zu]=%d want %.3f", tag, i, qm, xm);
+				}
+				int want_min = r.v > 0 ? 1 : 0;
+				if ((fabs(qv - xu) > 0.5 + 1e-3 && !(qv == 1 && want_min && xu < 1)) ||
+				    qv < want_min) {
+					bad++;
+					CHECK(0, "%s: v code[%zu]=%d want %.3f", tag, i, qv, xu);
+				}
+			}
+		}
+	}
+	if (!(fabs(sumsq - ss_ref) <= 1e-6 * ss_ref + 1e-300) && !(isinf(ss_ref) && isinf(sumsq)))
+		CHECK(0, "%s: sumsq %.17g ref %.17g", tag, sumsq, ss_ref);
+	checks++;
+}
+
+static void random_hparams(struct tcase *t)
+{
+	t->hp.lr = (float)(1e-4 + 1e-2 * urand());
+	t->hp.beta1 = (rnd() & 3) ? 0.9f : (float)(0.3 * urand()); /* lerp form 2 too */
+	t->hp.beta2 = (rnd() & 1) ? 0.999f : 0.95f;
+	t->hp.eps = (rnd() & 1) ? 1e-8f : 1e-6f;
+	t->hp.weight_decay = (rnd() & 3) ? (float)(0.1 * urand()) : 0.0f;
+	t->hp.step = 1 + rnd() % 1000;
+	t->hp.grad_scale = (rnd() & 1) ? 1.0f : (float)(0.5 + 1.5 * urand());
+	t->seed = rnd();
+}
+
+static void one_case(struct tcase *t)
+{
+	struct tbuf b0, bs, bv;
+	struct aoqk_report rep;
+	tbuf_alloc(&b0, t);
+	tbuf_alloc(&bs, t);
+	tbuf_alloc(&bv, t);
+	fill_state(&b0, t);
+
+	/* plain C, one call */
+	tbuf_copy(&bs, &b0, t);
+	int r = run_kernel(scalar, t, &bs, 0, t->n, 0, &rep);
+	CHECK(r == 0, "scalar returned %d", r);
+	check_case(t, &b0, &bs, "scalar", rep.sumsq);
+
+	/* every variant, one call and random chunks: identical to plain C */
+	for (size_t vi = 0; vi < nrunnable; vi++) {
+		const struct aoqk_kernel *k = runnable[vi].k;
+		int ftz = !strncmp(k->name, "avx512bf16", 10);
+		tbuf_copy(&bv, &b0, t);
+		r = run_kernel(k, t, &bv, 0, t->n, 0, &rep);
+		CHECK(r == 0, "%s returned %d", k->name, r);
+		if (ftz)
+			check_case(t, &b0, &bv, k->name, rep.sumsq);
+		CHECK(tbuf_equal(&bv, &bs, t, ftz), "%s differs from scalar: prec=%d gd=%d pd=%d n=%zu",
+		      k->name, t->prec, t->gd, t->pd, t->n);
+		if (t->n > 0) {
+			double ss;
+			tbuf_copy(&bv, &b0, t);
+			r = run_chunked(k, t, &bv, &ss);
+			CHECK(r == 0, "%s chunked returned %d", k->name, r);
+			CHECK(tbuf_equal(&bv, &bs, t, ftz),
+			      "%s chunked differs from one call: prec=%d gd=%d pd=%d n=%zu", k->name,
+			      t->prec, t->gd, t->pd, t->n);
+		}
+	}
+	tbuf_free(&b0);
+	tbuf_free(&bs);
+	tbuf_free(&bv);
+}
+
+/* A non-finite gradient: reported; with skip_nonfinite nothing changes. */
+static void nonfinite_case(const struct aoqk_kernel *k, enum aoqk_precision prec,
+                           enum aoqk_dtype gd, int with_acc)
+{
+	struct tcase t = { .prec = prec, .gd = gd, .pd = AOQK_BF16, .use_acc = with_acc,
+	                   .n = 1000 + rnd() % 3000, .off = rnd() % 3 };
+	struct tbuf b0, b;
+	struct aoqk_report rep;
+	random_hparams(&t);
+	tbuf_alloc(&b0, &t);
+	tbuf_alloc(&b, &t);
+	fill_state(&b0, &t);
+	size_t where = rnd() % t.n;
+	int kind = (int)(rnd() % 3);
+	if (gd == AOQK_FP32)
+		((float *)b0.grad)[where] = kind == 0 ? NAN : kind == 1 ? INFINITY : -INFINITY;
+	else if (gd == AOQK_BF16)
+		((uint16_t *)b0.grad)[where] = kind == 0 ? 0x7fc1 : kind == 1 ? 0x7f80 : 0xff80;
+	else
+		((uint16_t *)b0.grad)[where] = kind == 0 ? 0x7e01 : kind == 1 ? 0x7c00 : 0xfc00;
+	tbuf_copy(&b, &b0, &t);
+	int r = run_kernel(k, &t, &b, 0, t.n, 1, &rep);
+	CHECK(r == 0 && rep.nonfinite, "%s: non-finite not reported (skip)", k->name);
+	CHECK(tbuf_equal(&b, &b0, &t, 0) && !memcmp(b.param, b0.param, t.n * 2),
+	      "%s: skipped step changed state", k->name);
+	/* the norm pass sees it too */
+	k->sumsq(b0.grad, gd, with_acc ? b0.acc : NULL, 1.0f, t.n, &rep);
+	CHECK(rep.nonfinite, "%s: sumsq() missed the non-finite value", k->name);
+	/* without skip: reported, and the update runs */
+	r = run_kernel(k, &t, &b, 0, t.n, 0, &rep);
+	CHECK(r == 0 && rep.nonfinite, "%s: non-finite not reported (no skip)", k->name);
+	/* finite, skip set: same result as without skip */
+	fill_grad(&b0, &t, where, 0.01);
+	struct tbuf b2;
+	tbuf_alloc(&b2, &t);
+	tbuf_copy(&b, &b0, &t);
+	tbuf_copy(&b2, &b0, &t);
+	struct aoqk_report r1, r2;
+	run_kernel(k, &t, &b, 0, t.n, 1, &r1);
+	run_kernel(k, &t, &b2, 0, t.n, 0, &r2);
+	CHECK(!r1.nonfinite && tbuf_equal(&b, &b2, &t, 0) && fabs(r1.sumsq - r2.sumsq) <= 1e-12 * r2.sumsq,
+	      "%s: skip_nonfinite changed a finite step", k->name);
+	tbuf_free(&b0);
+	tbuf_free(&b);
+	tbuf_free(&b2);
+}
+
+static void accumulate_case(const struct aoqk_kernel *k, enum aoqk_dtype gd, size_t n)
+{
+	struct tcase t = { .prec = AOQK_STATE_FP32, .gd = gd, .pd = 3, .n = n, .off = 1 };
+	struct tbuf b;
+	tbuf_alloc(&b, &t);
+	float *ref = malloc((n + 1) * sizeof(float));
+	float scale = (float)(0.5 + urand());
+	for (size_t i = 0; i < n; i++) {
+		fill_grad(&b, &t, i, 1.0);
+		b.acc[i] = (float)nrand();
+		ref[i] = (float)((double)b.acc[i] + (double)(float)((float)grad_val(&b, &t, i) * scale));
+	}
+	k->accumulate(b.acc, b.grad, gd, scale, n);
+	size_t badi = n;
+	for (size_t i = 0; i < n; i++)
+		if (f2u(b.acc[i]) != f2u(ref[i])) {
+			badi = i;
+			break;
+		}
+	CHECK(badi == n, "%s accumulate gd=%d n=%zu wrong at %zu", k->name, gd, n, badi);
+	free(ref);
+	tbuf_free(&b);
+}
+
+static void contract_cases(const struct aoqk_kernel *k)
+{
+	struct tcase t = { .prec = AOQK_STATE_Q8, .gd = AOQK_FP32, .pd = 3, .n = 1000 };
+	struct tbuf b;
+	struct aoqk_report rep;
+	random_hparams(&t);
+	tbuf_alloc(&b, &t);
+	fill_state(&b, &t);
+	CHECK(run_kernel(k, &t, &b, 100, 256, 0, &rep) == -EINVAL, "unaligned begin accepted");
+	CHECK(run_kernel(k, &t, &b, 0, 300, 0, &rep) == -EINVAL, "q8 chunk ending mid-block accepted");
+	CHECK(run_kernel(k, &t, &b, 768, 300, 0, &rep) == -EINVAL, "chunk past the end accepted");
+	CHECK(run_kernel(k, &t, &b, 768, 232, 0, &rep) == 0, "last partial block refused");
+	t.hp.step = 0;
+	CHECK(run_kernel(k, &t, &b, 0, 256, 0, &rep) == -EINVAL, "step 0 accepted");
+	tbuf_free(&b);
+}
+
+static int test_numerics(void)
+{
+	static const size_t lens[] = { 0, 1, 15, 16, 17, 255, 256, 257, 65536 + 3 };
+	size_t ncases = 0;
+
+	for (size_t li = 0; li < sizeof(lens) / sizeof(lens[0]); li++) {
+		for (int prec = 0; prec < 4; prec++)
+			for (int gd = 0; gd < 3; gd++)
+				for (int pd = 0; pd < 4; pd++) {
+					/* the long length once per combination, the
+					 * short ones with both optimizers */
+					for (int opt = 0; opt < (lens[li] > 1000 ? 1 : 2); opt++) {
+						struct tcase t = {
+							.prec = (enum aoqk_precision)prec,
+							.gd = (enum aoqk_dtype)gd,
+							.pd = pd,
+							.use_acc = (int)(rnd() & 1),
+							.n = lens[li],
+							.off = rnd() % 4,
+						};
+						random_hparams(&t);
+						t.hp.decoupled = lens[li] > 1000 ? (rnd() & 1) : opt;
+						t.wide = (rnd() % 3) == 0;
+						one_case(&t);
+						ncases++;
+					}
+				}
+	}
+	for (size_t vi = 0; vi < nrunnable; vi++) {
+		const struct aoqk_kernel *k = runnable[vi].k;
+		for (int prec = 0; prec < 4; prec++)
+			for (int gd = 0; gd < 3; gd++)
+				nonfinite_case(k, (enum aoqk_precision)prec, (enum aoqk_dtype)gd, prec & 1);
+		for (int gd = 0; gd < 3; gd++)
+			for (size_t li = 0; li < sizeof(lens) / sizeof(lens[0]); li++)
+				accumulate_case(k, (enum aoqk_dtype)gd, lens[li]);
+		contract_cases(k);
+	}
+	/* the selector */
+	CHECK(aoqk_select("scalar") == scalar, "select scalar");
+	CHECK(aoqk_select(NULL) == aoqk_available()[0], "select default");
+	errno = 0;
+	CHECK(aoqk_select("nonesuch") == NULL && errno == ENOENT, "select unknown name");
+	printf("numerics: %zu cases, %u checks, %u failures\n", ncases, checks, failures);
+	return failures ? 1 : 0;
+}
+
+/* ------------------------------------------------------------------ */
+/* Convergence: noisy quadratic, and the mean error of stochastic rounding. */
+
+static double quad_run(const struct aoqk_kernel *k, enum aoqk_precision prec, uint64_t seed)
+{
+	const size_t n = 4096;
+	const int steps = 2000;
+	struct tcase t = { .prec = prec, .gd = AOQK_BF16, .pd = AOQK_FP32, .n = n };
+	struct tbuf b;
+	double *h = malloc(n * sizeof(double)), *xs = malloc(n * sizeof(double));
+	double tail = 0;
+	uint64_t save = rng_state;
+
+	tbuf_alloc(&b, &t);
+	memset(b.m, 0, n * (aoqk_precision_q8(prec) ? 1 : 4));
+	memset(b.v, 0, n * (aoqk_precision_q8(prec) ? 1 : 4));
+	memset(b.ms, 0, b.nb * 4);
+	memset(b.vs, 0, b.nb * 4);
+	rng_state = seed;
+	for (size_t i = 0; i < n; i++) {
+		h[i] = pow(10.0, -2.0 + 3.0 * urand()); /* curvatures 0.01 .. 10 */
+		xs[i] = nrand();
+		float x0 = (float)(xs[i] + 2.0 * nrand());
+		if (aoqk_precision_bf16_master(prec))
+			((uint16_t *)b.master)[i] = bf16_rne_ref(x0);
+		else
+			((float *)b.master)[i] = x0;
+		((float *)b.param)[i] = aoqk_precision_bf16_master(prec) ? (float)bf16_val(bf16_rne_ref(x0)) : x0;
+	}
+	t.hp = (struct aoqk_hparams){ .lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
+	                              .weight_decay = 0.0f, .decoupled = true, .grad_scale = 1.0f };
+	for (int s = 1; s <= steps; s++) {
+		double loss = 0;
+		for (size_t i = 0; i < n; i++) {
+			double x = ((float *)b.param)[i], d = x - xs[i];
+			loss += 0.5 * h[i] * d * d;
+			double g = h[i] * d + 0.1 * nrand();
+			((uint16_t *)b.grad)[i] = bf16_rne_ref((float)g);
+		}
+		if (s > steps - 200)
+			tail += loss / 200;
+		t.hp.step = (uint64_t)s;
+		t.seed = seed + (uint64_t)s;
+		struct aoqk_report rep;
+		run_kernel(k, &t, &b, 0, n, 0, &rep);
+	}
+	rng_state = save;
+	free(h);
+	free(xs);
+	tbuf_free(&b);
+	return tail;
+}
+
+static void sr_bias(const struct aoqk_kernel *k)
+{
+	/* grad 0, m 0: the step only decays the master by (1 - lr * wd), an
+	 * fp32 value between two bf16 values that SR rounds to one of them */
+	const size_t n = 1 << 16;
+	struct tcase t = { .prec = AOQK_STATE_BF16, .gd = AOQK_FP32, .pd = 3, .n = n };
+	struct tbuf b;
+	tbuf_alloc(&b, &t);
+	for (int trial = 0; trial < 8; trial++) {
+		uint16_t p0 = bf16_rne_ref((float)(0.5 + urand()) * (trial & 1 ? -1.0f : 1.0f));
+		memset(b.grad, 0, n * 4);
+		memset(b.m, 0, n * 4);
+		memset(b.v, 0, n * 4);
+		for (size_t i = 0; i < n; i++)
+			((uint16_t *)b.master)[i] = p0;
+		t.hp = (struct aoqk_hparams){ .lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
+		                              .weight_decay = (float)(0.5 + 4 * urand()), .decoupled = true,
+		                              .step = 1 + rnd() % 100, .grad_scale = 1.0f };
+		t.seed = rnd();
+		float decay = (float)(1.0 - (double)t.hp.lr * t.hp.weight_decay);
+		double x = (double)((float)bf16_val(p0) * decay);
+		struct aoqk_report rep;
+		run_kernel(k, &t, &b, 0, n, 0, &rep);
+		double mean = 0;
+		for (size_t i = 0; i < n; i++)
+			mean += bf16_val(((uint16_t *)b.master)[i]);
+		mean /= (double)n;
+		uint16_t tr = (uint16_t)(f2u((float)x) >> 16);
+		double lo = fabs(bf16_val(tr)), hi = fabs(bf16_val((uint16_t)(tr + 1)));
+		double frac = (fabs(x) - lo) / (hi - lo);
+		double sigma = (hi - lo) * sqrt(frac * (1 - frac)) / sqrt((double)n);
+		CHECK(fabs(mean - x) < 5 * sigma + 1e-12 * fabs(x),
+		      "%s: SR mean %.10g of x %.10g off by %.3g sigma", k->name, mean, x,
+		      (mean - x) / sigma);
+	}
+	tbuf_free(&b);
+}
+
+static int test_convergence(void)
+{
+	const struct aoqk_kernel *k = aoqk_select(NULL);
+	uint64_t seed = rnd();
+	double base = quad_run(k, AOQK_STATE_FP32, seed);
+	static const char *names[] = { "fp32", "q8", "bf16", "bf16_q8" };
+	printf("noisy quadratic, %s, 2000 steps: fp32 tail loss %.6g\n", k->name, base);
+	for (int p = 1; p < 4; p++) {
+		double l = quad_run(k, (enum aoqk_precision)p, seed);
+		double rel = (l - base) / base;
+		printf("  %-8s tail loss %.6g (%+.2f%%)\n", names[p], l, 100 * rel);
+		CHECK(fabs(rel) <= 0.02, "%s loss %.6g vs fp32 %.6g: %+.2f%%", names[p], l, base,
+		      100 * rel);
+	}
+	for (size_t vi = 0; vi < nrunnable; vi++)
+		sr_bias(runnable[vi].k);
+	printf("convergence: %u checks, %u failures\n", checks, failures);
+	return failures ? 1 : 0;
+}
+
+int main(int argc, char **argv)
+{
+	const char *s = getenv("AOQK_TEST_SEED");
+	uint64_t seed = s ? strtoull(s, NULL, 0) : (uint64_t)time(NULL) ^ ((uint64_t)clock() << 32);
+	rng_state = seed;
+	printf("seed %" PRIu64 " (AOQK_TEST_SEED to repeat)\n", seed);
+	list_variants();
+	if (!scalar) {
+		fprintf(stderr, "no scalar kernel\n");
+		return 1;
+	}
+	const char *what = argc > 1 ? argv[1] : "numerics";
+	if (!strcmp(what, "numerics"))
+		return test_numerics();
+	if (!strcmp(what, "convergence"))
+		return test_convergence();
+	fprintf(stderr, "usage: %s numerics|convergence\n", argv[0]);
+	return 2;
+}

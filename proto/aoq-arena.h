@@ -1,0 +1,230 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The session arena: one sealed memfd shared by aoqd and one trainer.
+ *
+ *   offset 0               struct aoq_arena_header
+ *   tensor_table_off       struct aoq_arena_tensor[tensors]
+ *   slot_table_off         struct aoq_arena_slot[slots]
+ *   to_daemon_off          struct aoq_ring + aoq_rec[ring_capacity]  (client produces)
+ *   to_client_off          struct aoq_ring + aoq_rec[ring_capacity]  (daemon produces)
+ *   xfer_off               transfer area: state loads and reads (xfer_bytes)
+ *   data_off .. size       staging slots, every area 64-byte aligned
+ *
+ * Without a window, slot t belongs to tensor t: its grad area holds the
+ * whole gradient (numel * grad dtype size) and its param area the whole
+ * parameter.  A record's data then sits at area + offset * dtype size.
+ * With a window, there are `slots` staging slots of `slot_elems` elements
+ * each; the client picks a free slot per chunk and the data sits at the
+ * start of the slot's areas (count <= slot_elems).
+ *
+ * The daemon writes the header and tables once, before sealing; it keeps its
+ * own copy of the layout and never reads it back.  The client validates the
+ * header against the size of what it mapped.  The rings are the only shared
+ * state that changes: each side reads the other side's counter exactly once
+ * per operation into a local and checks it before use.
+ */
+#ifndef AOQ_ARENA_H
+#define AOQ_ARENA_H
+
+#include <errno.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <string.h>
+
+#define AOQ_ARENA_MAGIC 0x41514f41u /* "AOQA" */
+#define AOQ_ARENA_VERSION 1u
+#define AOQ_ARENA_ALIGN 64u
+#define AOQ_PROTOCOL_VERSION 1u
+#define AOQ_MAX_FRAME (1u << 20)
+#define AOQ_MAX_FDS 4
+
+struct aoq_arena_header {
+	uint32_t magic;
+	uint32_t version;
+	uint64_t size;
+	uint32_t tensors;
+	uint32_t slots;
+	uint64_t window;      /* 0: a slot per tensor */
+	uint64_t slot_elems;  /* window mode: elements per slot */
+	uint32_t ring_capacity;
+	uint32_t rec_size;
+	uint64_t tensor_table_off;
+	uint64_t slot_table_off;
+	uint64_t to_daemon_off;
+	uint64_t to_client_off;
+	uint64_t data_off;
+	uint64_t session_id;
+	uint64_t xfer_off;    /* LoadState/ReadState data */
+	uint64_t xfer_bytes;
+};
+
+struct aoq_arena_tensor {
+	uint64_t numel;
+	uint32_t param_dtype;
+	uint32_t grad_dtype;
+	uint32_t group;
+	uint32_t slot; /* its own slot, or UINT32_MAX with a window */
+};
+
+struct aoq_arena_slot {
+	uint64_t grad_off;
+	uint64_t grad_bytes;
+	uint64_t param_off;
+	uint64_t param_bytes;
+};
+
+/* Record flags, client -> daemon. */
+enum {
+	AOQ_REC_ACCUMULATE = 1u << 0, /* non-final micro-batch: add to the host accumulator */
+};
+#define AOQ_REC_FLAGS_KNOWN (AOQ_REC_ACCUMULATE)
+
+/* Record status, daemon -> client. */
+enum {
+	AOQ_REC_UPDATED = 0,     /* the param area holds the updated values */
+	AOQ_REC_ACCUMULATED = 1, /* the gradient was accumulated; no param */
+	AOQ_REC_SKIPPED = 2,     /* non-finite gradient: nothing changed; no param */
+};
+
+/* Both directions use the same record. */
+struct aoq_rec {
+	uint32_t tensor;
+	uint32_t slot;
+	uint64_t offset; /* first element within the tensor */
+	uint64_t count;  /* elements */
+	uint64_t step;
+	uint32_t flags;  /* client -> daemon */
+	int32_t status;  /* daemon -> client */
+};
+
+struct aoq_ring {
+	_Atomic uint64_t head; /* written by the producer only */
+	/* Set by a producer that found the ring full: the consumer clears it
+	 * after popping and rings the producer's doorbell. */
+	_Atomic uint32_t producer_waiting;
+	uint8_t pad0[52];
+	_Atomic uint64_t tail; /* written by the consumer only */
+	uint8_t pad1[56];
+	struct aoq_rec recs[];
+};
+
+_Static_assert(sizeof(struct aoq_rec) == 40, "record layout");
+_Static_assert(sizeof(struct aoq_ring) == 128, "ring layout");
+_Static_assert(sizeof(struct aoq_arena_header) == 112, "header layout");
+
+static inline uint64_t aoq_align_up(uint64_t v, uint64_t a)
+{
+	return (v + a - 1) & ~(a - 1);
+}
+
+/* Overflow-safe a * b; false on overflow. */
+static inline bool aoq_mul_ok(uint64_t a, uint64_t b, uint64_t *out)
+{
+	return !__builtin_mul_overflow(a, b, out);
+}
+
+/* Overflow-safe off + len <= limit. */
+static inline bool aoq_range_ok(uint64_t off, uint64_t len, uint64_t limit)
+{
+	uint64_t end;
+	return !__builtin_add_overflow(off, len, &end) && end <= limit;
+}
+
+/* The producer's side of a ring.  `head` is private: the shared head is
+ * only written, never read back. */
+struct aoq_ring_prod {
+	struct aoq_ring *ring;
+	uint32_t cap;
+	uint64_t head;
+};
+
+/* The consumer's side.  `tail` is private likewise. */
+struct aoq_ring_cons {
+	struct aoq_ring *ring;
+	uint32_t cap;
+	uint64_t tail;
+};
+
+/* Free entries, or -EPROTO when the consumer's counter is impossible. */
+static inline int64_t aoq_ring_space(const struct aoq_ring_prod *p)
+{
+	uint64_t tail = atomic_load_explicit(&p->ring->tail, memory_order_acquire);
+	uint64_t used = p->head - tail;
+	if (used > p->cap)
+		return -EPROTO;
+	return (int64_t)(p->cap - used);
+}
+
+/*
+ * Appends one record.  Returns 1 when the consumer may be asleep and must be
+ * woken (the ring was empty as far as it had seen), 0 when not, -EAGAIN when
+ * full, -EPROTO when the consumer's counter is impossible.
+ */
+static inline int aoq_ring_push(struct aoq_ring_prod *p, const struct aoq_rec *rec)
+{
+	int64_t space = aoq_ring_space(p);
+	if (space < 0)
+		return (int)space;
+	if (space == 0)
+		return -EAGAIN;
+	memcpy(&p->ring->recs[p->head % p->cap], rec, sizeof(*rec));
+	p->head++;
+	atomic_store_explicit(&p->ring->head, p->head, memory_order_release);
+	/* Pairs with the fence in aoq_ring_idle(): either the consumer sees
+	 * our head, or we see that it had consumed everything and sleeps. */
+	atomic_thread_fence(memory_order_seq_cst);
+	uint64_t tail = atomic_load_explicit(&p->ring->tail, memory_order_relaxed);
+	return tail == p->head - 1 ? 1 : 0;
+}
+
+/* Copies the next record into *rec.  Returns 1, 0 when empty, -EPROTO when
+ * the producer's counter is impossible.  The copy is the caller's to
+ * validate: the producer may scribble on the ring at any time. */
+static inline int aoq_ring_peek(const struct aoq_ring_cons *c, struct aoq_rec *rec)
+{
+	uint64_t head = atomic_load_explicit(&c->ring->head, memory_order_acquire);
+	uint64_t avail = head - c->tail;
+	if (avail > c->cap)
+		return -EPROTO;
+	if (avail == 0)
+		return 0;
+	memcpy(rec, &c->ring->recs[c->tail % c->cap], sizeof(*rec));
+	return 1;
+}
+
+static inline void aoq_ring_pop(struct aoq_ring_cons *c)
+{
+	c->tail++;
+	atomic_store_explicit(&c->ring->tail, c->tail, memory_order_release);
+}
+
+/* After popping: true when the producer waits for space and must be woken
+ * (through the doorbell in the other direction). */
+static inline bool aoq_ring_producer_waiting(const struct aoq_ring_cons *c)
+{
+	atomic_thread_fence(memory_order_seq_cst);
+	if (!atomic_load_explicit(&c->ring->producer_waiting, memory_order_relaxed))
+		return false;
+	return atomic_exchange_explicit(&c->ring->producer_waiting, 0, memory_order_relaxed) != 0;
+}
+
+/* A producer that found the ring full: announce it, then check again; true
+ * when there is space after all (no wake will come, none is needed). */
+static inline bool aoq_ring_wait_space(struct aoq_ring_prod *p, uint64_t need)
+{
+	atomic_store_explicit(&p->ring->producer_waiting, 1, memory_order_relaxed);
+	atomic_thread_fence(memory_order_seq_cst);
+	int64_t space = aoq_ring_space(p);
+	return space < 0 || (uint64_t)space >= need;
+}
+
+/* Call before sleeping on the doorbell: true when the ring is still empty
+ * after publishing our tail, so a producer that pushes now will ring. */
+static inline bool aoq_ring_idle(const struct aoq_ring_cons *c)
+{
+	atomic_thread_fence(memory_order_seq_cst);
+	return atomic_load_explicit(&c->ring->head, memory_order_relaxed) == c->tail;
+}
+
+#endif

@@ -1,0 +1,830 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Hostile clients against one aoqd while a well-behaved trainer trains.
+ *
+ * The trainer (a libaoq client in a thread) runs from before the first
+ * attack until after the last; each step is checked against the double
+ * reference, and at the end its parameters must equal, bit for bit, those
+ * of a second session fed the same inputs alone.  The attacks, one after
+ * the other from the main thread:
+ *   random bytes; a body that does not decode; a 4 GiB (0xffffffff) and a
+ *   1 MiB + 1 length prefix; truncated frames then close; messages wrong
+ *   in the current state (StepEnd before Hello and before Register,
+ *   Register twice, Hello twice, a reply sent as a request, a bad protocol
+ *   version); oversized names and impossible registrations; fds attached
+ *   to a Hello; ring records with a tensor index out of range, an
+ *   offset+count that overflows or runs past the tensor, a wrong step, a
+ *   wrong slot, unknown flags, an impossible ring counter; disconnects
+ *   mid-step; clients killed with SIGKILL mid-step; 200 connections opened
+ *   and closed at once.
+ * After each, the daemon must still run, must have closed the offending
+ * connection (after an Error where one is possible) and must have logged
+ * it.  At the end a new client trains, an observer gets Stats, the daemon
+ * holds no leaked fds, and it exits 0 on SIGTERM.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <math.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "harness.h"
+
+static struct aoqt_daemon daemon_;
+static int log_wait_ms = 10000;
+
+/* ---- the well-behaved trainer ------------------------------------------ */
+
+#define TT 4
+struct ttens {
+	uint64_t n;
+	enum aoq_dtype gd, pd;
+	uint32_t group;
+};
+static const struct ttens tdesc[TT] = {
+	{ 4097, AOQ_FP32, AOQ_FP32, 0 },
+	{ 65539, AOQ_BF16, AOQ_BF16, 1 },
+	{ 1000, AOQ_FP16, AOQ_FP32, 0 },
+	{ 3, AOQ_FP32, AOQ_FP16, 1 },
+};
+
+struct trainer {
+	const char *job;
+	uint64_t steps;          /* run exactly this many, or 0: until stop */
+	atomic_bool *stop;       /* with steps == 0 */
+	uint64_t min_steps;
+	atomic_uint_fast64_t done; /* steps completed */
+	pthread_mutex_t lock;    /* with cond: signalled after each step */
+	pthread_cond_t cond;
+	void *param[TT];
+	uint64_t final_steps;
+};
+
+static struct aoq_group thp(uint32_t g, uint64_t k)
+{
+	struct aoq_group h = g == 0
+		? (struct aoq_group){ .kind = AOQ_ADAMW, .lr = 2e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
+		                      .weight_decay = 0.02 }
+		: (struct aoq_group){ .kind = AOQ_ADAM, .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.98, .eps = 1e-6,
+		                      .weight_decay = 0.01 };
+	h.lr *= 1.0 + 0.5 * sin(0.3 * (double)k);
+	return h;
+}
+
+static void *trainer_run(void *arg)
+{
+	struct trainer *tr = arg;
+	struct aoq_options o = AOQ_OPTIONS_INIT;
+	o.socket = daemon_.socket;
+	o.job = tr->job;
+	o.device = "cpu";
+	struct aoq_client *c = NULL;
+	CHECK_OK(aoq_connect(&c, &o));
+	for (uint32_t g = 0; g < 2; g++) {
+		struct aoq_group h = thp(g, 1);
+		CHECK_OK(aoq_add_group(c, &h));
+	}
+	void *grad[TT];
+	float *gval[TT];
+	struct aoqt_ref ref[TT];
+	int idx[TT];
+	for (int t = 0; t < TT; t++) {
+		const struct ttens *d = &tdesc[t];
+		tr->param[t] = aoqt_xmalloc(d->n * aoqt_dtype_size(d->pd));
+		grad[t] = aoqt_xmalloc(d->n * aoqt_dtype_size(d->gd));
+		gval[t] = aoqt_xmalloc(d->n * sizeof(float));
+		aoqt_ref_init(&ref[t], d->n);
+		struct aoqt_rng rng = aoqt_rng_for(0x1111, (uint64_t)t, 0);
+		for (uint64_t i = 0; i < d->n; i++) {
+			aoqt_store(tr->param[t], i, d->pd, aoqt_uniform(&rng));
+			ref[t].p[i] = aoqt_load(tr->param[t], i, d->pd);
+		}
+		char name[16];
+		snprintf(name, sizeof(name), "w%d", t);
+		struct aoq_tensor td = { .name = name, .numel = d->n, .param_dtype = d->pd, .grad_dtype = d->gd,
+		                         .group = d->group, .param = tr->param[t], .grad = grad[t] };
+		idx[t] = aoq_add_tensor(c, &td);
+		CHECK_OK(idx[t]);
+	}
+	CHECK_OK(aoq_register(c));
+	uint64_t k = 0;
+	for (;;) {
+		if (tr->steps ? k >= tr->steps : (atomic_load(tr->stop) && k >= tr->min_steps))
+			break;
+		k++;
+		CHECK(k < 100000, "trainer: runaway");
+		if (k > 1)
+			for (uint32_t g = 0; g < 2; g++) {
+				struct aoq_group h = thp(g, k);
+				CHECK_OK(aoq_set_hyperparams(c, g, &h));
+			}
+		for (int t = 0; t < TT; t++) {
+			const struct ttens *d = &tdesc[t];
+			struct aoqt_rng rng = aoqt_rng_for(0x2222 + k, (uint64_t)t, 0);
+			for (uint64_t i = 0; i < d->n; i++) {
+				aoqt_store(grad[t], i, d->gd, 0.1 * aoqt_uniform(&rng));
+				gval[t][i] = (float)aoqt_load(grad[t], i, d->gd);
+			}
+			CHECK_OK(aoq_push_grad(c, (uint32_t)idx[t], 0, NULL));
+		}
+		CHECK_OK(aoq_step_end(c));
+		struct aoq_step_result res = { 0 };
+		CHECK_OK(aoq_sync(c, &res));
+		CHECK(res.step == k && res.tensors_updated == TT,
+		      "trainer %s: step result %" PRIu64 " with %" PRIu64 " tensors, want %" PRIu64 " with %d", tr->job,
+		      res.step, res.tensors_updated, k, TT);
+		size_t bad = 0;
+		for (int t = 0; t < TT; t++) {
+			struct aoq_group h = thp(tdesc[t].group, k);
+			aoqt_ref_step(&ref[t], &h, gval[t]);
+			char what[64];
+			snprintf(what, sizeof(what), "trainer %s step %" PRIu64 " tensor %d", tr->job, k, t);
+			bad += aoqt_check_param(what, &ref[t], tr->param[t], tdesc[t].pd);
+			if (tdesc[t].pd == AOQ_FP32)
+				aoqt_ref_resync(&ref[t], tr->param[t]);
+		}
+		CHECK(bad == 0, "trainer %s step %" PRIu64 ": %zu parameters differ from the reference", tr->job, k, bad);
+		pthread_mutex_lock(&tr->lock);
+		atomic_store(&tr->done, k);
+		pthread_cond_broadcast(&tr->cond);
+		pthread_mutex_unlock(&tr->lock);
+	}
+	tr->final_steps = k;
+	aoq_close(c);
+	for (int t = 0; t < TT; t++) {
+		free(grad[t]);
+		free(gval[t]);
+		aoqt_ref_free(&ref[t]);
+	}
+	return NULL;
+}
+
+/* ---- helpers ------------------------------------------------------------ */
+
+static int connect_raw(void)
+{
+	int fd = aoqt_raw_connect(daemon_.socket);
+	CHECK(fd >= 0, "connect to aoqd: %s", strerror(-fd));
+	return fd;
+}
+
+static uint64_t hello(int fd, const char *job)
+{
+	uint64_t id = 0;
+	CHECK_OK(aoqt_raw_hello(fd, job, 0, false, &id));
+	return id;
+}
+
+static void send_raw(int fd, const void *p, size_t n)
+{
+	const uint8_t *b = p;
+	while (n) {
+		ssize_t w = send(fd, b, n, MSG_NOSIGNAL);
+		if (w < 0 && errno == EINTR)
+			continue;
+		if (w < 0)
+			return; /* the daemon may close while we write: fine */
+		b += w;
+		n -= (size_t)w;
+	}
+}
+
+/*
+ * The connection must end: an Error frame with code `want` (-1: any code,
+ * -2: no Error required) and then EOF.
+ */
+static void expect_closed(const char *what, int fd, int want)
+{
+	char msg[256];
+	int code = aoqt_raw_expect_close(fd, 20000, msg, sizeof(msg));
+	CHECK(code != -2, "%s: the daemon kept the connection open", what);
+	CHECK(code != -3, "%s: receive failed", what);
+	if (want >= 0)
+		CHECK(code == want, "%s: got %s (%d) '%s', want Error %s then EOF", what,
+		      code >= 0 ? aoq_error_name(code) : "EOF without Error", code, msg, aoq_error_name(want));
+	else if (want == -1)
+		CHECK(code >= 0, "%s: EOF without an Error frame", what);
+	printf("  %-48s -> %s%s%s\n", what, code >= 0 ? aoq_error_name(code) : "closed", msg[0] ? ": " : "", msg);
+	close(fd);
+}
+
+static void check_alive(const char *what)
+{
+	CHECK(aoqt_daemon_alive(&daemon_), "aoqd died after: %s", what);
+}
+
+static void check_logged_session(const char *what, uint64_t id)
+{
+	/* The Hello line plus at least one about what ended the session. */
+	CHECK(aoqt_wait_log_session(&daemon_, id, 2, log_wait_ms),
+	      "%s: the daemon's log has fewer than 2 lines about session %" PRIu64, what, id);
+}
+
+static void check_logged_growth(const char *what, size_t before)
+{
+	CHECK(aoqt_wait_log_growth(&daemon_, before, log_wait_ms), "%s: the daemon logged nothing", what);
+}
+
+static void frame_bytes(Aoq__Envelope *env, uint8_t **buf, size_t *len)
+{
+	CHECK_OK(aoq_frame_encode(env, buf, len));
+}
+
+static void hello_env(Aoq__Envelope *env, Aoq__Hello *h, const char *job)
+{
+	aoq__hello__init(h);
+	h->protocol_version = AOQ_PROTOCOL_VERSION;
+	h->job = (char *)job;
+	h->device = (char *)"cpu";
+	h->pid = (uint32_t)getpid();
+	aoq__envelope__init(env);
+	env->msg_case = AOQ__ENVELOPE__MSG_HELLO;
+	env->hello = h;
+}
+
+/* ---- attacks ------------------------------------------------------------ */
+
+static void attack_random_bytes(void)
+{
+	size_t before = aoqt_daemon_log_size(&daemon_);
+	struct aoqt_rng rng = aoqt_rng_for(0xbad, 1, 0);
+	uint8_t buf[65536];
+	for (size_t i = 0; i < sizeof(buf); i += 8) {
+		uint64_t v = aoqt_next(&rng);
+		memcpy(buf + i, &v, 8);
+	}
+	int fd = connect_raw();
+	send_raw(fd, buf, sizeof(buf));
+	/* With a length prefix under the cap (1 in 4096) the daemon would
+	 * rightly wait for the rest: our EOF ends that. */
+	shutdown(fd, SHUT_WR);
+	expect_closed("random bytes", fd, -2);
+	check_alive("random bytes");
+	check_logged_growth("random bytes", before);
+
+	/* A frame of a sane length whose body is no protobuf: an 11-byte
+	 * varint tag is invalid whatever follows. */
+	before = aoqt_daemon_log_size(&daemon_);
+	fd = connect_raw();
+	uint8_t f[4 + 64];
+	f[0] = 64;
+	f[1] = f[2] = f[3] = 0;
+	memset(f + 4, 0xff, 16);
+	memcpy(f + 20, buf, 48);
+	send_raw(fd, f, sizeof(f));
+	expect_closed("undecodable frame", fd, AOQ__ERROR_CODE__PROTOCOL);
+	check_alive("undecodable frame");
+	check_logged_growth("undecodable frame", before);
+
+	/* The same after a good Hello. */
+	fd = connect_raw();
+	uint64_t id = hello(fd, "hostile-garbage");
+	send_raw(fd, f, sizeof(f));
+	expect_closed("undecodable frame after Hello", fd, AOQ__ERROR_CODE__PROTOCOL);
+	check_logged_session("undecodable frame after Hello", id);
+}
+
+static void attack_huge_length(void)
+{
+	static const uint8_t huge[] = { 0xff, 0xff, 0xff, 0xff, 1, 2, 3, 4 };
+	size_t before = aoqt_daemon_log_size(&daemon_);
+	int fd = connect_raw();
+	send_raw(fd, huge, sizeof(huge));
+	expect_closed("length prefix 0xffffffff", fd, AOQ__ERROR_CODE__PROTOCOL);
+	check_alive("length prefix 0xffffffff");
+	check_logged_growth("length prefix 0xffffffff", before);
+
+	fd = connect_raw();
+	uint64_t id = hello(fd, "hostile-huge");
+	send_raw(fd, huge, sizeof(huge));
+	expect_closed("length prefix 0xffffffff after Hello", fd, AOQ__ERROR_CODE__PROTOCOL);
+	check_logged_session("length prefix 0xffffffff after Hello", id);
+
+	uint32_t over = AOQ_MAX_FRAME + 1;
+	uint8_t p[4] = { over & 0xff, (over >> 8) & 0xff, (over >> 16) & 0xff, over >> 24 };
+	fd = connect_raw();
+	id = hello(fd, "hostile-over");
+	send_raw(fd, p, 4);
+	expect_closed("length prefix 1 MiB + 1", fd, AOQ__ERROR_CODE__PROTOCOL);
+	check_logged_session("length prefix 1 MiB + 1", id);
+	check_alive("length prefix 1 MiB + 1");
+}
+
+static void attack_truncated(void)
+{
+	Aoq__Envelope env;
+	Aoq__Hello h;
+	uint8_t *buf;
+	size_t len;
+	hello_env(&env, &h, "hostile-trunc");
+	frame_bytes(&env, &buf, &len);
+
+	/* Half a Hello, then close. */
+	size_t before = aoqt_daemon_log_size(&daemon_);
+	int fd = connect_raw();
+	send_raw(fd, buf, len / 2);
+	close(fd);
+	/* Only the length prefix and one byte. */
+	fd = connect_raw();
+	send_raw(fd, buf, 5);
+	close(fd);
+	free(buf);
+	check_logged_growth("truncated Hello then close", before);
+	check_alive("truncated Hello then close");
+
+	/* Hello, then half a Register, then close. */
+	fd = connect_raw();
+	uint64_t id = hello(fd, "hostile-trunc2");
+	Aoq__Register reg = AOQ__REGISTER__INIT;
+	Aoq__Hyperparams hp = AOQ__HYPERPARAMS__INIT;
+	hp.lr = 1e-3;
+	Aoq__Group g = AOQ__GROUP__INIT, *gp = &g;
+	g.hp = &hp;
+	Aoq__TensorDesc td = AOQ__TENSOR_DESC__INIT, *tdp = &td;
+	td.name = (char *)"x";
+	td.numel = 1000;
+	reg.n_groups = 1;
+	reg.groups = &gp;
+	reg.n_tensors = 1;
+	reg.tensors = &tdp;
+	aoq__envelope__init(&env);
+	env.msg_case = AOQ__ENVELOPE__MSG_REGISTER;
+	env.register_ = &reg;
+	frame_bytes(&env, &buf, &len);
+	send_raw(fd, buf, len - 3);
+	free(buf);
+	close(fd);
+	check_logged_session("truncated Register then close", id);
+	check_alive("truncated Register then close");
+	printf("  %-48s -> closed by us\n", "truncated frames");
+}
+
+static void attack_wrong_state(void)
+{
+	Aoq__StepEnd se = AOQ__STEP_END__INIT;
+	se.step = 1;
+
+	size_t before = aoqt_daemon_log_size(&daemon_);
+	int fd = connect_raw();
+	CHECK_OK(aoqt_send_msg(fd, AOQ__ENVELOPE__MSG_STEP_END, &se));
+	expect_closed("StepEnd before Hello", fd, AOQ__ERROR_CODE__PROTOCOL);
+	check_logged_growth("StepEnd before Hello", before);
+
+	fd = connect_raw();
+	uint64_t id = hello(fd, "hostile-state1");
+	CHECK_OK(aoqt_send_msg(fd, AOQ__ENVELOPE__MSG_STEP_END, &se));
+	expect_closed("StepEnd before Register", fd, AOQ__ERROR_CODE__PROTOCOL);
+	check_logged_session("StepEnd before Register", id);
+
+	fd = connect_raw();
+	id = hello(fd, "hostile-state2");
+	Aoq__Envelope env;
+	Aoq__Hello h;
+	hello_env(&env, &h, "again");
+	CHECK_OK(aoqt_send_env(fd, &env));
+	expect_closed("Hello twice", fd, AOQ__ERROR_CODE__PROTOCOL);
+	check_logged_session("Hello twice", id);
+
+	fd = connect_raw();
+	id = hello(fd, "hostile-state3");
+	Aoq__Welcome w = AOQ__WELCOME__INIT;
+	CHECK_OK(aoqt_send_msg(fd, AOQ__ENVELOPE__MSG_WELCOME, &w));
+	expect_closed("a Welcome sent to the daemon", fd, AOQ__ERROR_CODE__PROTOCOL);
+	check_logged_session("a Welcome sent to the daemon", id);
+
+	before = aoqt_daemon_log_size(&daemon_);
+	fd = connect_raw();
+	hello_env(&env, &h, "hostile-version");
+	h.protocol_version = 99;
+	CHECK_OK(aoqt_send_env(fd, &env));
+	expect_closed("protocol version 99", fd, AOQ__ERROR_CODE__VERSION);
+	check_logged_growth("protocol version 99", before);
+
+	/* Register twice: the second, valid in itself, is wrong now. */
+	struct aoqt_raw s;
+	uint64_t n1[1] = { 100 };
+	CHECK_OK(aoqt_raw_open(&s, daemon_.socket, "hostile-reg2", n1, 1));
+	Aoq__Register reg = AOQ__REGISTER__INIT;
+	Aoq__Hyperparams hp = AOQ__HYPERPARAMS__INIT;
+	hp.lr = 1e-3;
+	Aoq__Group g = AOQ__GROUP__INIT, *gp = &g;
+	g.hp = &hp;
+	Aoq__TensorDesc td = AOQ__TENSOR_DESC__INIT, *tdp = &td;
+	td.name = (char *)"x";
+	td.numel = 10;
+	reg.n_groups = 1;
+	reg.groups = &gp;
+	reg.n_tensors = 1;
+	reg.tensors = &tdp;
+	CHECK_OK(aoqt_send_msg(s.sock, AOQ__ENVELOPE__MSG_REGISTER, &reg));
+	expect_closed("Register twice", s.sock, AOQ__ERROR_CODE__PROTOCOL);
+	s.sock = -1;
+	check_logged_session("Register twice", s.id);
+	aoqt_raw_close(&s);
+	check_alive("wrong-state messages");
+}
+
+static void attack_bad_registration(void)
+{
+	/* A job name filling most of a frame. */
+	size_t n = AOQ_MAX_FRAME - 64;
+	char *job = aoqt_xmalloc(n + 1);
+	memset(job, 'j', n);
+	job[n] = 0;
+	Aoq__Envelope env;
+	Aoq__Hello h;
+	hello_env(&env, &h, job);
+	size_t before = aoqt_daemon_log_size(&daemon_);
+	int fd = connect_raw();
+	CHECK_OK(aoqt_send_env(fd, &env));
+	expect_closed("Hello with a 1 MiB job name", fd, -1);
+	free(job);
+	check_logged_growth("Hello with a 1 MiB job name", before);
+
+	/* Impossible tensors: every one must be refused with an Error; the
+	 * daemon may keep the connection or not. */
+	struct {
+		const char *what;
+		uint64_t numel;
+		uint32_t group;
+	} bad[] = {
+		{ "Register numel 2^62", 1ull << 62, 0 },
+		{ "Register numel UINT64_MAX", UINT64_MAX, 0 },
+		{ "Register group index out of range", 10, 7 },
+	};
+	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+		fd = connect_raw();
+		uint64_t id = hello(fd, "hostile-reg");
+		Aoq__Register reg = AOQ__REGISTER__INIT;
+		Aoq__Hyperparams hp = AOQ__HYPERPARAMS__INIT;
+		hp.lr = 1e-3;
+		Aoq__Group g = AOQ__GROUP__INIT, *gp = &g;
+		g.hp = &hp;
+		Aoq__TensorDesc td = AOQ__TENSOR_DESC__INIT, *tdp = &td;
+		td.name = (char *)"x";
+		td.numel = bad[i].numel;
+		td.group = bad[i].group;
+		reg.n_groups = 1;
+		reg.groups = &gp;
+		reg.n_tensors = 1;
+		reg.tensors = &tdp;
+		CHECK_OK(aoqt_send_msg(fd, AOQ__ENVELOPE__MSG_REGISTER, &reg));
+		Aoq__Envelope *rep = NULL;
+		int fds[AOQ_MAX_FDS], nfds = 0;
+		int r = aoq_recv_frame(fd, &rep, fds, AOQ_MAX_FDS, &nfds);
+		for (int j = 0; j < nfds; j++)
+			close(fds[j]);
+		CHECK(r == 0, "%s: no reply (%s)", bad[i].what, strerror(-r));
+		CHECK(rep->msg_case == AOQ__ENVELOPE__MSG_ERROR, "%s: reply %d, want Error", bad[i].what,
+		      (int)rep->msg_case);
+		printf("  %-48s -> %s: %s\n", bad[i].what, aoq_error_name((int)rep->error->code), rep->error->message);
+		aoq_envelope_free(rep);
+		close(fd);
+		check_logged_session(bad[i].what, id);
+		check_alive(bad[i].what);
+	}
+}
+
+static void attack_spoofed_fds(void)
+{
+	int before_fds = aoqt_count_fds(daemon_.pid);
+	for (int round = 0; round < 10; round++) {
+		int fd = connect_raw();
+		Aoq__Envelope env;
+		Aoq__Hello h;
+		hello_env(&env, &h, "hostile-fds");
+		int extra[AOQ_MAX_FDS];
+		for (int i = 0; i < AOQ_MAX_FDS; i++)
+			extra[i] = open("/dev/null", O_RDONLY | O_CLOEXEC);
+		/* aoq_send_frame attaches the fds to the first byte. */
+		int r = aoq_send_frame(fd, &env, extra, AOQ_MAX_FDS);
+		for (int i = 0; i < AOQ_MAX_FDS; i++)
+			close(extra[i]);
+		if (r < 0) {
+			close(fd);
+			continue;
+		}
+		/* Either refused (Error, close) or the fds ignored (Welcome). */
+		Aoq__Envelope *rep = NULL;
+		r = aoq_recv_frame(fd, &rep, NULL, 0, NULL);
+		if (r == 0 && round == 0)
+			printf("  %-48s -> %s\n", "Hello with 4 fds attached",
+			       rep->msg_case == AOQ__ENVELOPE__MSG_ERROR ? aoq_error_name((int)rep->error->code)
+			                                                 : "accepted, fds ignored");
+		aoq_envelope_free(r == 0 ? rep : NULL);
+		close(fd);
+	}
+	/* A round trip, so the daemon has seen the closes. */
+	Aoq__Envelope *st = NULL;
+	CHECK_OK(aoqt_stats(daemon_.socket, &st));
+	aoq_envelope_free(st);
+	int after_fds = aoqt_count_fds(daemon_.pid);
+	CHECK(after_fds < before_fds + 8, "aoqd holds %d fds after 10 Hellos with 4 fds each, %d before: it keeps "
+	      "the fds a client attached", after_fds, before_fds);
+	check_alive("fds attached to a Hello");
+}
+
+static void bad_record(const char *what, struct aoq_rec rec, int want)
+{
+	struct aoqt_raw s;
+	uint64_t numel[2] = { 4097, 100 };
+	CHECK_OK(aoqt_raw_open(&s, daemon_.socket, "hostile-rec", numel, 2));
+	CHECK_OK(aoqt_raw_push(&s, &rec));
+	expect_closed(what, s.sock, want);
+	s.sock = -1;
+	check_logged_session(what, s.id);
+	aoqt_raw_close(&s);
+	check_alive(what);
+}
+
+static void attack_records(void)
+{
+	/* The control: a valid record gets its param record back, so every
+	 * failure below is due to the one bad field. */
+	struct aoqt_raw s;
+	uint64_t numel[2] = { 4097, 100 };
+	CHECK_OK(aoqt_raw_open(&s, daemon_.socket, "hostile-rec-ok", numel, 2));
+	struct aoq_rec ok = { .tensor = 0, .slot = 0, .offset = 0, .count = 4097, .step = 1, .flags = 0 };
+	CHECK_OK(aoqt_raw_push(&s, &ok));
+	struct aoq_rec back;
+	int r = aoqt_raw_pop(&s, &back, 20000);
+	CHECK(r == 1, "valid raw record: no param record came back (%d)", r);
+	CHECK(back.tensor == 0 && back.step == 1 && back.status == AOQ_REC_UPDATED && back.offset == 0 &&
+	      back.count == 4097,
+	      "valid raw record: got {tensor %u, step %" PRIu64 ", status %d, offset %" PRIu64 ", count %" PRIu64 "}",
+	      back.tensor, back.step, back.status, back.offset, back.count);
+	Aoq__StepEnd se = AOQ__STEP_END__INIT;
+	se.step = 1;
+	Aoq__Envelope env = AOQ__ENVELOPE__INIT, *rep = NULL;
+	env.msg_case = AOQ__ENVELOPE__MSG_STEP_END;
+	env.step_end = &se;
+	CHECK_OK(aoq_call(s.sock, &env, &rep, NULL));
+	CHECK(rep->msg_case == AOQ__ENVELOPE__MSG_STEP_ENDED && rep->step_ended->step == 1 &&
+	      rep->step_ended->tensors_updated == 1,
+	      "raw StepEnd: reply %d", (int)rep->msg_case);
+	aoq_envelope_free(rep);
+	aoqt_raw_close(&s);
+	printf("  %-48s -> updated, StepEnded\n", "valid raw record (control)");
+
+	const int BR = AOQ__ERROR_CODE__BAD_RECORD;
+	bad_record("record: tensor index = tensors", (struct aoq_rec){ .tensor = 2, .slot = 2, .count = 1, .step = 1 }, BR);
+	bad_record("record: tensor index 0xffffffff",
+	           (struct aoq_rec){ .tensor = UINT32_MAX, .slot = UINT32_MAX, .count = 1, .step = 1 }, BR);
+	bad_record("record: offset+count overflows",
+	           (struct aoq_rec){ .tensor = 0, .offset = UINT64_MAX - 1, .count = 4, .step = 1 }, BR);
+	bad_record("record: count overflows",
+	           (struct aoq_rec){ .tensor = 0, .offset = 1, .count = UINT64_MAX, .step = 1 }, BR);
+	bad_record("record: offset+count past the tensor",
+	           (struct aoq_rec){ .tensor = 0, .offset = 4000, .count = 98, .step = 1 }, BR);
+	bad_record("record: step 0", (struct aoq_rec){ .tensor = 1, .slot = 1, .count = 100, .step = 0 }, BR);
+	bad_record("record: step current+2", (struct aoq_rec){ .tensor = 1, .slot = 1, .count = 100, .step = 3 }, BR);
+	bad_record("record: step 2^63", (struct aoq_rec){ .tensor = 1, .slot = 1, .count = 100, .step = 1ull << 63 }, BR);
+	bad_record("record: unknown flags",
+	           (struct aoq_rec){ .tensor = 1, .slot = 1, .count = 100, .step = 1, .flags = 0x80 }, BR);
+	bad_record("record: slot of another tensor", (struct aoq_rec){ .tensor = 0, .slot = 1, .count = 10, .step = 1 }, BR);
+
+	/* An impossible producer counter: head far past what the ring holds. */
+	CHECK_OK(aoqt_raw_open(&s, daemon_.socket, "hostile-ring", numel, 2));
+	atomic_store(&s.prod.ring->head, (uint64_t)s.hdr.ring_capacity * 3 + 5);
+	uint64_t one = 1;
+	CHECK(write(s.to_daemon, &one, 8) == 8, "doorbell");
+	expect_closed("ring head beyond capacity", s.sock, -1);
+	s.sock = -1;
+	check_logged_session("ring head beyond capacity", s.id);
+	aoqt_raw_close(&s);
+	check_alive("ring head beyond capacity");
+}
+
+static void attack_disconnect_mid_step(void)
+{
+	for (int variant = 0; variant < 3; variant++) {
+		struct aoqt_raw s;
+		uint64_t numel[2] = { (1u << 20) + 13, 4097 };
+		CHECK_OK(aoqt_raw_open(&s, daemon_.socket, "hostile-gone", numel, 2));
+		struct aoq_rec rec = { .tensor = 0, .slot = 0, .count = numel[0], .step = 1 };
+		CHECK_OK(aoqt_raw_push(&s, &rec));
+		if (variant == 1) {
+			rec = (struct aoq_rec){ .tensor = 1, .slot = 1, .count = numel[1], .step = 1 };
+			CHECK_OK(aoqt_raw_push(&s, &rec));
+			Aoq__StepEnd se = AOQ__STEP_END__INIT;
+			se.step = 1;
+			CHECK_OK(aoqt_send_msg(s.sock, AOQ__ENVELOPE__MSG_STEP_END, &se));
+		}
+		if (variant == 2) {
+			/* Unmap and go, leaving the fds open a moment longer. */
+			munmap(s.arena, s.arena_size);
+			s.arena = NULL;
+			shutdown(s.sock, SHUT_RDWR);
+		}
+		uint64_t id = s.id;
+		aoqt_raw_close(&s);
+		check_logged_session("disconnect mid-step", id);
+		check_alive("disconnect mid-step");
+	}
+	printf("  %-48s -> closed by us (3 ways)\n", "disconnect mid-step");
+}
+
+/* The child of attack_kill9: trains forever, one byte on stdout per push. */
+static int kill9_child(const char *sock)
+{
+	struct aoq_options o = AOQ_OPTIONS_INIT;
+	o.socket = sock;
+	char job[48];
+	snprintf(job, sizeof(job), "hostile-kill9-%d", (int)getpid());
+	o.job = job;
+	o.device = "cpu";
+	struct aoq_client *c = NULL;
+	if (aoq_connect(&c, &o) < 0)
+		return 1;
+	struct aoq_group g = { .kind = AOQ_ADAMW, .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8 };
+	if (aoq_add_group(c, &g) < 0)
+		return 1;
+	uint64_t n[2] = { (1u << 20) + 13, 4097 };
+	void *p[2], *gr[2];
+	for (int t = 0; t < 2; t++) {
+		p[t] = calloc(n[t], 4);
+		gr[t] = calloc(n[t], 4);
+		if (!p[t] || !gr[t])
+			return 1;
+		struct aoq_tensor td = { .name = t ? "k1" : "k0", .numel = n[t], .param = p[t], .grad = gr[t] };
+		if (aoq_add_tensor(c, &td) < 0)
+			return 1;
+	}
+	if (aoq_register(c) < 0)
+		return 1;
+	for (;;) {
+		for (uint32_t t = 0; t < 2; t++) {
+			if (aoq_push_grad(c, t, 0, NULL) < 0)
+				return 1;
+			if (write(STDOUT_FILENO, "k", 1) != 1)
+				return 1;
+		}
+		if (aoq_step_end(c) < 0 || aoq_sync(c, NULL) < 0)
+			return 1;
+	}
+}
+
+static void attack_kill9(void)
+{
+	for (int round = 0; round < 3; round++) {
+		size_t before = aoqt_daemon_log_size(&daemon_);
+		int pfd[2];
+		CHECK(pipe2(pfd, O_CLOEXEC) == 0, "pipe2");
+		char self[4096];
+		ssize_t sl = readlink("/proc/self/exe", self, sizeof(self) - 1);
+		CHECK(sl > 0, "readlink /proc/self/exe");
+		self[sl] = 0;
+		char *const argv[] = { self, (char *)"--kill9-child", daemon_.socket, NULL };
+		pid_t pid = fork();
+		CHECK(pid >= 0, "fork");
+		if (pid == 0) {
+			dup2(pfd[1], STDOUT_FILENO);
+			execv(self, argv);
+			_exit(127);
+		}
+		close(pfd[1]);
+		/* Kill after 1, 2 or 5 pushes: mid-step, at different points. */
+		int want = round == 0 ? 1 : round == 1 ? 2 : 5, got = 0;
+		while (got < want) {
+			struct pollfd pf = { .fd = pfd[0], .events = POLLIN };
+			CHECK(poll(&pf, 1, 30000) == 1, "kill -9 child: no push within 30 s");
+			char b[8];
+			ssize_t r = read(pfd[0], b, (size_t)(want - got) < sizeof(b) ? (size_t)(want - got) : sizeof(b));
+			CHECK(r > 0, "kill -9 child exited before pushing (%zd)", r);
+			got += (int)r;
+		}
+		kill(pid, SIGKILL);
+		int st;
+		waitpid(pid, &st, 0);
+		close(pfd[0]);
+		CHECK(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL, "kill -9 child ended otherwise (status 0x%x)", st);
+		check_logged_growth("kill -9 mid-step", before);
+		check_alive("kill -9 mid-step");
+	}
+	printf("  %-48s -> killed 3 times\n", "kill -9 mid-step");
+}
+
+static void attack_connection_flood(void)
+{
+	Aoq__Envelope env;
+	Aoq__Hello h;
+	uint8_t *buf;
+	size_t len;
+	hello_env(&env, &h, "hostile-flood");
+	frame_bytes(&env, &buf, &len);
+	int base = aoqt_count_fds(daemon_.pid);
+	double t0 = aoqt_now();
+	for (int i = 0; i < 200; i++) {
+		int fd = aoq_socket_connect(daemon_.socket);
+		CHECK(fd >= 0, "connection %d of 200: %s", i, strerror(-fd));
+		if (i % 3 == 1)
+			send_raw(fd, buf, len / 2);
+		else if (i % 3 == 2)
+			send_raw(fd, buf, len);
+		close(fd);
+	}
+	free(buf);
+	double dt = aoqt_now() - t0;
+	/* Round trips until the daemon has closed its ends (bounded). */
+	int now = -1;
+	for (int i = 0; i < 500; i++) {
+		Aoq__Envelope *st = NULL;
+		CHECK_OK(aoqt_stats(daemon_.socket, &st));
+		aoq_envelope_free(st);
+		now = aoqt_count_fds(daemon_.pid);
+		if (now <= base + 4)
+			break;
+	}
+	CHECK(now <= base + 4, "aoqd holds %d fds after 200 closed connections, %d before", now, base);
+	check_alive("200 connections");
+	printf("  %-48s -> ok (%.0f ms; daemon fds %d -> %d)\n", "200 connections opened and closed", dt * 1e3, base,
+	       now);
+}
+
+int main(int argc, char **argv)
+{
+	if (argc > 2 && strcmp(argv[1], "--kill9-child") == 0)
+		return kill9_child(argv[2]);
+	aoqt_init("hostile");
+	const char *exe = aoqt_aoqd_path(argc, argv);
+	if (getenv("AOQ_TEST_SLOW"))
+		log_wait_ms = 60000;
+	static const char *const args[] = { "--threads", "2", NULL };
+	CHECK_OK(aoqt_daemon_start(&daemon_, exe, args));
+	int fds0 = -1;
+
+	atomic_bool stop = false;
+	char job[48];
+	snprintf(job, sizeof(job), "hostile-trainer-%d", (int)getpid());
+	struct trainer tr = { .job = job, .stop = &stop, .min_steps = 10, .lock = PTHREAD_MUTEX_INITIALIZER,
+	                      .cond = PTHREAD_COND_INITIALIZER };
+	pthread_t th;
+	CHECK(pthread_create(&th, NULL, trainer_run, &tr) == 0, "pthread_create");
+	/* Start the attacks once the trainer is mid-training. */
+	pthread_mutex_lock(&tr.lock);
+	while (atomic_load(&tr.done) < 2)
+		pthread_cond_wait(&tr.cond, &tr.lock);
+	pthread_mutex_unlock(&tr.lock);
+	fds0 = aoqt_count_fds(daemon_.pid);
+	uint64_t steps_before = atomic_load(&tr.done);
+	printf("attacks (trainer at step %" PRIu64 "):\n", steps_before);
+	attack_random_bytes();
+	attack_huge_length();
+	attack_truncated();
+	attack_wrong_state();
+	attack_bad_registration();
+	attack_spoofed_fds();
+	attack_records();
+	attack_disconnect_mid_step();
+	attack_kill9();
+	attack_connection_flood();
+	uint64_t steps_after = atomic_load(&tr.done);
+	tr.min_steps = steps_after + 3;
+	atomic_store(&stop, true);
+	pthread_join(th, NULL);
+	printf("trainer: %" PRIu64 " steps, %" PRIu64 " of them during the attacks\n", tr.final_steps,
+	       steps_after - steps_before);
+	CHECK(steps_after > steps_before, "the trainer made no progress during the attacks");
+
+	/* A new client after all that: the same inputs alone, bit-exact. */
+	char job2[48];
+	snprintf(job2, sizeof(job2), "hostile-solo-%d", (int)getpid());
+	struct trainer solo = { .job = job2, .steps = tr.final_steps, .lock = PTHREAD_MUTEX_INITIALIZER,
+	                        .cond = PTHREAD_COND_INITIALIZER };
+	trainer_run(&solo);
+	for (int t = 0; t < TT; t++) {
+		size_t bytes = tdesc[t].n * aoqt_dtype_size(tdesc[t].pd);
+		CHECK(memcmp(tr.param[t], solo.param[t], bytes) == 0,
+		      "tensor %d: the trainer under attack and the same run alone differ after %" PRIu64 " steps", t,
+		      tr.final_steps);
+	}
+	printf("trainer under attack == trainer alone, bit for bit, after %" PRIu64 " steps\n", tr.final_steps);
+
+	/* An observer still gets Stats. */
+	Aoq__Envelope *st = NULL;
+	CHECK_OK(aoqt_stats(daemon_.socket, &st));
+	CHECK(st->stats->threads == 2, "stats: %u threads, want 2", st->stats->threads);
+	printf("stats: %u threads, kernel %s, %zu sessions listed, rss %" PRIu64 " MiB\n", st->stats->threads,
+	       st->stats->kernel, st->stats->n_sessions, st->stats->rss_bytes >> 20);
+	aoq_envelope_free(st);
+
+	int fds1 = aoqt_count_fds(daemon_.pid);
+	printf("daemon fds: %d mid-training before the attacks, %d after\n", fds0, fds1);
+
+	int rc = aoqt_daemon_stop(&daemon_, 30000, true);
+	CHECK(rc == 0, "aoqd exit status %d after SIGTERM, want 0", rc);
+	for (int t = 0; t < TT; t++) {
+		free(tr.param[t]);
+		free(solo.param[t]);
+	}
+	printf("ok\n");
+	return 0;
+}
