@@ -24,6 +24,12 @@
 
 #define TENSORS_PER_FRAME 256
 
+/* A backend event shared by a tensor and a staging slot (under c->lock). */
+struct evref {
+	struct aoq_event *ev;
+	unsigned refs;
+};
+
 struct tensor {
 	struct aoq_tensor d;
 	size_t gsize, psize;
@@ -31,9 +37,23 @@ struct tensor {
 	uint64_t answered;  /* records answered */
 	uint64_t copies;    /* gradient copies started */
 	uint64_t copied;    /* gradient copies finished */
-	struct aoq_event *h2d; /* the last parameter copy */
+	/* The last parameter copy issued; backends complete copies to the
+	 * device in issue order, so it covers every earlier one. */
+	struct evref *h2d;
+	uint8_t *grad_area, *param_area; /* no window: the tensor's own slot */
+	uint64_t param_buf;  /* delayed: bytes from one param buffer to the other */
+	bool pending;        /* delayed: an update waits in the arena */
+	uint64_t pending_step;
+	void *stream;        /* stream of the last push */
+};
+
+/* A staging slot of the window. */
+struct slot {
 	uint8_t *grad_area, *param_area;
-	void *stream;       /* stream of the last push */
+	struct evref *h2d;   /* the last copy out of its param area */
+	bool busy;
+	uint32_t tensor;
+	uint64_t offset, count;
 };
 
 struct copy_done {
@@ -70,6 +90,9 @@ struct aoq_client {
 	pthread_cond_t cond;
 	struct aoq_ring_prod to_daemon;
 	struct aoq_ring_cons to_client;
+	struct slot *slots;   /* window mode */
+	uint32_t *free_slots;
+	uint32_t nfree;
 	int error;            /* sticky: the session is over */
 	char errmsg[256];
 
@@ -106,6 +129,26 @@ static void ring(int fd)
 	(void)r;
 }
 
+static struct evref *evref_new(struct aoq_event *ev, unsigned refs)
+{
+	struct evref *r = malloc(sizeof(*r));
+	if (r) {
+		r->ev = ev;
+		r->refs = refs;
+	}
+	return r;
+}
+
+/* Caller holds c->lock. */
+static void evref_put(struct aoq_client *c, struct evref *r)
+{
+	if (r && --r->refs == 0) {
+		if (r->ev)
+			c->ops->event_release(c->be, r->ev);
+		free(r);
+	}
+}
+
 /* ---- control path ---- */
 
 /* Sends env and returns the reply of the wanted kind; StepEnded replies of
@@ -129,6 +172,8 @@ static int ctl_recv(struct aoq_client *c, int want, Aoq__Envelope **out, int *fd
 			c->last.grad_sumsq = rep->step_ended->grad_sumsq;
 			c->last.nonfinite = rep->step_ended->nonfinite;
 			c->last.tensors_updated = rep->step_ended->tensors_updated;
+			c->last.skipped = rep->step_ended->skipped;
+			c->last.clip_scale = rep->step_ended->clip_scale;
 			pthread_mutex_unlock(&c->lock);
 			aoq_envelope_free(rep);
 			if (want == AOQ__ENVELOPE__MSG_STEP_ENDED)
@@ -328,6 +373,9 @@ static int send_registration(struct aoq_client *c, int *fds, int *nfds, Aoq__Env
 			reg.precision = (Aoq__StatePrecision)c->o.precision;
 			reg.window = c->o.window;
 			reg.seed = c->o.seed;
+			reg.max_grad_norm = c->o.max_grad_norm;
+			reg.skip_nonfinite = c->o.skip_nonfinite;
+			reg.delayed = c->o.delayed_update;
 		}
 		size_t n = 0;
 		while (n < TENSORS_PER_FRAME && next < c->ntensors) {
@@ -386,7 +434,9 @@ static int check_arena(struct aoq_client *c)
 	    !aoq_range_ok(hd.xfer_off, hd.xfer_bytes, hd.size) || hd.xfer_bytes < 4 ||
 	    hd.to_daemon_off % 64 || hd.to_client_off % 64 || hd.tensor_table_off % 8 || hd.slot_table_off % 8)
 		return -EPROTO;
-	if (hd.window == 0 && hd.slots != hd.tensors)
+	bool delayed = hd.flags & AOQ_ARENA_DELAYED;
+	if ((hd.window == 0 && hd.slots != hd.tensors) || (hd.window && (hd.slots == 0 || hd.slot_elems == 0)) ||
+	    delayed != c->o.delayed_update)
 		return -EPROTO;
 	const struct aoq_arena_tensor *tt = (const void *)(c->arena + hd.tensor_table_off);
 	const struct aoq_arena_slot *sl = (const void *)(c->arena + hd.slot_table_off);
@@ -398,11 +448,31 @@ static int check_arena(struct aoq_client *c)
 		if (hd.window)
 			continue;
 		struct aoq_arena_slot s = sl[i];
+		uint64_t pbuf = delayed ? aoq_align_up(s.param_bytes, AOQ_ARENA_ALIGN) : 0;
 		if (s.grad_bytes < x->d.numel * x->gsize || s.param_bytes < x->d.numel * x->psize ||
-		    !aoq_range_ok(s.grad_off, s.grad_bytes, hd.size) || !aoq_range_ok(s.param_off, s.param_bytes, hd.size))
+		    !aoq_range_ok(s.grad_off, s.grad_bytes, hd.size) ||
+		    !aoq_range_ok(s.param_off, pbuf + s.param_bytes, hd.size))
 			return -EPROTO;
 		x->grad_area = c->arena + s.grad_off;
 		x->param_area = c->arena + s.param_off;
+		x->param_buf = pbuf;
+	}
+	if (hd.window) {
+		if (hd.slot_elems > (1ull << 40))
+			return -EPROTO;
+		c->slots = calloc(hd.slots, sizeof(*c->slots));
+		c->free_slots = calloc(hd.slots, sizeof(*c->free_slots));
+		if (!c->slots || !c->free_slots)
+			return -ENOMEM;
+		for (uint32_t i = 0; i < hd.slots; i++) {
+			struct aoq_arena_slot s = sl[i];
+			if (s.grad_bytes < hd.slot_elems * 4 || s.param_bytes < hd.slot_elems * 4 ||
+			    !aoq_range_ok(s.grad_off, s.grad_bytes, hd.size) || !aoq_range_ok(s.param_off, s.param_bytes, hd.size))
+				return -EPROTO;
+			c->slots[i].grad_area = c->arena + s.grad_off;
+			c->slots[i].param_area = c->arena + s.param_off;
+			c->free_slots[c->nfree++] = hd.slots - 1 - i;
+		}
 	}
 	c->hdr = hd;
 	c->to_daemon = (struct aoq_ring_prod){ .ring = (void *)(c->arena + hd.to_daemon_off), .cap = hd.ring_capacity };
@@ -410,21 +480,49 @@ static int check_arena(struct aoq_client *c)
 	return 0;
 }
 
+/* Starts the copy of an updated range to the device; the event goes to
+ * the tensor (and the slot it came from).  Caller holds c->lock. */
+static void copy_param(struct aoq_client *c, struct tensor *x, const uint8_t *src, uint64_t offset,
+                       uint64_t count, struct slot *sl)
+{
+	struct aoq_event *ev = NULL;
+	int e = c->ops->h2d(c->be, (uint8_t *)x->d.param + offset * x->psize, src, count * x->psize, x->stream, &ev);
+	if (e < 0) {
+		fail_session(c, e, "parameter copy to the device failed: %s", aoq_last_error());
+		return;
+	}
+	struct evref *r = evref_new(ev, sl ? 2 : 1);
+	if (!r) {
+		if (ev)
+			c->ops->host_wait(c->be, ev), c->ops->event_release(c->be, ev);
+		return;
+	}
+	evref_put(c, x->h2d);
+	x->h2d = r;
+	if (sl) {
+		evref_put(c, sl->h2d);
+		sl->h2d = r;
+	}
+}
+
 static void handle_record(struct aoq_client *c, const struct aoq_rec *r)
 {
 	struct tensor *x = &c->tensors[r->tensor];
-	if (r->status == AOQ_REC_UPDATED) {
-		struct aoq_event *ev = NULL;
-		int e = c->ops->h2d(c->be, (uint8_t *)x->d.param + r->offset * x->psize,
-		                    x->param_area + r->offset * x->psize, r->count * x->psize, x->stream, &ev);
-		pthread_mutex_lock(&c->lock);
-		if (e < 0)
-			fail_session(c, e, "parameter copy to the device failed: %s", aoq_last_error());
-		if (x->h2d)
-			c->ops->event_release(c->be, x->h2d);
-		x->h2d = ev;
-	} else {
-		pthread_mutex_lock(&c->lock);
+	pthread_mutex_lock(&c->lock);
+	if (c->slots) {
+		struct slot *sl = &c->slots[r->slot];
+		if (r->status == AOQ_REC_UPDATED)
+			copy_param(c, x, sl->param_area, r->offset, r->count, sl);
+		sl->busy = false;
+		c->free_slots[c->nfree++] = r->slot;
+	} else if (r->status == AOQ_REC_UPDATED) {
+		if (c->o.delayed_update) {
+			/* Lands with the tensor's next push (or aoq_flush). */
+			x->pending = true;
+			x->pending_step = r->step;
+		} else {
+			copy_param(c, x, x->param_area + r->offset * x->psize, r->offset, r->count, NULL);
+		}
 	}
 	x->answered++;
 	pthread_cond_broadcast(&c->cond);
@@ -453,6 +551,13 @@ static bool drain_params(struct aoq_client *c)
 		if (ok) {
 			pthread_mutex_lock(&c->lock);
 			ok = c->tensors[r.tensor].answered < c->tensors[r.tensor].pushed;
+			if (c->slots) {
+				/* The answer must match what the slot was lent for. */
+				const struct slot *sl = r.slot < c->hdr.slots ? &c->slots[r.slot] : NULL;
+				ok = ok && sl && sl->busy && sl->tensor == r.tensor && sl->offset == r.offset && sl->count == r.count;
+			} else {
+				ok = ok && r.slot == r.tensor && r.offset == 0 && r.count == c->tensors[r.tensor].d.numel;
+			}
 			pthread_mutex_unlock(&c->lock);
 		}
 		if (!ok) {
@@ -545,8 +650,6 @@ int aoq_register(struct aoq_client *c)
 	for (uint32_t i = 0; i < c->ntensors; i++)
 		if (c->tensors[i].d.group >= c->ngroups)
 			return aoq_set_error(-EINVAL, "tensor '%s': no group %u", c->tensors[i].d.name, c->tensors[i].d.group);
-	if (c->o.window)
-		return aoq_set_error(-ENOTSUP, "the staging window is not supported by this libaoq yet");
 	pthread_mutex_lock(&c->ctl_lock);
 	int fds[AOQ_MAX_FDS], nfds = 0;
 	Aoq__Envelope *rep = NULL;
@@ -635,6 +738,29 @@ static void grad_copied(void *arg, int status)
 	free(d);
 }
 
+/* Starts one gradient copy into the arena; its record follows when done.
+ * Caller holds c->lock; it is dropped around the backend call. */
+static int start_copy(struct aoq_client *c, struct tensor *x, uint8_t *dst, const uint8_t *src,
+                      const struct aoq_rec *rec)
+{
+	struct copy_done *d = malloc(sizeof(*d));
+	if (!d)
+		return -ENOMEM;
+	d->c = c;
+	d->t = rec->tensor;
+	d->rec = *rec;
+	x->pushed++;
+	x->copies++;
+	pthread_mutex_unlock(&c->lock);
+	int r = c->ops->d2h(c->be, dst, src, rec->count * x->gsize, x->stream, grad_copied, d);
+	pthread_mutex_lock(&c->lock);
+	if (r < 0) {
+		fail_session(c, r, "gradient copy of tensor %u failed: %s", rec->tensor, aoq_last_error());
+		free(d);
+	}
+	return r;
+}
+
 int aoq_push_grad_ptr(struct aoq_client *c, uint32_t t, const void *grad, unsigned flags, void *stream)
 {
 	if (!c->registered)
@@ -642,33 +768,69 @@ int aoq_push_grad_ptr(struct aoq_client *c, uint32_t t, const void *grad, unsign
 	if (t >= c->ntensors || !grad || (flags & ~AOQ_PUSH_ACCUMULATE))
 		return aoq_set_error(-EINVAL, "aoq_push_grad: bad tensor %u, buffer or flags", t);
 	struct tensor *x = &c->tensors[t];
-	struct copy_done *d = malloc(sizeof(*d));
-	if (!d)
-		return -ENOMEM;
+	int r = 0;
 	pthread_mutex_lock(&c->lock);
-	/* The slot is free once the daemon answered the last push. */
+	/* One record of a tensor at a time: its slot is reused, and the
+	 * daemon must see micro-batches in order. */
 	while (!c->error && x->answered < x->pushed)
 		pthread_cond_wait(&c->cond, &c->lock);
 	if (c->error) {
 		pthread_mutex_unlock(&c->lock);
-		free(d);
 		return session_error(c);
 	}
-	d->c = c;
-	d->t = t;
-	d->rec = (struct aoq_rec){ .tensor = t, .slot = t, .offset = 0, .count = x->d.numel, .step = c->step,
-	                           .flags = (flags & AOQ_PUSH_ACCUMULATE) ? AOQ_REC_ACCUMULATE : 0 };
-	x->pushed++;
-	x->copies++;
 	x->stream = stream ? stream : c->o.cuda_stream;
-	pthread_mutex_unlock(&c->lock);
-	int r = c->ops->d2h(c->be, x->grad_area, grad, x->d.numel * x->gsize, x->stream, grad_copied, d);
-	if (r < 0) {
-		pthread_mutex_lock(&c->lock);
-		fail_session(c, r, "gradient copy of tensor %u failed: %s", t, aoq_last_error());
-		pthread_mutex_unlock(&c->lock);
-		free(d);
+	struct aoq_rec rec = { .tensor = t, .slot = t, .step = c->step,
+	                       .flags = (flags & AOQ_PUSH_ACCUMULATE) ? AOQ_REC_ACCUMULATE : 0 };
+	if (c->o.delayed_update) {
+		/* The last copy out of the buffer this step will write is done
+		 * (it left during the previous step); then the pending update
+		 * goes to the device, after the work on the stream so far. */
+		struct evref *prev = x->h2d;
+		if (prev && prev->ev) {
+			prev->refs++;
+			pthread_mutex_unlock(&c->lock);
+			r = c->ops->host_wait(c->be, prev->ev);
+			pthread_mutex_lock(&c->lock);
+			evref_put(c, prev);
+		}
+		if (x->pending && r == 0) {
+			x->pending = false;
+			copy_param(c, x, x->param_area + ((x->pending_step & 1) ? x->param_buf : 0), 0, x->d.numel, NULL);
+		}
 	}
+	if (r == 0 && !c->slots) {
+		rec.count = x->d.numel;
+		r = start_copy(c, x, x->grad_area, grad, &rec);
+	}
+	for (uint64_t off = 0; r == 0 && c->slots && off < x->d.numel; off += c->hdr.slot_elems) {
+		while (!c->error && c->nfree == 0)
+			pthread_cond_wait(&c->cond, &c->lock);
+		if (c->error)
+			break;
+		uint32_t i = c->free_slots[--c->nfree];
+		struct slot *sl = &c->slots[i];
+		struct evref *prev = sl->h2d;
+		sl->h2d = NULL;
+		sl->busy = true;
+		sl->tensor = t;
+		sl->offset = off;
+		sl->count = x->d.numel - off < c->hdr.slot_elems ? x->d.numel - off : c->hdr.slot_elems;
+		if (prev && prev->ev) {
+			/* Its param area may still be on its way to the device. */
+			pthread_mutex_unlock(&c->lock);
+			r = c->ops->host_wait(c->be, prev->ev);
+			pthread_mutex_lock(&c->lock);
+		}
+		evref_put(c, prev);
+		rec.slot = i;
+		rec.offset = off;
+		rec.count = sl->count;
+		if (r == 0)
+			r = start_copy(c, x, sl->grad_area, (const uint8_t *)grad + off * x->gsize, &rec);
+	}
+	if (r == 0 && c->error)
+		r = session_error(c);
+	pthread_mutex_unlock(&c->lock);
 	return r;
 }
 
@@ -694,37 +856,48 @@ int aoq_grad_copied(struct aoq_client *c, uint32_t t)
 	return r;
 }
 
-/* Waits until tensor t's last record is answered; returns its copy event. */
-static int wait_answered(struct aoq_client *c, uint32_t t, struct aoq_event **ev)
+/* Waits until tensor t's last record is answered (not with the delayed
+ * update: its copy leaves at the next push) and takes a reference to the
+ * last copy to the device. */
+static int wait_answered(struct aoq_client *c, uint32_t t, struct evref **ev)
 {
 	if (t >= c->ntensors)
 		return aoq_set_error(-EINVAL, "no tensor %u", t);
 	struct tensor *x = &c->tensors[t];
 	pthread_mutex_lock(&c->lock);
-	while (!c->error && x->answered < x->pushed)
+	while (!c->o.delayed_update && !c->error && x->answered < x->pushed)
 		pthread_cond_wait(&c->cond, &c->lock);
-	int r = x->answered < x->pushed ? session_error(c) : 0;
-	*ev = x->h2d;
+	int r = !c->o.delayed_update && x->answered < x->pushed ? session_error(c) : 0;
+	*ev = r == 0 && x->h2d && x->h2d->ev ? x->h2d : NULL;
+	if (*ev)
+		(*ev)->refs++;
+	pthread_mutex_unlock(&c->lock);
+	return r;
+}
+
+static int wait_event(struct aoq_client *c, struct evref *ev, void *stream, bool host)
+{
+	if (!ev)
+		return 0;
+	int r = host ? c->ops->host_wait(c->be, ev->ev) : c->ops->stream_wait(c->be, ev->ev, stream);
+	pthread_mutex_lock(&c->lock);
+	evref_put(c, ev);
 	pthread_mutex_unlock(&c->lock);
 	return r;
 }
 
 int aoq_wait_param(struct aoq_client *c, uint32_t t, void *stream)
 {
-	struct aoq_event *ev;
+	struct evref *ev;
 	int r = wait_answered(c, t, &ev);
-	if (r < 0 || !ev)
-		return r;
-	return c->ops->stream_wait(c->be, ev, stream ? stream : c->o.cuda_stream);
+	return r < 0 ? r : wait_event(c, ev, stream ? stream : c->o.cuda_stream, false);
 }
 
 int aoq_sync_param(struct aoq_client *c, uint32_t t)
 {
-	struct aoq_event *ev;
+	struct evref *ev;
 	int r = wait_answered(c, t, &ev);
-	if (r < 0 || !ev)
-		return r;
-	return c->ops->host_wait(c->be, ev);
+	return r < 0 ? r : wait_event(c, ev, NULL, true);
 }
 
 int aoq_set_hyperparams(struct aoq_client *c, uint32_t g, const struct aoq_group *hp)
@@ -792,6 +965,13 @@ int aoq_sync(struct aoq_client *c, struct aoq_step_result *last)
 	while (r == 0 && c->step_ends_pending > 0)
 		r = ctl_recv(c, AOQ__ENVELOPE__MSG_STEP_ENDED, NULL, NULL, NULL);
 	pthread_mutex_unlock(&c->ctl_lock);
+	pthread_mutex_lock(&c->lock);
+	for (uint32_t i = 0; i < c->ntensors; i++)
+		while (!c->error && c->tensors[i].answered < c->tensors[i].pushed)
+			pthread_cond_wait(&c->cond, &c->lock);
+	if (c->error && r == 0)
+		r = session_error(c);
+	pthread_mutex_unlock(&c->lock);
 	for (uint32_t i = 0; r == 0 && i < c->ntensors; i++)
 		r = aoq_sync_param(c, i);
 	if (r == 0 && last) {
@@ -799,6 +979,27 @@ int aoq_sync(struct aoq_client *c, struct aoq_step_result *last)
 		*last = c->last;
 		pthread_mutex_unlock(&c->lock);
 	}
+	return r;
+}
+
+int aoq_flush(struct aoq_client *c)
+{
+	if (!c->registered)
+		return aoq_set_error(-EINVAL, "aoq_flush before aoq_register");
+	int r = aoq_sync(c, NULL);
+	pthread_mutex_lock(&c->lock);
+	for (uint32_t i = 0; r == 0 && i < c->ntensors; i++) {
+		struct tensor *x = &c->tensors[i];
+		if (!x->pending)
+			continue;
+		x->pending = false;
+		copy_param(c, x, x->param_area + ((x->pending_step & 1) ? x->param_buf : 0), 0, x->d.numel, NULL);
+	}
+	if (c->error && r == 0)
+		r = session_error(c);
+	pthread_mutex_unlock(&c->lock);
+	for (uint32_t i = 0; r == 0 && i < c->ntensors; i++)
+		r = aoq_sync_param(c, i);
 	return r;
 }
 
@@ -910,10 +1111,13 @@ void aoq_close(struct aoq_client *c)
 		pthread_join(c->progress, NULL);
 	}
 	for (uint32_t i = 0; i < c->ntensors; i++) {
-		if (c->tensors[i].h2d && c->be)
-			c->ops->event_release(c->be, c->tensors[i].h2d);
+		evref_put(c, c->tensors[i].h2d);
 		free((char *)c->tensors[i].d.name);
 	}
+	for (uint32_t i = 0; c->slots && i < c->hdr.slots; i++)
+		evref_put(c, c->slots[i].h2d);
+	free(c->slots);
+	free(c->free_slots);
 	if (c->arena) {
 		if (c->be && c->registered)
 			c->ops->unregister_host(c->be, c->arena, c->arena_size);

@@ -100,6 +100,10 @@ struct aoqd_session {
 	/* registration */
 	Aoq__StatePrecision precision;
 	uint64_t window, seed;
+	double max_grad_norm;  /* > 0: clip the step's global norm */
+	bool skip_nonfinite;   /* skip a step with an inf/nan gradient */
+	bool defer;            /* either: updates wait for the step's norm */
+	bool delayed;          /* two param buffers, by step parity */
 	uint32_t ngroups, ntensors;
 	struct aoqd_group *groups;
 	struct aoqd_tensor *tensors;
@@ -132,10 +136,15 @@ struct aoqd_session {
 	_Atomic uint64_t inflight[2];   /* jobs per step parity */
 	_Atomic uint64_t outstanding;   /* jobs accepted, record not yet posted */
 	uint64_t accepted[2];           /* records accepted per step parity */
-	pthread_mutex_t step_lock;      /* guards the per-step sums below */
+	pthread_mutex_t step_lock;      /* guards the per-step sums and lists below */
 	double sumsq[2];
 	bool nonfinite[2];
 	uint64_t updated[2];
+	struct aoqd_job *deferred[2];   /* deferred: jobs whose norm is summed */
+	_Atomic uint64_t norming[2];    /* deferred: norm jobs still running */
+	bool released[2];               /* deferred: the step's updates started */
+	double clip_scale[2];
+	bool skipped[2];
 
 	/* stats */
 	pthread_mutex_t stats_lock;
@@ -189,7 +198,12 @@ bool aoqd_on_step_end(struct aoqd_session *s, const Aoq__StepEnd *m);
 void aoqd_on_load_state(struct aoqd_session *s, const Aoq__LoadState *m);
 void aoqd_on_read_state(struct aoqd_session *s, const Aoq__ReadState *m);
 void aoqd_on_tensor_steps(struct aoqd_session *s, const Aoq__TensorSteps *m);
+/* dataplane.c */
+struct aoqd_job;
 void aoqd_drain(struct aoqd_session *s);
+bool aoqd_release_step(struct aoqd_session *s);
+void aoqd_drop_deferred(struct aoqd_session *s);
+void aoqd_ring_doorbell(int fd);
 /* Loop thread, after a wake: sends StepEnded when the step is done. */
 void aoqd_check_step_end(struct aoqd_session *s);
 void aoqd_session_release_data(struct aoqd_session *s);

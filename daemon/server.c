@@ -228,6 +228,7 @@ static void session_close(struct aoqd_session *s)
 	atomic_store(&s->dead, true);
 	if (s->state != AOQD_CLOSING)
 		s->state = AOQD_CLOSING;
+	aoqd_drop_deferred(s);
 	if (s->pipe_open) {
 		s->pipe_open = false;
 		s->reading = false;

@@ -16,7 +16,6 @@
 #include <string.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "aoqd.h"
@@ -28,44 +27,6 @@
 /* Elements per Load/Read request: bounds the time one request holds the
  * loop thread (about 16 ms of conversion). */
 #define MAX_TRANSFER_ELEMS (4u << 20)
-
-struct chunk {
-	struct aoqd_task task;
-	struct job *job;
-	uint64_t begin, count; /* within the record's range */
-	struct aoqk_report rep;
-};
-
-struct job {
-	struct aoqd_session *s;
-	struct aoqd_tensor *t;
-	struct aoq_rec rec;
-	struct aoqk_hparams hp;
-	bool accumulate;
-	bool acc_first;  /* first micro-batch of the step: acc starts from zero */
-	bool use_acc;
-	const uint8_t *grad; /* element rec.offset */
-	uint8_t *param;
-	uint64_t seed;
-	uint64_t t0;
-	_Atomic uint32_t remaining;
-	uint32_t nchunks;
-	struct chunk chunks[];
-};
-
-static uint64_t thread_cpu_ns(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
-static void ring_doorbell(int fd)
-{
-	uint64_t one = 1;
-	ssize_t r = write(fd, &one, sizeof(one));
-	(void)r; /* EAGAIN: the counter is saturated, the peer is woken anyway */
-}
 
 /* ---- state allocation ---- */
 
@@ -204,6 +165,14 @@ void aoqd_on_register(struct aoqd_session *s, const Aoq__Register *m)
 		s->precision = m->precision;
 		s->window = m->window;
 		s->seed = m->seed ? m->seed : ((uint64_t)aoqd_now_ns() * 0x9e3779b97f4a7c15ull) ^ s->id;
+		if (!isfinite(m->max_grad_norm) || m->max_grad_norm < 0)
+			{ FAIL(s, INVALID, "max_grad_norm %g", m->max_grad_norm); return; }
+		if (m->delayed && m->window)
+			{ FAIL(s, INVALID, "the delayed update needs a slot per tensor (no window)"); return; }
+		s->max_grad_norm = m->max_grad_norm;
+		s->skip_nonfinite = m->skip_nonfinite;
+		s->defer = m->max_grad_norm > 0 || m->skip_nonfinite;
+		s->delayed = m->delayed;
 		s->reg_started = true;
 	}
 	if (m->n_groups > 65536 - s->ngroups)
@@ -400,6 +369,8 @@ static int build_arena(struct aoqd_session *s)
 		sl->param_off = off;
 		sl->param_bytes = pb;
 		off = aoq_align_up(off + pb, AOQ_ARENA_ALIGN);
+		if (s->delayed) /* the second buffer */
+			off = aoq_align_up(off + pb, AOQ_ARENA_ALIGN);
 		if (off > cfg->max_arena_bytes)
 			return -EFBIG;
 	}
@@ -433,6 +404,7 @@ static int build_arena(struct aoqd_session *s)
 	h->session_id = s->id;
 	h->xfer_off = s->xfer_off;
 	h->xfer_bytes = s->xfer_bytes;
+	h->flags = s->delayed ? AOQ_ARENA_DELAYED : 0;
 	struct aoq_arena_tensor *tt = (void *)(s->arena + tensor_table);
 	for (uint32_t i = 0; i < s->ntensors; i++) {
 		tt[i].numel = s->tensors[i].numel;
@@ -458,273 +430,6 @@ static int build_arena(struct aoqd_session *s)
 	return uv_poll_start(&s->doorbell_poll, UV_READABLE, on_doorbell);
 }
 
-/* ---- the data plane ---- */
-
-static void post_record(struct aoqd_session *s, const struct job *j, int32_t status)
-{
-	struct aoq_rec out = j->rec;
-	out.flags = 0;
-	out.status = status;
-	pthread_mutex_lock(&s->ring_lock);
-	int r = atomic_load(&s->dead) ? 0 : aoq_ring_push(&s->to_client, &out);
-	pthread_mutex_unlock(&s->ring_lock);
-	if (r == 1)
-		ring_doorbell(s->doorbell_out);
-	else if (r < 0) {
-		/* Reserved space vanished: the client wrote its tail counter. */
-		atomic_store(&s->dead, true);
-		uv_async_send(&s->srv->wake);
-	}
-}
-
-static void job_complete(struct job *j)
-{
-	struct aoqd_session *s = j->s;
-	double sumsq = 0;
-	bool nonfinite = false;
-	for (uint32_t i = 0; i < j->nchunks; i++) {
-		sumsq += j->chunks[i].rep.sumsq;
-		nonfinite |= j->chunks[i].rep.nonfinite;
-	}
-	int32_t status = j->accumulate ? AOQ_REC_ACCUMULATED : AOQ_REC_UPDATED;
-	post_record(s, j, status);
-	uint64_t now = aoqd_now_ns();
-	unsigned p = j->rec.step & 1;
-	pthread_mutex_lock(&s->step_lock);
-	s->sumsq[p] += sumsq;
-	s->nonfinite[p] |= nonfinite;
-	if (!j->accumulate)
-		s->updated[p]++;
-	pthread_mutex_unlock(&s->step_lock);
-	pthread_mutex_lock(&s->stats_lock);
-	s->bytes_in += j->rec.count * aoqk_dtype_size(j->t->grad_dtype);
-	if (!j->accumulate)
-		s->bytes_out += j->rec.count * aoqk_dtype_size(j->t->param_dtype);
-	aoqd_hist_add(&s->rec_hist, now - j->t0);
-	pthread_mutex_unlock(&s->stats_lock);
-	atomic_fetch_sub(&s->outstanding, 1);
-	if (atomic_fetch_sub(&s->inflight[p], 1) == 1)
-		uv_async_send(&s->srv->wake);
-	free(j);
-	aoqd_session_unref(s);
-}
-
-static void chunk_run(struct aoqd_task *task, unsigned worker)
-{
-	struct chunk *c = (struct chunk *)task;
-	struct job *j = c->job;
-	struct aoqd_session *s = j->s;
-	if (!atomic_load_explicit(&s->dead, memory_order_relaxed)) {
-		const struct aoqk_kernel *k = s->srv->kernel;
-		struct aoqd_tensor *t = j->t;
-		uint64_t begin = j->rec.offset + c->begin;
-		const uint8_t *grad = j->grad + c->begin * aoqk_dtype_size(t->grad_dtype);
-		uint64_t c0 = thread_cpu_ns(), w0 = aoqd_now_ns();
-		if (j->accumulate) {
-			if (j->acc_first)
-				memset(t->acc + begin, 0, c->count * sizeof(float));
-			k->accumulate(t->acc + begin, grad, t->grad_dtype, 1.0f, c->count);
-		} else {
-			struct aoqk_chunk ch = {
-				.begin = begin,
-				.count = c->count,
-				.grad = grad,
-				.grad_dtype = t->grad_dtype,
-				.acc = j->use_acc ? t->acc + begin : NULL,
-				.param = j->param + c->begin * aoqk_dtype_size(t->param_dtype),
-				.param_dtype = t->param_dtype,
-				.seed = j->seed,
-				.skip_nonfinite = false,
-			};
-			if (k->adam(&j->hp, &t->st, &ch, &c->rep) < 0)
-				c->rep.nonfinite = true; /* validated before: cannot happen */
-		}
-		uint64_t c1 = thread_cpu_ns(), w1 = aoqd_now_ns();
-		pthread_mutex_lock(&s->stats_lock);
-		s->cpu_ns += c1 - c0;
-		s->chunks++;
-		aoqd_hist_add(&s->chunk_hist, w1 - w0);
-		pthread_mutex_unlock(&s->stats_lock);
-	}
-	if (atomic_fetch_sub_explicit(&j->remaining, 1, memory_order_acq_rel) == 1)
-		job_complete(j);
-}
-
-/* Elements per chunk: every worker gets a share of a large tensor, chunks
- * stay cache-sized, and a q8 block never straddles two chunks. */
-static uint64_t chunk_elems(struct aoqd_session *s, uint64_t count)
-{
-	uint64_t w = aoqd_pool_threads(s->srv->pool);
-	uint64_t c = aoq_align_up((count + w - 1) / w, AOQK_Q8_BLOCK);
-	if (c < 16384)
-		c = 16384;
-	if (c > 262144)
-		c = 262144;
-	return c;
-}
-
-/* Validates one record; a message for the client when it is bad. */
-static bool rec_valid(struct aoqd_session *s, const struct aoq_rec *r, char *why, size_t len)
-{
-	if (r->flags & ~AOQ_REC_FLAGS_KNOWN) {
-		snprintf(why, len, "unknown flags 0x%x", r->flags);
-		return false;
-	}
-	if (r->tensor >= s->ntensors) {
-		snprintf(why, len, "tensor %u of %u", r->tensor, s->ntensors);
-		return false;
-	}
-	const struct aoqd_tensor *t = &s->tensors[r->tensor];
-	if (r->count == 0 || !aoq_range_ok(r->offset, r->count, t->numel)) {
-		snprintf(why, len, "tensor %u: elements %" PRIu64 "+%" PRIu64 " outside 0..%" PRIu64,
-		         r->tensor, r->offset, r->count, t->numel);
-		return false;
-	}
-	if (s->window) {
-		if (r->slot >= s->nslots || r->count > s->slot_elems) {
-			snprintf(why, len, "slot %u (of %u) cannot hold %" PRIu64 " elements", r->slot, s->nslots, r->count);
-			return false;
-		}
-	} else if (r->slot != r->tensor) {
-		snprintf(why, len, "tensor %u: slot %u is not its own", r->tensor, r->slot);
-		return false;
-	}
-	if (aoqk_precision_q8((enum aoqk_precision)s->precision) &&
-	    (r->offset % AOQK_Q8_BLOCK || (r->count % AOQK_Q8_BLOCK && r->offset + r->count != t->numel))) {
-		snprintf(why, len, "tensor %u: q8 state needs chunks on %u-element blocks", r->tensor, AOQK_Q8_BLOCK);
-		return false;
-	}
-	/* The client posts every record of a step before its StepEnd, but the
-	 * socket can overtake the ring: the ending step's records stay valid
-	 * while its StepEnd is pending. */
-	if (r->step != s->next_step && !(s->step_end_pending && r->step == s->ending_step)) {
-		snprintf(why, len, "tensor %u: step %" PRIu64 ", the current step is %" PRIu64, r->tensor, r->step, s->next_step);
-		return false;
-	}
-	return true;
-}
-
-/* Turns a valid record into a job of chunks for the pool.  False when the
- * session failed. */
-static bool accept_record(struct aoqd_session *s, const struct aoq_rec *r)
-{
-	struct aoqd_tensor *t = &s->tensors[r->tensor];
-	bool accumulate = r->flags & AOQ_REC_ACCUMULATE;
-	bool acc_first = false, use_acc = false;
-	if (accumulate) {
-		if (!t->acc) {
-			void *p = mmap(NULL, t->numel * sizeof(float), PROT_READ | PROT_WRITE,
-			               MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-			if (p == MAP_FAILED) {
-				FAIL(s, NO_MEMORY, "tensor %u: no memory for the gradient accumulator", r->tensor);
-				return false;
-			}
-			t->acc = p;
-			s->state_bytes += t->numel * sizeof(float);
-		}
-		if (t->acc_step != r->step) {
-			t->acc_step = r->step;
-			acc_first = true;
-		}
-	} else {
-		use_acc = t->acc && t->acc_step == r->step;
-		if (t->cur_step != r->step) {
-			t->cur_step = r->step;
-			t->steps++;
-			t->done_elems = 0;
-		}
-		t->done_elems += r->count;
-		if (t->done_elems > t->numel) {
-			FAIL(s, BAD_RECORD, "tensor %u: more than one final gradient in step %" PRIu64, r->tensor, r->step);
-			return false;
-		}
-	}
-	uint64_t ce = chunk_elems(s, r->count);
-	uint32_t n = (uint32_t)((r->count + ce - 1) / ce);
-	struct job *j = calloc(1, sizeof(*j) + (size_t)n * sizeof(struct chunk));
-	if (!j) {
-		FAIL(s, NO_MEMORY, "out of memory");
-		return false;
-	}
-	j->s = s;
-	j->t = t;
-	j->rec = *r;
-	j->hp = s->groups[t->group].hp;
-	j->hp.step = t->steps;
-	j->accumulate = accumulate;
-	j->acc_first = acc_first;
-	j->use_acc = use_acc;
-	const struct aoq_arena_slot *sl = &s->slots[s->window ? r->slot : r->tensor];
-	uint64_t first = s->window ? 0 : r->offset;
-	j->grad = s->arena + sl->grad_off + first * aoqk_dtype_size(t->grad_dtype);
-	j->param = s->arena + sl->param_off + first * aoqk_dtype_size(t->param_dtype);
-	j->seed = s->seed ^ (r->step * 0xd1b54a32d192ed03ull);
-	j->t0 = aoqd_now_ns();
-	j->nchunks = n;
-	atomic_init(&j->remaining, n);
-	for (uint32_t i = 0; i < n; i++) {
-		struct chunk *c = &j->chunks[i];
-		c->task.run = chunk_run;
-		c->task.next = i + 1 < n ? &j->chunks[i + 1].task : NULL;
-		c->job = j;
-		c->begin = (uint64_t)i * ce;
-		c->count = i + 1 < n ? ce : r->count - c->begin;
-	}
-	aoqd_session_ref(s);
-	atomic_fetch_add(&s->outstanding, 1);
-	atomic_fetch_add(&s->inflight[r->step & 1], 1);
-	s->accepted[r->step & 1]++;
-	aoqd_pool_submit(s->srv->pool, &s->queue, &j->chunks[0].task, &j->chunks[n - 1].task, n);
-	return true;
-}
-
-/*
- * Takes records off the to-daemon ring while they are valid and there is
- * room for their answers.  Stops (without consuming) at a record of the next
- * step until StepEnd arrives, and when the answers could overflow the
- * to-client ring until the client frees space.
- */
-void aoqd_drain(struct aoqd_session *s)
-{
-	char why[256];
-	s->space_wait = false;
-	while (s->state == AOQD_READY && !s->held) {
-		struct aoq_rec rec;
-		int r = aoq_ring_peek(&s->to_daemon, &rec);
-		if (r < 0)
-			{ FAIL(s, BAD_RECORD, "the to-daemon ring's head counter is corrupt"); return; }
-		if (r == 0) {
-			if (aoq_ring_idle(&s->to_daemon))
-				return;
-			continue;
-		}
-		if (rec.step == s->next_step + 1 && s->next_step + 1 > s->next_step) {
-			s->held = true; /* until StepEnd(next_step) */
-			return;
-		}
-		if (!rec_valid(s, &rec, why, sizeof(why)))
-			{ FAIL(s, BAD_RECORD, "%s", why); return; }
-		/* Every accepted record is answered: keep room for all of them. */
-		pthread_mutex_lock(&s->ring_lock);
-		int64_t space = aoq_ring_space(&s->to_client);
-		bool room = space > (int64_t)atomic_load(&s->outstanding);
-		if (space >= 0 && !room && aoq_ring_wait_space(&s->to_client, atomic_load(&s->outstanding) + 1))
-			room = true;
-		pthread_mutex_unlock(&s->ring_lock);
-		if (space < 0)
-			{ FAIL(s, BAD_RECORD, "the to-client ring's tail counter is corrupt"); return; }
-		if (!room) {
-			s->space_wait = true;
-			return;
-		}
-		aoq_ring_pop(&s->to_daemon);
-		if (aoq_ring_producer_waiting(&s->to_daemon))
-			ring_doorbell(s->doorbell_out);
-		if (!accept_record(s, &rec))
-			return;
-	}
-}
-
 /* ---- steps ---- */
 
 /* Sends StepEnded for the ending step if its last job is done. */
@@ -732,7 +437,8 @@ static bool finish_step(struct aoqd_session *s)
 {
 	unsigned p = s->ending_step & 1;
 	/* Not done while a record of the step may still wait in the ring. */
-	if (!s->step_end_pending || atomic_load(&s->inflight[p]) != 0 || s->space_wait)
+	if (!s->step_end_pending || atomic_load(&s->inflight[p]) != 0 || s->space_wait ||
+	    (s->defer && !s->released[p]))
 		return false;
 	Aoq__StepEnded e = AOQ__STEP_ENDED__INIT;
 	pthread_mutex_lock(&s->step_lock);
@@ -740,9 +446,13 @@ static bool finish_step(struct aoqd_session *s)
 	e.grad_sumsq = s->sumsq[p];
 	e.nonfinite = s->nonfinite[p];
 	e.tensors_updated = s->updated[p];
+	e.skipped = s->skipped[p];
+	e.clip_scale = s->defer ? s->clip_scale[p] : 1.0;
 	s->sumsq[p] = 0;
 	s->nonfinite[p] = false;
 	s->updated[p] = 0;
+	s->released[p] = false;
+	s->skipped[p] = false;
 	pthread_mutex_unlock(&s->step_lock);
 	s->accepted[p] = 0;
 	s->step_end_pending = false;
@@ -764,6 +474,7 @@ void aoqd_check_step_end(struct aoqd_session *s)
 			FAIL(s, BAD_RECORD, "the to-client ring's tail counter is corrupt");
 		return;
 	}
+	aoqd_release_step(s);
 	if (finish_step(s))
 		aoqd_resume_reading(s); /* frames that waited behind StepEnd */
 }
@@ -782,6 +493,7 @@ bool aoqd_on_step_end(struct aoqd_session *s, const Aoq__StepEnd *m)
 	aoqd_drain(s);
 	if (s->state != AOQD_READY)
 		return false;
+	aoqd_release_step(s);
 	finish_step(s);
 	return s->step_end_pending;
 }

@@ -57,7 +57,13 @@ struct aoq_arena_header {
 	uint64_t session_id;
 	uint64_t xfer_off;    /* LoadState/ReadState data */
 	uint64_t xfer_bytes;
+	uint64_t flags;       /* AOQ_ARENA_DELAYED */
 };
+
+/* Delayed update: every param area is two buffers of param_bytes, the
+ * second at param_off + aoq_align_up(param_bytes, AOQ_ARENA_ALIGN); step s
+ * writes buffer s & 1. */
+#define AOQ_ARENA_DELAYED 1u
 
 struct aoq_arena_tensor {
 	uint64_t numel;
@@ -111,7 +117,7 @@ struct aoq_ring {
 
 _Static_assert(sizeof(struct aoq_rec) == 40, "record layout");
 _Static_assert(sizeof(struct aoq_ring) == 128, "ring layout");
-_Static_assert(sizeof(struct aoq_arena_header) == 112, "header layout");
+_Static_assert(sizeof(struct aoq_arena_header) == 120, "header layout");
 
 static inline uint64_t aoq_align_up(uint64_t v, uint64_t a)
 {

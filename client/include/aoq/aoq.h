@@ -85,6 +85,18 @@ struct aoq_options {
 	enum aoq_precision precision;
 	uint64_t window;    /* staging bytes; 0 = a slot per tensor */
 	uint64_t seed;      /* stochastic rounding seed; 0 = daemon's choice */
+	/* Global gradient-norm clipping over every tensor of the session, as
+	 * torch.nn.utils.clip_grad_norm_: 0 = off.  Updates then start once
+	 * the step's last gradient has landed (the norm is summed as they land). */
+	double max_grad_norm;
+	/* Skip the whole step (no state changes) when any gradient of it is
+	 * inf or nan, as GradScaler does; reported by aoq_sync(). */
+	bool skip_nonfinite;
+	/* Delayed parameter update (ZeRO-Offload's DPU): the update of step N
+	 * lands on the device during step N+1, when tensor t's next gradient
+	 * is pushed; the model trains on parameters one step stale.
+	 * aoq_flush() applies the pending updates (before eval or saving). */
+	bool delayed_update;
 	void *cuda_stream;  /* default stream for push/wait (cudaStream_t), or NULL */
 	void *ze_context;   /* Level Zero handles to use as given, or NULL */
 	void *ze_device;
@@ -163,14 +175,20 @@ AOQ_API int aoq_step_end(struct aoq_client *c);
 
 struct aoq_step_result {
 	uint64_t step;
-	double grad_sumsq;
-	bool nonfinite;
+	double grad_sumsq;       /* sum of squares of the step's gradients (before clipping) */
+	bool nonfinite;          /* some gradient was inf or nan */
+	bool skipped;            /* the step changed nothing (skip_nonfinite) */
+	double clip_scale;       /* factor applied to the gradients (1 = none) */
 	uint64_t tensors_updated;
 };
 
 /* Waits for every pushed gradient's parameter and every ended step; the
  * result of the last ended step goes to *last when non-NULL. */
 AOQ_API int aoq_sync(struct aoq_client *c, struct aoq_step_result *last);
+
+/* Delayed update: copies every pending updated parameter to the device
+ * now (host-blocking).  A no-op otherwise. */
+AOQ_API int aoq_flush(struct aoq_client *c);
 
 /* Optimizer state transfer (checkpoints).  `what`: 0 master, 1 exp_avg,
  * 2 exp_avg_sq.  Host buffers of `count` elements of `dtype`. */

@@ -1,0 +1,476 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The data plane: ring records -> jobs of chunks on the worker pool ->
+ * param records.
+ *
+ * A record becomes one job, split into chunks that workers run in any
+ * order; the worker finishing the last chunk answers the record.  Without
+ * clipping or step skipping a job updates at once ("direct").  With them
+ * the session is "deferred": a final gradient's job first only sums its
+ * squares (phase NORM); when the step's last gradient has landed and its
+ * StepEnd has arrived, the loop thread releases the step's jobs to update
+ * with the clip factor, or answers them SKIPPED.
+ *
+ * Threads: aoqd_drain() and aoqd_release_step() run on the loop thread;
+ * chunk_run() and job_complete() on workers.  Workers touch a session's
+ * state arrays (each chunk its own range), the to-client ring (ring_lock),
+ * the per-step sums and deferred lists (step_lock), stats (stats_lock) and
+ * atomics.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "aoqd.h"
+#include "convert.h"
+#include "log.h"
+
+#define FAIL(s, code, ...) aoqd_session_fail(s, AOQ__ERROR_CODE__##code, __VA_ARGS__)
+
+enum job_phase { PHASE_UPDATE, PHASE_ACCUMULATE, PHASE_NORM };
+
+struct chunk {
+	struct aoqd_task task;
+	struct aoqd_job *job;
+	uint64_t begin, count; /* within the record's range */
+	struct aoqk_report rep;
+};
+
+struct aoqd_job {
+	struct aoqd_job *next;  /* deferred list */
+	struct aoqd_session *s;
+	struct aoqd_tensor *t;
+	struct aoq_rec rec;
+	struct aoqk_hparams hp;
+	enum job_phase phase;
+	bool acc_first;  /* first micro-batch of the step: acc starts from zero */
+	bool use_acc;
+	const uint8_t *grad; /* element rec.offset */
+	uint8_t *param;
+	uint64_t seed;
+	uint64_t t0;
+	_Atomic uint32_t remaining;
+	uint32_t nchunks;
+	struct chunk chunks[];
+};
+
+static uint64_t thread_cpu_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+void aoqd_ring_doorbell(int fd)
+{
+	uint64_t one = 1;
+	ssize_t r = write(fd, &one, sizeof(one));
+	(void)r; /* EAGAIN: the counter is saturated, the peer is woken anyway */
+}
+
+static void post_record(struct aoqd_session *s, const struct aoqd_job *j, int32_t status)
+{
+	struct aoq_rec out = j->rec;
+	out.flags = 0;
+	out.status = status;
+	pthread_mutex_lock(&s->ring_lock);
+	int r = atomic_load(&s->dead) ? 0 : aoq_ring_push(&s->to_client, &out);
+	pthread_mutex_unlock(&s->ring_lock);
+	if (r == 1)
+		aoqd_ring_doorbell(s->doorbell_out);
+	else if (r < 0) {
+		/* Reserved space vanished: the client wrote its tail counter. */
+		atomic_store(&s->dead, true);
+		uv_async_send(&s->srv->wake);
+	}
+}
+
+/* Answers the job's record and drops it (any thread). */
+static void job_answer(struct aoqd_job *j, int32_t status)
+{
+	struct aoqd_session *s = j->s;
+	unsigned p = j->rec.step & 1;
+	post_record(s, j, status);
+	pthread_mutex_lock(&s->stats_lock);
+	s->bytes_in += j->rec.count * aoqk_dtype_size(j->t->grad_dtype);
+	if (status == AOQ_REC_UPDATED)
+		s->bytes_out += j->rec.count * aoqk_dtype_size(j->t->param_dtype);
+	aoqd_hist_add(&s->rec_hist, aoqd_now_ns() - j->t0);
+	pthread_mutex_unlock(&s->stats_lock);
+	atomic_fetch_sub(&s->outstanding, 1);
+	if (atomic_fetch_sub(&s->inflight[p], 1) == 1)
+		uv_async_send(&s->srv->wake);
+	free(j);
+	aoqd_session_unref(s);
+}
+
+static void job_complete(struct aoqd_job *j)
+{
+	struct aoqd_session *s = j->s;
+	double sumsq = 0;
+	bool nonfinite = false;
+	for (uint32_t i = 0; i < j->nchunks; i++) {
+		sumsq += j->chunks[i].rep.sumsq;
+		nonfinite |= j->chunks[i].rep.nonfinite;
+	}
+	unsigned p = j->rec.step & 1;
+	if (j->phase == PHASE_NORM) {
+		/* Wait for the rest of the step; aoqd_release_step() goes on. */
+		pthread_mutex_lock(&s->step_lock);
+		/* A closing session dropped its list already (dead is set
+		 * before aoqd_drop_deferred() takes this lock). */
+		bool dead = atomic_load(&s->dead);
+		if (!dead) {
+			s->sumsq[p] += sumsq;
+			s->nonfinite[p] |= nonfinite;
+			j->next = s->deferred[p];
+			s->deferred[p] = j;
+		}
+		pthread_mutex_unlock(&s->step_lock);
+		if (atomic_fetch_sub(&s->norming[p], 1) == 1)
+			uv_async_send(&s->srv->wake);
+		if (dead)
+			job_answer(j, AOQ_REC_SKIPPED); /* posts nothing: the session is dead */
+		return;
+	}
+	pthread_mutex_lock(&s->step_lock);
+	if (!s->defer) {
+		s->sumsq[p] += sumsq;
+		s->nonfinite[p] |= nonfinite;
+	}
+	if (j->phase == PHASE_UPDATE)
+		s->updated[p]++;
+	pthread_mutex_unlock(&s->step_lock);
+	job_answer(j, j->phase == PHASE_ACCUMULATE ? AOQ_REC_ACCUMULATED : AOQ_REC_UPDATED);
+}
+
+/* Sum of squares of (acc +) grad, and whether any value is not finite. */
+static void grad_norm(const void *grad, enum aoqk_dtype dt, const float *acc, size_t n, struct aoqk_report *rep)
+{
+	float buf[1024];
+	double sum = 0;
+	bool bad = false;
+	for (size_t i = 0; i < n; i += 1024) {
+		size_t k = n - i < 1024 ? n - i : 1024;
+		aoqd_to_f32(buf, (const uint8_t *)grad + i * aoqk_dtype_size(dt), dt, k);
+		float part = 0;
+		for (size_t e = 0; e < k; e++) {
+			float g = acc ? buf[e] + acc[i + e] : buf[e];
+			part += g * g;
+		}
+		bad |= !isfinite(part);
+		sum += part;
+	}
+	rep->sumsq = sum;
+	rep->nonfinite = bad;
+}
+
+static void chunk_run(struct aoqd_task *task, unsigned worker)
+{
+	struct chunk *c = (struct chunk *)task;
+	struct aoqd_job *j = c->job;
+	struct aoqd_session *s = j->s;
+	if (!atomic_load_explicit(&s->dead, memory_order_relaxed)) {
+		const struct aoqk_kernel *k = s->srv->kernel;
+		struct aoqd_tensor *t = j->t;
+		uint64_t begin = j->rec.offset + c->begin;
+		const uint8_t *grad = j->grad + c->begin * aoqk_dtype_size(t->grad_dtype);
+		float *acc = j->use_acc ? t->acc + begin : NULL;
+		uint64_t c0 = thread_cpu_ns(), w0 = aoqd_now_ns();
+		switch (j->phase) {
+		case PHASE_ACCUMULATE:
+			if (j->acc_first)
+				memset(t->acc + begin, 0, c->count * sizeof(float));
+			k->accumulate(t->acc + begin, grad, t->grad_dtype, 1.0f, c->count);
+			break;
+		case PHASE_NORM:
+			grad_norm(grad, t->grad_dtype, acc, c->count, &c->rep);
+			break;
+		case PHASE_UPDATE: {
+			struct aoqk_chunk ch = {
+				.begin = begin,
+				.count = c->count,
+				.grad = grad,
+				.grad_dtype = t->grad_dtype,
+				.acc = acc,
+				.param = j->param + c->begin * aoqk_dtype_size(t->param_dtype),
+				.param_dtype = t->param_dtype,
+				.seed = j->seed,
+			};
+			if (k->adam(&j->hp, &t->st, &ch, &c->rep) < 0)
+				c->rep.nonfinite = true; /* validated before: cannot happen */
+			break;
+		}
+		}
+		uint64_t c1 = thread_cpu_ns(), w1 = aoqd_now_ns();
+		pthread_mutex_lock(&s->stats_lock);
+		s->cpu_ns += c1 - c0;
+		s->chunks++;
+		aoqd_hist_add(&s->chunk_hist, w1 - w0);
+		pthread_mutex_unlock(&s->stats_lock);
+	}
+	if (atomic_fetch_sub_explicit(&j->remaining, 1, memory_order_acq_rel) == 1)
+		job_complete(j);
+}
+
+/* Elements per chunk: every worker gets a share of a large tensor, chunks
+ * stay cache-sized, and a q8 block never straddles two chunks. */
+static uint64_t chunk_elems(struct aoqd_session *s, uint64_t count)
+{
+	uint64_t w = aoqd_pool_threads(s->srv->pool);
+	uint64_t c = aoq_align_up((count + w - 1) / w, AOQK_Q8_BLOCK);
+	if (c < 16384)
+		c = 16384;
+	if (c > 262144)
+		c = 262144;
+	return c;
+}
+
+static void job_submit(struct aoqd_job *j)
+{
+	uint32_t n = j->nchunks;
+	atomic_store(&j->remaining, n);
+	for (uint32_t i = 0; i < n; i++) {
+		j->chunks[i].task.run = chunk_run;
+		j->chunks[i].task.next = i + 1 < n ? &j->chunks[i + 1].task : NULL;
+		j->chunks[i].rep = (struct aoqk_report){ 0 };
+	}
+	aoqd_pool_submit(j->s->srv->pool, &j->s->queue, &j->chunks[0].task, &j->chunks[n - 1].task, n);
+}
+
+/* Validates one record; a message for the client when it is bad. */
+static bool rec_valid(struct aoqd_session *s, const struct aoq_rec *r, char *why, size_t len)
+{
+	if (r->flags & ~AOQ_REC_FLAGS_KNOWN) {
+		snprintf(why, len, "unknown flags 0x%x", r->flags);
+		return false;
+	}
+	if (r->tensor >= s->ntensors) {
+		snprintf(why, len, "tensor %u of %u", r->tensor, s->ntensors);
+		return false;
+	}
+	const struct aoqd_tensor *t = &s->tensors[r->tensor];
+	if (r->count == 0 || !aoq_range_ok(r->offset, r->count, t->numel)) {
+		snprintf(why, len, "tensor %u: elements %" PRIu64 "+%" PRIu64 " outside 0..%" PRIu64,
+		         r->tensor, r->offset, r->count, t->numel);
+		return false;
+	}
+	if (s->window) {
+		if (r->slot >= s->nslots || r->count > s->slot_elems) {
+			snprintf(why, len, "slot %u (of %u) cannot hold %" PRIu64 " elements", r->slot, s->nslots, r->count);
+			return false;
+		}
+	} else if (r->slot != r->tensor) {
+		snprintf(why, len, "tensor %u: slot %u is not its own", r->tensor, r->slot);
+		return false;
+	}
+	if (aoqk_precision_q8((enum aoqk_precision)s->precision) &&
+	    (r->offset % AOQK_Q8_BLOCK || (r->count % AOQK_Q8_BLOCK && r->offset + r->count != t->numel))) {
+		snprintf(why, len, "tensor %u: q8 state needs chunks on %u-element blocks", r->tensor, AOQK_Q8_BLOCK);
+		return false;
+	}
+	/* The client posts every record of a step before its StepEnd, but the
+	 * socket can overtake the ring: the ending step's records stay valid
+	 * while its StepEnd is pending. */
+	if (r->step != s->next_step && !(s->step_end_pending && r->step == s->ending_step)) {
+		snprintf(why, len, "tensor %u: step %" PRIu64 ", the current step is %" PRIu64, r->tensor, r->step, s->next_step);
+		return false;
+	}
+	if (s->defer && s->step_end_pending && r->step == s->ending_step && s->released[r->step & 1]) {
+		snprintf(why, len, "tensor %u: gradient of step %" PRIu64 " after its StepEnd", r->tensor, r->step);
+		return false;
+	}
+	return true;
+}
+
+/* Turns a valid record into a job of chunks for the pool.  False when the
+ * session failed. */
+static bool accept_record(struct aoqd_session *s, const struct aoq_rec *r)
+{
+	struct aoqd_tensor *t = &s->tensors[r->tensor];
+	enum job_phase phase = (r->flags & AOQ_REC_ACCUMULATE) ? PHASE_ACCUMULATE : s->defer ? PHASE_NORM : PHASE_UPDATE;
+	bool acc_first = false, use_acc = false;
+	if (phase == PHASE_ACCUMULATE) {
+		if (!t->acc) {
+			void *p = mmap(NULL, t->numel * sizeof(float), PROT_READ | PROT_WRITE,
+			               MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+			if (p == MAP_FAILED) {
+				FAIL(s, NO_MEMORY, "tensor %u: no memory for the gradient accumulator", r->tensor);
+				return false;
+			}
+			t->acc = p;
+			s->state_bytes += t->numel * sizeof(float);
+		}
+		if (t->acc_step != r->step) {
+			t->acc_step = r->step;
+			acc_first = true;
+		}
+	} else {
+		use_acc = t->acc && t->acc_step == r->step;
+		if (t->cur_step != r->step) {
+			t->cur_step = r->step;
+			t->steps++;
+			t->done_elems = 0;
+		}
+		t->done_elems += r->count;
+		if (t->done_elems > t->numel) {
+			FAIL(s, BAD_RECORD, "tensor %u: more than one final gradient in step %" PRIu64, r->tensor, r->step);
+			return false;
+		}
+	}
+	uint64_t ce = chunk_elems(s, r->count);
+	uint32_t n = (uint32_t)((r->count + ce - 1) / ce);
+	struct aoqd_job *j = calloc(1, sizeof(*j) + (size_t)n * sizeof(struct chunk));
+	if (!j) {
+		FAIL(s, NO_MEMORY, "out of memory");
+		return false;
+	}
+	j->s = s;
+	j->t = t;
+	j->rec = *r;
+	j->hp = s->groups[t->group].hp;
+	j->hp.step = t->steps;
+	j->phase = phase;
+	j->acc_first = acc_first;
+	j->use_acc = use_acc;
+	const struct aoq_arena_slot *sl = &s->slots[s->window ? r->slot : r->tensor];
+	uint64_t first = s->window ? 0 : r->offset;
+	uint64_t param_off = sl->param_off;
+	if (s->delayed && (r->step & 1))
+		param_off += aoq_align_up(sl->param_bytes, AOQ_ARENA_ALIGN);
+	j->grad = s->arena + sl->grad_off + first * aoqk_dtype_size(t->grad_dtype);
+	j->param = s->arena + param_off + first * aoqk_dtype_size(t->param_dtype);
+	j->seed = s->seed ^ (r->step * 0xd1b54a32d192ed03ull);
+	j->t0 = aoqd_now_ns();
+	j->nchunks = n;
+	for (uint32_t i = 0; i < n; i++) {
+		struct chunk *c = &j->chunks[i];
+		c->job = j;
+		c->begin = (uint64_t)i * ce;
+		c->count = i + 1 < n ? ce : r->count - c->begin;
+	}
+	unsigned p = r->step & 1;
+	aoqd_session_ref(s);
+	atomic_fetch_add(&s->outstanding, 1);
+	atomic_fetch_add(&s->inflight[p], 1);
+	if (phase == PHASE_NORM)
+		atomic_fetch_add(&s->norming[p], 1);
+	s->accepted[p]++;
+	job_submit(j);
+	return true;
+}
+
+/*
+ * Takes records off the to-daemon ring while they are valid and there is
+ * room for their answers.  Stops (without consuming) at a record of the next
+ * step until StepEnd arrives, and when the answers could overflow the
+ * to-client ring until the client frees space.
+ */
+void aoqd_drain(struct aoqd_session *s)
+{
+	char why[256];
+	s->space_wait = false;
+	while (s->state == AOQD_READY && !s->held) {
+		struct aoq_rec rec;
+		int r = aoq_ring_peek(&s->to_daemon, &rec);
+		if (r < 0)
+			{ FAIL(s, BAD_RECORD, "the to-daemon ring's head counter is corrupt"); return; }
+		if (r == 0) {
+			if (aoq_ring_idle(&s->to_daemon))
+				return;
+			continue;
+		}
+		if (rec.step == s->next_step + 1 && s->next_step + 1 > s->next_step) {
+			s->held = true; /* until StepEnd(next_step) */
+			return;
+		}
+		if (!rec_valid(s, &rec, why, sizeof(why)))
+			{ FAIL(s, BAD_RECORD, "%s", why); return; }
+		/* Every accepted record is answered: keep room for all of them. */
+		pthread_mutex_lock(&s->ring_lock);
+		int64_t space = aoq_ring_space(&s->to_client);
+		bool room = space > (int64_t)atomic_load(&s->outstanding);
+		if (space >= 0 && !room && aoq_ring_wait_space(&s->to_client, atomic_load(&s->outstanding) + 1))
+			room = true;
+		pthread_mutex_unlock(&s->ring_lock);
+		if (space < 0)
+			{ FAIL(s, BAD_RECORD, "the to-client ring's tail counter is corrupt"); return; }
+		if (!room) {
+			s->space_wait = true;
+			return;
+		}
+		aoq_ring_pop(&s->to_daemon);
+		if (aoq_ring_producer_waiting(&s->to_daemon))
+			aoqd_ring_doorbell(s->doorbell_out);
+		if (!accept_record(s, &rec))
+			return;
+	}
+}
+
+/*
+ * Deferred sessions: once every gradient of the ending step has landed and
+ * its norm is summed, updates start with the clip factor, or the whole step
+ * is answered SKIPPED.  Loop thread.  True when the step was released now.
+ */
+bool aoqd_release_step(struct aoqd_session *s)
+{
+	unsigned p = s->ending_step & 1;
+	if (!s->defer || !s->step_end_pending || s->released[p] || s->space_wait ||
+	    atomic_load(&s->norming[p]) != 0)
+		return false;
+	pthread_mutex_lock(&s->step_lock);
+	struct aoqd_job *list = s->deferred[p];
+	s->deferred[p] = NULL;
+	double norm = sqrt(s->sumsq[p]);
+	bool skip = s->skip_nonfinite && s->nonfinite[p];
+	pthread_mutex_unlock(&s->step_lock);
+	double scale = 1.0;
+	if (s->max_grad_norm > 0 && norm > 0) {
+		/* torch.nn.utils.clip_grad_norm_: coef = max / (norm + 1e-6), at most 1 */
+		double coef = s->max_grad_norm / (norm + 1e-6);
+		if (coef < 1.0)
+			scale = coef;
+	}
+	s->released[p] = true;
+	s->clip_scale[p] = scale;
+	s->skipped[p] = skip;
+	while (list) {
+		struct aoqd_job *j = list;
+		list = j->next;
+		if (skip) {
+			/* Nothing changed: the tensor did not take this step. */
+			j->t->steps--;
+			job_answer(j, AOQ_REC_SKIPPED);
+		} else {
+			j->phase = PHASE_UPDATE;
+			j->hp.grad_scale = (float)scale;
+			job_submit(j);
+		}
+	}
+	return true;
+}
+
+/* Jobs of a closing session that wait in a deferred list: drop them. */
+void aoqd_drop_deferred(struct aoqd_session *s)
+{
+	for (unsigned p = 0; p < 2; p++) {
+		pthread_mutex_lock(&s->step_lock);
+		struct aoqd_job *list = s->deferred[p];
+		s->deferred[p] = NULL;
+		pthread_mutex_unlock(&s->step_lock);
+		while (list) {
+			struct aoqd_job *j = list;
+			list = j->next;
+			atomic_fetch_sub(&s->outstanding, 1);
+			atomic_fetch_sub(&s->inflight[p], 1);
+			free(j);
+			aoqd_session_unref(s);
+		}
+	}
+}

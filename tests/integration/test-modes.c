@@ -1,0 +1,255 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Session modes against the double reference:
+ * - clip: max_grad_norm clips the global norm of every step (the factor in
+ *   StepEnded, the scaled first moment read back from the daemon);
+ * - skip: skip_nonfinite skips a step with a nan gradient whole: no
+ *   parameter or step counter moves, and the next step matches a reference
+ *   that never took it;
+ * - delayed: after step N the device holds update N-1; aoq_flush() brings
+ *   update N;
+ * - window: a session staging through a 2-slot window agrees bit for bit
+ *   with one holding a slot per tensor, accumulation included.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+
+#include "harness.h"
+
+#define NT 4
+static const uint64_t sizes[NT] = { 1, 3, 4097, (1u << 20) + 13 };
+
+static const struct aoq_group hp = { .kind = AOQ_ADAMW, .lr = 2e-3, .beta1 = 0.9, .beta2 = 0.999,
+                                     .eps = 1e-8, .weight_decay = 0.01 };
+
+struct run {
+	struct aoq_client *c;
+	float *param[NT], *grad[NT];
+	struct aoqt_ref ref[NT];
+};
+
+static void open_run(struct run *r, const char *sock, const char *job, struct aoq_options o, uint64_t seed)
+{
+	o.socket = sock;
+	o.job = job;
+	o.device = "cpu";
+	CHECK_OK(aoq_connect(&r->c, &o));
+	CHECK_OK(aoq_add_group(r->c, &hp));
+	for (int t = 0; t < NT; t++) {
+		r->param[t] = aoqt_xmalloc(sizes[t] * 4);
+		r->grad[t] = aoqt_xmalloc(sizes[t] * 4);
+		struct aoqt_rng g = aoqt_rng_for(seed, t, 0);
+		aoqt_ref_init(&r->ref[t], sizes[t]);
+		for (size_t i = 0; i < sizes[t]; i++) {
+			r->param[t][i] = (float)aoqt_uniform(&g);
+			r->ref[t].p[i] = r->param[t][i];
+		}
+		char name[16];
+		snprintf(name, sizeof(name), "t%d", t);
+		struct aoq_tensor d = { .name = name, .numel = sizes[t], .param_dtype = AOQ_FP32,
+		                        .grad_dtype = AOQ_FP32, .param = r->param[t], .grad = r->grad[t] };
+		CHECK(aoq_add_tensor(r->c, &d) == t, "tensor index");
+	}
+	CHECK_OK(aoq_register(r->c));
+}
+
+static void close_run(struct run *r)
+{
+	aoq_close(r->c);
+	for (int t = 0; t < NT; t++) {
+		free(r->param[t]);
+		free(r->grad[t]);
+		aoqt_ref_free(&r->ref[t]);
+	}
+}
+
+static void fill_grads(struct run *r, uint64_t seed, uint64_t step, double mag)
+{
+	for (int t = 0; t < NT; t++) {
+		struct aoqt_rng g = aoqt_rng_for(seed, t, step);
+		for (size_t i = 0; i < sizes[t]; i++)
+			r->grad[t][i] = (float)(mag * aoqt_uniform(&g));
+	}
+}
+
+static void push_all(struct run *r, unsigned flags)
+{
+	for (int t = NT - 1; t >= 0; t--)
+		CHECK_OK(aoq_push_grad(r->c, (uint32_t)t, flags, NULL));
+}
+
+static void check_all(const char *what, struct run *r)
+{
+	for (int t = 0; t < NT; t++)
+		CHECK(aoqt_check_param(what, &r->ref[t], r->param[t], AOQ_FP32) == 0, "%s: tensor %d", what, t);
+}
+
+static void test_clip(const char *sock)
+{
+	struct aoq_options o = AOQ_OPTIONS_INIT;
+	struct run r;
+	uint64_t seed = 11;
+	/* the norm of 2^20 uniform values of magnitude 0.1 is about 34 */
+	o.max_grad_norm = 5.0;
+	open_run(&r, sock, "clip", o, seed);
+	float *gs = aoqt_xmalloc(sizes[NT - 1] * 4), *m = aoqt_xmalloc(sizes[NT - 1] * 4);
+	for (uint64_t step = 1; step <= 4; step++) {
+		double mag = step == 3 ? 1e-4 : 0.1; /* step 3 stays under the limit */
+		fill_grads(&r, seed, step, mag);
+		double sum = 0;
+		for (int t = 0; t < NT; t++)
+			sum += aoqt_sumsq(r.grad[t], sizes[t]);
+		double norm = sqrt(sum), scale = o.max_grad_norm / (norm + 1e-6);
+		if (scale > 1)
+			scale = 1;
+		push_all(&r, 0);
+		CHECK_OK(aoq_step_end(r.c));
+		struct aoq_step_result res;
+		CHECK_OK(aoq_sync(r.c, &res));
+		CHECK(fabs(res.clip_scale - scale) <= 1e-5 * scale, "step %lu: clip %g, expected %g",
+		      (unsigned long)step, res.clip_scale, scale);
+		CHECK(fabs(res.grad_sumsq - sum) <= 1e-4 * sum, "step %lu: sumsq %g, expected %g",
+		      (unsigned long)step, res.grad_sumsq, sum);
+		for (int t = 0; t < NT; t++) {
+			for (size_t i = 0; i < sizes[t]; i++)
+				gs[i] = (float)((double)r.grad[t][i] * (float)scale);
+			aoqt_ref_step(&r.ref[t], &hp, gs);
+			CHECK_OK(aoq_read_state(r.c, (uint32_t)t, 1, AOQ_FP32, 0, sizes[t], m));
+			/* m cancels between steps: bound the error by the tensor's scale */
+			double big = 0;
+			for (size_t i = 0; i < sizes[t]; i++)
+				big = fmax(big, fabs(r.ref[t].m[i]));
+			for (size_t i = 0; i < sizes[t]; i++)
+				CHECK(fabs(m[i] - r.ref[t].m[i]) <= 1e-5 * fabs(r.ref[t].m[i]) + 1e-6 * big,
+				      "clip step %lu tensor %d exp_avg[%zu] = %g, expected %g", (unsigned long)step, t, i,
+				      m[i], r.ref[t].m[i]);
+		}
+		check_all("clip", &r);
+	}
+	free(gs);
+	free(m);
+	close_run(&r);
+	printf("clip: ok\n");
+}
+
+static void test_skip(const char *sock)
+{
+	struct aoq_options o = AOQ_OPTIONS_INIT;
+	struct run r;
+	uint64_t seed = 12;
+	o.skip_nonfinite = true;
+	open_run(&r, sock, "skip", o, seed);
+	float *before = aoqt_xmalloc(sizes[NT - 1] * 4);
+	for (uint64_t step = 1; step <= 5; step++) {
+		fill_grads(&r, seed, step, 0.1);
+		bool bad = step == 3;
+		if (bad)
+			r.grad[2][100] = NAN;
+		memcpy(before, r.param[NT - 1], sizes[NT - 1] * 4);
+		push_all(&r, 0);
+		CHECK_OK(aoq_step_end(r.c));
+		struct aoq_step_result res;
+		CHECK_OK(aoq_sync(r.c, &res));
+		CHECK(res.skipped == bad && res.nonfinite == bad, "step %lu: skipped %d nonfinite %d",
+		      (unsigned long)step, res.skipped, res.nonfinite);
+		if (bad) {
+			CHECK(memcmp(before, r.param[NT - 1], sizes[NT - 1] * 4) == 0, "a skipped step changed parameters");
+			uint64_t steps[NT];
+			CHECK_OK(aoq_get_tensor_steps(r.c, 0, NT, steps));
+			for (int t = 0; t < NT; t++)
+				CHECK(steps[t] == 2, "tensor %d took %lu steps, expected 2", t, (unsigned long)steps[t]);
+			continue;
+		}
+		for (int t = 0; t < NT; t++)
+			aoqt_ref_step(&r.ref[t], &hp, r.grad[t]);
+		check_all("skip", &r);
+	}
+	free(before);
+	close_run(&r);
+	printf("skip: ok\n");
+}
+
+static void test_delayed(const char *sock)
+{
+	struct aoq_options o = AOQ_OPTIONS_INIT;
+	struct run r;
+	uint64_t seed = 13;
+	o.delayed_update = true;
+	open_run(&r, sock, "delayed", o, seed);
+	/* lag: the reference of what the device holds (one update behind) */
+	struct aoqt_ref lag[NT];
+	float *prev[NT];
+	for (int t = 0; t < NT; t++) {
+		aoqt_ref_init(&lag[t], sizes[t]);
+		memcpy(lag[t].p, r.ref[t].p, sizes[t] * sizeof(double));
+		prev[t] = aoqt_xmalloc(sizes[t] * 4);
+	}
+	for (uint64_t step = 1; step <= 5; step++) {
+		fill_grads(&r, seed, step, 0.1);
+		push_all(&r, 0);
+		CHECK_OK(aoq_step_end(r.c));
+		CHECK_OK(aoq_sync(r.c, NULL));
+		for (int t = 0; t < NT; t++) {
+			aoqt_ref_step(&r.ref[t], &hp, r.grad[t]);
+			if (step > 1)
+				aoqt_ref_step(&lag[t], &hp, prev[t]);
+			memcpy(prev[t], r.grad[t], sizes[t] * 4);
+			CHECK(aoqt_check_param("delayed", &lag[t], r.param[t], AOQ_FP32) == 0,
+			      "step %lu tensor %d: not the previous update", (unsigned long)step, t);
+		}
+	}
+	CHECK_OK(aoq_flush(r.c));
+	check_all("delayed after flush", &r);
+	for (int t = 0; t < NT; t++) {
+		aoqt_ref_free(&lag[t]);
+		free(prev[t]);
+	}
+	close_run(&r);
+	printf("delayed: ok\n");
+}
+
+static void test_window(const char *sock)
+{
+	struct aoq_options o = AOQ_OPTIONS_INIT;
+	struct run a, b;
+	uint64_t seed = 14;
+	open_run(&a, sock, "slots", o, seed);
+	o.window = 16u << 20; /* two slots of 1 Mi elements */
+	open_run(&b, sock, "window", o, seed);
+	for (uint64_t step = 1; step <= 4; step++) {
+		for (int mb = 0; mb < 2; mb++) {
+			unsigned flags = step % 2 == 0 && mb == 0 ? AOQ_PUSH_ACCUMULATE : 0;
+			if (step % 2 == 1 && mb == 1)
+				break;
+			fill_grads(&a, seed, step * 10 + (uint64_t)mb, 0.1);
+			fill_grads(&b, seed, step * 10 + (uint64_t)mb, 0.1);
+			push_all(&a, flags);
+			push_all(&b, flags);
+		}
+		CHECK_OK(aoq_step_end(a.c));
+		CHECK_OK(aoq_step_end(b.c));
+		CHECK_OK(aoq_sync(a.c, NULL));
+		CHECK_OK(aoq_sync(b.c, NULL));
+		for (int t = 0; t < NT; t++)
+			CHECK(memcmp(a.param[t], b.param[t], sizes[t] * 4) == 0, "step %lu tensor %d: window differs",
+			      (unsigned long)step, t);
+	}
+	close_run(&a);
+	close_run(&b);
+	printf("window: ok\n");
+}
+
+int main(int argc, char **argv)
+{
+	aoqt_init("integration-modes");
+	struct aoqt_daemon d;
+	const char *args[] = { "--threads", "2", NULL };
+	CHECK_OK(aoqt_daemon_start(&d, aoqt_aoqd_path(argc, argv), args));
+	test_clip(d.socket);
+	test_skip(d.socket);
+	test_delayed(d.socket);
+	test_window(d.socket);
+	CHECK(aoqt_daemon_stop(&d, 10000, true) == 0, "aoqd did not exit cleanly");
+	return 0;
+}
