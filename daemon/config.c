@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "aoqd.h"
 #include "log.h"
@@ -21,6 +22,9 @@ void aoqd_config_defaults(struct aoqd_config *c)
 	c->max_tensor_elems = 1ull << 36;
 	c->max_arena_bytes = 1ull << 40;
 	c->admin_gid = (uint32_t)-1;
+	/* One uid cannot ask for more state than the machine has memory. */
+	long pages = sysconf(_SC_PHYS_PAGES), psize = sysconf(_SC_PAGESIZE);
+	c->max_state_bytes_per_uid = pages > 0 && psize > 0 ? (uint64_t)pages * (uint64_t)psize : 0;
 }
 
 static char *trim(char *s)

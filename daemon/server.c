@@ -23,6 +23,10 @@
 #include <systemd/sd-daemon.h>
 #endif
 
+/* A client that does not read its replies stops being read once this much
+ * waits to be written to it. */
+#define MAX_QUEUED_REPLY_BYTES (4u << 20)
+
 struct write_req {
 	uv_write_t req;
 	uint8_t *buf;
@@ -56,7 +60,12 @@ void aoqd_session_unref(struct aoqd_session *s)
 static void on_written(uv_write_t *req, int status)
 {
 	struct write_req *w = (struct write_req *)req;
+	struct aoqd_session *s = req->handle->data;
 	free(w->buf);
+	/* Reading stopped for a full write queue: go on once it drained. */
+	if (!w->close_after && s->pipe_open && !s->reading && s->state != AOQD_CLOSING &&
+	    uv_stream_get_write_queue_size(req->handle) < MAX_QUEUED_REPLY_BYTES / 2)
+		process_frames(s);
 	if (w->close_after) {
 		session_close(w->close_after);
 		aoqd_session_unref(w->close_after);
@@ -381,7 +390,8 @@ static void dispatch(struct aoqd_session *s, Aoq__Envelope *env, bool *deferred)
 static void process_frames(struct aoqd_session *s)
 {
 	size_t off = 0;
-	while (s->state != AOQD_CLOSING && !s->step_end_pending && s->rlen - off >= 4) {
+	while (s->state != AOQD_CLOSING && !s->step_end_pending && s->rlen - off >= 4 &&
+	       uv_stream_get_write_queue_size((uv_stream_t *)&s->pipe) < MAX_QUEUED_REPLY_BYTES) {
 		uint32_t len = aoq_frame_len(s->rbuf + off);
 		if (len > AOQ_MAX_FRAME) {
 			aoqd_session_fail(s, AOQ__ERROR_CODE__PROTOCOL, "frame of %u bytes (the limit is %u)", len, AOQ_MAX_FRAME);
@@ -405,7 +415,8 @@ static void process_frames(struct aoqd_session *s)
 	}
 	memmove(s->rbuf, s->rbuf + off, s->rlen - off);
 	s->rlen -= off;
-	bool want = !s->step_end_pending;
+	bool want = !s->step_end_pending &&
+	            uv_stream_get_write_queue_size((uv_stream_t *)&s->pipe) < MAX_QUEUED_REPLY_BYTES;
 	if (want && !s->reading && s->pipe_open) {
 		uv_read_start((uv_stream_t *)&s->pipe, on_alloc, on_read);
 		s->reading = true;
