@@ -662,6 +662,7 @@ int aoq_register(struct aoq_client *c)
 	}
 	struct stat st;
 	c->arena_size = rep->registered->arena_size;
+	c->o.seed = rep->registered->seed;
 	if (fstat(fds[0], &st) < 0 || (uint64_t)st.st_size != c->arena_size || c->arena_size < sizeof(struct aoq_arena_header)) {
 		r = aoq_set_error(-EPROTO, "the arena's size does not match");
 		goto out_fds;
@@ -703,6 +704,11 @@ out:
 	aoq_envelope_free(rep);
 	pthread_mutex_unlock(&c->ctl_lock);
 	return r;
+}
+
+uint64_t aoq_session_seed(struct aoq_client *c)
+{
+	return c->o.seed;
 }
 
 uint64_t aoq_current_step(struct aoq_client *c)

@@ -98,3 +98,53 @@ void aoqd_from_f32(void *dst, enum aoqk_dtype t, const float *src, size_t n)
 		break;
 	}
 }
+
+/* q8 moments, the codebook of kernels/README.md: per block of
+ * AOQK_Q8_BLOCK elements, m = q * |q| * m_scale / 127^2 and
+ * sqrt(v) = q^2 * v_scale / 255^2. */
+void aoqd_q8_decode(float *dst, const void *codes, const float *scales, bool second, uint64_t first, size_t n)
+{
+	for (size_t i = 0; i < n; i++) {
+		uint64_t e = first + i;
+		float s = scales[e / AOQK_Q8_BLOCK];
+		if (!second) {
+			float q = (float)((const int8_t *)codes)[e];
+			dst[i] = q * fabsf(q) * (s / 16129.0f);
+		} else {
+			float q = (float)((const uint8_t *)codes)[e];
+			float u = q * q * (s / 65025.0f);
+			dst[i] = u * u;
+		}
+	}
+}
+
+/* Encodes whole blocks: first is a block boundary; n covers whole blocks
+ * or ends the tensor.  Round to nearest in code space. */
+void aoqd_q8_encode(void *codes, float *scales, const float *src, bool second, uint64_t first, size_t n)
+{
+	for (size_t b = 0; b < n; b += AOQK_Q8_BLOCK) {
+		size_t len = n - b < AOQK_Q8_BLOCK ? n - b : AOQK_Q8_BLOCK;
+		float mx = 0;
+		for (size_t i = 0; i < len; i++) {
+			float x = second ? sqrtf(fmaxf(src[b + i], 0.0f)) : fabsf(src[b + i]);
+			if (x > mx)
+				mx = x;
+		}
+		uint64_t e0 = first + b;
+		scales[e0 / AOQK_Q8_BLOCK] = mx;
+		float inv = mx > 0 ? 1.0f / mx : 0.0f;
+		for (size_t i = 0; i < len; i++) {
+			if (!second) {
+				float m = src[b + i];
+				float x = nearbyintf(sqrtf(fabsf(m) * inv) * 127.0f);
+				((int8_t *)codes)[e0 + i] = (int8_t)(m < 0 ? -x : x);
+			} else {
+				float u = sqrtf(fmaxf(src[b + i], 0.0f));
+				float y = nearbyintf(sqrtf(u * inv) * 255.0f);
+				if (y == 0 && u > 0)
+					y = 1; /* a non-zero v keeps a non-zero code */
+				((uint8_t *)codes)[e0 + i] = (uint8_t)y;
+			}
+		}
+	}
+}

@@ -3,6 +3,7 @@
 #ifndef AOQD_CONVERT_H
 #define AOQD_CONVERT_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -17,5 +18,10 @@ uint16_t aoqd_float_to_bf16(float f);   /* round to nearest even */
 void aoqd_to_f32(float *dst, const void *src, enum aoqk_dtype t, size_t n);
 /* dst[i] = src[i] rounded to t */
 void aoqd_from_f32(void *dst, enum aoqk_dtype t, const float *src, size_t n);
+
+/* q8 moments (kernels/README.md): `second` selects v (unsigned codes of
+ * sqrt(v)) instead of m.  first is the element index of dst[0]/src[0]. */
+void aoqd_q8_decode(float *dst, const void *codes, const float *scales, bool second, uint64_t first, size_t n);
+void aoqd_q8_encode(void *codes, float *scales, const float *src, bool second, uint64_t first, size_t n);
 
 #endif

@@ -346,7 +346,7 @@ static bool accept_record(struct aoqd_session *s, const struct aoq_rec *r)
 		param_off += aoq_align_up(sl->param_bytes, AOQ_ARENA_ALIGN);
 	j->grad = s->arena + sl->grad_off + first * aoqk_dtype_size(t->grad_dtype);
 	j->param = s->arena + param_off + first * aoqk_dtype_size(t->param_dtype);
-	j->seed = s->seed ^ (r->step * 0xd1b54a32d192ed03ull);
+	j->seed = s->seed; /* the kernel mixes in the tensor's step: a restored session continues alike */
 	j->t0 = aoqd_now_ns();
 	j->nchunks = n;
 	for (uint32_t i = 0; i < n; i++) {

@@ -281,6 +281,7 @@ void aoqd_on_register(struct aoqd_session *s, const Aoq__Register *m)
 	reg.tensors = s->ntensors;
 	reg.state_bytes = s->state_bytes;
 	reg.fds = 3;
+	reg.seed = s->seed;
 	Aoq__Envelope env = AOQ__ENVELOPE__INIT;
 	env.msg_case = AOQ__ENVELOPE__MSG_REGISTERED;
 	env.registered = &reg;
@@ -547,9 +548,11 @@ static bool transfer_valid(struct aoqd_session *s, uint32_t tensor, int what, in
 		     " bytes per request)", tensor, offset, count, s->xfer_bytes);
 		return false;
 	}
-	if (what != AOQ__STATE_KIND__MASTER && what != AOQ__STATE_KIND__PARAM &&
-	    aoqk_precision_q8((enum aoqk_precision)s->precision)) {
-		aoqd_reply_error(s, AOQ__ERROR_CODE__INVALID, "moments of q8 state cannot be transferred yet");
+	if (load && (what == AOQ__STATE_KIND__EXP_AVG || what == AOQ__STATE_KIND__EXP_AVG_SQ) &&
+	    aoqk_precision_q8((enum aoqk_precision)s->precision) &&
+	    (offset % AOQK_Q8_BLOCK || (count % AOQK_Q8_BLOCK && offset + count != t->numel))) {
+		aoqd_reply_error(s, AOQ__ERROR_CODE__INVALID, "q8 moments load in whole blocks of %u elements",
+		                 AOQK_Q8_BLOCK);
 		return false;
 	}
 	*data = s->arena + s->xfer_off;
@@ -572,8 +575,12 @@ void aoqd_on_load_state(struct aoqd_session *s, const Aoq__LoadState *m)
 		else
 			memcpy((float *)t->st.master + m->offset, tmp, m->count * sizeof(float));
 	} else {
-		float *dst = m->what == AOQ__STATE_KIND__EXP_AVG ? t->st.m : t->st.v;
-		memcpy(dst + m->offset, tmp, m->count * sizeof(float));
+		bool second = m->what == AOQ__STATE_KIND__EXP_AVG_SQ;
+		if (aoqk_precision_q8(t->st.precision))
+			aoqd_q8_encode(second ? t->st.v : t->st.m, second ? t->st.v_scale : t->st.m_scale, tmp, second,
+			               m->offset, m->count);
+		else
+			memcpy((float *)(second ? t->st.v : t->st.m) + m->offset, tmp, m->count * sizeof(float));
 	}
 	free(tmp);
 	send_done(s, m->count);
@@ -594,8 +601,12 @@ void aoqd_on_read_state(struct aoqd_session *s, const Aoq__ReadState *m)
 		else
 			memcpy(tmp, (float *)t->st.master + m->offset, m->count * sizeof(float));
 	} else {
-		const float *src = m->what == AOQ__STATE_KIND__EXP_AVG ? t->st.m : t->st.v;
-		memcpy(tmp, src + m->offset, m->count * sizeof(float));
+		bool second = m->what == AOQ__STATE_KIND__EXP_AVG_SQ;
+		if (aoqk_precision_q8(t->st.precision))
+			aoqd_q8_decode(tmp, second ? t->st.v : t->st.m, second ? t->st.v_scale : t->st.m_scale, second,
+			               m->offset, m->count);
+		else
+			memcpy(tmp, (const float *)(second ? t->st.v : t->st.m) + m->offset, m->count * sizeof(float));
 	}
 	aoqd_from_f32(data, (enum aoqk_dtype)m->dtype, tmp, m->count);
 	free(tmp);

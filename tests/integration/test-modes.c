@@ -240,6 +240,83 @@ static void test_window(const char *sock)
 	printf("window: ok\n");
 }
 
+/*
+ * Checkpoint: read master, moments and step counters from session A, load
+ * them into a fresh session B with the same seed, train both on: fp32 and
+ * bf16-master states continue bit for bit; q8 moments come back within
+ * their code spacing and the parameters stay close.
+ */
+static void test_restore(const char *sock, enum aoq_precision prec)
+{
+	static const char *const names[] = { "fp32", "q8", "bf16", "bf16+q8" };
+	struct aoq_options o = AOQ_OPTIONS_INIT;
+	o.precision = prec;
+	o.seed = 0x1234567;
+	uint64_t seed = 15;
+	struct run a, b;
+	open_run(&a, sock, "ckpt-a", o, seed);
+	for (uint64_t step = 1; step <= 3; step++) {
+		fill_grads(&a, seed, step, 0.1);
+		push_all(&a, 0);
+		CHECK_OK(aoq_step_end(a.c));
+		CHECK_OK(aoq_sync(a.c, NULL));
+	}
+	CHECK(aoq_session_seed(a.c) == o.seed, "seed not kept");
+	open_run(&b, sock, "ckpt-b", o, seed + 1); /* other initial values: the load must replace them */
+	uint64_t steps[NT];
+	CHECK_OK(aoq_get_tensor_steps(a.c, 0, NT, steps));
+	CHECK_OK(aoq_set_tensor_steps(b.c, 0, NT, steps));
+	size_t nmax = sizes[NT - 1];
+	float *x = aoqt_xmalloc(nmax * 4), *y = aoqt_xmalloc(nmax * 4);
+	for (int t = 0; t < NT; t++) {
+		for (int what = 0; what < 3; what++) {
+			CHECK_OK(aoq_read_state(a.c, (uint32_t)t, what, AOQ_FP32, 0, sizes[t], x));
+			CHECK_OK(aoq_load_state(b.c, (uint32_t)t, what, AOQ_FP32, 0, sizes[t], x));
+			CHECK_OK(aoq_read_state(b.c, (uint32_t)t, what, AOQ_FP32, 0, sizes[t], y));
+			bool q8 = what > 0 && (prec == AOQ_STATE_Q8 || prec == AOQ_STATE_BF16_Q8);
+			double big = 0;
+			for (size_t i = 0; i < sizes[t]; i++) {
+				/* q8: within one code of the largest value of its block */
+				if (q8 && i % 256 == 0) {
+					big = 0;
+					for (size_t k = i; k < sizes[t] && k < i + 256; k++)
+						big = fmax(big, fabs((double)x[k]));
+				}
+				double tol = q8 ? (what == 1 ? 2.0 / 127 * big : 4.0 / 255 * big) : 0;
+				CHECK(fabs((double)x[i] - y[i]) <= tol, "%s: tensor %d state %d [%zu]: %g loaded as %g",
+				      names[prec], t, what, i, x[i], y[i]);
+			}
+		}
+		/* the device copy of B follows the restored master */
+		memcpy(b.param[t], a.param[t], sizes[t] * 4);
+	}
+	for (uint64_t step = 4; step <= 5; step++) {
+		fill_grads(&a, seed, step, 0.1);
+		fill_grads(&b, seed, step, 0.1);
+		push_all(&a, 0);
+		push_all(&b, 0);
+		CHECK_OK(aoq_step_end(a.c));
+		CHECK_OK(aoq_step_end(b.c));
+		CHECK_OK(aoq_sync(a.c, NULL));
+		CHECK_OK(aoq_sync(b.c, NULL));
+	}
+	for (int t = 0; t < NT; t++) {
+		if (prec == AOQ_STATE_FP32 || prec == AOQ_STATE_BF16) {
+			CHECK(memcmp(a.param[t], b.param[t], sizes[t] * 4) == 0, "%s: tensor %d differs after restore",
+			      names[prec], t);
+		} else {
+			for (size_t i = 0; i < sizes[t]; i++)
+				CHECK(fabs(a.param[t][i] - b.param[t][i]) <= 2e-3, "%s: tensor %d [%zu]: %g vs %g",
+				      names[prec], t, i, a.param[t][i], b.param[t][i]);
+		}
+	}
+	free(x);
+	free(y);
+	close_run(&a);
+	close_run(&b);
+	printf("restore %s: ok\n", names[prec]);
+}
+
 int main(int argc, char **argv)
 {
 	aoqt_init("integration-modes");
@@ -250,6 +327,8 @@ int main(int argc, char **argv)
 	test_skip(d.socket);
 	test_delayed(d.socket);
 	test_window(d.socket);
+	for (int p = AOQ_STATE_FP32; p <= AOQ_STATE_BF16_Q8; p++)
+		test_restore(d.socket, (enum aoq_precision)p);
 	CHECK(aoqt_daemon_stop(&d, 10000, true) == 0, "aoqd did not exit cleanly");
 	return 0;
 }

@@ -145,6 +145,11 @@ AOQ_API int aoq_add_tensor(struct aoq_client *c, const struct aoq_tensor *t);
 /* Sends the description, maps and pins the arena, loads initial values. */
 AOQ_API int aoq_register(struct aoq_client *c);
 
+/* The session's stochastic rounding seed (the daemon's choice when the
+ * options gave 0): save it with a checkpoint and pass it as options.seed
+ * when restoring, so a bf16 master continues bit for bit. */
+AOQ_API uint64_t aoq_session_seed(struct aoq_client *c);
+
 /* The step that the next pushes belong to (1-based). */
 AOQ_API uint64_t aoq_current_step(struct aoq_client *c);
 
