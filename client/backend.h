@@ -40,6 +40,15 @@ struct aoq_backend_ops {
 	 * and returns an event marking its completion in *ev (NULL when done). */
 	int (*h2d)(struct aoq_backend *b, void *dst, const void *src, size_t bytes, void *stream,
 	           struct aoq_event **ev);
+	/* Optional (NULL where every copy is synchronous).  record: an event
+	 * marking the work queued on `stream` so far.  h2d_after: as h2d, but
+	 * ordered after `after` (an event from record) instead of `stream`. The
+	 * library records at push time, when the gradient is final and the old
+	 * parameter is no longer used, so the copy back does not wait for the
+	 * rest of backward. */
+	int (*record)(struct aoq_backend *b, void *stream, struct aoq_event **ev);
+	int (*h2d_after)(struct aoq_backend *b, void *dst, const void *src, size_t bytes,
+	                 struct aoq_event *after, struct aoq_event **ev);
 	/* Makes `stream` wait for ev without blocking the host. */
 	int (*stream_wait)(struct aoq_backend *b, struct aoq_event *ev, void *stream);
 	/* Blocks the host until ev is complete. */

@@ -42,6 +42,7 @@ struct tensor {
 	struct evref *h2d;
 	uint8_t *grad_area, *param_area; /* no window: the tensor's own slot */
 	uint64_t param_buf;  /* delayed: bytes from one param buffer to the other */
+	struct aoq_event *last_use; /* recorded at push: the old value's last use */
 	bool pending;        /* delayed: an update waits in the arena */
 	uint64_t pending_step;
 	void *stream;        /* stream of the last push */
@@ -486,7 +487,10 @@ static void copy_param(struct aoq_client *c, struct tensor *x, const uint8_t *sr
                        uint64_t count, struct slot *sl)
 {
 	struct aoq_event *ev = NULL;
-	int e = c->ops->h2d(c->be, (uint8_t *)x->d.param + offset * x->psize, src, count * x->psize, x->stream, &ev);
+	uint8_t *dst = (uint8_t *)x->d.param + offset * x->psize;
+	int e = x->last_use && c->ops->h2d_after
+		? c->ops->h2d_after(c->be, dst, src, count * x->psize, x->last_use, &ev)
+		: c->ops->h2d(c->be, dst, src, count * x->psize, x->stream, &ev);
 	if (e < 0) {
 		fail_session(c, e, "parameter copy to the device failed: %s", aoq_last_error());
 		return;
@@ -785,6 +789,20 @@ int aoq_push_grad_ptr(struct aoq_client *c, uint32_t t, const void *grad, unsign
 		return session_error(c);
 	}
 	x->stream = stream ? stream : c->o.cuda_stream;
+	if (x->last_use) {
+		c->ops->event_release(c->be, x->last_use);
+		x->last_use = NULL;
+	}
+	if (c->ops->record && !c->o.delayed_update) {
+		/* The gradient is final: the old parameter is no longer used by
+		 * the work queued so far.  The update may land after that. */
+		int e = c->ops->record(c->be, x->stream, &x->last_use);
+		if (e < 0) {
+			fail_session(c, e, "cannot record an event on the stream: %s", aoq_last_error());
+			pthread_mutex_unlock(&c->lock);
+			return e;
+		}
+	}
 	struct aoq_rec rec = { .tensor = t, .slot = t, .step = c->step,
 	                       .flags = (flags & AOQ_PUSH_ACCUMULATE) ? AOQ_REC_ACCUMULATE : 0 };
 	if (c->o.delayed_update) {
@@ -1118,6 +1136,8 @@ void aoq_close(struct aoq_client *c)
 	}
 	for (uint32_t i = 0; i < c->ntensors; i++) {
 		evref_put(c, c->tensors[i].h2d);
+		if (c->tensors[i].last_use)
+			c->ops->event_release(c->be, c->tensors[i].last_use);
 		free((char *)c->tensors[i].d.name);
 	}
 	for (uint32_t i = 0; c->slots && i < c->hdr.slots; i++)

@@ -464,8 +464,12 @@ static void attack_bad_registration(void)
 		fd = connect_raw();
 		uint64_t id = hello(fd, "hostile-reg");
 		Aoq__Register reg = AOQ__REGISTER__INIT;
+		/* Valid hyperparameters: the one bad field is the tensor's. */
 		Aoq__Hyperparams hp = AOQ__HYPERPARAMS__INIT;
 		hp.lr = 1e-3;
+		hp.beta1 = 0.9;
+		hp.beta2 = 0.999;
+		hp.eps = 1e-8;
 		Aoq__Group g = AOQ__GROUP__INIT, *gp = &g;
 		g.hp = &hp;
 		Aoq__TensorDesc td = AOQ__TENSOR_DESC__INIT, *tdp = &td;
@@ -808,10 +812,27 @@ int main(int argc, char **argv)
 	}
 	printf("trainer under attack == trainer alone, bit for bit, after %" PRIu64 " steps\n", tr.final_steps);
 
-	/* An observer still gets Stats. */
+	/* An observer still gets Stats, listing a session opened now. */
+	struct aoqt_raw last;
+	uint64_t last_n[2] = { 4097, 3 };
+	char job3[48];
+	snprintf(job3, sizeof(job3), "hostile-last-%d", (int)getpid());
+	CHECK_OK(aoqt_raw_open(&last, daemon_.socket, job3, last_n, 2));
 	Aoq__Envelope *st = NULL;
 	CHECK_OK(aoqt_stats(daemon_.socket, &st));
 	CHECK(st->stats->threads == 2, "stats: %u threads, want 2", st->stats->threads);
+	bool listed = false;
+	for (size_t i = 0; i < st->stats->n_sessions; i++) {
+		Aoq__SessionStats *ss = st->stats->sessions[i];
+		if (strcmp(ss->job, job3) != 0)
+			continue;
+		listed = true;
+		CHECK(ss->id == last.id && ss->tensors == 2 && ss->parameters == 4100 && ss->pid == (uint32_t)getpid(),
+		      "stats of the last session: id %" PRIu64 " tensors %u parameters %" PRIu64 " pid %u", ss->id,
+		      ss->tensors, ss->parameters, ss->pid);
+	}
+	CHECK(listed, "stats: the session opened last is not listed (%zu sessions)", st->stats->n_sessions);
+	aoqt_raw_close(&last);
 	printf("stats: %u threads, kernel %s, %zu sessions listed, rss %" PRIu64 " MiB\n", st->stats->threads,
 	       st->stats->kernel, st->stats->n_sessions, st->stats->rss_bytes >> 20);
 	aoq_envelope_free(st);

@@ -143,17 +143,21 @@ uint64_t aoqt_ulp_dist(uint32_t a, uint32_t b, enum aoq_dtype t);
  *
  * err[i] bounds how far an fp32 implementation may be from p[i]: each step
  * adds AOQT_RTOL * |p| (rounding of the master, about 8 ulp of fp32) plus
- * AOQT_UTOL * |change of this step| (fp32 moments, and bias corrections
- * that an fp32 kernel may compute with powf: 1 - beta2^k loses digits to
- * cancellation).  Without the second term a value that crosses zero could
- * never meet a purely relative bound.
+ * AOQT_UTOL * |change of this step| (v in fp32, and bias corrections that
+ * an fp32 kernel may compute with powf: 1 - beta2^k loses digits to
+ * cancellation) plus twice the effect of em[i] on the step.  em[i] bounds
+ * the fp32 error of the first moment (2^-23 of the terms of each update,
+ * decaying with beta1): when gradients of opposite signs cancel in m, m's
+ * relative error and so the step's grow without bound, and only its
+ * absolute error is small.  Without these terms a value that crosses zero
+ * could never meet a purely relative bound.
  */
 #define AOQT_RTOL 1e-6
 #define AOQT_UTOL 1e-4
 struct aoqt_ref {
 	size_t n;
 	uint64_t k; /* updates applied */
-	double *p, *m, *v, *err;
+	double *p, *m, *v, *err, *em;
 };
 
 void aoqt_ref_init(struct aoqt_ref *r, size_t n);

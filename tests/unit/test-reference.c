@@ -76,6 +76,10 @@ static void test_all_patterns(void)
 	EXPECT(bad == 0, "%zu bf16/fp16 bit patterns do not round-trip", bad);
 }
 
+#ifdef __FLT16_MAX__
+__extension__ typedef _Float16 f16;
+#endif
+
 static void test_against_compiler(void)
 {
 	srand(12345);
@@ -85,7 +89,7 @@ static void test_against_compiler(void)
 		double x = ldexp((double)rand() / RAND_MAX + (double)rand() / RAND_MAX * 0x1p-31,
 		                 rand() % 44 - 28) * (rand() & 1 ? -1 : 1);
 #ifdef __FLT16_MAX__
-		_Float16 h = (_Float16)x;
+		f16 h = (f16)x;
 		uint16_t hb;
 		memcpy(&hb, &h, 2);
 		if (aoqt_encode(x, AOQ_FP16) != hb)

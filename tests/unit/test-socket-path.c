@@ -72,7 +72,7 @@ int main(void)
 	/* Connecting. */
 	char dir[] = "/tmp/aoq-unit-XXXXXX";
 	EXPECT(mkdtemp(dir) != NULL, "mkdtemp");
-	char path[128];
+	char path[64];
 	snprintf(path, sizeof(path), "%s/missing.sock", dir);
 	int r = aoq_socket_connect(path);
 	EXPECT(r == -ENOENT, "connect to a missing socket: %d", r);

@@ -1,0 +1,463 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The CUDA backend of libaoq ("cuda:N"; DESIGN §3, §4, §7; issue 4).
+ *
+ * - The arena is pinned in place with cudaHostRegister at its exact size:
+ *   DMA goes straight between device tensors and the shared memory the
+ *   daemon reads, with no bounce buffer and no framework pinned pool.
+ * - Two private copy streams (cudaStreamNonBlocking), one per direction,
+ *   so gradients leaving and parameters arriving never queue behind each
+ *   other, nor behind the trainer's compute.
+ * - Gradient copy: an event recorded on the trainer's stream orders the
+ *   copy after the work that produced the gradient; completion is reported
+ *   by a host function enqueued behind the copy (cudaLaunchHostFunc), so
+ *   nothing spins.  The host function only calls the library's `done`,
+ *   which posts the ring record: it makes no CUDA call.
+ * - Parameter copy: an event recorded on the trainer's stream when the
+ *   daemon's record arrives orders the copy after every use of the old
+ *   value enqueued so far; the copy's completion event is returned, and
+ *   aoq_wait_param() makes the trainer's stream wait on it
+ *   (cudaStreamWaitEvent) without blocking the host.
+ * - Events come from a pool (cudaEventDisableTiming|cudaEventBlockingSync:
+ *   no timing overhead, and a host wait sleeps instead of spinning).
+ *
+ * Streams: a NULL stream means the legacy default stream, which orders
+ * after every blocking stream of the device (the library substitutes the
+ * options' cuda_stream first).  A caller's cudaStream_t is used as given.
+ *
+ * Device: every entry point makes device N current for the call and
+ * restores the caller's current device before returning, so the trainer's
+ * threads keep whatever device they had chosen.
+ */
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime_api.h>
+
+#include "backend.h"
+
+struct aoq_event {
+	cudaEvent_t ev;
+	struct aoq_event *next;     /* free list */
+	struct aoq_event *all_next; /* every event, for close */
+};
+
+struct aoq_backend {
+	int device;
+	cudaStream_t d2h, h2d;
+	cudaStream_t user; /* the options' stream: initial values and checkpoints */
+	pthread_mutex_t lock;
+	struct aoq_event *free_events;
+	struct aoq_event *all_events;
+	void *registered;
+	size_t registered_len;
+};
+
+/* A completion handed to the CUDA host-function thread. */
+struct host_done {
+	aoq_done_fn done;
+	void *arg;
+};
+
+static int cuda_errno(cudaError_t e)
+{
+	switch (e) {
+	case cudaSuccess: return 0;
+	case cudaErrorMemoryAllocation: return -ENOMEM;
+	case cudaErrorInvalidValue:
+	case cudaErrorInvalidDevicePointer:
+	case cudaErrorInvalidResourceHandle: return -EINVAL;
+	case cudaErrorNoDevice:
+	case cudaErrorInsufficientDriver:
+	case cudaErrorStubLibrary:
+	case cudaErrorInvalidDevice: return -ENODEV;
+	default: return -EIO;
+	}
+}
+
+/* Sets the thread's error text from a failed CUDA call; returns -errno. */
+static int cuda_fail(cudaError_t e, const char *what)
+{
+	return aoq_set_error(cuda_errno(e), "CUDA: %s failed: %s (%s)", what, cudaGetErrorName(e),
+	                     cudaGetErrorString(e));
+}
+
+#define CU(call, what)                                  \
+	do {                                            \
+		cudaError_t e_ = (call);                \
+		if (e_ != cudaSuccess) {                \
+			r = cuda_fail(e_, what);        \
+			goto out;                       \
+		}                                       \
+	} while (0)
+
+/* Makes the backend's device current; *prev receives the caller's. */
+static int dev_enter(struct aoq_backend *b, int *prev)
+{
+	if (cudaGetDevice(prev) != cudaSuccess)
+		*prev = -1;
+	if (*prev == b->device)
+		return 0;
+	cudaError_t e = cudaSetDevice(b->device);
+	return e == cudaSuccess ? 0 : cuda_fail(e, "cudaSetDevice");
+}
+
+static void dev_leave(struct aoq_backend *b, int prev)
+{
+	if (prev >= 0 && prev != b->device)
+		cudaSetDevice(prev);
+}
+
+/* ---- event pool ---- */
+
+static int event_get(struct aoq_backend *b, struct aoq_event **out)
+{
+	pthread_mutex_lock(&b->lock);
+	struct aoq_event *x = b->free_events;
+	if (x)
+		b->free_events = x->next;
+	pthread_mutex_unlock(&b->lock);
+	if (!x) {
+		x = calloc(1, sizeof(*x));
+		if (!x)
+			return aoq_set_error(-ENOMEM, "out of memory");
+		cudaError_t e = cudaEventCreateWithFlags(&x->ev, cudaEventDisableTiming | cudaEventBlockingSync);
+		if (e != cudaSuccess) {
+			free(x);
+			return cuda_fail(e, "cudaEventCreateWithFlags");
+		}
+		pthread_mutex_lock(&b->lock);
+		x->all_next = b->all_events;
+		b->all_events = x;
+		pthread_mutex_unlock(&b->lock);
+	}
+	x->next = NULL;
+	*out = x;
+	return 0;
+}
+
+static void event_put(struct aoq_backend *b, struct aoq_event *x)
+{
+	if (!x)
+		return;
+	pthread_mutex_lock(&b->lock);
+	x->next = b->free_events;
+	b->free_events = x;
+	pthread_mutex_unlock(&b->lock);
+}
+
+/* Makes `copy` wait for the work enqueued on `trainer` so far.  The event
+ * goes back to the pool at once: a stream wait captures the event's last
+ * record when it is enqueued, later records do not affect it. */
+static int order_after(struct aoq_backend *b, cudaStream_t copy, void *trainer)
+{
+	struct aoq_event *x;
+	int r = event_get(b, &x);
+	if (r < 0)
+		return r;
+	CU(cudaEventRecord(x->ev, (cudaStream_t)trainer), "cudaEventRecord on the trainer's stream");
+	CU(cudaStreamWaitEvent(copy, x->ev, 0), "cudaStreamWaitEvent");
+	r = 0;
+out:
+	event_put(b, x);
+	return r;
+}
+
+/* ---- open, close ---- */
+
+static const char *no_device_name(cudaError_t e)
+{
+	switch (e) {
+	case cudaErrorInsufficientDriver: return "cudaErrorInsufficientDriver";
+	case cudaErrorStubLibrary: return "cudaErrorStubLibrary";
+	case cudaErrorNoDevice: return "cudaErrorNoDevice";
+	default: return NULL;
+	}
+}
+
+static void cuda_close(struct aoq_backend *b);
+
+static int cuda_open(struct aoq_backend **out, int index, const struct aoq_options *o)
+{
+	int n = 0;
+	cudaError_t e = cudaGetDeviceCount(&n);
+	if (e != cudaSuccess) {
+		const char *name = no_device_name(e);
+		cudaGetLastError();
+		if (name)
+			return aoq_set_error(-ENODEV, "no CUDA device (%s)", name);
+		return aoq_set_error(-ENODEV, "no CUDA device: the CUDA runtime failed to start (%s: %s)",
+		                     cudaGetErrorName(e), cudaGetErrorString(e));
+	}
+	if (n <= 0)
+		return aoq_set_error(-ENODEV, "no CUDA device (cudaErrorNoDevice)");
+	if (index >= n)
+		return aoq_set_error(-ENODEV, "no CUDA device cuda:%d (this machine has %d)", index, n);
+
+	struct aoq_backend *b = calloc(1, sizeof(*b));
+	if (!b)
+		return aoq_set_error(-ENOMEM, "out of memory");
+	b->device = index;
+	b->user = (cudaStream_t)o->cuda_stream;
+	pthread_mutex_init(&b->lock, NULL);
+	int prev, r = dev_enter(b, &prev);
+	if (r < 0) {
+		pthread_mutex_destroy(&b->lock);
+		free(b);
+		return r;
+	}
+	CU(cudaStreamCreateWithFlags(&b->d2h, cudaStreamNonBlocking), "cudaStreamCreateWithFlags (D2H)");
+	CU(cudaStreamCreateWithFlags(&b->h2d, cudaStreamNonBlocking), "cudaStreamCreateWithFlags (H2D)");
+	r = 0;
+out:
+	dev_leave(b, prev);
+	if (r < 0) {
+		cuda_close(b);
+		return r;
+	}
+	*out = b;
+	return 0;
+}
+
+static void cuda_close(struct aoq_backend *b)
+{
+	int prev;
+	if (dev_enter(b, &prev) == 0) {
+		if (b->d2h)
+			cudaStreamSynchronize(b->d2h);
+		if (b->h2d)
+			cudaStreamSynchronize(b->h2d);
+		if (b->registered)
+			cudaHostUnregister(b->registered);
+		for (struct aoq_event *x = b->all_events, *next; x; x = next) {
+			next = x->all_next;
+			cudaEventDestroy(x->ev);
+			free(x);
+		}
+		if (b->d2h)
+			cudaStreamDestroy(b->d2h);
+		if (b->h2d)
+			cudaStreamDestroy(b->h2d);
+		dev_leave(b, prev);
+	}
+	pthread_mutex_destroy(&b->lock);
+	free(b);
+}
+
+/* ---- pinning ---- */
+
+static int cuda_register(struct aoq_backend *b, void *p, size_t len)
+{
+	if (b->registered)
+		return aoq_set_error(-EBUSY, "CUDA backend: an arena is already registered");
+	int prev, r = dev_enter(b, &prev);
+	if (r < 0)
+		return r;
+	/* Exact size, no rounding; the mapping is a sealed memfd MAP_SHARED. */
+	cudaError_t e = cudaHostRegister(p, len, cudaHostRegisterDefault);
+	if (e != cudaSuccess) {
+		r = aoq_set_error(cuda_errno(e), "CUDA: cannot pin the %zu-byte arena for DMA: %s (%s)%s", len,
+		                  cudaGetErrorName(e), cudaGetErrorString(e),
+		                  e == cudaErrorMemoryAllocation ? " (check the memlock limit: ulimit -l)" : "");
+	} else {
+		b->registered = p;
+		b->registered_len = len;
+	}
+	dev_leave(b, prev);
+	return r;
+}
+
+static void cuda_unregister(struct aoq_backend *b, void *p, size_t len)
+{
+	if (!b->registered || b->registered != p)
+		return;
+	int prev;
+	if (dev_enter(b, &prev) < 0)
+		return;
+	/* No copy may still use the arena once it is unpinned and unmapped. */
+	cudaStreamSynchronize(b->d2h);
+	cudaStreamSynchronize(b->h2d);
+	cudaHostUnregister(p);
+	b->registered = NULL;
+	b->registered_len = 0;
+	dev_leave(b, prev);
+}
+
+/* ---- streaming copies ---- */
+
+/* Runs on the CUDA runtime's host-function thread: no CUDA calls here. */
+static void CUDART_CB host_done_fn(void *p)
+{
+	struct host_done *h = p;
+	aoq_done_fn done = h->done;
+	void *arg = h->arg;
+	free(h);
+	done(arg, 0);
+}
+
+static int cuda_d2h(struct aoq_backend *b, void *dst, const void *src, size_t bytes, void *stream,
+                    aoq_done_fn done, void *arg)
+{
+	struct host_done *h = malloc(sizeof(*h));
+	if (!h)
+		return aoq_set_error(-ENOMEM, "out of memory");
+	h->done = done;
+	h->arg = arg;
+	int prev, r = dev_enter(b, &prev);
+	if (r < 0) {
+		free(h);
+		return r;
+	}
+	if ((r = order_after(b, b->d2h, stream)) < 0)
+		goto out;
+	CU(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, b->d2h), "cudaMemcpyAsync (gradient)");
+	CU(cudaLaunchHostFunc(b->d2h, host_done_fn, h), "cudaLaunchHostFunc");
+	h = NULL; /* the host function owns it now */
+	r = 0;
+out:
+	free(h);
+	dev_leave(b, prev);
+	return r;
+}
+
+static int cuda_h2d(struct aoq_backend *b, void *dst, const void *src, size_t bytes, void *stream,
+                    struct aoq_event **ev)
+{
+	struct aoq_event *x = NULL;
+	*ev = NULL;
+	int prev, r = dev_enter(b, &prev);
+	if (r < 0)
+		return r;
+	if ((r = order_after(b, b->h2d, stream)) < 0)
+		goto out;
+	CU(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, b->h2d), "cudaMemcpyAsync (parameter)");
+	if ((r = event_get(b, &x)) < 0)
+		goto out;
+	CU(cudaEventRecord(x->ev, b->h2d), "cudaEventRecord (parameter copy)");
+	*ev = x;
+	x = NULL;
+	r = 0;
+out:
+	event_put(b, x);
+	dev_leave(b, prev);
+	return r;
+}
+
+static int cuda_record(struct aoq_backend *b, void *stream, struct aoq_event **ev)
+{
+	struct aoq_event *x = NULL;
+	*ev = NULL;
+	int prev, r = dev_enter(b, &prev);
+	if (r < 0)
+		return r;
+	if ((r = event_get(b, &x)) < 0)
+		goto out;
+	CU(cudaEventRecord(x->ev, (cudaStream_t)stream), "cudaEventRecord on the trainer's stream");
+	*ev = x;
+	x = NULL;
+	r = 0;
+out:
+	event_put(b, x);
+	dev_leave(b, prev);
+	return r;
+}
+
+static int cuda_h2d_after(struct aoq_backend *b, void *dst, const void *src, size_t bytes,
+                          struct aoq_event *after, struct aoq_event **ev)
+{
+	struct aoq_event *x = NULL;
+	*ev = NULL;
+	int prev, r = dev_enter(b, &prev);
+	if (r < 0)
+		return r;
+	if (after)
+		CU(cudaStreamWaitEvent(b->h2d, after->ev, 0), "cudaStreamWaitEvent");
+	CU(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, b->h2d), "cudaMemcpyAsync (parameter)");
+	if ((r = event_get(b, &x)) < 0)
+		goto out;
+	CU(cudaEventRecord(x->ev, b->h2d), "cudaEventRecord (parameter copy)");
+	*ev = x;
+	x = NULL;
+	r = 0;
+out:
+	event_put(b, x);
+	dev_leave(b, prev);
+	return r;
+}
+
+static int cuda_stream_wait(struct aoq_backend *b, struct aoq_event *ev, void *stream)
+{
+	if (!ev)
+		return 0;
+	int prev, r = dev_enter(b, &prev);
+	if (r < 0)
+		return r;
+	CU(cudaStreamWaitEvent((cudaStream_t)stream, ev->ev, 0), "cudaStreamWaitEvent");
+	r = 0;
+out:
+	dev_leave(b, prev);
+	return r;
+}
+
+static int cuda_host_wait(struct aoq_backend *b, struct aoq_event *ev)
+{
+	if (!ev)
+		return 0;
+	int r;
+	CU(cudaEventSynchronize(ev->ev), "cudaEventSynchronize");
+	r = 0;
+out:
+	return r;
+}
+
+static void cuda_event_release(struct aoq_backend *b, struct aoq_event *ev)
+{
+	event_put(b, ev);
+}
+
+/* ---- synchronous copies (registration, checkpoints) ---- */
+
+/* Ordered on the options' stream (NULL: the legacy default stream, which
+ * follows every blocking stream), so values written there are read. */
+static int sync_copy(struct aoq_backend *b, void *dst, const void *src, size_t bytes, enum cudaMemcpyKind kind)
+{
+	int prev, r = dev_enter(b, &prev);
+	if (r < 0)
+		return r;
+	CU(cudaMemcpyAsync(dst, src, bytes, kind, b->user), "cudaMemcpyAsync");
+	CU(cudaStreamSynchronize(b->user), "cudaStreamSynchronize");
+	r = 0;
+out:
+	dev_leave(b, prev);
+	return r;
+}
+
+static int cuda_copy_to_host(struct aoq_backend *b, void *dst, const void *src, size_t bytes)
+{
+	return sync_copy(b, dst, src, bytes, cudaMemcpyDeviceToHost);
+}
+
+static int cuda_copy_to_device(struct aoq_backend *b, void *dst, const void *src, size_t bytes)
+{
+	return sync_copy(b, dst, src, bytes, cudaMemcpyHostToDevice);
+}
+
+const struct aoq_backend_ops aoq_backend_cuda = {
+	.name = "cuda",
+	.open = cuda_open,
+	.close = cuda_close,
+	.register_host = cuda_register,
+	.unregister_host = cuda_unregister,
+	.d2h = cuda_d2h,
+	.h2d = cuda_h2d,
+	.record = cuda_record,
+	.h2d_after = cuda_h2d_after,
+	.stream_wait = cuda_stream_wait,
+	.host_wait = cuda_host_wait,
+	.event_release = cuda_event_release,
+	.copy_to_host = cuda_copy_to_host,
+	.copy_to_device = cuda_copy_to_device,
+};

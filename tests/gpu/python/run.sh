@@ -1,0 +1,28 @@
+#!/bin/bash
+# SPDX-License-Identifier: MIT
+# The Python GPU tests of issue 6 on a CUDA machine:
+#   tests/gpu/python/run.sh [BUILD_DIR] [--device cuda:0]
+# Needs torch with CUDA; libaoq and aoqd from BUILD_DIR (default: build).
+# Prints one line per test and "N passed, M failed, K skipped"; exits 1 on a failure.
+set -u
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../../.." && pwd)
+build=${1:-$root/build}
+[ $# -gt 0 ] && shift
+export AOQ_LIBRARY=${AOQ_LIBRARY:-$build/client/libaoq.so}
+export AOQD=${AOQD:-$build/daemon/aoqd}
+export PYTHONPATH=$root/client/python${PYTHONPATH:+:$PYTHONPATH}
+py=${PYTHON:-python3}
+pass=0 fail=0 skip=0
+for t in test_offload.py test_gpt_bf16.py; do
+	echo "== $t $*"
+	"$py" "$here/$t" "$@"
+	rc=$?
+	case $rc in
+	0) pass=$((pass + 1)); echo "PASS $t" ;;
+	77) skip=$((skip + 1)); echo "SKIP $t" ;;
+	*) fail=$((fail + 1)); echo "FAIL $t (exit $rc)" ;;
+	esac
+done
+echo "$pass passed, $fail failed, $skip skipped"
+[ $fail -eq 0 ]
