@@ -560,7 +560,7 @@ static bool drain_params(struct aoq_client *c)
 				const struct slot *sl = r.slot < c->hdr.slots ? &c->slots[r.slot] : NULL;
 				ok = ok && sl && sl->busy && sl->tensor == r.tensor && sl->offset == r.offset && sl->count == r.count;
 			} else {
-				ok = ok && r.slot == r.tensor && r.offset == 0 && r.count == c->tensors[r.tensor].d.numel;
+				ok = ok && r.slot == r.tensor;
 			}
 			pthread_mutex_unlock(&c->lock);
 		}
@@ -822,9 +822,11 @@ int aoq_push_grad_ptr(struct aoq_client *c, uint32_t t, const void *grad, unsign
 			copy_param(c, x, x->param_area + ((x->pending_step & 1) ? x->param_buf : 0), 0, x->d.numel, NULL);
 		}
 	}
-	if (r == 0 && !c->slots) {
-		rec.count = x->d.numel;
-		r = start_copy(c, x, x->grad_area, grad, &rec);
+	/* In pieces: the daemon starts on the first while the rest copies. */
+	for (uint64_t off = 0; r == 0 && !c->slots && off < x->d.numel; off += AOQ_PUSH_CHUNK_ELEMS) {
+		rec.offset = off;
+		rec.count = x->d.numel - off < AOQ_PUSH_CHUNK_ELEMS ? x->d.numel - off : AOQ_PUSH_CHUNK_ELEMS;
+		r = start_copy(c, x, x->grad_area + off * x->gsize, (const uint8_t *)grad + off * x->gsize, &rec);
 	}
 	for (uint64_t off = 0; r == 0 && c->slots && off < x->d.numel; off += c->hdr.slot_elems) {
 		while (!c->error && c->nfree == 0)

@@ -133,6 +133,9 @@ struct aoqd_session {
 	bool space_wait;          /* waiting for the client to free param-ring space */
 	uint64_t ending_step;     /* StepEnd received, reply pending */
 	bool step_end_pending;
+	bool xfer_busy;                 /* a LoadState/ReadState runs on the pool */
+	_Atomic bool xfer_done;
+	uint64_t xfer_count;
 	_Atomic uint64_t inflight[2];   /* jobs per step parity */
 	_Atomic uint64_t outstanding;   /* jobs accepted, record not yet posted */
 	uint64_t accepted[2];           /* records accepted per step parity */
@@ -195,8 +198,10 @@ void aoqd_on_register(struct aoqd_session *s, const Aoq__Register *m);
 void aoqd_on_set_hyperparams(struct aoqd_session *s, const Aoq__SetHyperparams *m);
 /* Returns true when the reply is deferred (the connection stops reading). */
 bool aoqd_on_step_end(struct aoqd_session *s, const Aoq__StepEnd *m);
-void aoqd_on_load_state(struct aoqd_session *s, const Aoq__LoadState *m);
-void aoqd_on_read_state(struct aoqd_session *s, const Aoq__ReadState *m);
+/* Return true when the reply is deferred (a transfer on the pool). */
+bool aoqd_on_load_state(struct aoqd_session *s, const Aoq__LoadState *m);
+bool aoqd_on_read_state(struct aoqd_session *s, const Aoq__ReadState *m);
+void aoqd_check_transfer(struct aoqd_session *s);
 void aoqd_on_tensor_steps(struct aoqd_session *s, const Aoq__TensorSteps *m);
 /* dataplane.c */
 struct aoqd_job;

@@ -50,6 +50,8 @@ struct aoqd_job {
 	struct aoqk_hparams hp;
 	enum job_phase phase;
 	bool acc_first;  /* first micro-batch of the step: acc starts from zero */
+	bool opens_step; /* this record counted the tensor's step (a tensor may come in pieces) */
+	bool ends_tensor; /* this record completed the tensor's gradient */
 	bool use_acc;
 	const uint8_t *grad; /* element rec.offset */
 	uint8_t *param;
@@ -144,7 +146,7 @@ static void job_complete(struct aoqd_job *j)
 		s->sumsq[p] += sumsq;
 		s->nonfinite[p] |= nonfinite;
 	}
-	if (j->phase == PHASE_UPDATE)
+	if (j->phase == PHASE_UPDATE && j->ends_tensor)
 		s->updated[p]++;
 	pthread_mutex_unlock(&s->step_lock);
 	job_answer(j, j->phase == PHASE_ACCUMULATE ? AOQ_REC_ACCUMULATED : AOQ_REC_UPDATED);
@@ -295,7 +297,7 @@ static bool accept_record(struct aoqd_session *s, const struct aoq_rec *r)
 {
 	struct aoqd_tensor *t = &s->tensors[r->tensor];
 	enum job_phase phase = (r->flags & AOQ_REC_ACCUMULATE) ? PHASE_ACCUMULATE : s->defer ? PHASE_NORM : PHASE_UPDATE;
-	bool acc_first = false, use_acc = false;
+	bool acc_first = false, use_acc = false, opens_step = false, ends_tensor = false;
 	if (phase == PHASE_ACCUMULATE) {
 		if (!t->acc) {
 			void *p = mmap(NULL, t->numel * sizeof(float), PROT_READ | PROT_WRITE,
@@ -317,12 +319,14 @@ static bool accept_record(struct aoqd_session *s, const struct aoq_rec *r)
 			t->cur_step = r->step;
 			t->steps++;
 			t->done_elems = 0;
+			opens_step = true;
 		}
 		t->done_elems += r->count;
 		if (t->done_elems > t->numel) {
 			FAIL(s, BAD_RECORD, "tensor %u: more than one final gradient in step %" PRIu64, r->tensor, r->step);
 			return false;
 		}
+		ends_tensor = t->done_elems == t->numel;
 	}
 	uint64_t ce = chunk_elems(s, r->count);
 	uint32_t n = (uint32_t)((r->count + ce - 1) / ce);
@@ -339,6 +343,8 @@ static bool accept_record(struct aoqd_session *s, const struct aoq_rec *r)
 	j->phase = phase;
 	j->acc_first = acc_first;
 	j->use_acc = use_acc;
+	j->opens_step = opens_step;
+	j->ends_tensor = ends_tensor;
 	const struct aoq_arena_slot *sl = &s->slots[s->window ? r->slot : r->tensor];
 	uint64_t first = s->window ? 0 : r->offset;
 	uint64_t param_off = sl->param_off;
@@ -445,7 +451,8 @@ bool aoqd_release_step(struct aoqd_session *s)
 		list = j->next;
 		if (skip) {
 			/* Nothing changed: the tensor did not take this step. */
-			j->t->steps--;
+			if (j->opens_step)
+				j->t->steps--;
 			job_answer(j, AOQ_REC_SKIPPED);
 		} else {
 			j->phase = PHASE_UPDATE;

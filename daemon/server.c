@@ -363,11 +363,13 @@ static void dispatch(struct aoqd_session *s, Aoq__Envelope *env, bool *deferred)
 	case AOQ__ENVELOPE__MSG_LOAD_STATE:
 		if (s->state != AOQD_READY)
 			{ aoqd_session_fail(s, AOQ__ERROR_CODE__PROTOCOL, "LoadState before registration"); return; }
-		{ aoqd_on_load_state(s, env->load_state); return; }
+		*deferred = aoqd_on_load_state(s, env->load_state);
+		return;
 	case AOQ__ENVELOPE__MSG_READ_STATE:
 		if (s->state != AOQD_READY)
 			{ aoqd_session_fail(s, AOQ__ERROR_CODE__PROTOCOL, "ReadState before registration"); return; }
-		{ aoqd_on_read_state(s, env->read_state); return; }
+		*deferred = aoqd_on_read_state(s, env->read_state);
+		return;
 	case AOQ__ENVELOPE__MSG_TENSOR_STEPS:
 		if (s->state != AOQD_READY)
 			{ aoqd_session_fail(s, AOQ__ERROR_CODE__PROTOCOL, "TensorSteps before registration"); return; }
@@ -390,7 +392,7 @@ static void dispatch(struct aoqd_session *s, Aoq__Envelope *env, bool *deferred)
 static void process_frames(struct aoqd_session *s)
 {
 	size_t off = 0;
-	while (s->state != AOQD_CLOSING && !s->step_end_pending && s->rlen - off >= 4 &&
+	while (s->state != AOQD_CLOSING && !s->step_end_pending && !s->xfer_busy && s->rlen - off >= 4 &&
 	       uv_stream_get_write_queue_size((uv_stream_t *)&s->pipe) < MAX_QUEUED_REPLY_BYTES) {
 		uint32_t len = aoq_frame_len(s->rbuf + off);
 		if (len > AOQ_MAX_FRAME) {
@@ -415,7 +417,7 @@ static void process_frames(struct aoqd_session *s)
 	}
 	memmove(s->rbuf, s->rbuf + off, s->rlen - off);
 	s->rlen -= off;
-	bool want = !s->step_end_pending &&
+	bool want = !s->step_end_pending && !s->xfer_busy &&
 	            uv_stream_get_write_queue_size((uv_stream_t *)&s->pipe) < MAX_QUEUED_REPLY_BYTES;
 	if (want && !s->reading && s->pipe_open) {
 		uv_read_start((uv_stream_t *)&s->pipe, on_alloc, on_read);
@@ -504,6 +506,8 @@ static void on_wake(uv_async_t *a)
 			aoqd_drain(s);
 		if (s->state == AOQD_READY && s->step_end_pending)
 			aoqd_check_step_end(s);
+		if (s->state == AOQD_READY && s->xfer_busy)
+			aoqd_check_transfer(s);
 	}
 }
 

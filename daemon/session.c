@@ -336,8 +336,13 @@ static int build_arena(struct aoqd_session *s)
 	}
 	uint64_t slot_table = off;
 	off = aoq_align_up(off + (uint64_t)s->nslots * sizeof(struct aoq_arena_slot), AOQ_ARENA_ALIGN);
-	uint64_t cap = 2 * (uint64_t)(s->window ? s->nslots : s->ntensors);
-	s->ring_cap = (uint32_t)(cap < 256 ? 256 : cap > 65536 ? 65536 : cap);
+	/* Room for two steps' records: a tensor is pushed in pieces of
+	 * AOQ_PUSH_CHUNK_ELEMS, or one per slot with a window. */
+	uint64_t recs = 0;
+	for (uint32_t i = 0; !s->window && i < s->ntensors; i++)
+		recs += (s->tensors[i].numel + AOQ_PUSH_CHUNK_ELEMS - 1) / AOQ_PUSH_CHUNK_ELEMS;
+	uint64_t cap = 2 * (s->window ? s->nslots : recs);
+	s->ring_cap = (uint32_t)(cap < 256 ? 256 : cap > (1u << 20) ? (1u << 20) : cap);
 	uint64_t ring_bytes = sizeof(struct aoq_ring) + (uint64_t)s->ring_cap * sizeof(struct aoq_rec);
 	uint64_t to_daemon = off;
 	off = aoq_align_up(off + ring_bytes, AOQ_ARENA_ALIGN);
@@ -559,58 +564,144 @@ static bool transfer_valid(struct aoqd_session *s, uint32_t tensor, int what, in
 	return true;
 }
 
-void aoqd_on_load_state(struct aoqd_session *s, const Aoq__LoadState *m)
-{
+/*
+ * Transfers run on the worker pool in pieces, not on the loop thread: a
+ * request converts up to 4 Mi elements, and a model's worth of them at
+ * registration would hold every other session's traffic.  The reply waits,
+ * like StepEnd's, and the connection reads nothing meanwhile.
+ */
+#define XFER_PIECE (1u << 16) /* elements per task; a multiple of the q8 block */
+
+struct xfer_task {
+	struct aoqd_task task;
+	struct xfer *x;
+	uint64_t begin, count;
+};
+
+struct xfer {
+	struct aoqd_session *s;
+	struct aoqd_tensor *t;
+	bool load;
+	int what;
+	enum aoqk_dtype dtype;
 	uint8_t *data;
-	if (!transfer_valid(s, m->tensor, m->what, m->dtype, m->offset, m->count, true, &data))
+	uint64_t offset;
+	_Atomic uint32_t remaining;
+	struct xfer_task tasks[];
+};
+
+/* Elements [e, e + n) of state `what` to or from fp32 buf; q8 pieces start
+ * on a block and are whole blocks or end the tensor. */
+static void state_io(struct aoqd_tensor *t, int what, bool load, float *buf, uint64_t e, size_t n)
+{
+	if (what == AOQ__STATE_KIND__MASTER || what == AOQ__STATE_KIND__PARAM) {
+		if (aoqk_precision_bf16_master(t->st.precision)) {
+			if (load)
+				aoqd_from_f32((uint16_t *)t->st.master + e, AOQK_BF16, buf, n);
+			else
+				aoqd_to_f32(buf, (uint16_t *)t->st.master + e, AOQK_BF16, n);
+		} else if (load) {
+			memcpy((float *)t->st.master + e, buf, n * sizeof(float));
+		} else {
+			memcpy(buf, (float *)t->st.master + e, n * sizeof(float));
+		}
 		return;
-	struct aoqd_tensor *t = &s->tensors[m->tensor];
-	float *tmp = malloc(m->count * sizeof(float));
-	if (!tmp)
-		{ aoqd_reply_error(s, AOQ__ERROR_CODE__NO_MEMORY, "out of memory"); return; }
-	aoqd_to_f32(tmp, data, (enum aoqk_dtype)m->dtype, m->count);
-	if (m->what == AOQ__STATE_KIND__MASTER || m->what == AOQ__STATE_KIND__PARAM) {
-		if (aoqk_precision_bf16_master(t->st.precision))
-			aoqd_from_f32((uint16_t *)t->st.master + m->offset, AOQK_BF16, tmp, m->count);
-		else
-			memcpy((float *)t->st.master + m->offset, tmp, m->count * sizeof(float));
-	} else {
-		bool second = m->what == AOQ__STATE_KIND__EXP_AVG_SQ;
-		if (aoqk_precision_q8(t->st.precision))
-			aoqd_q8_encode(second ? t->st.v : t->st.m, second ? t->st.v_scale : t->st.m_scale, tmp, second,
-			               m->offset, m->count);
-		else
-			memcpy((float *)(second ? t->st.v : t->st.m) + m->offset, tmp, m->count * sizeof(float));
 	}
-	free(tmp);
-	send_done(s, m->count);
+	bool second = what == AOQ__STATE_KIND__EXP_AVG_SQ;
+	void *mom = second ? t->st.v : t->st.m;
+	if (aoqk_precision_q8(t->st.precision)) {
+		float *scale = second ? t->st.v_scale : t->st.m_scale;
+		if (load)
+			aoqd_q8_encode(mom, scale, buf, second, e, n);
+		else
+			aoqd_q8_decode(buf, mom, scale, second, e, n);
+	} else if (load) {
+		memcpy((float *)mom + e, buf, n * sizeof(float));
+	} else {
+		memcpy(buf, (float *)mom + e, n * sizeof(float));
+	}
 }
 
-void aoqd_on_read_state(struct aoqd_session *s, const Aoq__ReadState *m)
+static void xfer_run(struct aoqd_task *task, unsigned worker)
+{
+	struct xfer_task *k = (struct xfer_task *)task;
+	struct xfer *x = k->x;
+	struct aoqd_session *s = x->s;
+	size_t dsize = aoqk_dtype_size(x->dtype);
+	float buf[4096];
+	for (uint64_t i = 0; i < k->count && !atomic_load_explicit(&s->dead, memory_order_relaxed); i += 4096) {
+		size_t n = k->count - i < 4096 ? k->count - i : 4096;
+		uint8_t *d = x->data + (k->begin + i) * dsize;
+		uint64_t e = x->offset + k->begin + i;
+		if (x->load) {
+			aoqd_to_f32(buf, d, x->dtype, n);
+			state_io(x->t, x->what, true, buf, e, n);
+		} else {
+			state_io(x->t, x->what, false, buf, e, n);
+			aoqd_from_f32(d, x->dtype, buf, n);
+		}
+	}
+	if (atomic_fetch_sub_explicit(&x->remaining, 1, memory_order_acq_rel) == 1) {
+		atomic_store(&s->xfer_done, true);
+		uv_async_send(&s->srv->wake);
+		free(x);
+		aoqd_session_unref(s);
+	}
+}
+
+static bool start_transfer(struct aoqd_session *s, bool load, uint32_t tensor, int what, int dtype,
+                           uint64_t offset, uint64_t count)
 {
 	uint8_t *data;
-	if (!transfer_valid(s, m->tensor, m->what, m->dtype, m->offset, m->count, false, &data))
-		return;
-	struct aoqd_tensor *t = &s->tensors[m->tensor];
-	float *tmp = malloc(m->count * sizeof(float));
-	if (!tmp)
-		{ aoqd_reply_error(s, AOQ__ERROR_CODE__NO_MEMORY, "out of memory"); return; }
-	if (m->what == AOQ__STATE_KIND__MASTER) {
-		if (aoqk_precision_bf16_master(t->st.precision))
-			aoqd_to_f32(tmp, (uint16_t *)t->st.master + m->offset, AOQK_BF16, m->count);
-		else
-			memcpy(tmp, (float *)t->st.master + m->offset, m->count * sizeof(float));
-	} else {
-		bool second = m->what == AOQ__STATE_KIND__EXP_AVG_SQ;
-		if (aoqk_precision_q8(t->st.precision))
-			aoqd_q8_decode(tmp, second ? t->st.v : t->st.m, second ? t->st.v_scale : t->st.m_scale, second,
-			               m->offset, m->count);
-		else
-			memcpy(tmp, (const float *)(second ? t->st.v : t->st.m) + m->offset, m->count * sizeof(float));
+	if (!transfer_valid(s, tensor, what, dtype, offset, count, load, &data))
+		return false;
+	uint32_t n = (uint32_t)((count + XFER_PIECE - 1) / XFER_PIECE);
+	struct xfer *x = calloc(1, sizeof(*x) + (size_t)n * sizeof(struct xfer_task));
+	if (!x) {
+		aoqd_reply_error(s, AOQ__ERROR_CODE__NO_MEMORY, "out of memory");
+		return false;
 	}
-	aoqd_from_f32(data, (enum aoqk_dtype)m->dtype, tmp, m->count);
-	free(tmp);
-	send_done(s, m->count);
+	x->s = s;
+	x->t = &s->tensors[tensor];
+	x->load = load;
+	x->what = what;
+	x->dtype = (enum aoqk_dtype)dtype;
+	x->data = data;
+	x->offset = offset;
+	atomic_init(&x->remaining, n);
+	for (uint32_t i = 0; i < n; i++) {
+		x->tasks[i].task.run = xfer_run;
+		x->tasks[i].task.next = i + 1 < n ? &x->tasks[i + 1].task : NULL;
+		x->tasks[i].x = x;
+		x->tasks[i].begin = (uint64_t)i * XFER_PIECE;
+		x->tasks[i].count = i + 1 < n ? XFER_PIECE : count - x->tasks[i].begin;
+	}
+	s->xfer_busy = true;
+	s->xfer_count = count;
+	atomic_store(&s->xfer_done, false);
+	aoqd_session_ref(s);
+	aoqd_pool_submit(s->srv->pool, &s->queue, &x->tasks[0].task, &x->tasks[n - 1].task, n);
+	return true;
+}
+
+bool aoqd_on_load_state(struct aoqd_session *s, const Aoq__LoadState *m)
+{
+	return start_transfer(s, true, m->tensor, m->what, m->dtype, m->offset, m->count);
+}
+
+bool aoqd_on_read_state(struct aoqd_session *s, const Aoq__ReadState *m)
+{
+	return start_transfer(s, false, m->tensor, m->what, m->dtype, m->offset, m->count);
+}
+
+/* Loop thread, after a wake: answers a finished transfer. */
+void aoqd_check_transfer(struct aoqd_session *s)
+{
+	if (!s->xfer_busy || !atomic_load(&s->xfer_done))
+		return;
+	s->xfer_busy = false;
+	send_done(s, s->xfer_count);
+	aoqd_resume_reading(s);
 }
 
 void aoqd_on_tensor_steps(struct aoqd_session *s, const Aoq__TensorSteps *m)

@@ -38,6 +38,10 @@
 #define AOQ_PROTOCOL_VERSION 1u
 #define AOQ_MAX_FRAME (1u << 20)
 #define AOQ_MAX_FDS 4
+/* Clients push a tensor as records of at most this many elements (a
+ * multiple of the q8 block), so the daemon updates the first piece while
+ * the rest is still being copied; the rings are sized for it. */
+#define AOQ_PUSH_CHUNK_ELEMS (1u << 20)
 
 struct aoq_arena_header {
 	uint32_t magic;

@@ -213,7 +213,7 @@ int main(int argc, char **argv)
 	aoqt_init("bench-cuda");
 	const char *aoqd = AOQD_PATH, *tokens = "8192,32768";
 	int L = 16, d = 8192, steps = 8;
-	const char *threads = NULL;
+	const char *threads = NULL, *modes = "unbounded";
 	for (int i = 1; i + 1 < argc; i += 2) {
 		if (!strcmp(argv[i], "--aoqd"))
 			aoqd = argv[i + 1];
@@ -227,6 +227,8 @@ int main(int argc, char **argv)
 			steps = atoi(argv[i + 1]);
 		else if (!strcmp(argv[i], "--threads"))
 			threads = argv[i + 1];
+		else if (!strcmp(argv[i], "--modes"))
+			modes = argv[i + 1]; /* unbounded, windowMiB (e.g. window256), delayed */
 		else
 			aoqt_fail("unknown option %s", argv[i]);
 	}
@@ -377,6 +379,14 @@ int main(int argc, char **argv)
 	}
 
 	/* ---- aoq ---- */
+	/* One aoq session per mode, on a fresh daemon each. */
+	for (const char *mp = modes; mp && *mp; mp = strchr(mp, ',') ? strchr(mp, ',') + 1 : NULL) {
+	char mode[32];
+	snprintf(mode, sizeof(mode), "%.*s", (int)strcspn(mp, ","), mp);
+	uint64_t window = strncmp(mode, "window", 6) == 0 ? (uint64_t)atoi(mode + 6) << 20 : 0;
+	bool delayed = strcmp(mode, "delayed") == 0;
+	if (!window && !delayed && strcmp(mode, "unbounded") != 0)
+		aoqt_fail("unknown mode %s", mode);
 	struct aoqt_daemon dm;
 	const char *args[3] = { NULL, NULL, NULL };
 	if (threads) {
@@ -389,6 +399,8 @@ int main(int argc, char **argv)
 	o.device = "cuda:0";
 	o.job = "bench-cuda";
 	o.cuda_stream = md.s;
+	o.window = window;
+	o.delayed_update = delayed;
 	struct aoq_client *c;
 	CHECK_OK(aoq_connect(&c, &o));
 	struct aoq_group grp = { .kind = AOQ_ADAMW, .lr = 1e-6, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8,
@@ -458,8 +470,9 @@ int main(int argc, char **argv)
 	aoq_close(c);
 	int rc = aoqt_daemon_stop(&dm, 60000, true);
 
-	printf("\nregistration (pin %.2f GiB arena, load %.2f G initial values): %.2f s; aoqd exit %d\n",
-	       params * 4 / (1u << 30), params * 1e-9, treg, rc);
+	printf("\n== mode %s%s\n", mode, delayed ? " (parameters one step stale)" : "");
+	printf("registration (pin %.2f GiB arena, load %.2f G initial values): %.2f s; aoqd exit %d\n",
+	       window ? (double)window / (1u << 30) : params * 4 / (1u << 30), params * 1e-9, treg, rc);
 	printf("aoq update alone (D2H + CPU AdamW + H2D of every tensor, no compute): %.1f ms = %.2f G params/s; "
 	       "library D2H %.1f GB/s (pinned D2H %.1f)\n",
 	       upd_ms, params / upd_ms * 1e-6, d2h_lib, bw_memfd.d2h);
@@ -473,6 +486,8 @@ int main(int argc, char **argv)
 		printf("| %d | %.1f | %.1f | %.1f | %.1f | %.2f | %.0f%% | %.1f |\n", tok[ti], fwd_ms[ti],
 		       bwd_only[ti], step_gpu[ti], step_aoq[ti], step_aoq[ti] / step_gpu[ti], 100 * hidden,
 		       params * 4 / (step_aoq[ti] * 1e6));
+	}
+	fflush(stdout);
 	}
 	return 0;
 }
