@@ -1,0 +1,220 @@
+# SPDX-License-Identifier: MIT
+"""ctypes bindings of libaoq (client/include/aoq/aoq.h).
+
+The library is found, in this order, at:
+  1. $AOQ_LIBRARY (a full path),
+  2. the build trees of the source checkout this package sits in
+     (<repo>/build/client/libaoq.so, then <repo>/build-*/client/libaoq.so),
+  3. ctypes.util.find_library("aoq") (an installed libaoq).
+"""
+import ctypes
+import ctypes.util
+import errno as _errno
+import glob
+import os
+import threading
+
+c_void_p = ctypes.c_void_p
+c_char_p = ctypes.c_char_p
+c_int = ctypes.c_int
+c_uint = ctypes.c_uint
+c_uint32 = ctypes.c_uint32
+c_uint64 = ctypes.c_uint64
+c_double = ctypes.c_double
+c_bool = ctypes.c_bool
+
+# enum aoq_dtype
+FP32, BF16, FP16 = 0, 1, 2
+# enum aoq_optimizer
+ADAMW, ADAM = 0, 1
+# enum aoq_precision
+STATE_FP32, STATE_Q8, STATE_BF16, STATE_BF16_Q8 = 0, 1, 2, 3
+# push flags
+PUSH_ACCUMULATE = 1 << 0
+# read_state / load_state `what`
+MASTER, EXP_AVG, EXP_AVG_SQ = 0, 1, 2
+
+
+class Group(ctypes.Structure):
+    _fields_ = [
+        ("kind", c_int),
+        ("lr", c_double),
+        ("beta1", c_double),
+        ("beta2", c_double),
+        ("eps", c_double),
+        ("weight_decay", c_double),
+    ]
+
+
+class Tensor(ctypes.Structure):
+    _fields_ = [
+        ("name", c_char_p),
+        ("numel", c_uint64),
+        ("param_dtype", c_int),
+        ("grad_dtype", c_int),
+        ("group", c_uint32),
+        ("param", c_void_p),
+        ("grad", c_void_p),
+        ("init", c_void_p),
+        ("init_dtype", c_int),
+    ]
+
+
+# struct aoq_options and struct aoq_step_result gained fields together with
+# aoq_flush() (clipping, skip_nonfinite, delayed update): the layout is picked
+# by whether the loaded library exports aoq_flush.
+class OptionsV1(ctypes.Structure):
+    _fields_ = [
+        ("socket", c_char_p),
+        ("job", c_char_p),
+        ("rank", c_uint32),
+        ("device", c_char_p),
+        ("precision", c_int),
+        ("window", c_uint64),
+        ("seed", c_uint64),
+        ("cuda_stream", c_void_p),
+        ("ze_context", c_void_p),
+        ("ze_device", c_void_p),
+        ("ze_queue", c_void_p),
+    ]
+
+
+class OptionsV2(ctypes.Structure):
+    _fields_ = [
+        ("socket", c_char_p),
+        ("job", c_char_p),
+        ("rank", c_uint32),
+        ("device", c_char_p),
+        ("precision", c_int),
+        ("window", c_uint64),
+        ("seed", c_uint64),
+        ("max_grad_norm", c_double),
+        ("skip_nonfinite", c_bool),
+        ("delayed_update", c_bool),
+        ("cuda_stream", c_void_p),
+        ("ze_context", c_void_p),
+        ("ze_device", c_void_p),
+        ("ze_queue", c_void_p),
+    ]
+
+
+class StepResultV1(ctypes.Structure):
+    _fields_ = [
+        ("step", c_uint64),
+        ("grad_sumsq", c_double),
+        ("nonfinite", c_bool),
+        ("tensors_updated", c_uint64),
+    ]
+
+
+class StepResultV2(ctypes.Structure):
+    _fields_ = [
+        ("step", c_uint64),
+        ("grad_sumsq", c_double),
+        ("nonfinite", c_bool),
+        ("skipped", c_bool),
+        ("clip_scale", c_double),
+        ("tensors_updated", c_uint64),
+    ]
+
+
+class AoqError(OSError):
+    """A libaoq call failed: .errno is the (positive) errno value, .strerror
+    libaoq's message (aoq_last_error(), including the daemon's Error text)."""
+
+
+def _candidates():
+    env = os.environ.get("AOQ_LIBRARY")
+    if env:
+        yield env
+        return
+    here = os.path.dirname(os.path.abspath(__file__))      # <repo>/client/python/aoq
+    repo = os.path.normpath(os.path.join(here, "..", "..", ".."))
+    yield os.path.join(repo, "build", "client", "libaoq.so")
+    for d in sorted(glob.glob(os.path.join(repo, "build-*", "client", "libaoq.so"))):
+        yield d
+    found = ctypes.util.find_library("aoq")
+    if found:
+        yield found
+
+
+_lib = None
+_lib_lock = threading.Lock()
+HAS_V2 = False
+
+
+def _declare(lib):
+    global HAS_V2
+    HAS_V2 = hasattr(lib, "aoq_flush")
+    opts = OptionsV2 if HAS_V2 else OptionsV1
+    res = StepResultV2 if HAS_V2 else StepResultV1
+    P = c_void_p
+    sigs = {
+        "aoq_last_error": (c_char_p, []),
+        "aoq_dtype_name": (c_char_p, [c_int]),
+        "aoq_connect": (c_int, [ctypes.POINTER(P), ctypes.POINTER(opts)]),
+        "aoq_add_group": (c_int, [P, ctypes.POINTER(Group)]),
+        "aoq_add_tensor": (c_int, [P, ctypes.POINTER(Tensor)]),
+        "aoq_register": (c_int, [P]),
+        "aoq_current_step": (c_uint64, [P]),
+        "aoq_push_grad": (c_int, [P, c_uint32, c_uint, P]),
+        "aoq_push_grad_ptr": (c_int, [P, c_uint32, P, c_uint, P]),
+        "aoq_grad_copied": (c_int, [P, c_uint32]),
+        "aoq_wait_param": (c_int, [P, c_uint32, P]),
+        "aoq_sync_param": (c_int, [P, c_uint32]),
+        "aoq_set_hyperparams": (c_int, [P, c_uint32, ctypes.POINTER(Group)]),
+        "aoq_step_end": (c_int, [P]),
+        "aoq_sync": (c_int, [P, ctypes.POINTER(res)]),
+        "aoq_read_state": (c_int, [P, c_uint32, c_int, c_int, c_uint64, c_uint64, P]),
+        "aoq_load_state": (c_int, [P, c_uint32, c_int, c_int, c_uint64, c_uint64, P]),
+        "aoq_get_tensor_steps": (c_int, [P, c_uint32, c_uint32, ctypes.POINTER(c_uint64)]),
+        "aoq_set_tensor_steps": (c_int, [P, c_uint32, c_uint32, ctypes.POINTER(c_uint64)]),
+        "aoq_close": (None, [P]),
+    }
+    if HAS_V2:
+        sigs["aoq_flush"] = (c_int, [P])
+    if hasattr(lib, "aoq_session_seed"):
+        sigs["aoq_session_seed"] = (c_uint64, [P])
+    for name, (restype, argtypes) in sigs.items():
+        f = getattr(lib, name)
+        f.restype = restype
+        f.argtypes = argtypes
+    lib.Options = opts
+    lib.StepResult = res
+
+
+def load():
+    """The loaded libaoq (a ctypes.CDLL with prototypes set)."""
+    global _lib
+    with _lib_lock:
+        if _lib is not None:
+            return _lib
+        tried = []
+        for path in _candidates():
+            if os.path.sep in path and not os.path.exists(path):
+                tried.append(path + " (missing)")
+                continue
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError as e:
+                tried.append("%s (%s)" % (path, e))
+                continue
+            _declare(lib)
+            lib.path = path
+            _lib = lib
+            return lib
+        raise OSError(_errno.ENOENT, "libaoq.so not found; set AOQ_LIBRARY to its full path. Tried: "
+                      + ("; ".join(tried) or "nothing"))
+
+
+def last_error():
+    msg = load().aoq_last_error()
+    return msg.decode("utf-8", "replace") if msg else ""
+
+
+def check(r, what=""):
+    """Raises AoqError for a negative return value; returns r otherwise."""
+    if r is not None and r < 0:
+        msg = last_error() or os.strerror(-r)
+        raise AoqError(-r, ("%s: %s" % (what, msg)) if what else msg)
+    return r

@@ -1,0 +1,283 @@
+# SPDX-License-Identifier: MIT
+"""A Pythonic session over libaoq.
+
+Buffers are given as numpy arrays (C-contiguous; float32, float16, or uint16
+holding bf16 bits with an explicit dtype) or as raw addresses (int) with an
+explicit element count and dtype.  Raw addresses are device addresses for a
+device session ("cuda:N") and host addresses for "cpu".
+"""
+import ctypes
+from collections import namedtuple
+
+from . import _lib
+from ._lib import AoqError, check
+
+DTYPES = {"fp32": _lib.FP32, "float32": _lib.FP32, "bf16": _lib.BF16, "bfloat16": _lib.BF16,
+          "fp16": _lib.FP16, "float16": _lib.FP16}
+PRECISIONS = {"fp32": _lib.STATE_FP32, "q8": _lib.STATE_Q8, "bf16": _lib.STATE_BF16,
+              "bf16-q8": _lib.STATE_BF16_Q8, "bf16_q8": _lib.STATE_BF16_Q8}
+KINDS = {"adamw": _lib.ADAMW, "adam": _lib.ADAM}
+WHAT = {"master": _lib.MASTER, "param": _lib.MASTER, "exp_avg": _lib.EXP_AVG, "exp_avg_sq": _lib.EXP_AVG_SQ}
+_SIZE = {_lib.FP32: 4, _lib.BF16: 2, _lib.FP16: 2}
+
+StepResult = namedtuple("StepResult", "step grad_sumsq nonfinite skipped clip_scale tensors_updated")
+Hyperparams = namedtuple("Hyperparams", "kind lr betas eps weight_decay")
+
+
+def dtype_code(d):
+    """aoq dtype code of a name ("fp32", "bf16", "fp16"), a code, a numpy
+    dtype (float32/float16) or a torch dtype."""
+    if isinstance(d, int):
+        if d not in _SIZE:
+            raise ValueError("unknown aoq dtype %r" % d)
+        return d
+    s = str(d).replace("torch.", "").lower()
+    if s in DTYPES:
+        return DTYPES[s]
+    raise ValueError("unsupported dtype %r (aoq has fp32, bf16, fp16)" % (d,))
+
+
+def _np_dtype_code(a):
+    import numpy as np
+    if a.dtype == np.float32:
+        return _lib.FP32
+    if a.dtype == np.float16:
+        return _lib.FP16
+    return None  # uint16 (bf16 bits) needs an explicit dtype
+
+
+def _addr(buf, what, writable=False):
+    """(address, numel, dtype code or None, keepalive) of a buffer."""
+    if buf is None:
+        return None, None, None, None
+    if isinstance(buf, int):
+        return buf, None, None, None
+    if hasattr(buf, "__array_interface__"):
+        ai = buf.__array_interface__
+        if not buf.flags["C_CONTIGUOUS"]:
+            raise ValueError("%s: the array must be C-contiguous" % what)
+        if writable and ai["data"][1]:
+            raise ValueError("%s: the array must be writable" % what)
+        return ai["data"][0], buf.size, _np_dtype_code(buf), buf
+    raise TypeError("%s: expected a numpy array or an address (int), got %r" % (what, type(buf)))
+
+
+class Client:
+    """One daemon session (uid, job, rank).
+
+    >>> c = Client(job="demo", device="cpu")
+    >>> g = c.add_group(lr=1e-3, weight_decay=0.01)
+    >>> t = c.add_tensor("w", w, grad=gw, group=g)   # numpy float32 arrays
+    >>> c.register()
+    >>> c.push_grad(t); c.step_end(); c.sync()        # w now holds the update
+    """
+
+    def __init__(self, socket=None, job="default", rank=0, device="cpu", precision="fp32", window=0,
+                 seed=0, max_grad_norm=0.0, skip_nonfinite=False, delayed_update=False, cuda_stream=None):
+        self._lib = _lib.load()
+        self._h = None
+        self._keep = []          # buffers libaoq points into
+        self._groups = []
+        self._tensors = []       # (name, numel, param_dtype, grad_dtype)
+        self.registered = False
+        o = self._lib.Options()
+        self._strings = [s.encode() if s is not None else None for s in (socket, job, device)]
+        o.socket, o.job, o.device = self._strings
+        o.rank = rank
+        o.precision = precision if isinstance(precision, int) else PRECISIONS[precision]
+        o.window = window
+        o.seed = seed
+        o.cuda_stream = cuda_stream
+        if max_grad_norm or skip_nonfinite or delayed_update:
+            if not _lib.HAS_V2:
+                raise AoqError(95, "this libaoq (%s) has no max_grad_norm/skip_nonfinite/delayed_update"
+                               % self._lib.path)
+            o.max_grad_norm = float(max_grad_norm or 0.0)
+            o.skip_nonfinite = bool(skip_nonfinite)
+            o.delayed_update = bool(delayed_update)
+        self.device = device
+        self.delayed_update = bool(delayed_update)
+        h = ctypes.c_void_p()
+        check(self._lib.aoq_connect(ctypes.byref(h), ctypes.byref(o)), "aoq_connect")
+        self._h = h
+
+    # -- description -------------------------------------------------------
+    def add_group(self, kind="adamw", lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+        g = _lib.Group(KINDS[kind] if isinstance(kind, str) else kind, lr, betas[0], betas[1], eps, weight_decay)
+        r = check(self._lib.aoq_add_group(self._handle(), ctypes.byref(g)), "aoq_add_group")
+        self._groups.append(Hyperparams(kind, lr, tuple(betas), eps, weight_decay))
+        return r
+
+    def add_tensor(self, name, param, grad=None, *, numel=None, param_dtype=None, grad_dtype=None, group=0,
+                   init=None, init_dtype=None):
+        """Describes a tensor; returns its index.  `param` (updates land in
+        it; its value at register() is the initial master unless `init` is
+        given), `grad` (optional; else give a buffer per push) and `init`
+        (host memory) are numpy arrays or addresses."""
+        pa, pn, pd, pk = _addr(param, "param", writable=True)
+        ga, gn, gd, gk = _addr(grad, "grad")
+        ia, inn, idt, ik = _addr(init, "init")
+        numel = numel or pn
+        if not numel:
+            raise ValueError("tensor %r: numel unknown (give numel= with an address)" % name)
+        for n, what in ((pn, "param"), (gn, "grad"), (inn, "init")):
+            if n is not None and n != numel:
+                raise ValueError("tensor %r: %s has %d elements, expected %d" % (name, what, n, numel))
+        pdt = dtype_code(param_dtype) if param_dtype is not None else pd
+        if pdt is None:
+            pdt = _lib.FP32
+        gdt = dtype_code(grad_dtype) if grad_dtype is not None else (gd if gd is not None else pdt)
+        idt = dtype_code(init_dtype) if init_dtype is not None else (idt if idt is not None else _lib.FP32)
+        bname = name.encode()
+        t = _lib.Tensor(bname, numel, pdt, gdt, group, pa, ga, ia, idt)
+        r = check(self._lib.aoq_add_tensor(self._handle(), ctypes.byref(t)), "aoq_add_tensor %s" % name)
+        self._keep += [k for k in (pk, gk, ik) if k is not None]
+        self._tensors.append((name, numel, pdt, gdt))
+        return r
+
+    def register(self):
+        check(self._lib.aoq_register(self._handle()), "aoq_register")
+        self.registered = True
+        # init buffers are read at register(); param/grad stay referenced.
+
+    @property
+    def seed(self):
+        """The session's stochastic rounding seed (after register()): pass it
+        as seed= when restoring a checkpoint so a bf16 master continues bit
+        for bit.  0 when this libaoq cannot tell."""
+        if not hasattr(self._lib, "aoq_session_seed"):
+            return 0
+        return self._lib.aoq_session_seed(self._handle())
+
+    # -- steps -------------------------------------------------------------
+    @property
+    def current_step(self):
+        return self._lib.aoq_current_step(self._handle())
+
+    def push_grad(self, t, grad=None, accumulate=False, stream=None):
+        """Pushes tensor t's gradient: its registered grad buffer, or `grad`
+        (a numpy array or an address).  accumulate=True: a non-final
+        micro-batch (summed in fp32 by the daemon; the final push updates)."""
+        flags = _lib.PUSH_ACCUMULATE if accumulate else 0
+        if grad is None:
+            r = self._lib.aoq_push_grad(self._handle(), t, flags, stream)
+        else:
+            a, n, d, _ = _addr(grad, "grad")
+            if n is not None and n != self._tensors[t][1]:
+                raise ValueError("tensor %d: gradient has %d elements, expected %d" % (t, n, self._tensors[t][1]))
+            if d is not None and d != self._tensors[t][3]:
+                raise ValueError("tensor %d: gradient dtype does not match the registered one" % t)
+            r = self._lib.aoq_push_grad_ptr(self._handle(), t, a, flags, stream)
+        check(r, "aoq_push_grad %d" % t)
+
+    def grad_copied(self, t):
+        check(self._lib.aoq_grad_copied(self._handle(), t), "aoq_grad_copied")
+
+    def wait_param(self, t, stream=None):
+        check(self._lib.aoq_wait_param(self._handle(), t, stream), "aoq_wait_param")
+
+    def sync_param(self, t):
+        check(self._lib.aoq_sync_param(self._handle(), t), "aoq_sync_param")
+
+    def set_hyperparams(self, g, kind=None, lr=None, betas=None, eps=None, weight_decay=None):
+        """Changes group g from the next step on (call between step_end() and
+        the next step's first push).  Unnamed values stay."""
+        old = self._groups[g]
+        hp = Hyperparams(old.kind if kind is None else kind, old.lr if lr is None else lr,
+                         old.betas if betas is None else tuple(betas), old.eps if eps is None else eps,
+                         old.weight_decay if weight_decay is None else weight_decay)
+        s = _lib.Group(KINDS[hp.kind] if isinstance(hp.kind, str) else hp.kind, hp.lr, hp.betas[0], hp.betas[1],
+                       hp.eps, hp.weight_decay)
+        check(self._lib.aoq_set_hyperparams(self._handle(), g, ctypes.byref(s)), "aoq_set_hyperparams")
+        self._groups[g] = hp
+
+    def hyperparams(self, g):
+        return self._groups[g]
+
+    def step_end(self):
+        check(self._lib.aoq_step_end(self._handle()), "aoq_step_end")
+
+    def sync(self):
+        """Host barrier: every pushed gradient's parameter has landed and
+        every ended step is done.  Returns the last ended step's StepResult."""
+        r = self._lib.StepResult()
+        check(self._lib.aoq_sync(self._handle(), ctypes.byref(r)), "aoq_sync")
+        return StepResult(r.step, r.grad_sumsq, bool(r.nonfinite), bool(getattr(r, "skipped", False)),
+                          getattr(r, "clip_scale", 1.0), r.tensors_updated)
+
+    def flush(self):
+        """Delayed update: lands every pending updated parameter now."""
+        if _lib.HAS_V2:
+            check(self._lib.aoq_flush(self._handle()), "aoq_flush")
+
+    # -- state -------------------------------------------------------------
+    def read_state(self, t, what, dtype="fp32", offset=0, count=None, out=None):
+        """State `what` (0/"master", 1/"exp_avg", 2/"exp_avg_sq") of tensor t
+        as a numpy array (float32; uint16 bf16 bits for dtype "bf16")."""
+        import numpy as np
+        what = WHAT[what] if isinstance(what, str) else what
+        dt = dtype_code(dtype)
+        if count is None:
+            count = self._tensors[t][1] - offset
+        if out is None:
+            out = np.empty(count, dtype={_lib.FP32: np.float32, _lib.FP16: np.float16, _lib.BF16: np.uint16}[dt])
+        a, n, _, _ = _addr(out, "out", writable=True)
+        if n is not None and n != count:
+            raise ValueError("out has %d elements, expected %d" % (n, count))
+        check(self._lib.aoq_read_state(self._handle(), t, what, dt, offset, count, a), "aoq_read_state")
+        return out
+
+    def load_state(self, t, what, data, dtype=None, offset=0):
+        """Loads state `what` of tensor t from `data` (numpy array)."""
+        what = WHAT[what] if isinstance(what, str) else what
+        a, n, d, keep = _addr(data, "data")
+        dt = dtype_code(dtype) if dtype is not None else d
+        if dt is None:
+            raise ValueError("load_state: give dtype= for this array")
+        check(self._lib.aoq_load_state(self._handle(), t, what, dt, offset, n, a), "aoq_load_state")
+        del keep
+
+    def get_tensor_steps(self, first=0, n=None):
+        if n is None:
+            n = len(self._tensors) - first
+        buf = (ctypes.c_uint64 * n)()
+        check(self._lib.aoq_get_tensor_steps(self._handle(), first, n, buf), "aoq_get_tensor_steps")
+        return list(buf)
+
+    def set_tensor_steps(self, steps, first=0):
+        steps = list(steps)
+        buf = (ctypes.c_uint64 * len(steps))(*steps)
+        check(self._lib.aoq_set_tensor_steps(self._handle(), first, len(steps), buf), "aoq_set_tensor_steps")
+
+    # -- lifetime ----------------------------------------------------------
+    @property
+    def ntensors(self):
+        return len(self._tensors)
+
+    def tensor_info(self, t):
+        """(name, numel, param dtype code, grad dtype code) of tensor t."""
+        return self._tensors[t]
+
+    def _handle(self):
+        if self._h is None:
+            raise AoqError(9, "the aoq session is closed")
+        return self._h
+
+    def close(self):
+        """Ends the session cleanly (Bye).  Idempotent."""
+        if self._h is not None:
+            self._lib.aoq_close(self._h)
+            self._h = None
+            self._keep = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

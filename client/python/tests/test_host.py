@@ -1,0 +1,241 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
+"""The aoq package on the host backend with numpy arrays, against a float64
+AdamW/Adam reference: several tensors and groups, registered and per-push
+gradient buffers, gradient accumulation, a tensor left out of a step,
+hyperparameter changes, an fp16 parameter, state read/load round trip into a
+new daemon, errors.  Exit 0 ok, 1 fail, 77 skip (no numpy)."""
+import errno
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+try:
+    import numpy as np
+except ImportError:
+    print("SKIP: numpy is not installed")
+    sys.exit(77)
+
+import aoq  # noqa: E402
+
+FAILED = []
+
+
+def check(cond, msg):
+    if not cond:
+        FAILED.append(msg)
+        print("FAIL:", msg)
+
+
+def close(a, b, msg, rtol=1e-6, atol=1e-7):
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    err = np.abs(a - b) - (atol + rtol * np.abs(b))
+    ok = bool(np.all(err <= 0))
+    if not ok:
+        i = int(np.argmax(err))
+        msg += " (worst at %d: %r vs %r)" % (i, a.flat[i], b.flat[i])
+    check(ok, msg)
+
+
+class Ref:
+    """Adam/AdamW in float64, per-tensor step counts (torch semantics)."""
+
+    def __init__(self, p, hp):
+        self.p = p.astype(np.float64)
+        self.m = np.zeros_like(self.p)
+        self.v = np.zeros_like(self.p)
+        self.k = 0
+        self.hp = dict(hp)
+
+    def step(self, g):
+        h = self.hp
+        g = g.astype(np.float64)
+        self.k += 1
+        if h["kind"] == "adamw":
+            self.p *= 1 - h["lr"] * h["weight_decay"]
+        else:
+            g = g + h["weight_decay"] * self.p
+        b1, b2 = h["betas"]
+        self.m = b1 * self.m + (1 - b1) * g
+        self.v = b2 * self.v + (1 - b2) * g * g
+        bc1, bc2 = 1 - b1 ** self.k, 1 - b2 ** self.k
+        self.p -= h["lr"] / bc1 * self.m / (np.sqrt(self.v) / np.sqrt(bc2) + h["eps"])
+
+
+def main():
+    rng = np.random.default_rng(1234)
+    aoqd = os.environ.get("AOQD")
+    print("libaoq:", aoq._lib.load().path, "aoqd:", aoqd or aoq.daemon.find_aoqd())
+
+    hps = [dict(kind="adamw", lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1),
+           dict(kind="adam", lr=5e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.01)]
+    # name, numel, group, registered grad buffer?, dtype
+    specs = [("a", 1000, 0, True, np.float32), ("big", 70001, 0, False, np.float32),
+             ("c", 17, 1, False, np.float32), ("h", 3000, 1, True, np.float16)]
+
+    d1 = aoq.Daemon(aoqd, threads=2)
+    try:
+        c = aoq.Client(socket=d1.socket, job="py-host", device="cpu")
+        for h in hps:
+            c.add_group(**h)
+        params, grads, refs, idx = [], [], [], []
+        for name, n, g, reg, dt in specs:
+            p = rng.standard_normal(n).astype(dt)
+            gb = np.zeros(n, dtype=dt)
+            params.append(p)
+            grads.append(gb)
+            refs.append(Ref(p, hps[g]))
+            idx.append(c.add_tensor(name, p, gb if reg else None, group=g))
+        check(idx == list(range(len(specs))), "tensor indices")
+        c.register()
+
+        def push(i, g, accumulate=False):
+            if specs[i][3]:
+                grads[i][...] = g
+                c.push_grad(i, accumulate=accumulate)
+            else:
+                c.push_grad(i, g.astype(specs[i][4]), accumulate=accumulate)
+
+        def compare(step):
+            for i, (name, n, g, reg, dt) in enumerate(specs):
+                if dt == np.float32:
+                    close(params[i], refs[i].p, "step %d: param %s" % (step, name))
+                else:  # the daemon keeps an fp32 master; the fp16 param is its rounding
+                    close(params[i], refs[i].p.astype(np.float16), "step %d: param %s" % (step, name),
+                          rtol=1e-3, atol=1e-4)
+
+        nsteps = 8
+        for step in range(1, nsteps + 1):
+            check(c.current_step == step, "current_step %d" % step)
+            if step == 3:   # an LR schedule and new betas from step 3 on
+                c.set_hyperparams(0, lr=3e-3, betas=(0.85, 0.9))
+                refs[0].hp.update(lr=3e-3, betas=(0.85, 0.9))
+                refs[1].hp.update(lr=3e-3, betas=(0.85, 0.9))
+            if step == 5:
+                c.set_hyperparams(1, weight_decay=0.0, eps=1e-8)
+                refs[2].hp.update(weight_decay=0.0, eps=1e-8)
+                refs[3].hp.update(weight_decay=0.0, eps=1e-8)
+            for i, (name, n, g, reg, dt) in enumerate(specs):
+                if name == "c" and step == 4:
+                    continue  # not pushed this step: no update, its step count stays
+                micro = 3 if (name in ("a", "h") and step % 2 == 0) or (name == "big" and step == 6) else 1
+                total = np.zeros(n)
+                for k in range(micro):
+                    gk = (rng.standard_normal(n) * (0.5 + k)).astype(dt)
+                    total += gk.astype(np.float64)
+                    push(i, gk, accumulate=k < micro - 1)
+                refs[i].step(total)
+            c.step_end()
+            res = c.sync()
+            check(res.step == step, "sync step %d, got %d" % (step, res.step))
+            check(not res.nonfinite, "step %d nonfinite" % step)
+            expected = 3 if step == 4 else 4
+            check(res.tensors_updated == expected, "step %d: tensors_updated %d, expected %d"
+                  % (step, res.tensors_updated, expected))
+            compare(step)
+
+        steps = c.get_tensor_steps()
+        check(steps == [r.k for r in refs], "tensor steps %r vs %r" % (steps, [r.k for r in refs]))
+        state = []
+        for i, (name, n, g, reg, dt) in enumerate(specs):
+            st = {w: c.read_state(i, w) for w in ("master", "exp_avg", "exp_avg_sq")}
+            close(st["master"], refs[i].p, "master of %s" % name)
+            close(st["exp_avg"], refs[i].m, "exp_avg of %s" % name, rtol=1e-5, atol=1e-6)
+            close(st["exp_avg_sq"], refs[i].v, "exp_avg_sq of %s" % name, rtol=1e-5, atol=1e-9)
+            part = c.read_state(i, "master", offset=3, count=5)
+            check(np.array_equal(part, st["master"][3:8]), "partial read of %s" % name)
+            state.append(st)
+
+        # Errors carry libaoq's message and errno.
+        try:
+            c.push_grad(99, np.zeros(4, np.float32))
+            check(False, "push to tensor 99 did not fail")
+        except IndexError:
+            pass
+        try:
+            c._lib.aoq_push_grad(c._h, 99, 0, None)
+            aoq._lib.check(c._lib.aoq_push_grad(c._h, 99, 0, None), "push")
+            check(False, "aoq_push_grad(99) did not fail")
+        except aoq.AoqError as e:
+            check(e.errno == errno.EINVAL and "99" in str(e), "error text: %s" % e)
+        c.close()
+        c.close()
+    finally:
+        rc = d1.stop()
+        if FAILED:
+            print(d1.log_text()[-3000:])
+    check(rc == 0, "aoqd exit status %r" % rc)
+
+    # Round trip into a new daemon and session: load the state read above,
+    # the parameters start from the masters; continue 3 steps on both.
+    d2 = aoq.Daemon(aoqd, threads=2)
+    try:
+        with aoq.Client(socket=d2.socket, job="py-host-resumed", device="cpu") as c2:
+            for h in hps:
+                c2.add_group(**h)
+            # the groups' values as they were at the end (set_hyperparams)
+            c2.set_hyperparams(0, lr=3e-3, betas=(0.85, 0.9))
+            c2.set_hyperparams(1, weight_decay=0.0, eps=1e-8)
+            params2 = []
+            for i, (name, n, g, reg, dt) in enumerate(specs):
+                p = state[i]["master"].astype(dt)
+                params2.append(p)
+                c2.add_tensor(name, p, group=g, init=state[i]["master"])
+            c2.register()
+            for i in range(len(specs)):
+                c2.load_state(i, "exp_avg", state[i]["exp_avg"])
+                c2.load_state(i, "exp_avg_sq", state[i]["exp_avg_sq"])
+            c2.set_tensor_steps([r.k for r in refs])
+            check(c2.get_tensor_steps() == [r.k for r in refs], "steps after set_tensor_steps")
+            for i in range(len(specs)):
+                close(c2.read_state(i, "master"), state[i]["master"], "loaded master %d" % i, rtol=0, atol=0)
+            for step in range(3):
+                for i, (name, n, g, reg, dt) in enumerate(specs):
+                    gk = rng.standard_normal(n).astype(dt)
+                    c2.push_grad(i, gk)
+                    refs[i].step(gk)
+                c2.step_end()
+                c2.sync()
+                for i, (name, n, g, reg, dt) in enumerate(specs):
+                    if dt == np.float32:
+                        close(params2[i], refs[i].p, "resumed step %d: %s" % (step, name))
+                    close(c2.read_state(i, "master"), refs[i].p, "resumed master %d: %s" % (step, name))
+    finally:
+        rc = d2.stop()
+        if FAILED:
+            print(d2.log_text()[-3000:])
+    check(rc == 0, "second aoqd exit status %r" % rc)
+
+    # A q8 session: state reads come back as fp32 and track the reference.
+    d3 = aoq.Daemon(aoqd, threads=2)
+    try:
+        with aoq.Client(socket=d3.socket, job="py-q8", device="cpu", precision="q8") as c3:
+            c3.add_group(**hps[0])
+            p = rng.standard_normal(4096).astype(np.float32)
+            ref = Ref(p, hps[0])
+            c3.add_tensor("q", p)
+            c3.register()
+            for step in range(4):
+                g = rng.standard_normal(4096).astype(np.float32)
+                c3.push_grad(0, g)
+                ref.step(g)
+                c3.step_end()
+            c3.sync()
+            m = c3.read_state(0, "exp_avg")
+            check(m.dtype == np.float32 and m.shape == (4096,), "q8 read dtype")
+            close(m, ref.m, "q8 exp_avg", rtol=0.05, atol=0.02)
+            close(p, ref.p, "q8 param", rtol=1e-2, atol=1e-3)
+    finally:
+        d3.stop()
+
+    if FAILED:
+        print("%d failures" % len(FAILED))
+        return 1
+    print("ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
+"""Step time and peak device memory of a GPT-like model trained with on-device
+AdamW and with aoq.torch.OffloadOptimizer (the options of torchao's low-bit
+optimizer benchmark plus aoq's modes), and the PCIe floor: every gradient
+down and every parameter up through pinned buffers, measured in the same run.
+
+    python3 tests/bench/train_gpt.py --mode gpu-adamw
+    python3 tests/bench/train_gpt.py --mode aoq-fp32 --socket /tmp/aoq.sock   # or --spawn-daemon
+    python3 tests/bench/train_gpt.py --mode all --spawn-daemon               # every mode, one table
+
+Needs a running aoqd (--socket / $AOQ_SOCKET) or --spawn-daemon (build/daemon/aoqd
+or $AOQD).  Results go to tests/bench/RESULTS.md by hand.
+"""
+import argparse
+import contextlib
+import gc
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "client", "python"))
+
+MODES = ["gpu-adamw", "aoq-fp32", "aoq-q8", "aoq-bf16master", "aoq-delayed", "aoq-delayed-q8"]
+
+
+class Block(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.proj = nn.Linear(d, d, bias=False)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d, bias=False)
+        self.out = nn.Linear(4 * d, d, bias=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab=32000, d=2048, layers=16, heads=16, seq=2048):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln(x))
+
+
+def loss_of(model, idx, amp):
+    ctx = torch.autocast(device_type=idx.device.type, dtype=torch.bfloat16) if amp else contextlib.nullcontext()
+    with ctx:
+        logits = model(idx[:, :-1])
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
+
+
+def dev_mod(device):
+    return getattr(torch, torch.device(device).type, None)
+
+
+def synchronize(device):
+    m = dev_mod(device)
+    if m is not None and hasattr(m, "synchronize") and torch.device(device).type != "cpu":
+        m.synchronize()
+
+
+def peak_bytes(device):
+    m = dev_mod(device)
+    if torch.device(device).type == "cpu" or not hasattr(m, "max_memory_allocated"):
+        return 0
+    return m.max_memory_allocated()
+
+
+def reset_peak(device):
+    m = dev_mod(device)
+    if torch.device(device).type != "cpu" and hasattr(m, "reset_peak_memory_stats"):
+        m.reset_peak_memory_stats()
+
+
+def make_optimizer(mode, model, args, socket):
+    if mode == "gpu-adamw":
+        fused = torch.device(args.device).type == "cuda"
+        if args.amp or args.fp32_master:
+            return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=fused)
+        return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=fused)
+    from aoq.torch import OffloadOptimizer
+    kw = dict(lr=args.lr, weight_decay=0.1, socket=socket, offload_gradients=args.offload_gradients,
+              grad_accumulation_steps=args.grad_accum, job="bench-%s-%d" % (mode, os.getpid()))
+    if mode in ("aoq-q8", "aoq-delayed-q8"):
+        kw["state_precision"] = "q8"
+    if mode == "aoq-bf16master":
+        kw["master_dtype"] = "bf16"
+    if mode.startswith("aoq-delayed"):
+        kw["delayed_update"] = True
+    opt = OffloadOptimizer(model.named_parameters(), torch.optim.AdamW, **kw)
+    if args.attach and not args.compile:
+        opt.attach(model)
+    return opt
+
+
+def pcie_floor(model, device, reps=3):
+    """All gradients device->host and all parameters host->device through
+    pinned buffers, as one-tensor-at-a-time copies (what aoq moves per step)."""
+    if torch.device(device).type == "cpu":
+        return 0.0
+    ps = [p for p in model.parameters() if p.requires_grad]
+    pin = torch.device(device).type == "cuda"
+    hbuf = [torch.empty(p.numel(), dtype=p.dtype, pin_memory=pin) for p in ps]
+    best = math.inf
+    for _ in range(reps):
+        synchronize(device)
+        t0 = time.perf_counter()
+        for p, h in zip(ps, hbuf):
+            h.copy_(p.detach().reshape(-1), non_blocking=True)
+        for p, h in zip(ps, hbuf):
+            p.data.view(-1).copy_(h, non_blocking=True)
+        synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    del hbuf
+    return best
+
+
+def run_mode(mode, args, socket):
+    torch.manual_seed(0)
+    dev = args.device
+    model = GPT(args.vocab, args.d_model, args.layers, args.heads, args.seq + 1)
+    if not args.amp:
+        model = model.to(torch.bfloat16)
+    model = model.to(dev)
+    nparams = sum(p.numel() for p in model.parameters())
+    fwd = torch.compile(model) if args.compile else model
+    opt = make_optimizer(mode, model, args, socket)
+    gen = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen).to(dev) for _ in range(4)]
+    times, losses = [], []
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            synchronize(dev)
+            reset_peak(dev)
+        t0 = time.perf_counter()
+        for k in range(args.grad_accum):
+            loss = loss_of(fwd, data[(step * args.grad_accum + k) % len(data)], args.amp)
+            (loss / args.grad_accum).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        synchronize(dev)   # step time as the trainer sees it (the next forward's waits are in it)
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    peak = peak_bytes(dev)
+    floor = pcie_floor(model, dev) if mode == "gpu-adamw" or args.mode != "all" else None
+    if hasattr(opt, "close"):
+        opt.close()
+    del opt, model, fwd, data
+    gc.collect()
+    if torch.device(dev).type == "cuda":
+        torch.cuda.empty_cache()
+    st = sorted(times[args.warmup:])
+    return dict(mode=mode, params=nparams, step_s=st[len(st) // 2], step_min_s=st[0], peak_gib=peak / 2 ** 30,
+                pcie_floor_s=floor, loss=losses[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", help="cuda | xpu | cpu (or cuda:N)")
+    ap.add_argument("--mode", default="all", choices=MODES + ["all"])
+    ap.add_argument("--amp", action="store_true", help="bf16 autocast with fp32 parameters (default: full bf16)")
+    ap.add_argument("--fp32-master", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model")
+    ap.add_argument("--grad-accum", type=int, default=1)
+    ap.add_argument("--offload-gradients", action="store_true")
+    ap.add_argument("--attach", action="store_true", default=True, help="per-module waits (default)")
+    ap.add_argument("--no-attach", dest="attach", action="store_false")
+    ap.add_argument("--d-model", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--socket", default=None, help="aoqd socket (default: $AOQ_SOCKET)")
+    ap.add_argument("--spawn-daemon", action="store_true", help="start a private aoqd ($AOQD or the build tree)")
+    ap.add_argument("--daemon-threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    daemon = None
+    socket = args.socket
+    modes = MODES if args.mode == "all" else [args.mode]
+    if any(m.startswith("aoq") for m in modes) and args.spawn_daemon:
+        import aoq
+        daemon = aoq.Daemon(threads=args.daemon_threads)
+        socket = daemon.socket
+    results = []
+    try:
+        for m in modes:
+            r = run_mode(m, args, socket)
+            results.append(r)
+            print("%-16s params %.3fB  step %.3f s (min %.3f)  peak %.2f GiB  loss %.4f%s" % (
+                m, r["params"] / 1e9, r["step_s"], r["step_min_s"], r["peak_gib"], r["loss"],
+                "  PCIe floor %.3f s" % r["pcie_floor_s"] if r["pcie_floor_s"] else ""), flush=True)
+    finally:
+        if daemon is not None:
+            daemon.stop()
+    base = next((r for r in results if r["mode"] == "gpu-adamw"), None)
+    if base:
+        for r in results:
+            print("%-16s %.2fx on-device AdamW step, peak %+.2f GiB" % (r["mode"], r["step_s"] / base["step_s"],
+                                                                      r["peak_gib"] - base["peak_gib"]))
+    if args.json:
+        print(json.dumps(dict(args=vars(args), results=results)))
+
+
+if __name__ == "__main__":
+    main()
