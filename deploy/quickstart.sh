@@ -3,7 +3,8 @@
 # Quick start on a fresh Debian 12 machine (as root): installs what aoq
 # needs, builds it, starts aoqd in the background on a private socket, trains
 # the demo MLP through it (on cuda:0 when the build has CUDA and nvidia-smi
-# sees a GPU, else on the CPU), prints `aoqctl stats` and stops the daemon.
+# sees a GPU, else on the CPU), prints `aoqctl stats` (taken while the demo
+# trains) and stops the daemon.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -55,11 +56,30 @@ if grep -q '^#define AOQ_HAVE_CUDA 1' build/aoq-config.h &&
 fi
 
 echo "== training the demo MLP through aoqd (device $device)"
+# 1000 steps (the loss is printed every 10th); aoqctl takes its snapshot while
+# the session is training, half-way through.
 status=0
-"$demo" --socket "$sock" --device "$device" --job quickstart || status=$?
+"$demo" --socket "$sock" --device "$device" --job quickstart --steps 1000 >"$tmp/demo.log" 2>&1 &
+demo_pid=$!
+snapshot=
+while kill -0 "$demo_pid" 2>/dev/null; do
+	steps=$("$aoqctl" --socket "$sock" stats --json 2>/dev/null |
+		grep -o '"steps":[0-9]*' | head -n1 | cut -d: -f2 || true)
+	if [[ -n $steps ]] && ((steps >= 500)); then
+		snapshot=$("$aoqctl" --socket "$sock" stats 2>&1) || status=$?
+		break
+	fi
+	sleep 0.02
+done
+wait "$demo_pid" || status=$?
+cat "$tmp/demo.log"
 
-echo "== aoqctl stats"
-"$aoqctl" --socket "$sock" stats || status=$?
+echo "== aoqctl stats (taken while the demo trained)"
+if [[ -n $snapshot ]]; then
+	echo "$snapshot"
+else
+	"$aoqctl" --socket "$sock" stats || status=$?
+fi
 
 echo "== stopping aoqd"
 kill -TERM "$daemon_pid"

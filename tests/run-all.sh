@@ -100,12 +100,24 @@ if [[ $werror == 1 ]]; then
 	werror_arg=(-Dwerror=true)
 fi
 
-main_built=0
+# 0: not built yet, 1: built, 2: its build failed (counted once).
+main_state=0
+build_main() {
+	if ((main_state == 0)); then
+		if build main build -Dcuda=auto -Dlevel_zero=auto -Dsystemd=auto "${werror_arg[@]}"; then
+			main_state=1
+		else
+			main_state=2
+		fi
+	fi
+	((main_state == 1))
+}
+
 for phase in $phases; do
+	t0=$SECONDS
 	case $phase in
 	main)
-		if build main build -Dcuda=auto -Dlevel_zero=auto -Dsystemd=auto "${werror_arg[@]}"; then
-			main_built=1
+		if build_main; then
 			run_tests main build
 		fi
 		;;
@@ -117,12 +129,11 @@ for phase in $phases; do
 		fi
 		;;
 	valgrind)
-		if ((main_built == 0)) && ! build main build -Dcuda=auto -Dlevel_zero=auto \
-			-Dsystemd=auto "${werror_arg[@]}"; then
-			continue
+		if build_main; then
+			run_tests valgrind build --setup valgrind --suite unit
+		else
+			summary+=("valgrind: not run (the main build failed)")
 		fi
-		main_built=1
-		run_tests valgrind build --setup valgrind --suite unit
 		;;
 	minimal)
 		if build minimal build-minimal -Dcuda=disabled -Dlevel_zero=disabled \
@@ -132,9 +143,11 @@ for phase in $phases; do
 		;;
 	*)
 		echo "run-all.sh: unknown phase '$phase'" >&2
+		summary+=("$phase: unknown phase")
 		total_fail=$((total_fail + 1))
 		;;
 	esac
+	summary+=("  ($phase took $((SECONDS - t0)) s)")
 done
 
 log "summary ($((SECONDS - start)) s)"

@@ -12,6 +12,12 @@
  *
  * The demo fails (exit 1) unless the loss falls at least 10x.
  *
+ * On "cuda:N" (built with CUDA) the parameters and gradients live in device
+ * memory, as in a real trainer: the host math stands in for the GPU's, each
+ * gradient is copied to the device before it is pushed and the updated
+ * parameters are read back after the step.  The default device is cuda:0
+ * when the build has CUDA and a device is present, else cpu.
+ *
  * With --spawn-daemon PATH it starts PATH itself on a listening socket it
  * created first (--listen-fd), so it needs no running daemon: the meson
  * test 'demo' runs it that way.
@@ -35,6 +41,10 @@
 #include <unistd.h>
 
 #include <aoq/aoq.h>
+
+#if AOQ_DEMO_CUDA
+#include <cuda_runtime_api.h>
+#endif
 
 #define N_IN 16
 #define N_HID 64
@@ -303,6 +313,83 @@ out:
 	return ret;
 }
 
+/* ---- device memory (cuda:N) ------------------------------------------ */
+
+#if AOQ_DEMO_CUDA
+static bool cuda_ok(cudaError_t e, const char *what)
+{
+	if (e == cudaSuccess)
+		return true;
+	fprintf(stderr, "aoq-demo: %s: %s\n", what, cudaGetErrorString(e));
+	return false;
+}
+
+static bool cuda_device_present(void)
+{
+	int n = 0;
+	/* No driver (35), the stub driver (34), no device (100): no CUDA. */
+	return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+#endif
+
+/* Device buffers of the tensors, or NULL when the device is the host. */
+struct dev {
+	bool on;
+	void *param[N_TENSORS], *grad[N_TENSORS];
+};
+
+static int dev_open(struct dev *d, const char *device, size_t esize)
+{
+	memset(d, 0, sizeof(*d));
+	if (strncmp(device, "cuda:", 5) != 0)
+		return 0;
+#if AOQ_DEMO_CUDA
+	int idx = atoi(device + 5);
+	if (!cuda_ok(cudaSetDevice(idx), "cudaSetDevice"))
+		return -1;
+	for (int t = 0; t < N_TENSORS; t++)
+		if (!cuda_ok(cudaMalloc(&d->param[t], tensor_numel[t] * esize), "cudaMalloc") ||
+		    !cuda_ok(cudaMalloc(&d->grad[t], tensor_numel[t] * esize), "cudaMalloc"))
+			return -1;
+	d->on = true;
+#else
+	(void)esize;
+#endif
+	return 0;
+}
+
+static void dev_close(struct dev *d)
+{
+#if AOQ_DEMO_CUDA
+	for (int t = 0; t < N_TENSORS; t++) {
+		if (d->param[t])
+			cudaFree(d->param[t]);
+		if (d->grad[t])
+			cudaFree(d->grad[t]);
+	}
+#endif
+	memset(d, 0, sizeof(*d));
+}
+
+/* Host -> device (to_dev) or back, and wait for it. */
+static int dev_copy(struct dev *d, void *host, void *devp, size_t bytes, bool to_dev)
+{
+#if AOQ_DEMO_CUDA
+	if (!d->on)
+		return 0;
+	/* The library's copy streams are not ordered with ours: finish first. */
+	if (!cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize") ||
+	    !cuda_ok(cudaMemcpy(to_dev ? devp : host, to_dev ? host : devp, bytes,
+	                        to_dev ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost),
+	             "cudaMemcpy") ||
+	    !cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize"))
+		return -1;
+#else
+	(void)d, (void)host, (void)devp, (void)bytes, (void)to_dev;
+#endif
+	return 0;
+}
+
 /* ---- training -------------------------------------------------------- */
 
 struct config {
@@ -332,11 +419,25 @@ static int train(const struct config *cfg)
 	static uint16_t p16[N_TENSORS][N_HID * N_IN], g16[N_TENSORS][N_HID * N_IN];
 	static float dpred[N_SAMPLES];
 	struct aoq_client *c = NULL;
+	struct dev dv;
 	int ret = -1, r;
+	size_t esize = cfg->bf16 ? 2 : 4;
 
 	make_data(&data);
 	model_init(&m);
 	model_bind(&g);
+	if (dev_open(&dv, cfg->device, esize) < 0) {
+		dev_close(&dv);
+		return -1;
+	}
+	/* The tensors' buffers: host arrays, or device copies of them. */
+	void *hparam[N_TENSORS], *hgrad[N_TENSORS], *param[N_TENSORS], *grad[N_TENSORS];
+	for (int t = 0; t < N_TENSORS; t++) {
+		hparam[t] = cfg->bf16 ? (void *)p16[t] : (void *)m.p[t];
+		hgrad[t] = cfg->bf16 ? (void *)g16[t] : (void *)g.p[t];
+		param[t] = dv.on ? dv.param[t] : hparam[t];
+		grad[t] = dv.on ? dv.grad[t] : hgrad[t];
+	}
 
 	struct aoq_options o = AOQ_OPTIONS_INIT;
 	o.socket = cfg->socket;
@@ -344,8 +445,10 @@ static int train(const struct config *cfg)
 	o.job = cfg->job;
 	o.rank = cfg->rank;
 	r = aoq_connect(&c, &o);
-	if (r < 0)
+	if (r < 0) {
+		dev_close(&dv);
 		return fail("cannot connect to aoqd", r);
+	}
 
 	struct aoq_group grp = {
 		.kind = AOQ_ADAMW, .lr = cfg->lr, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
@@ -366,15 +469,15 @@ static int train(const struct config *cfg)
 			for (uint64_t i = 0; i < tensor_numel[t]; i++)
 				p16[t][i] = f32_to_bf16(m.p[t][i]);
 			desc.param_dtype = desc.grad_dtype = AOQ_BF16;
-			desc.param = p16[t];
-			desc.grad = g16[t];
 			desc.init = m.p[t];
 			desc.init_dtype = AOQ_FP32;
 		} else {
 			desc.param_dtype = desc.grad_dtype = AOQ_FP32;
-			desc.param = m.p[t];
-			desc.grad = g.p[t];
 		}
+		desc.param = param[t];
+		desc.grad = grad[t];
+		if (dev_copy(&dv, hparam[t], param[t], tensor_numel[t] * esize, true) < 0)
+			goto out;
 		r = aoq_add_tensor(c, &desc);
 		if (r < 0) {
 			fail("aoq_add_tensor", r);
@@ -397,6 +500,9 @@ static int train(const struct config *cfg)
 	long every = cfg->steps > 200 ? 10 : 1;
 	double first = 0, loss = 0;
 	for (long step = 1; step <= cfg->steps; step++) {
+		for (int t = 0; t < N_TENSORS; t++)
+			if (dev_copy(&dv, hparam[t], param[t], tensor_numel[t] * esize, false) < 0)
+				goto out;
 		if (cfg->bf16)
 			for (int t = 0; t < N_TENSORS; t++)
 				for (uint64_t i = 0; i < tensor_numel[t]; i++)
@@ -424,6 +530,8 @@ static int train(const struct config *cfg)
 			if (cfg->bf16)
 				for (uint64_t i = 0; i < tensor_numel[t]; i++)
 					g16[t][i] = f32_to_bf16(g.p[t][i]);
+			if (dev_copy(&dv, hgrad[t], grad[t], tensor_numel[t] * esize, true) < 0)
+				goto out;
 			r = aoq_push_grad(c, (uint32_t)t, 0, NULL);
 			if (r < 0) {
 				fail("aoq_push_grad", r);
@@ -446,6 +554,9 @@ static int train(const struct config *cfg)
 	}
 
 	/* The loss after the last update. */
+	for (int t = 0; t < N_TENSORS; t++)
+		if (dev_copy(&dv, hparam[t], param[t], tensor_numel[t] * esize, false) < 0)
+			goto out;
 	if (cfg->bf16)
 		for (int t = 0; t < N_TENSORS; t++)
 			for (uint64_t i = 0; i < tensor_numel[t]; i++)
@@ -457,6 +568,7 @@ static int train(const struct config *cfg)
 	ret = ratio >= MIN_RATIO ? 0 : 1;
 out:
 	aoq_close(c);
+	dev_close(&dv);
 	return ret;
 }
 
@@ -468,7 +580,8 @@ static const char usage_text[] =
 	"the loss falls at least 10x.\n"
 	"\n"
 	"  --socket PATH         aoqd's socket (default: $AOQ_SOCKET, else the default path)\n"
-	"  --device DEV          cpu, cuda:N or xpu:N (default: cpu)\n"
+	"  --device DEV          cpu, cuda:N or xpu:N (default: cuda:0 when built with\n"
+	"                        CUDA and a device is present, else cpu)\n"
 	"  --steps N             training steps (default: 200)\n"
 	"  --lr LR               AdamW learning rate (default: 0.01)\n"
 	"  --job NAME            job name of the session (default: aoq-demo)\n"
@@ -504,7 +617,7 @@ int main(int argc, char **argv)
 		{ NULL, 0, NULL, 0 },
 	};
 	struct config cfg = {
-		.device = "cpu", /* TODO: cuda:0 when built with CUDA and a device is present */
+		.device = NULL, /* cuda:0 when built with CUDA and a device is present, else cpu */
 		.job = "aoq-demo",
 		.steps = 200,
 		.lr = 1e-2,
@@ -543,6 +656,13 @@ int main(int argc, char **argv)
 	}
 	if (optind != argc)
 		goto usage;
+	if (!cfg.device) {
+		cfg.device = "cpu";
+#if AOQ_DEMO_CUDA
+		if (cuda_device_present())
+			cfg.device = "cuda:0";
+#endif
+	}
 
 	struct spawned sp;
 	if (spawn) {
