@@ -151,7 +151,10 @@ def run_mode(mode, args, socket):
     model = model.to(dev)
     nparams = sum(p.numel() for p in model.parameters())
     fwd = torch.compile(model) if args.compile else model
+    t_reg = time.perf_counter()
     opt = make_optimizer(mode, model, args, socket)
+    print("# %s: %.3fB parameters, optimizer ready in %.1f s" % (mode, nparams * 1e-9, time.perf_counter() - t_reg),
+          file=sys.stderr, flush=True)
     gen = torch.Generator().manual_seed(1)
     data = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen).to(dev) for _ in range(4)]
     times, losses = [], []
@@ -168,6 +171,7 @@ def run_mode(mode, args, socket):
         synchronize(dev)   # step time as the trainer sees it (the next forward's waits are in it)
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
+        print("#   step %d: %.3f s" % (step, times[-1]), file=sys.stderr, flush=True)
     peak = peak_bytes(dev)
     floor = pcie_floor(model, dev) if mode == "gpu-adamw" or args.mode != "all" else None
     if hasattr(opt, "close"):

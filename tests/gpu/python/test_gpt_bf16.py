@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: MIT
-"""A bf16 GPT-like model, fp32 master weights and moments in aoqd, 200 steps:
-the loss stays within 1% of AdamW on the device on fp32 master weights
+"""A bf16 GPT-like model, fp32 master weights and moments in aoqd, 200 steps on a
+learnable Markov stream: the loss stays within 1% of AdamW on the device on fp32
+master weights
 (bf16 model, fp32 master copy, the update copied back to bf16 each step).
 
     tests/gpu/python/test_gpt_bf16.py [--device cuda:0] [--steps 200]
@@ -37,11 +38,18 @@ def run(device, steps, socket, cfg, use_aoq, lr=1e-3):
         opt = torch.optim.AdamW(master, lr=lr, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
     gen = torch.Generator().manual_seed(1)
-    # a learnable stream: repeated random sequences
-    data = [torch.randint(0, cfg["vocab"], (8, cfg["seq"]), generator=gen).to(device) for _ in range(4)]
     losses = []
     for i in range(steps):
-        loss = loss_of(model, data[i % len(data)], amp=False)
+        # Fresh batches of a Markov chain, x' = (5 x + 17 + e) mod V with e uniform in
+        # 0..15: learnable, never memorised, so the loss settles near log(16) = 2.77
+        # and a 1% criterion compares training, not the chaos of memorisation.
+        # Both runs draw the same batches.
+        x = torch.empty(8, cfg["seq"], dtype=torch.long)
+        x[:, 0] = torch.randint(0, cfg["vocab"], (8,), generator=gen)
+        e = torch.randint(0, 16, (8, cfg["seq"]), generator=gen)
+        for t in range(1, cfg["seq"]):
+            x[:, t] = (5 * x[:, t - 1] + 17 + e[:, t]) % cfg["vocab"]
+        loss = loss_of(model, x.to(device), amp=False)
         loss.backward()
         if not use_aoq:
             for m, p in zip(master, params):
