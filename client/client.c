@@ -482,23 +482,29 @@ static int check_arena(struct aoq_client *c)
 }
 
 /* Starts the copy of an updated range to the device; the event goes to
- * the tensor (and the slot it came from).  Caller holds c->lock. */
+ * the tensor (and the slot it came from).  Caller holds c->lock, which is
+ * dropped around the backend call: a backend's completion callbacks take
+ * c->lock, and CUDA forbids waiting on them from inside its own calls, so
+ * no backend call is made under c->lock. */
 static void copy_param(struct aoq_client *c, struct tensor *x, const uint8_t *src, uint64_t offset,
                        uint64_t count, struct slot *sl)
 {
-	struct aoq_event *ev = NULL;
+	struct aoq_event *ev = NULL, *after = x->last_use;
+	void *stream = x->stream;
 	uint8_t *dst = (uint8_t *)x->d.param + offset * x->psize;
-	int e = x->last_use && c->ops->h2d_after
-		? c->ops->h2d_after(c->be, dst, src, count * x->psize, x->last_use, &ev)
-		: c->ops->h2d(c->be, dst, src, count * x->psize, x->stream, &ev);
+	pthread_mutex_unlock(&c->lock);
+	int e = after && c->ops->h2d_after
+		? c->ops->h2d_after(c->be, dst, src, count * x->psize, after, &ev)
+		: c->ops->h2d(c->be, dst, src, count * x->psize, stream, &ev);
+	struct evref *r = e < 0 ? NULL : evref_new(ev, sl ? 2 : 1);
+	if (e == 0 && !r && ev) {
+		c->ops->host_wait(c->be, ev);
+		c->ops->event_release(c->be, ev);
+		e = -ENOMEM;
+	}
+	pthread_mutex_lock(&c->lock);
 	if (e < 0) {
 		fail_session(c, e, "parameter copy to the device failed: %s", aoq_last_error());
-		return;
-	}
-	struct evref *r = evref_new(ev, sl ? 2 : 1);
-	if (!r) {
-		if (ev)
-			c->ops->host_wait(c->be, ev), c->ops->event_release(c->be, ev);
 		return;
 	}
 	evref_put(c, x->h2d);
@@ -795,8 +801,14 @@ int aoq_push_grad_ptr(struct aoq_client *c, uint32_t t, const void *grad, unsign
 	}
 	if (c->ops->record && !c->o.delayed_update) {
 		/* The gradient is final: the old parameter is no longer used by
-		 * the work queued so far.  The update may land after that. */
-		int e = c->ops->record(c->be, x->stream, &x->last_use);
+		 * the work queued so far.  The update may land after that.  (No
+		 * backend call under c->lock: see copy_param.) */
+		struct aoq_event *ev = NULL;
+		void *st = x->stream;
+		pthread_mutex_unlock(&c->lock);
+		int e = c->ops->record(c->be, st, &ev);
+		pthread_mutex_lock(&c->lock);
+		x->last_use = ev;
 		if (e < 0) {
 			fail_session(c, e, "cannot record an event on the stream: %s", aoq_last_error());
 			pthread_mutex_unlock(&c->lock);
