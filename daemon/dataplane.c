@@ -28,7 +28,6 @@
 #include <unistd.h>
 
 #include "aoqd.h"
-#include "convert.h"
 #include "log.h"
 
 #define FAIL(s, code, ...) aoqd_session_fail(s, AOQ__ERROR_CODE__##code, __VA_ARGS__)
@@ -152,27 +151,6 @@ static void job_complete(struct aoqd_job *j)
 	job_answer(j, j->phase == PHASE_ACCUMULATE ? AOQ_REC_ACCUMULATED : AOQ_REC_UPDATED);
 }
 
-/* Sum of squares of (acc +) grad, and whether any value is not finite. */
-static void grad_norm(const void *grad, enum aoqk_dtype dt, const float *acc, size_t n, struct aoqk_report *rep)
-{
-	float buf[1024];
-	double sum = 0;
-	bool bad = false;
-	for (size_t i = 0; i < n; i += 1024) {
-		size_t k = n - i < 1024 ? n - i : 1024;
-		aoqd_to_f32(buf, (const uint8_t *)grad + i * aoqk_dtype_size(dt), dt, k);
-		float part = 0;
-		for (size_t e = 0; e < k; e++) {
-			float g = acc ? buf[e] + acc[i + e] : buf[e];
-			part += g * g;
-		}
-		bad |= !isfinite(part);
-		sum += part;
-	}
-	rep->sumsq = sum;
-	rep->nonfinite = bad;
-}
-
 static void chunk_run(struct aoqd_task *task, unsigned worker)
 {
 	struct chunk *c = (struct chunk *)task;
@@ -192,7 +170,7 @@ static void chunk_run(struct aoqd_task *task, unsigned worker)
 			k->accumulate(t->acc + begin, grad, t->grad_dtype, 1.0f, c->count);
 			break;
 		case PHASE_NORM:
-			grad_norm(grad, t->grad_dtype, acc, c->count, &c->rep);
+			k->sumsq(grad, t->grad_dtype, acc, 1.0f, c->count, &c->rep);
 			break;
 		case PHASE_UPDATE: {
 			struct aoqk_chunk ch = {

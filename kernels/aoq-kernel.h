@@ -90,7 +90,8 @@ struct aoqk_state {
 struct aoqk_chunk {
 	size_t begin; /* first element; a multiple of AOQK_Q8_BLOCK for q8 state */
 	size_t count; /* elements; begin + count <= state->n */
-	const void *grad;          /* grad of element begin; any alignment */
+	const void *grad;          /* grad of element begin; aligned to its element
+	                            * type, any vector alignment */
 	enum aoqk_dtype grad_dtype;
 	float *acc;                /* optional fp32 accumulator of element begin: the
 	                            * gradient used is acc[i] + grad[i], and acc[i]

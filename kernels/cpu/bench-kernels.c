@@ -1,2 +1,616 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Kernel benchmark (not a test).
+ *
+ *   bench-kernels [-n PARAMS] [-t THREADS] [-r REPS] [-c CHUNK] [-k VARIANT,...]
+ *
+ * Defaults: 256M parameters, one thread per CPU this process may use, 5 timed
+ * repetitions (the median counts), chunks of 32768 elements.  Every runnable
+ * variant (and its "-cached" twin, plain parameter stores) x state precision with bf16 grads in and
+ * bf16 params out, plus fp32 grads/params for fp32 state; the host's bandwidth
+ * in the same run with the same threads (STREAM-like copy and triad, plain
+ * and non-temporal stores); and, for the headline job (fp32 state, bf16 in,
+ * bf16 out), variants that drop a stage: memory traffic only, compute only
+ * (cache-resident chunk), and the non-finite pre-scan.
+ *
+ * GB/s counts the bytes the job must move (DESIGN.md §6: 28 B/param for fp32
+ * state with bf16 grad and param), not what the hardware moved (e.g. the
+ * read-for-ownership of plain stores).  The last lines are
+ *   RESULT <name> gparams_per_s=<x> gbps=<y> ratio_to_triad=<z>
+ * with the ratio to the non-temporal triad of the same run.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <errno.h>
+#include <immintrin.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
-int main(void) { puts("stub"); return 0; }
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "aoq-kernel.h"
+#include "kernel-common.h"
+#include "kernel-internal.h"
+
+/* Stage-dropping builds of the avx512bf16 kernel (bench.sh builds them;
+ * absent from the meson build): the q8 path without its code decode, its
+ * hash, or its encode pass.  Results are wrong; only the time counts. */
+extern const struct aoqk_kernel aoqk_kernel_q8_nodecode __attribute__((weak));
+extern const struct aoqk_kernel aoqk_kernel_q8_nohash __attribute__((weak));
+extern const struct aoqk_kernel aoqk_kernel_q8_noencode __attribute__((weak));
+
+static size_t N = (size_t)256 << 20;
+static int T;
+static int REPS = 5;
+static size_t CHUNK = 32768;
+
+/* ------------------------------------------------------------------ */
+/* Thread pool: T pinned workers, a job runs on all of them at once. */
+
+static pthread_barrier_t bar_start, bar_end;
+static void (*job)(int tid);
+static volatile int quit;
+static int cpus[1024];
+
+static void *worker(void *arg)
+{
+	int tid = (int)(intptr_t)arg;
+	cpu_set_t set;
+	CPU_ZERO(&set);
+	CPU_SET(cpus[tid], &set);
+	pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+	for (;;) {
+		pthread_barrier_wait(&bar_start);
+		if (quit)
+			break;
+		job(tid);
+		pthread_barrier_wait(&bar_end);
+	}
+	return NULL;
+}
+
+static double now(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static double run_job(void (*fn)(int))
+{
+	job = fn;
+	double t0 = now();
+	pthread_barrier_wait(&bar_start);
+	pthread_barrier_wait(&bar_end);
+	return now() - t0;
+}
+
+static void slice(int tid, size_t *lo, size_t *hi)
+{
+	size_t blocks = (N + AOQK_Q8_BLOCK - 1) / AOQK_Q8_BLOCK;
+	*lo = blocks * (size_t)tid / (size_t)T * AOQK_Q8_BLOCK;
+	*hi = blocks * (size_t)(tid + 1) / (size_t)T * AOQK_Q8_BLOCK;
+	if (*hi > N)
+		*hi = N;
+	if (*lo > N)
+		*lo = N;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+	double x = *(const double *)a, y = *(const double *)b;
+	return x < y ? -1 : x > y;
+}
+
+/* Median of REPS timed runs after one warm-up. */
+static double timed(void (*fn)(int), void (*before)(void))
+{
+	double t[64];
+	int reps = REPS < 64 ? REPS : 64;
+	if (before)
+		before();
+	run_job(fn);
+	for (int i = 0; i < reps; i++) {
+		if (before)
+			before();
+		t[i] = run_job(fn);
+	}
+	qsort(t, (size_t)reps, sizeof(double), cmp_double);
+	return t[reps / 2];
+}
+
+/* ------------------------------------------------------------------ */
+/* Buffers, first touched by the thread that uses them. */
+
+static float *master32, *m32, *v32, *ms, *vs;
+static void *grad, *param;
+static uint16_t *master16;
+static int8_t *mq;
+static uint8_t *vq;
+
+static void *big(size_t bytes)
+{
+	void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	if (p == MAP_FAILED) {
+		fprintf(stderr, "mmap %zu: %s\n", bytes, strerror(errno));
+		exit(1);
+	}
+	madvise(p, bytes, MADV_HUGEPAGE);
+	return p;
+}
+
+/* Gradients in the dtype of the job: normal numbers around 1e-2 (no
+ * denormals or NaN from reading one dtype's bits as another's). */
+static enum aoqk_dtype grad_dtype_now = (enum aoqk_dtype)-1, fill_dtype;
+
+static void grad_job(int tid)
+{
+	size_t lo, hi;
+	uint32_t x = 88172645u + (uint32_t)tid * 104729u;
+	slice(tid, &lo, &hi);
+	for (size_t i = lo; i < hi; i++) {
+		x ^= x << 13;
+		x ^= x >> 17;
+		x ^= x << 5;
+		float g = (float)(int32_t)x * 0x1p-31f * 1e-2f;
+		if (fill_dtype == AOQK_FP32)
+			((float *)grad)[i] = g;
+		else if (fill_dtype == AOQK_BF16)
+			((uint16_t *)grad)[i] = (uint16_t)(aoqk_f2u(g) >> 16);
+		else
+			((uint16_t *)grad)[i] = aoqk_f32_to_f16(g);
+	}
+}
+
+static void set_grad_dtype(enum aoqk_dtype d)
+{
+	if (d == grad_dtype_now)
+		return;
+	fill_dtype = d;
+	run_job(grad_job);
+	grad_dtype_now = d;
+}
+
+static void init_job(int tid)
+{
+	size_t lo, hi;
+	uint32_t x = 2463534242u + (uint32_t)tid * 7919u;
+	slice(tid, &lo, &hi);
+	for (size_t i = lo; i < hi; i++) {
+		x ^= x << 13;
+		x ^= x >> 17;
+		x ^= x << 5;
+		float r = (float)(int32_t)x * 0x1p-31f; /* [-1, 1) */
+		master32[i] = r;
+		m32[i] = r * 1e-3f;
+		v32[i] = r * r * 1e-6f + 1e-12f;
+		((float *)param)[i] = 0.0f;
+		master16[i] = (uint16_t)(aoqk_f2u(r) >> 16);
+		mq[i] = (int8_t)(x >> 25);
+		vq[i] = (uint8_t)(x >> 8);
+	}
+	for (size_t b = lo / AOQK_Q8_BLOCK; b < (hi + AOQK_Q8_BLOCK - 1) / AOQK_Q8_BLOCK; b++) {
+		ms[b] = 1e-3f;
+		vs[b] = 1e-3f;
+	}
+}
+
+/* ------------------------------------------------------------------ */
+/* The kernel job. */
+
+static const struct aoqk_kernel *cur_k;
+static enum aoqk_precision cur_prec;
+static enum aoqk_dtype cur_gd, cur_pd;
+static int cur_skip;
+static struct aoqk_hparams cur_hp;
+static size_t cur_chunk;
+
+static void kernel_job(int tid)
+{
+	size_t lo, hi;
+	struct aoqk_state st = {
+		.precision = cur_prec,
+		.n = N,
+		.master = aoqk_precision_bf16_master(cur_prec) ? (void *)master16 : (void *)master32,
+		.m = aoqk_precision_q8(cur_prec) ? (void *)mq : (void *)m32,
+		.v = aoqk_precision_q8(cur_prec) ? (void *)vq : (void *)v32,
+		.m_scale = ms,
+		.v_scale = vs,
+	};
+	size_t gs = aoqk_dtype_size(cur_gd), ps = aoqk_dtype_size(cur_pd);
+	slice(tid, &lo, &hi);
+	for (size_t b = lo; b < hi; b += cur_chunk) {
+		size_t cnt = hi - b < cur_chunk ? hi - b : cur_chunk;
+		struct aoqk_chunk c = {
+			.begin = b,
+			.count = cnt,
+			.grad = (char *)grad + b * gs,
+			.grad_dtype = cur_gd,
+			.param = (char *)param + b * ps,
+			.param_dtype = cur_pd,
+			.seed = 12345,
+			.skip_nonfinite = cur_skip,
+		};
+		struct aoqk_report rep;
+		if (cur_k->adam(&cur_hp, &st, &c, &rep) != 0) {
+			fprintf(stderr, "kernel %s refused a chunk\n", cur_k->name);
+			exit(1);
+		}
+	}
+}
+
+/* Compute only: the same number of elements, updating the thread's first
+ * chunk over and over (it stays in L1/L2). */
+static void kernel_hot_job(int tid)
+{
+	size_t lo, hi;
+	struct aoqk_state st = {
+		.precision = cur_prec,
+		.n = N,
+		.master = aoqk_precision_bf16_master(cur_prec) ? (void *)master16 : (void *)master32,
+		.m = aoqk_precision_q8(cur_prec) ? (void *)mq : (void *)m32,
+		.v = aoqk_precision_q8(cur_prec) ? (void *)vq : (void *)v32,
+		.m_scale = ms,
+		.v_scale = vs,
+	};
+	size_t gs = aoqk_dtype_size(cur_gd), ps = aoqk_dtype_size(cur_pd);
+	size_t hot = 8192;
+	slice(tid, &lo, &hi);
+	for (size_t done = lo; done < hi; done += hot) {
+		struct aoqk_chunk c = {
+			.begin = lo, .count = hot, .grad = (char *)grad + lo * gs, .grad_dtype = cur_gd,
+			.param = (char *)param + lo * ps, .param_dtype = cur_pd, .seed = 1,
+		};
+		struct aoqk_report rep;
+		cur_k->adam(&cur_hp, &st, &c, &rep);
+	}
+}
+
+static void next_step(void)
+{
+	cur_hp.step++;
+}
+
+/* ------------------------------------------------------------------ */
+/* STREAM-like copy and triad over fp32 arrays, and "memory only": the
+ * headline job's loads and stores with the math dropped. */
+
+static int have_avx512, have_avx2;
+
+__attribute__((target("avx512f"))) static void copy512(float *a, const float *b, size_t lo, size_t hi, int nt)
+{
+	size_t i = lo;
+	if (nt)
+		for (; i + 16 <= hi; i += 16)
+			_mm512_stream_ps(a + i, _mm512_load_ps(b + i));
+	else
+		for (; i + 16 <= hi; i += 16)
+			_mm512_store_ps(a + i, _mm512_load_ps(b + i));
+	for (; i < hi; i++)
+		a[i] = b[i];
+}
+
+__attribute__((target("avx512f"))) static void triad512(float *a, const float *b, const float *c, size_t lo,
+                                                        size_t hi, int nt)
+{
+	__m512 s = _mm512_set1_ps(3.0f);
+	size_t i = lo;
+	if (nt)
+		for (; i + 16 <= hi; i += 16)
+			_mm512_stream_ps(a + i, _mm512_add_ps(_mm512_load_ps(b + i), _mm512_mul_ps(s, _mm512_load_ps(c + i))));
+	else
+		for (; i + 16 <= hi; i += 16)
+			_mm512_store_ps(a + i, _mm512_add_ps(_mm512_load_ps(b + i), _mm512_mul_ps(s, _mm512_load_ps(c + i))));
+	for (; i < hi; i++)
+		a[i] = b[i] + 3.0f * c[i];
+}
+
+__attribute__((target("avx512f,avx512bw"))) static void memonly512(size_t lo, size_t hi)
+{
+	const uint16_t *g = grad;
+	uint16_t *p = param;
+	for (size_t i = lo; i + 16 <= hi; i += 16) {
+		__m512 gv = _mm512_castsi512_ps(_mm512_slli_epi32(
+			_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(const void *)(g + i))), 16));
+		__m512 m = _mm512_add_ps(_mm512_loadu_ps(m32 + i), gv);
+		__m512 v = _mm512_add_ps(_mm512_loadu_ps(v32 + i), gv);
+		__m512 w = _mm512_sub_ps(_mm512_loadu_ps(master32 + i), m);
+		_mm512_storeu_ps(m32 + i, m);
+		_mm512_storeu_ps(v32 + i, v);
+		_mm512_storeu_ps(master32 + i, w);
+		_mm256_storeu_si256((__m256i *)(void *)(p + i),
+		                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(w), 16)));
+	}
+}
+
+__attribute__((target("sse2"))) static void copy_sse(float *a, const float *b, size_t lo, size_t hi, int nt)
+{
+	size_t i = lo;
+	for (; i + 4 <= hi; i += 4) {
+		if (nt)
+			_mm_stream_ps(a + i, _mm_load_ps(b + i));
+		else
+			_mm_store_ps(a + i, _mm_load_ps(b + i));
+	}
+	for (; i < hi; i++)
+		a[i] = b[i];
+}
+
+__attribute__((target("sse2"))) static void triad_sse(float *a, const float *b, const float *c, size_t lo,
+                                                      size_t hi, int nt)
+{
+	__m128 s = _mm_set1_ps(3.0f);
+	size_t i = lo;
+	for (; i + 4 <= hi; i += 4) {
+		__m128 x = _mm_add_ps(_mm_load_ps(b + i), _mm_mul_ps(s, _mm_load_ps(c + i)));
+		if (nt)
+			_mm_stream_ps(a + i, x);
+		else
+			_mm_store_ps(a + i, x);
+	}
+	for (; i < hi; i++)
+		a[i] = b[i] + 3.0f * c[i];
+}
+
+static int stream_nt;
+
+static void copy_job(int tid)
+{
+	size_t lo, hi;
+	slice(tid, &lo, &hi);
+	if (have_avx512)
+		copy512(m32, master32, lo, hi, stream_nt);
+	else
+		copy_sse(m32, master32, lo, hi, stream_nt);
+	_mm_sfence();
+}
+
+static void triad_job(int tid)
+{
+	size_t lo, hi;
+	slice(tid, &lo, &hi);
+	if (have_avx512)
+		triad512(m32, master32, v32, lo, hi, stream_nt);
+	else
+		triad_sse(m32, master32, v32, lo, hi, stream_nt);
+	_mm_sfence();
+}
+
+static void memonly_job(int tid)
+{
+	size_t lo, hi;
+	slice(tid, &lo, &hi);
+	for (size_t b = lo; b < hi; b += CHUNK)
+		memonly512(b, hi - b < CHUNK ? hi : b + CHUNK);
+}
+
+/* ------------------------------------------------------------------ */
+
+struct result {
+	char name[96];
+	double gps, gbps;
+};
+
+static struct result results[256];
+static int nresults;
+
+static void record(const char *name, double seconds, double elems, double bytes_per_elem)
+{
+	struct result *r = &results[nresults++];
+	snprintf(r->name, sizeof(r->name), "%s", name);
+	r->gps = elems / seconds * 1e-9;
+	r->gbps = elems * bytes_per_elem / seconds * 1e-9;
+	printf("%-40s %9.2f ms %8.3f Gparam/s %8.1f GB/s\n", name, seconds * 1e3, r->gps, r->gbps);
+	fflush(stdout);
+}
+
+static const char *prec_name(enum aoqk_precision p)
+{
+	static const char *n[] = { "fp32", "q8", "bf16", "bf16q8" };
+	return n[p];
+}
+
+static const char *dt_name(enum aoqk_dtype d)
+{
+	static const char *n[] = { "fp32", "bf16", "fp16" };
+	return n[d];
+}
+
+static double job_bytes(enum aoqk_precision p, enum aoqk_dtype gd, enum aoqk_dtype pd)
+{
+	double master = aoqk_precision_bf16_master(p) ? 2 : 4;
+	double mom = aoqk_precision_q8(p) ? 1 : 4;
+	return (double)aoqk_dtype_size(gd) + 2 * master + 4 * mom + (double)aoqk_dtype_size(pd);
+}
+
+static void bench_kernel(const struct aoqk_kernel *k, enum aoqk_precision p, enum aoqk_dtype gd,
+                         enum aoqk_dtype pd, int skip, size_t chunk, const char *suffix)
+{
+	char name[96];
+	set_grad_dtype(gd);
+	cur_k = k;
+	cur_prec = p;
+	cur_gd = gd;
+	cur_pd = pd;
+	cur_skip = skip;
+	cur_chunk = chunk;
+	cur_hp = (struct aoqk_hparams){ .lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
+	                                .weight_decay = 0.01f, .decoupled = true, .step = 1,
+	                                .grad_scale = 1.0f };
+	double t = timed(kernel_job, next_step);
+	snprintf(name, sizeof(name), "%s_%s_%s_%s%s", k->name, prec_name(p), dt_name(gd), dt_name(pd),
+	         suffix);
+	for (char *c = name; *c; c++)
+		if (*c == '-')
+			*c = '_';
+	record(name, t, (double)N, job_bytes(p, gd, pd));
+}
+
+static int wanted(const char *list, const char *name)
+{
+	if (!list)
+		return 1;
+	size_t l = strlen(name);
+	for (const char *s = list; *s;) {
+		const char *e = strchr(s, ',');
+		size_t n = e ? (size_t)(e - s) : strlen(s);
+		if (n == l && !strncmp(s, name, n))
+			return 1;
+		s += n + (e ? 1 : 0);
+	}
+	return 0;
+}
+
+static void stream_all(const char *tag)
+{
+	char name[64];
+	for (stream_nt = 0; stream_nt < 2; stream_nt++) {
+		snprintf(name, sizeof(name), "stream_copy%s%s", stream_nt ? "_nt" : "", tag);
+		record(name, timed(copy_job, NULL), (double)N, 8);
+		snprintf(name, sizeof(name), "stream_triad%s%s", stream_nt ? "_nt" : "", tag);
+		record(name, timed(triad_job, NULL), (double)N, 12);
+	}
+}
+
+int main(int argc, char **argv)
+{
+	const char *klist = NULL;
+	int opt;
+	cpu_set_t set;
+
+	sched_getaffinity(0, sizeof(set), &set);
+	for (int c = 0; c < CPU_SETSIZE && T < 1024; c++)
+		if (CPU_ISSET(c, &set))
+			cpus[T++] = c;
+	int ncpu = T;
+	while ((opt = getopt(argc, argv, "n:t:r:c:k:")) != -1) {
+		switch (opt) {
+		case 'n':
+			N = (size_t)strtoull(optarg, NULL, 0);
+			break;
+		case 't':
+			T = atoi(optarg);
+			break;
+		case 'r':
+			REPS = atoi(optarg);
+			break;
+		case 'c':
+			CHUNK = (size_t)strtoull(optarg, NULL, 0) / AOQK_Q8_BLOCK * AOQK_Q8_BLOCK;
+			break;
+		case 'k':
+			klist = optarg;
+			break;
+		default:
+			fprintf(stderr, "usage: %s [-n params] [-t threads] [-r reps] [-c chunk] [-k variant,...]\n",
+			        argv[0]);
+			return 2;
+		}
+	}
+	if (T < 1 || T > 1024 || N < AOQK_Q8_BLOCK || REPS < 1 || CHUNK < AOQK_Q8_BLOCK) {
+		fprintf(stderr, "bad arguments\n");
+		return 2;
+	}
+	for (int i = ncpu; i < T; i++)
+		cpus[i] = cpus[i % ncpu];
+	have_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+	have_avx2 = __builtin_cpu_supports("avx2");
+
+	printf("bench-kernels: %zu params, %d threads, %d reps (median), chunk %zu, default kernel %s\n", N, T,
+	       REPS, CHUNK, aoqk_select(NULL)->name);
+
+	size_t nb = (N + AOQK_Q8_BLOCK - 1) / AOQK_Q8_BLOCK;
+	master32 = big(N * 4);
+	m32 = big(N * 4);
+	v32 = big(N * 4);
+	grad = big(N * 4);
+	param = big(N * 4);
+	master16 = big(N * 2);
+	mq = big(N);
+	vq = big(N);
+	ms = big(nb * 4);
+	vs = big(nb * 4);
+
+	pthread_barrier_init(&bar_start, NULL, (unsigned)T + 1);
+	pthread_barrier_init(&bar_end, NULL, (unsigned)T + 1);
+	pthread_t th[1024];
+	for (int i = 0; i < T; i++)
+		pthread_create(&th[i], NULL, worker, (void *)(intptr_t)i);
+	double t0 = now();
+	run_job(init_job);
+	printf("init %.2f s\n", now() - t0);
+
+	stream_all("");
+
+	size_t nv;
+	const struct aoqk_variant *vars = aoqk_variants(&nv);
+	for (size_t i = 0; i < nv; i++) {
+		const struct aoqk_kernel *k = vars[i].kernel;
+		if (!vars[i].runnable || !wanted(klist, k->name)) {
+			printf("%s: skipped\n", k->name);
+			continue;
+		}
+		for (int p = 0; p < 4; p++)
+			bench_kernel(k, (enum aoqk_precision)p, AOQK_BF16, AOQK_BF16, 0, CHUNK, "");
+		bench_kernel(k, AOQK_STATE_FP32, AOQK_FP32, AOQK_FP32, 0, CHUNK, "");
+	}
+
+	/* where the headline job's time goes, with the default kernel */
+	const struct aoqk_kernel *best = aoqk_select(NULL);
+	bench_kernel(best, AOQK_STATE_FP32, AOQK_BF16, AOQK_BF16, 1, CHUNK, "_prescan");
+	bench_kernel(best, AOQK_STATE_FP32, AOQK_FP16, AOQK_FP16, 0, CHUNK, "");
+	bench_kernel(best, AOQK_STATE_FP32, AOQK_BF16, AOQK_BF16, 0, 4096, "_chunk4k");
+	bench_kernel(best, AOQK_STATE_FP32, AOQK_BF16, AOQK_BF16, 0, 262144, "_chunk256k");
+	if (have_avx512) {
+		set_grad_dtype(AOQK_BF16);
+		record("memonly_fp32_bf16_bf16", timed(memonly_job, NULL), (double)N, 28);
+	}
+	set_grad_dtype(AOQK_BF16);
+	for (int p = 0; p < 4; p++) {
+		char name[96];
+		cur_k = best;
+		cur_prec = (enum aoqk_precision)p;
+		cur_gd = AOQK_BF16;
+		cur_pd = AOQK_BF16;
+		snprintf(name, sizeof(name), "computeonly_%s_bf16_bf16", prec_name(cur_prec));
+		record(name, timed(kernel_hot_job, next_step), (double)N,
+		       job_bytes(cur_prec, AOQK_BF16, AOQK_BF16));
+	}
+
+	const struct aoqk_kernel *drops[] = { &aoqk_kernel_q8_nodecode, &aoqk_kernel_q8_nohash,
+	                                      &aoqk_kernel_q8_noencode };
+	for (size_t i = 0; i < 3; i++) {
+		if (!drops[i] || !have_avx512 || !__builtin_cpu_supports("avx512bf16"))
+			continue;
+		for (int p = 1; p < 4; p += 2) {
+			char name[96];
+			bench_kernel(drops[i], (enum aoqk_precision)p, AOQK_BF16, AOQK_BF16, 0, CHUNK, "");
+			cur_k = drops[i];
+			cur_prec = (enum aoqk_precision)p;
+			snprintf(name, sizeof(name), "computeonly_%s_%s", drops[i]->name, prec_name(cur_prec));
+			record(name, timed(kernel_hot_job, next_step), (double)N,
+			       job_bytes(cur_prec, AOQK_BF16, AOQK_BF16));
+		}
+	}
+
+	stream_all("_again");
+
+	quit = 1;
+	pthread_barrier_wait(&bar_start);
+	for (int i = 0; i < T; i++)
+		pthread_join(th[i], NULL);
+
+	double triad = 0;
+	for (int i = 0; i < nresults; i++)
+		if (!strcmp(results[i].name, "stream_triad_nt"))
+			triad = results[i].gbps;
+	for (int i = 0; i < nresults; i++)
+		printf("RESULT %s gparams_per_s=%.4f gbps=%.2f ratio_to_triad=%.3f\n", results[i].name,
+		       results[i].gps, results[i].gbps, triad > 0 ? results[i].gbps / triad : 0.0);
+	return 0;
+}

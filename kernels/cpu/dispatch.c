@@ -19,13 +19,13 @@
 
 extern const struct aoqk_kernel aoqk_kernel_scalar;
 #ifdef AOQK_HAVE_AVX2
-extern const struct aoqk_kernel aoqk_kernel_avx2, aoqk_kernel_avx2_nt;
+extern const struct aoqk_kernel aoqk_kernel_avx2, aoqk_kernel_avx2_cached;
 #endif
 #ifdef AOQK_HAVE_AVX512
-extern const struct aoqk_kernel aoqk_kernel_avx512, aoqk_kernel_avx512_nt;
+extern const struct aoqk_kernel aoqk_kernel_avx512, aoqk_kernel_avx512_cached;
 #endif
 #ifdef AOQK_HAVE_AVX512BF16
-extern const struct aoqk_kernel aoqk_kernel_avx512bf16, aoqk_kernel_avx512bf16_nt;
+extern const struct aoqk_kernel aoqk_kernel_avx512bf16, aoqk_kernel_avx512bf16_cached;
 #endif
 
 enum feat { F_AVX2 = 1, F_AVX512 = 2, F_AVX512BF16 = 4 };
@@ -67,11 +67,12 @@ static unsigned cpu_features(void)
 	return f;
 }
 
-/* Best first; the "-nt" twins follow and are chosen only by name. */
+/* Best first; the "-cached" twins (plain stores of the parameter instead
+ * of non-temporal ones) follow and are chosen only by name. */
 static const struct {
 	const struct aoqk_kernel *k;
 	unsigned need;
-	bool nt;
+	bool twin;
 } table[] = {
 #ifdef AOQK_HAVE_AVX512BF16
 	{ &aoqk_kernel_avx512bf16, F_AVX512BF16, false },
@@ -84,13 +85,13 @@ static const struct {
 #endif
 	{ &aoqk_kernel_scalar, 0, false },
 #ifdef AOQK_HAVE_AVX512BF16
-	{ &aoqk_kernel_avx512bf16_nt, F_AVX512BF16, true },
+	{ &aoqk_kernel_avx512bf16_cached, F_AVX512BF16, true },
 #endif
 #ifdef AOQK_HAVE_AVX512
-	{ &aoqk_kernel_avx512_nt, F_AVX512, true },
+	{ &aoqk_kernel_avx512_cached, F_AVX512, true },
 #endif
 #ifdef AOQK_HAVE_AVX2
-	{ &aoqk_kernel_avx2_nt, F_AVX2, true },
+	{ &aoqk_kernel_avx2_cached, F_AVX2, true },
 #endif
 };
 #define NTABLE (sizeof(table) / sizeof(table[0]))
@@ -109,7 +110,7 @@ static void init(void)
 		bool ok = (features & table[i].need) == table[i].need;
 		variants[i].kernel = table[i].k;
 		variants[i].runnable = ok;
-		if (ok && !table[i].nt)
+		if (ok && !table[i].twin)
 			available[na++] = table[i].k;
 	}
 	available[na] = NULL;
@@ -131,7 +132,7 @@ const struct aoqk_variant *aoqk_variants(size_t *n)
 static bool known_name(const char *s)
 {
 	static const char *const names[] = { "scalar", "avx2", "avx512", "avx512bf16",
-	                                     "avx2-nt", "avx512-nt", "avx512bf16-nt" };
+	                                     "avx2-cached", "avx512-cached", "avx512bf16-cached" };
 	for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
 		if (!strcmp(s, names[i]))
 			return true;

@@ -54,6 +54,13 @@ KI vi vi_iota(uint32_t base)
 }
 KI vi vi_add(vi a, vi b) { return _mm256_add_epi32(a, b); }
 KI vi vi_xor(vi a, vi b) { return _mm256_xor_si256(a, b); }
+KI vi vi_and(vi a, vi b) { return _mm256_and_si256(a, b); }
+KI vi vi_zero(void) { return _mm256_setzero_si256(); }
+KI vi vi_sub(vi a, vi b) { return _mm256_sub_epi32(a, b); }
+KI vi vi_loadu(const uint32_t *p) { return _mm256_loadu_si256((const __m256i *)(const void *)p); }
+KI void vi_storeu(uint32_t *p, vi x) { _mm256_storeu_si256((__m256i *)(void *)p, x); }
+KI vi vi_max_s(vi a, vi b) { return _mm256_max_epi32(a, b); }
+KI vi vi_min_u(vi a, vi b) { return _mm256_min_epu32(a, b); }
 KI vi vi_or(vi a, vi b) { return _mm256_or_si256(a, b); }
 KI vi vi_mullo(vi a, vi b) { return _mm256_mullo_epi32(a, b); }
 #define vi_srli(a, s) _mm256_srli_epi32((a), (s))

@@ -11,7 +11,9 @@
 #include "kernel-common.h"
 
 #define W 16
-#ifdef AOQK_AVX512BF16
+#if defined(AOQK_KVAR) /* the benchmark's stage-dropping builds */
+#define KVAR AOQK_KVAR
+#elif defined(AOQK_AVX512BF16)
 #define KVAR avx512bf16
 #else
 #define KVAR avx512
@@ -56,6 +58,13 @@ KI vi vi_iota(uint32_t base)
 }
 KI vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
 KI vi vi_xor(vi a, vi b) { return _mm512_xor_si512(a, b); }
+KI vi vi_and(vi a, vi b) { return _mm512_and_si512(a, b); }
+KI vi vi_zero(void) { return _mm512_setzero_si512(); }
+KI vi vi_sub(vi a, vi b) { return _mm512_sub_epi32(a, b); }
+KI vi vi_loadu(const uint32_t *p) { return _mm512_loadu_si512((const void *)p); }
+KI void vi_storeu(uint32_t *p, vi x) { _mm512_storeu_si512((void *)p, x); }
+KI vi vi_max_s(vi a, vi b) { return _mm512_max_epi32(a, b); }
+KI vi vi_min_u(vi a, vi b) { return _mm512_min_epu32(a, b); }
 KI vi vi_or(vi a, vi b) { return _mm512_or_si512(a, b); }
 KI vi vi_mullo(vi a, vi b) { return _mm512_mullo_epi32(a, b); }
 #define vi_srli(a, s) _mm512_srli_epi32((a), (s))

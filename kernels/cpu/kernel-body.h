@@ -11,7 +11,9 @@
  *   W                     lanes per vector
  *   vf, vi, vh, vacc      float, int32, 16-bit and sum-of-squares vector types
  *   KVAR                  the variant's name token (scalar, avx2, ...)
- *   KHAS_NT               1 if a non-temporal-store table is built too
+ *   KHAS_NT               1: the default table writes parameters with
+ *                         non-temporal stores and a "-cached" twin with
+ *                         plain stores is built too
  * and the vf_, vi_, vh_, vb_, vacc_ functions used below.
  */
 
@@ -19,6 +21,18 @@
 #define KCAT(a, b) KCAT2(a, b)
 #define KSTR2(a) #a
 #define KSTR(a) KSTR2(a)
+
+/* Benchmark-only builds that drop a stage of the q8 path (README.md,
+ * "Where the time goes"); never in the library. */
+#ifndef AOQK_DROP_DECODE
+#define AOQK_DROP_DECODE 0
+#endif
+#ifndef AOQK_DROP_HASH
+#define AOQK_DROP_HASH 0
+#endif
+#ifndef AOQK_DROP_ENCODE
+#define AOQK_DROP_ENCODE 0
+#endif
 
 enum { PD_FP32 = AOQK_FP32, PD_BF16 = AOQK_BF16, PD_FP16 = AOQK_FP16, PD_NONE = 3 };
 
@@ -58,15 +72,29 @@ static AOQK_ALWAYS_INLINE void store_param(void *p, size_t j, vf x, vh xb, const
 }
 
 /* Stochastic rounding of x to bf16 with the hash of global index i0 + lane. */
-static AOQK_ALWAYS_INLINE vi sr_bf16(vf x, uint32_t srkey, uint64_t i0)
+/* aoqk_fmix32 of (global index i0 + lane) + key, lane-wise. */
+static AOQK_ALWAYS_INLINE vi sr_hash(uint32_t key, uint64_t i0)
 {
-	vi h = vi_add(vi_iota((uint32_t)i0), vi_set1(aoqk_sr_vkey(srkey, i0)));
+	if (W > 1 && (uint32_t)i0 > UINT32_MAX - (W - 1)) {
+		/* the vector crosses a multiple of 2^32 (a chunk of a huge
+		 * tensor that does not start on a vector boundary): per lane */
+		_Alignas(64) uint32_t t[W];
+		for (unsigned l = 0; l < W; l++)
+			t[l] = aoqk_fmix32((uint32_t)(i0 + l) + aoqk_sr_vkey(key, i0 + l));
+		return vi_loadu(t);
+	}
+	vi h = vi_add(vi_iota((uint32_t)i0), vi_set1(aoqk_sr_vkey(key, i0)));
 	h = vi_xor(h, vi_srli(h, 16));
 	h = vi_mullo(h, vi_set1(0x85ebca6bu));
 	h = vi_xor(h, vi_srli(h, 13));
 	h = vi_mullo(h, vi_set1(0xc2b2ae35u));
 	h = vi_xor(h, vi_srli(h, 16));
-	vi r = vi_srli(h, 16);
+	return h;
+}
+
+/* Stochastic rounding of x to bf16 with 16 random bits per lane in r. */
+static AOQK_ALWAYS_INLINE vi sr_bf16(vf x, vi r)
+{
 	vi b = vf_as_vi(x);
 	vi s = vi_srli(vi_add(b, r), 16);
 	vi q = vi_or(vi_srli(b, 16), vi_set1(0x40u));
@@ -86,13 +114,45 @@ static AOQK_ALWAYS_INLINE vf q8_u_decode(const uint8_t *p, vf su)
 	return vf_mul(vf_mul(q, q), su);
 }
 
+/* The per-call constants broadcast once, held in registers: a struct
+ * passed by value into the always-inlined step, never through memory that
+ * the state stores could alias. */
+struct kvec {
+	vf w1, w1c, b2, w2, step_size, bc2s, inv_bc2s, eps, decay, wd, gscale;
+	int lerp_small, adamw, l2;
+	uint32_t srkey;
+};
+
+static AOQK_ALWAYS_INLINE struct kvec kvec_make(const struct aoqk_consts *k)
+{
+	struct kvec c = {
+		.w1 = vf_set1(k->w1),
+		.w1c = vf_set1(k->w1c),
+		.b2 = vf_set1(k->b2),
+		.w2 = vf_set1(k->w2),
+		.step_size = vf_set1(k->step_size),
+		.bc2s = vf_set1(k->bc2s),
+		.inv_bc2s = vf_set1(1.0f / k->bc2s),
+		.eps = vf_set1(k->eps),
+		.decay = vf_set1(k->decay),
+		.wd = vf_set1(k->wd),
+		.gscale = vf_set1(k->gscale),
+		.lerp_small = k->lerp_small,
+		.adamw = k->adamw,
+		.l2 = k->l2,
+		.srkey = k->srkey,
+	};
+	return c;
+}
+
 /* One vector of the update, elements [j, j + W) of the pointers in p.
  * q8: the new m and sqrt(v) go to bm/bu (block buffers), the maxima to
  * mx_m/mx_u; the codes are written by q8_encode once the block is done. */
-static AOQK_ALWAYS_INLINE void vstep(const struct aoqk_consts *k, const struct kptrs *p,
+static AOQK_ALWAYS_INLINE void vstep(const struct kvec kc, const struct kptrs *p,
                                      size_t j, uint64_t gi, const int prec, const int gd,
                                      const int pd, const int nt, int want_ss, vacc *ss,
-                                     float *bm, float *bu, vf sm, vf su, vf *mx_m, vf *mx_u)
+                                     float *bm, float *bu, uint32_t *hb, vf sm, vf su, vf *mx_m,
+                                     vf *mx_u)
 {
 	const int q8 = prec == AOQK_STATE_Q8 || prec == AOQK_STATE_BF16_Q8;
 	const int bfm = prec == AOQK_STATE_BF16 || prec == AOQK_STATE_BF16_Q8;
@@ -103,7 +163,7 @@ static AOQK_ALWAYS_INLINE void vstep(const struct aoqk_consts *k, const struct k
 		g = vf_add(vf_loadu(p->acc + j), g);
 		vf_storeu(p->acc + j, vf_zero());
 	}
-	g = vf_mul(g, vf_set1(k->gscale));
+	g = vf_mul(g, kc.gscale);
 	if (want_ss)
 		vacc_add_sq(ss, g);
 
@@ -111,12 +171,15 @@ static AOQK_ALWAYS_INLINE void vstep(const struct aoqk_consts *k, const struct k
 		pw = vh_bf16_to_f(vh_loadu((const uint16_t *)p->master + j));
 	else
 		pw = vf_loadu((const float *)p->master + j);
-	if (k->l2)
-		g = vf_add(g, vf_mul(pw, vf_set1(k->wd)));
-	if (k->adamw)
-		pw = vf_mul(pw, vf_set1(k->decay));
+	if (kc.l2)
+		g = vf_add(g, vf_mul(pw, kc.wd));
+	if (kc.adamw)
+		pw = vf_mul(pw, kc.decay);
 
-	if (q8) {
+	if (q8 && AOQK_DROP_DECODE) {
+		m = sm;
+		v = su;
+	} else if (q8) {
 		m = q8_m_decode((const int8_t *)p->m + j, sm);
 		u = q8_u_decode((const uint8_t *)p->v + j, su);
 		v = vf_mul(u, u);
@@ -126,16 +189,19 @@ static AOQK_ALWAYS_INLINE void vstep(const struct aoqk_consts *k, const struct k
 	}
 
 	/* torch: exp_avg.lerp_(grad, 1 - beta1) */
-	if (k->lerp_small)
-		m = vf_add(m, vf_mul(vf_set1(k->w1), vf_sub(g, m)));
+	if (kc.lerp_small)
+		m = vf_add(m, vf_mul(kc.w1, vf_sub(g, m)));
 	else
-		m = vf_sub(g, vf_mul(vf_sub(g, m), vf_set1(k->w1c)));
+		m = vf_sub(g, vf_mul(vf_sub(g, m), kc.w1c));
 	/* exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2) */
-	v = vf_add(vf_mul(v, vf_set1(k->b2)), vf_mul(vf_mul(vf_set1(k->w2), g), g));
+	v = vf_add(vf_mul(v, kc.b2), vf_mul(vf_mul(kc.w2, g), g));
 	u = vf_sqrt(v);
-	/* denom = sqrt(v) / sqrt(bc2) + eps; param -= step_size * m / denom */
-	vf den = vf_add(vf_div(u, vf_set1(k->bc2s)), vf_set1(k->eps));
-	pw = vf_sub(pw, vf_div(vf_mul(vf_set1(k->step_size), m), den));
+	/* denom = sqrt(v) / sqrt(bc2) + eps; param -= step_size * m / denom.
+	 * q8 is compute-bound (its encode adds two square roots to the
+	 * divider), so it multiplies by 1 / sqrt(bc2) instead: within about
+	 * 1 ulp of the division. */
+	vf den = q8 ? vf_add(vf_mul(u, kc.inv_bc2s), kc.eps) : vf_add(vf_div(u, kc.bc2s), kc.eps);
+	pw = vf_sub(pw, vf_div(vf_mul(kc.step_size, m), den));
 
 	if (q8) {
 		vf_storeu(bm, m);
@@ -147,8 +213,15 @@ static AOQK_ALWAYS_INLINE void vstep(const struct aoqk_consts *k, const struct k
 		vf_storeu((float *)p->v + j, v);
 	}
 
+	/* one hash per element: bits 16..31 round the bf16 master, bits 0..15
+	 * the two q8 codes (in q8_encode, through hb) */
+	vi h = vi_zero();
+	if ((q8 || bfm) && !AOQK_DROP_HASH)
+		h = sr_hash(kc.srkey, gi);
+	if (q8)
+		vi_storeu(hb, h);
 	if (bfm) {
-		vi s = sr_bf16(pw, k->srkey, gi);
+		vi s = sr_bf16(pw, vi_srli(h, 16));
 		vh sh = vi_to_vh(s);
 		vh_storeu((uint16_t *)p->master + j, sh);
 		if (pd != PD_NONE)
@@ -160,25 +233,30 @@ static AOQK_ALWAYS_INLINE void vstep(const struct aoqk_consts *k, const struct k
 	}
 }
 
-/* Encode W elements of the block buffers into q8 codes. */
-static AOQK_ALWAYS_INLINE void q8_encode(const float *bm, const float *bu, int8_t *cm,
-                                         uint8_t *cu, vf inv_m, vf inv_u)
+/* Encode W elements of the block buffers into q8 codes, with stochastic
+ * rounding in code space: code floor(x + r), r uniform in (0, 1) from 8 bits
+ * of the element's hash (hb), so that E[code] = x and the moments do not
+ * stick (a step moves v by 1 - beta2 = 0.1%, far below one code's spacing). */
+static AOQK_ALWAYS_INLINE void q8_encode(const float *bm, const float *bu, const uint32_t *hb,
+                                         int8_t *cm, uint8_t *cu, vf inv_m, vf inv_u)
 {
-	vf magic = vf_set1(AOQK_ROUND_MAGIC);
+	vi h = vi_loadu(hb);
+	vf rm = vf_add(vf_mul(vi_to_vf(vi_and(h, vi_set1(0xffu))), vf_set1(1.0f / 256)),
+	               vf_set1(1.0f / 512));
+	vf ru = vf_add(vf_mul(vi_to_vf(vi_and(vi_srli(h, 8), vi_set1(0xffu))), vf_set1(1.0f / 256)),
+	               vf_set1(1.0f / 512));
 	vf m = vf_loadu(bm);
 	vf x = vf_mul(vf_sqrt(vf_mul(vf_abs(m), inv_m)), vf_set1(AOQK_Q8_M_MAX));
-	x = vf_min(vf_max(x, vf_zero()), vf_set1(AOQK_Q8_M_MAX));
-	x = vf_sub(vf_add(x, magic), magic);
+	x = vf_min(vf_max(vf_add(x, rm), vf_zero()), vf_set1(AOQK_Q8_M_MAX));
 	vb_store_i8(cm, vf_to_vi_trunc(vf_copysign(x, m)));
 
 	vf u = vf_loadu(bu);
 	vf y = vf_mul(vf_sqrt(vf_mul(u, inv_u)), vf_set1(AOQK_Q8_U_MAX));
-	y = vf_min(vf_max(y, vf_zero()), vf_set1(AOQK_Q8_U_MAX));
-	y = vf_sub(vf_add(y, magic), magic);
-	/* a non-zero v never becomes code 0: 1 for any u > 0, 0 for u == 0 */
-	vf one_if_pos = vf_min(vf_mul(vf_mul(u, vf_set1(0x1p100f)), vf_set1(0x1p49f)), vf_set1(1.0f));
-	y = vf_max(y, one_if_pos);
-	vb_store_u8(cu, vf_to_vi_trunc(y));
+	y = vf_min(vf_max(vf_add(y, ru), vf_zero()), vf_set1(AOQK_Q8_U_MAX));
+	/* a non-zero v never becomes code 0: u >= 0, so its bits are > 0 iff
+	 * u > 0, and min(bits, 1) is the smallest code allowed */
+	vi q = vi_max_s(vf_to_vi_trunc(y), vi_min_u(vf_as_vi(u), vi_set1(1)));
+	vb_store_u8(cu, q);
 }
 
 static inline float block_inv(float s)
@@ -214,7 +292,9 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 		.param = c->param,
 	};
 	_Alignas(64) float bm[AOQK_Q8_BLOCK], bu[AOQK_Q8_BLOCK];
+	_Alignas(64) uint32_t hb[AOQK_Q8_BLOCK];
 	vacc ss = vacc_zero();
+	const struct kvec kc = kvec_make(k);
 	const size_t blk = q8 ? AOQK_Q8_BLOCK : n;
 
 	for (size_t jb = 0; jb < n; jb += blk) {
@@ -226,15 +306,14 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 			sm = vf_set1(st->m_scale[bidx] / AOQK_Q8_M_DIV);
 			su = vf_set1(st->v_scale[bidx] / AOQK_Q8_U_DIV);
 		}
-		for (size_t t = 0; t < len; t += W) {
+		size_t t = 0;
+		for (; t + W <= len; t += W)
+			vstep(kc, &d, jb + t, b0 + jb + t, prec, gd, pd, nt, want_ss, &ss, bm + t, bu + t,
+			      hb + t, sm, su, &mx_m, &mx_u);
+		if (t < len) {
 			size_t j = jb + t;
-			if (t + W <= len) {
-				vstep(k, &d, j, b0 + j, prec, gd, pd, nt, want_ss, &ss,
-				      bm + t, bu + t, sm, su, &mx_m, &mx_u);
-				continue;
-			}
 			/* the tail: run the same step on zero-padded copies */
-			size_t r = len - t;
+			size_t r = len - t < W ? len - t : W;
 			_Alignas(64) unsigned char lg[W * 4], la[W * 4], lmst[W * 4], lm[W * 4],
 				lv[W * 4], lp[W * 4];
 			memset(lg, 0, sizeof(lg));
@@ -256,8 +335,8 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 				.v = lv,
 				.param = lp,
 			};
-			vstep(k, &l, 0, b0 + j, prec, gd, pd, 0, want_ss, &ss, bm + t, bu + t, sm,
-			      su, &mx_m, &mx_u);
+			vstep(kc, &l, 0, b0 + j, prec, gd, pd, 0, want_ss, &ss, bm + t, bu + t,
+			      hb + t, sm, su, &mx_m, &mx_u);
 			if (d.acc)
 				memset(d.acc + j, 0, r * 4);
 			memcpy((char *)d.master + j * sz.master, lmst, r * sz.master);
@@ -275,16 +354,17 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 			vf im = vf_set1(block_inv(mm)), iu = vf_set1(block_inv(mu));
 			int8_t *cm = (int8_t *)d.m + jb;
 			uint8_t *cu = (uint8_t *)d.v + jb;
-			size_t t = 0;
-			for (; t + W <= len; t += W)
-				q8_encode(bm + t, bu + t, cm + t, cu + t, im, iu);
-			if (t < len) {
+			size_t e = 0;
+			for (; e + W <= len && !AOQK_DROP_ENCODE; e += W)
+				q8_encode(bm + e, bu + e, hb + e, cm + e, cu + e, im, iu);
+			if (e < len && !AOQK_DROP_ENCODE) {
 				_Alignas(64) int8_t tm[W];
 				_Alignas(64) uint8_t tu[W];
 				/* lanes past len hold zeros from the padded step */
-				q8_encode(bm + t, bu + t, tm, tu, im, iu);
-				memcpy(cm + t, tm, len - t);
-				memcpy(cu + t, tu, len - t);
+				size_t rem = len - e < W ? len - e : W;
+				q8_encode(bm + e, bu + e, hb + e, tm, tu, im, iu);
+				memcpy(cm + e, tm, rem);
+				memcpy(cu + e, tu, rem);
 			}
 		}
 	}
@@ -426,10 +506,14 @@ static AOQK_ALWAYS_INLINE int adam_common(const struct aoqk_hparams *hp, const s
 	return 0;
 }
 
+/* The default table streams the parameter out with non-temporal stores
+ * (when the param pointer is vector-aligned): measured faster on the
+ * reference host for every precision (tests/bench/RESULTS.md).  The
+ * "-cached" twin uses plain stores, for comparison. */
 static int k_adam(const struct aoqk_hparams *hp, const struct aoqk_state *st,
                   const struct aoqk_chunk *c, struct aoqk_report *rep)
 {
-	return adam_common(hp, st, c, rep, 0);
+	return adam_common(hp, st, c, rep, KHAS_NT);
 }
 
 const struct aoqk_kernel KCAT(aoqk_kernel_, KVAR) = {
@@ -440,15 +524,15 @@ const struct aoqk_kernel KCAT(aoqk_kernel_, KVAR) = {
 };
 
 #if KHAS_NT
-static int k_adam_nt(const struct aoqk_hparams *hp, const struct aoqk_state *st,
-                     const struct aoqk_chunk *c, struct aoqk_report *rep)
+static int k_adam_cached(const struct aoqk_hparams *hp, const struct aoqk_state *st,
+                         const struct aoqk_chunk *c, struct aoqk_report *rep)
 {
-	return adam_common(hp, st, c, rep, 1);
+	return adam_common(hp, st, c, rep, 0);
 }
 
-const struct aoqk_kernel KCAT(KCAT(aoqk_kernel_, KVAR), _nt) = {
-	.name = KSTR(KVAR) "-nt",
-	.adam = k_adam_nt,
+const struct aoqk_kernel KCAT(KCAT(aoqk_kernel_, KVAR), _cached) = {
+	.name = KSTR(KVAR) "-cached",
+	.adam = k_adam_cached,
 	.accumulate = k_accumulate,
 	.sumsq = k_sumsq,
 };

@@ -28,9 +28,6 @@
 #define AOQK_Q8_M_DIV 16129.0f /* 127^2 */
 #define AOQK_Q8_U_DIV 65025.0f /* 255^2 */
 
-/* 1.5 * 2^23: adding it to 0 <= x < 2^22 rounds x to an integer (nearest
- * even, the default rounding mode) in the low mantissa bits. */
-#define AOQK_ROUND_MAGIC 12582912.0f
 
 /* Per-call constants, computed once per chunk from the hyperparameters. */
 struct aoqk_consts {
@@ -47,7 +44,7 @@ struct aoqk_consts {
 	int lerp_small;  /* |w1| < 0.5: m + w1 * (g - m), else g - (g - m) * w1c */
 	int adamw;       /* apply decay */
 	int l2;          /* apply wd * param to the gradient */
-	uint32_t srkey;  /* stochastic rounding key from (seed, step) */
+	uint32_t srkey;  /* stochastic rounding key, from (seed, step) */
 };
 
 static inline uint64_t aoqk_splitmix64(uint64_t x)
@@ -125,13 +122,13 @@ static inline int aoqk_check(const struct aoqk_hparams *hp, const struct aoqk_st
 		return -EINVAL;
 	if (c->begin > st->n || c->count > st->n - c->begin)
 		return -EINVAL;
-	if (c->begin % AOQK_Q8_BLOCK != 0)
-		return -EINVAL;
 	if (c->count == 0)
 		return 0;
 	if (!c->grad || !st->master || !st->m || !st->v)
 		return -EINVAL;
 	if (aoqk_precision_q8(st->precision)) {
+		if (c->begin % AOQK_Q8_BLOCK != 0)
+			return -EINVAL;
 		if (!st->m_scale || !st->v_scale)
 			return -EINVAL;
 		/* a chunk ends on a block boundary or at the tensor's end */

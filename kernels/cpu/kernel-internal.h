@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * For the kernels' own tests and benchmark: every table compiled in, the
- * non-temporal-store twins included, whether or not this CPU runs it.
+ * "-cached" twins (plain parameter stores) included, whether or not this CPU runs it.
  */
 #ifndef AOQK_KERNEL_INTERNAL_H
 #define AOQK_KERNEL_INTERNAL_H
@@ -15,7 +15,7 @@ struct aoqk_variant {
 	bool runnable; /* this CPU and OS run it */
 };
 
-/* Every table compiled in (plain and "-nt"), best first; *n gets the count. */
+/* Every table compiled in (default and "-cached"), best first; *n gets the count. */
 const struct aoqk_variant *aoqk_variants(size_t *n);
 
 #endif

@@ -40,6 +40,13 @@ static AOQK_ALWAYS_INLINE vi vi_set1(uint32_t x) { return x; }
 static AOQK_ALWAYS_INLINE vi vi_iota(uint32_t base) { return base; }
 static AOQK_ALWAYS_INLINE vi vi_add(vi a, vi b) { return a + b; }
 static AOQK_ALWAYS_INLINE vi vi_xor(vi a, vi b) { return a ^ b; }
+static AOQK_ALWAYS_INLINE vi vi_and(vi a, vi b) { return a & b; }
+static AOQK_ALWAYS_INLINE vi vi_zero(void) { return 0; }
+static AOQK_ALWAYS_INLINE vi vi_sub(vi a, vi b) { return a - b; }
+static AOQK_ALWAYS_INLINE vi vi_loadu(const uint32_t *p) { return *p; }
+static AOQK_ALWAYS_INLINE void vi_storeu(uint32_t *p, vi x) { *p = x; }
+static AOQK_ALWAYS_INLINE vi vi_max_s(vi a, vi b) { return (int32_t)a > (int32_t)b ? a : b; }
+static AOQK_ALWAYS_INLINE vi vi_min_u(vi a, vi b) { return a < b ? a : b; }
 static AOQK_ALWAYS_INLINE vi vi_or(vi a, vi b) { return a | b; }
 static AOQK_ALWAYS_INLINE vi vi_mullo(vi a, vi b) { return a * b; }
 static AOQK_ALWAYS_INLINE vi vi_srli(vi a, int s) { return a >> s; }

@@ -220,11 +220,13 @@ static void tbuf_alloc(struct tbuf *b, const struct tcase *t)
 	b->n = t->n;
 	b->nb = (n + AOQK_Q8_BLOCK - 1) / AOQK_Q8_BLOCK;
 	int q8 = aoqk_precision_q8(t->prec), bfm = aoqk_precision_bf16_master(t->prec);
-	b->grad = xalloc(n * 4, t->off * 2, &b->raw[0]);
-	b->param = xalloc(n * 4, t->off * 2, &b->raw[1]);
-	b->master = xalloc(n * (bfm ? 2 : 4), t->off * 2, &b->raw[2]);
-	b->m = xalloc(n * (q8 ? 1 : 4), t->off, &b->raw[3]);
-	b->v = xalloc(n * (q8 ? 1 : 4), t->off, &b->raw[4]);
+	/* every array off elements past a cache line: aligned to its element,
+	 * not to any vector */
+	b->grad = xalloc(n * 4, t->off * gsize(t->gd), &b->raw[0]);
+	b->param = xalloc(n * 4, t->off * (t->pd == AOQK_FP32 ? 4 : 2), &b->raw[1]);
+	b->master = xalloc(n * (bfm ? 2 : 4), t->off * (bfm ? 2 : 4), &b->raw[2]);
+	b->m = xalloc(n * (q8 ? 1 : 4), t->off * (q8 ? 1 : 4), &b->raw[3]);
+	b->v = xalloc(n * (q8 ? 1 : 4), t->off * (q8 ? 1 : 4), &b->raw[4]);
 	b->acc = xalloc(n * 4, t->off * 4, &b->raw[5]);
 	b->ms = xalloc(b->nb * 4, 0, &b->raw[6]);
 	b->vs = xalloc(b->nb * 4, 0, &b->raw[7]);
@@ -269,8 +271,8 @@ static int tbuf_equal(const struct tbuf *a, const struct tbuf *b, const struct t
 	for (size_t i = 0; i < n; i++) {
 		if (pa[i] == pb[i])
 			continue;
-		if ((pa[i] & 0x7f80) == 0 && (pb[i] & 0x7f80) == 0 &&
-		    ((pa[i] & 0x7fff) == 0 || (pb[i] & 0x7fff) == 0))
+		/* a (bit-identical) fp32 master below 2^-126: a may be +-0 */
+		if (!bfm && fabsf(((const float *)a->master)[i]) < FLT_MIN && (pa[i] & 0x7fff) == 0)
 			continue;
 		return 0;
 	}
@@ -338,7 +340,10 @@ static void fill_state(struct tbuf *b, const struct tcase *t)
 			((int8_t *)b->m)[i] = (int8_t)((int)(rnd() % 255) - 127);
 			((uint8_t *)b->v)[i] = (uint8_t)(rnd() % 256);
 		} else {
+			/* moments of gradients from 1e-30 to 1e15 (v stays finite) */
 			double gm = t->wide ? wide_float() * 0.1 : nrand() * 0.01;
+			if (fabs(gm) > 1e15)
+				gm *= 1e-15;
 			((float *)b->m)[i] = (float)gm;
 			((float *)b->v)[i] = (float)(gm * gm * (1.0 + urand()));
 		}
@@ -382,6 +387,8 @@ static int run_chunked(const struct aoqk_kernel *k, const struct tcase *t, struc
 	do {
 		size_t nblk = 1 + rnd() % 3;
 		size_t cnt = nblk * AOQK_Q8_BLOCK;
+		if (!aoqk_precision_q8(t->prec)) /* any boundaries */
+			cnt = 1 + rnd() % 700;
 		if (cnt > t->n - pos)
 			cnt = t->n - pos;
 		struct aoqk_report rep;
@@ -397,7 +404,7 @@ static int run_chunked(const struct aoqk_kernel *k, const struct tcase *t, struc
 /* The reference update of element i in double.  Returns the new master
  * (before any rounding to bf16), and the new m, v. */
 struct ref {
-	double p, m, v, g, upd, m0;
+	double p, m, v, g, upd, m0, ge, eg;
 	int v_overflow;
 };
 
@@ -431,6 +438,9 @@ static struct ref ref_elem(const struct tcase *t, const struct tbuf *b0, size_t 
 	}
 	double b1 = hp->beta1, b2 = hp->beta2;
 	r.m0 = m;
+	r.ge = g;
+	/* fp32 rounding of the gradient: acc + grad, * scale, + wd * p */
+	r.eg = 1.2e-7 * (2 * fabs(r.g) + fabs(g - r.g));
 	m = b1 * m + (1 - b1) * g;
 	double gg = (1 - b2) * g * g;
 	v = b2 * v + gg;
@@ -461,7 +471,7 @@ static void check_case(const struct tcase *t, const struct tbuf *b0, const struc
                        const char *who, double sumsq)
 {
 	int q8 = aoqk_precision_q8(t->prec), bfm = aoqk_precision_bf16_master(t->prec);
-	double ss_ref = 0;
+	double ss_ref = 0, ss_tol = 0;
 	unsigned bad = 0;
 	char tag[160];
 	snprintf(tag, sizeof(tag), "%s prec=%d gd=%d pd=%d acc=%d n=%zu off=%zu adamw=%d wide=%d", who,
@@ -470,13 +480,21 @@ static void check_case(const struct tcase *t, const struct tbuf *b0, const struc
 	for (size_t i = 0; i < t->n && bad < 5; i++) {
 		struct ref r = ref_elem(t, b0, i);
 		ss_ref += r.g * r.g;
+		ss_tol += 1e-6 * r.g * r.g + 4 * fabs(r.g) * 0x1p-149; /* fp32 g, denormals */
 		double p_new = bfm ? bf16_val(((const uint16_t *)b->master)[i])
 		                   : ((const float *)b->master)[i];
 		/* master */
 		double p_dec = r.p + r.upd;
+		/* a few ulps of every fp32 operation; the new m carries the
+		 * rounding of its larger terms, which the update scales */
+		double w1 = 1.0 - t->hp.beta1, w2 = 1.0 - t->hp.beta2;
+		double em = 2e-7 * (fabs(r.m0) + fabs(r.ge)) + w1 * r.eg;
+		double ev = 2e-7 * r.v + 2 * w2 * fabs(r.ge) * r.eg;
 		double tol = 3e-6 * (fabs(p_dec) + fabs(r.upd)) + 1e-37;
-		if (q8) /* the update read m, v through the codebook: same in both */
-			tol = 3e-6 * (fabs(p_dec) + fabs(r.upd)) + 1e-37;
+		if (r.m != 0)
+			tol += fabs(r.upd) * em / fabs(r.m);
+		if (r.v > 0 && !r.v_overflow)
+			tol += fabs(r.upd) * ev / (2 * r.v);
 		if (bfm) {
 			double lo = r.p - tol, hi = r.p + tol;
 			double u = bf16_ulp(r.p);
@@ -486,18 +504,21 @@ static void check_case(const struct tcase *t, const struct tbuf *b0, const struc
 			}
 		} else if (!(fabs(p_new - r.p) <= tol) && !(isinf(r.p) && p_new == r.p)) {
 			bad++;
-			CHECK(0, "%s: master[%zu]=%.9g ref %.9g upd %.3g", tag, i, p_new, r.p, r.upd);
+			CHECK(0, "%s: master[%zu]=%.9g ref %.9g upd %.3g (g %.9g m0 %.9g m %.9g v %.9g p0 %.9g lr %.9g wd %.9g b1 %.9g b2 %.9g eps %g step %llu)",
+			      tag, i, p_new, r.p, r.upd, r.g, r.m0, r.m, r.v, p_dec, t->hp.lr, t->hp.weight_decay, t->hp.beta1, t->hp.beta2, t->hp.eps,
+			      (unsigned long long)t->hp.step);
 		}
 		/* moments */
 		if (!q8) {
 			double m = ((const float *)b->m)[i], v = ((const float *)b->v)[i];
-			double g2 = r.g * r.g;
-			if (!(fabs(m - r.m) <= 2e-6 * (fabs(r.m) + fabs(r.m0) + fabs(r.g) * 0.2) + 1e-44)) {
+			double g2 = r.ge * r.ge;
+			if (!(fabs(m - r.m) <= 2e-6 * (fabs(r.m) + fabs(r.m0) + fabs(r.ge)) + w1 * r.eg + 1e-44)) {
 				bad++;
 				CHECK(0, "%s: m[%zu]=%.9g ref %.9g", tag, i, m, r.m);
 			}
 			if (r.v_overflow ? !isinf(v)
-			                 : !(fabs(v - r.v) <= 2e-6 * (r.v + g2 * 1e-3) + 1e-44)) {
+			                 : !(fabs(v - r.v) <= 2e-6 * (r.v + g2 * w2) +
+			                                          2 * w2 * fabs(r.ge) * r.eg + 1e-44)) {
 				bad++;
 				CHECK(0, "%s: v[%zu]=%.9g ref %.9g", tag, i, v, r.v);
 			}
@@ -531,33 +552,43 @@ static void check_case(const struct tcase *t, const struct tbuf *b0, const struc
 			size_t s = blk * AOQK_Q8_BLOCK, e = s + AOQK_Q8_BLOCK;
 			if (e > t->n)
 				e = t->n;
-			double mm = 0, mu = 0;
+			double mm = 0, mu = 0, tm = 0, tu = 0;
+			double w1 = 1.0 - t->hp.beta1, w2 = 1.0 - t->hp.beta2;
+			int ovf = 0;
 			for (size_t i = s; i < e; i++) {
 				struct ref r = ref_elem(t, b0, i);
 				mm = fmax(mm, fabs(r.m));
 				mu = fmax(mu, sqrt(r.v));
+				ovf |= r.v_overflow;
+				/* fp32 error bounds of the largest */
+				tm = fmax(tm, 2e-6 * (fabs(r.m) + fabs(r.m0) + fabs(r.ge)) + w1 * r.eg);
+				tu = fmax(tu, 2e-6 * sqrt(r.v) +
+				                      (r.v > 0 ? w2 * fabs(r.ge) * r.eg / sqrt(r.v) : 0));
 			}
-			if (!isfinite(mm) || !isfinite(mu) || mu > FLT_MAX) {
+			if (ovf) {
 				/* v overflowed in fp32: the block saturates */
 				CHECK(isinf(b->vs[blk]), "%s: v_scale[%zu]=%g, want inf", tag, blk,
 				      b->vs[blk]);
 				continue;
 			}
-			CHECK(fabs(b->ms[blk] - mm) <= 1e-5 * mm + 1e-38, "%s: m_scale[%zu]=%g ref %g",
-			      tag, blk, b->ms[blk], mm);
-			CHECK(fabs(b->vs[blk] - mu) <= 1e-5 * mu + 1e-38, "%s: v_scale[%zu]=%g ref %g",
+			CHECK(fabs(b->ms[blk] - mm) <= tm + 1e-38, "%s: m_scale[%zu]=%g ref %g", tag, blk,
+			      b->ms[blk], mm);
+			CHECK(fabs(b->vs[blk] - mu) <= tu + 1e-5 * mu + 1e-38, "%s: v_scale[%zu]=%g ref %g",
 			      tag, blk, b->vs[blk], mu);
 			for (size_t i = s; i < e && bad < 5; i++) {
 				struct ref r = ref_elem(t, b0, i);
 				int qm = ((const int8_t *)b->m)[i], qv = ((const uint8_t *)b->v)[i];
 				double xm = mm > 0 ? 127.0 * sqrt(fabs(r.m) / mm) : 0;
 				double xu = mu > 0 ? 255.0 * sqrt(sqrt(r.v) / mu) : 0;
-				if (fabs(abs(qm) - xm) > 0.5 + 1e-3 || (qm != 0 && (qm < 0) != (r.m < 0))) {
+				/* stochastic rounding: one of the two codes around x */
+				if (fabs(abs(qm) - xm) >= 1 + 1e-3 || (qm != 0 && (qm < 0) != (r.m < 0))) {
 					bad++;
 					CHECK(0, "%s: m code[%zu]=%d want %.3f", tag, i, qm, xm);
 				}
 				int want_min = r.v > 0 ? 1 : 0;
-				if ((fabs(qv - xu) > 0.5 + 1e-3 && !(qv == 1 && want_min && xu < 1)) ||
+				if (r.v < FLT_MIN || mu * mu < FLT_MIN)
+					continue; /* below fp32's normal range: may be 0 there */
+				if ((fabs(qv - xu) >= 1 + 1e-3 && !(qv == 1 && want_min && xu < 1)) ||
 				    qv < want_min) {
 					bad++;
 					CHECK(0, "%s: v code[%zu]=%d want %.3f", tag, i, qv, xu);
@@ -565,7 +596,7 @@ static void check_case(const struct tcase *t, const struct tbuf *b0, const struc
 			}
 		}
 	}
-	if (!(fabs(sumsq - ss_ref) <= 1e-6 * ss_ref + 1e-300) && !(isinf(ss_ref) && isinf(sumsq)))
+	if (!(fabs(sumsq - ss_ref) <= ss_tol + 1e-300) && !(isinf(ss_ref) && isinf(sumsq)))
 		CHECK(0, "%s: sumsq %.17g ref %.17g", tag, sumsq, ss_ref);
 	checks++;
 }
@@ -711,6 +742,43 @@ static void contract_cases(const struct aoqk_kernel *k)
 	tbuf_free(&b);
 }
 
+/* bf16 master of a tensor past 2^32 elements, a chunk that crosses 2^32 off a
+ * vector boundary: the rounding bits still match plain C lane for lane.
+ * Only the chunk's elements exist; the state pointers are offset to them. */
+static void huge_index_case(void)
+{
+	const size_t begin = ((size_t)1 << 32) - 7, count = 40;
+	uint16_t ref[40], mst[40], p0[40];
+	float m[40], v[40], g[40], mr[40], vr[40];
+	struct aoqk_hparams hp = { .lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
+	                           .weight_decay = 0.1f, .decoupled = true, .step = 3,
+	                           .grad_scale = 1.0f };
+	for (size_t i = 0; i < count; i++) {
+		p0[i] = bf16_rne_ref((float)nrand());
+		g[i] = (float)(nrand() * 0.01);
+	}
+	for (size_t vi = 0; vi <= nrunnable; vi++) { /* 0: plain C, then every variant */
+		uint16_t *out = vi ? mst : ref;
+		float *mm = vi ? m : mr, *vv = vi ? v : vr;
+		memcpy(out, p0, sizeof(p0));
+		memset(mm, 0, sizeof(m));
+		memset(vv, 0, sizeof(v));
+		struct aoqk_state st = {
+			.precision = AOQK_STATE_BF16, .n = begin + 100,
+			.master = (void *)((uintptr_t)out - begin * 2),
+			.m = (void *)((uintptr_t)mm - begin * 4),
+			.v = (void *)((uintptr_t)vv - begin * 4),
+		};
+		struct aoqk_chunk c = { .begin = begin, .count = count, .grad = g,
+		                        .grad_dtype = AOQK_FP32, .seed = 99 };
+		struct aoqk_report rep;
+		const struct aoqk_kernel *k = vi ? runnable[vi - 1].k : scalar;
+		CHECK(k->adam(&hp, &st, &c, &rep) == 0, "%s: huge index refused", k->name);
+		if (vi)
+			CHECK(!memcmp(mst, ref, sizeof(ref)), "%s: SR bits differ across 2^32", k->name);
+	}
+}
+
 static int test_numerics(void)
 {
 	static const size_t lens[] = { 0, 1, 15, 16, 17, 255, 256, 257, 65536 + 3 };
@@ -732,7 +800,7 @@ static int test_numerics(void)
 							.off = rnd() % 4,
 						};
 						random_hparams(&t);
-						t.hp.decoupled = lens[li] > 1000 ? (rnd() & 1) : opt;
+						t.hp.decoupled = lens[li] > 1000 ? (rnd() & 1) != 0 : opt != 0;
 						t.wide = (rnd() % 3) == 0;
 						one_case(&t);
 						ncases++;
@@ -749,6 +817,7 @@ static int test_numerics(void)
 				accumulate_case(k, (enum aoqk_dtype)gd, lens[li]);
 		contract_cases(k);
 	}
+	huge_index_case();
 	/* the selector */
 	CHECK(aoqk_select("scalar") == scalar, "select scalar");
 	CHECK(aoqk_select(NULL) == aoqk_available()[0], "select default");
@@ -761,9 +830,12 @@ static int test_numerics(void)
 /* ------------------------------------------------------------------ */
 /* Convergence: noisy quadratic, and the mean error of stochastic rounding. */
 
+static double qnoise = 0.1;
+static float qlr = 0.05f;
+static size_t qn = 8192;
 static double quad_run(const struct aoqk_kernel *k, enum aoqk_precision prec, uint64_t seed)
 {
-	const size_t n = 4096;
+	const size_t n = qn;
 	const int steps = 2000;
 	struct tcase t = { .prec = prec, .gd = AOQK_BF16, .pd = AOQK_FP32, .n = n };
 	struct tbuf b;
@@ -787,14 +859,18 @@ static double quad_run(const struct aoqk_kernel *k, enum aoqk_precision prec, ui
 			((float *)b.master)[i] = x0;
 		((float *)b.param)[i] = aoqk_precision_bf16_master(prec) ? (float)bf16_val(bf16_rne_ref(x0)) : x0;
 	}
-	t.hp = (struct aoqk_hparams){ .lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
+	t.hp = (struct aoqk_hparams){ .lr = qlr, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
 	                              .weight_decay = 0.0f, .decoupled = true, .grad_scale = 1.0f };
 	for (int s = 1; s <= steps; s++) {
 		double loss = 0;
 		for (size_t i = 0; i < n; i++) {
 			double x = ((float *)b.param)[i], d = x - xs[i];
 			loss += 0.5 * h[i] * d * d;
-			double g = h[i] * d + 0.1 * nrand();
+			/* cheap near-gaussian noise (Irwin-Hall, 4 uniforms) */
+			uint64_t z = rnd();
+			double nz = ((double)(z & 0xffff) + (double)((z >> 16) & 0xffff) +
+			             (double)((z >> 32) & 0xffff) + (double)(z >> 48)) / 65536.0;
+			double g = h[i] * d + qnoise * (nz - 2.0) * 1.7320508075688772;
 			((uint16_t *)b.grad)[i] = bf16_rne_ref((float)g);
 		}
 		if (s > steps - 200)
@@ -828,7 +904,7 @@ static void sr_bias(const struct aoqk_kernel *k)
 			((uint16_t *)b.master)[i] = p0;
 		t.hp = (struct aoqk_hparams){ .lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
 		                              .weight_decay = (float)(0.5 + 4 * urand()), .decoupled = true,
-		                              .step = 1 + rnd() % 100, .grad_scale = 1.0f };
+		                              .step = 1 + (uint64_t)(rnd() % 100), .grad_scale = 1.0f };
 		t.seed = rnd();
 		float decay = (float)(1.0 - (double)t.hp.lr * t.hp.weight_decay);
 		double x = (double)((float)bf16_val(p0) * decay);
@@ -852,16 +928,34 @@ static void sr_bias(const struct aoqk_kernel *k)
 static int test_convergence(void)
 {
 	const struct aoqk_kernel *k = aoqk_select(NULL);
-	uint64_t seed = rnd();
-	double base = quad_run(k, AOQK_STATE_FP32, seed);
 	static const char *names[] = { "fp32", "q8", "bf16", "bf16_q8" };
-	printf("noisy quadratic, %s, 2000 steps: fp32 tail loss %.6g\n", k->name, base);
-	for (int p = 1; p < 4; p++) {
-		double l = quad_run(k, (enum aoqk_precision)p, seed);
-		double rel = (l - base) / base;
-		printf("  %-8s tail loss %.6g (%+.2f%%)\n", names[p], l, 100 * rel);
-		CHECK(fabs(rel) <= 0.02, "%s loss %.6g vs fp32 %.6g: %+.2f%%", names[p], l, base,
-		      100 * rel);
+	/* noise 1: the optimizer's own noise floor dominates, every precision
+	 * must end within 2% of fp32.  noise 0.1: bf16 parameters' resolution
+	 * floor (README.md: about 2% here at lr 0.05, 11% at lr 0.01) is of
+	 * the order of the loss, so only q8 (fp32 master) is held to 2% there;
+	 * the bf16 figures are printed for information.  QLR, QN override the
+	 * learning rate and the parameter count. */
+	static const double sigmas[] = { 1.0, 0.1 };
+	if (getenv("QLR"))
+		qlr = (float)atof(getenv("QLR"));
+	if (getenv("QN"))
+		qn = (size_t)atoi(getenv("QN"));
+	for (int si = 0; si < 2; si++) {
+		uint64_t seed = rnd();
+		qnoise = sigmas[si];
+		double base = quad_run(k, AOQK_STATE_FP32, seed);
+		printf("noisy quadratic (noise %.2g), %s, 2000 steps: fp32 tail loss %.6g\n", qnoise,
+		       k->name, base);
+		for (int p = 1; p < 4; p++) {
+			double l = quad_run(k, (enum aoqk_precision)p, seed);
+			double rel = (l - base) / base;
+			int held = si == 0 || p == AOQK_STATE_Q8;
+			printf("  %-8s tail loss %.6g (%+.2f%%)%s\n", names[p], l, 100 * rel,
+			       held ? "" : " (not checked)");
+			if (held)
+				CHECK(fabs(rel) <= 0.02, "%s loss %.6g vs fp32 %.6g: %+.2f%%", names[p], l,
+				      base, 100 * rel);
+		}
 	}
 	for (size_t vi = 0; vi < nrunnable; vi++)
 		sr_bias(runnable[vi].k);
