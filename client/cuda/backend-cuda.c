@@ -323,28 +323,6 @@ out:
 	return r;
 }
 
-static int cuda_h2d(struct aoq_backend *b, void *dst, const void *src, size_t bytes, void *stream,
-                    struct aoq_event **ev)
-{
-	struct aoq_event *x = NULL;
-	*ev = NULL;
-	int prev, r = dev_enter(b, &prev);
-	if (r < 0)
-		return r;
-	if ((r = order_after(b, b->h2d, stream)) < 0)
-		goto out;
-	CU(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, b->h2d), "cudaMemcpyAsync (parameter)");
-	if ((r = event_get(b, &x)) < 0)
-		goto out;
-	CU(cudaEventRecord(x->ev, b->h2d), "cudaEventRecord (parameter copy)");
-	*ev = x;
-	x = NULL;
-	r = 0;
-out:
-	event_put(b, x);
-	dev_leave(b, prev);
-	return r;
-}
 
 static int cuda_record(struct aoq_backend *b, void *stream, struct aoq_event **ev)
 {
@@ -385,6 +363,21 @@ static int cuda_h2d_after(struct aoq_backend *b, void *dst, const void *src, siz
 out:
 	event_put(b, x);
 	dev_leave(b, prev);
+	return r;
+}
+
+/* A parameter copy ordered after the work queued on the trainer's stream
+ * so far: record, then h2d_after. */
+static int cuda_h2d(struct aoq_backend *b, void *dst, const void *src, size_t bytes, void *stream,
+                    struct aoq_event **ev)
+{
+	struct aoq_event *after;
+	*ev = NULL;
+	int r = cuda_record(b, stream, &after);
+	if (r < 0)
+		return r;
+	r = cuda_h2d_after(b, dst, src, bytes, after, ev);
+	event_put(b, after);
 	return r;
 }
 
