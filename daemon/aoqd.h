@@ -174,6 +174,7 @@ struct aoqd_server {
 	uint64_t start_ns;
 	_Atomic uint64_t locked_bytes;
 	bool stopping;
+	bool bound;               /* we created the socket file (unlinked at exit) */
 	int exit_code;
 };
 

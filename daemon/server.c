@@ -455,10 +455,8 @@ static void on_connection(uv_stream_t *listener, int status)
 	uv_pipe_init(srv->loop, &s->pipe, 0);
 	s->pipe.data = s;
 	if (uv_accept(listener, (uv_stream_t *)&s->pipe) < 0) {
-		uv_close((uv_handle_t *)&s->pipe, NULL);
-		/* the close callback is NULL: the handle memory must outlive it */
-		aoqd_session_ref(s);
-		uv_close((uv_handle_t *)&s->pipe, NULL);
+		/* Not linked yet: the close callback drops the only reference. */
+		uv_close((uv_handle_t *)&s->pipe, on_handle_closed);
 		return;
 	}
 	s->pipe_open = true;
@@ -609,6 +607,7 @@ static int open_listener(struct aoqd_server *srv)
 			aoqd_err("server", "bind %s: %s", path, uv_strerror(r));
 			return r;
 		}
+		srv->bound = true;
 		aoqd_info("server", "listening on %s", path);
 	}
 	r = uv_listen((uv_stream_t *)&srv->listener, 128, on_connection);
@@ -701,6 +700,7 @@ void aoqd_server_fini(struct aoqd_server *srv)
 {
 	aoqd_pool_free(srv->pool);
 	srv->pool = NULL;
-	if (srv->cfg.listen_fd < 0 && srv->cfg.socket_path)
+	/* Only our own socket: a failed bind may have met a live daemon's. */
+	if (srv->bound)
 		unlink(srv->cfg.socket_path);
 }
