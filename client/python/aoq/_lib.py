@@ -60,26 +60,8 @@ class Tensor(ctypes.Structure):
     ]
 
 
-# struct aoq_options and struct aoq_step_result gained fields together with
-# aoq_flush() (clipping, skip_nonfinite, delayed update): the layout is picked
-# by whether the loaded library exports aoq_flush.
-class OptionsV1(ctypes.Structure):
-    _fields_ = [
-        ("socket", c_char_p),
-        ("job", c_char_p),
-        ("rank", c_uint32),
-        ("device", c_char_p),
-        ("precision", c_int),
-        ("window", c_uint64),
-        ("seed", c_uint64),
-        ("cuda_stream", c_void_p),
-        ("ze_context", c_void_p),
-        ("ze_device", c_void_p),
-        ("ze_queue", c_void_p),
-    ]
-
-
-class OptionsV2(ctypes.Structure):
+# struct aoq_options and struct aoq_step_result of <aoq/aoq.h>.
+class Options(ctypes.Structure):
     _fields_ = [
         ("socket", c_char_p),
         ("job", c_char_p),
@@ -98,16 +80,7 @@ class OptionsV2(ctypes.Structure):
     ]
 
 
-class StepResultV1(ctypes.Structure):
-    _fields_ = [
-        ("step", c_uint64),
-        ("grad_sumsq", c_double),
-        ("nonfinite", c_bool),
-        ("tensors_updated", c_uint64),
-    ]
-
-
-class StepResultV2(ctypes.Structure):
+class StepResult(ctypes.Structure):
     _fields_ = [
         ("step", c_uint64),
         ("grad_sumsq", c_double),
@@ -140,14 +113,10 @@ def _candidates():
 
 _lib = None
 _lib_lock = threading.Lock()
-HAS_V2 = False
 
 
 def _declare(lib):
-    global HAS_V2
-    HAS_V2 = hasattr(lib, "aoq_flush")
-    opts = OptionsV2 if HAS_V2 else OptionsV1
-    res = StepResultV2 if HAS_V2 else StepResultV1
+    opts, res = Options, StepResult
     P = c_void_p
     sigs = {
         "aoq_last_error": (c_char_p, []),
@@ -169,12 +138,10 @@ def _declare(lib):
         "aoq_load_state": (c_int, [P, c_uint32, c_int, c_int, c_uint64, c_uint64, P]),
         "aoq_get_tensor_steps": (c_int, [P, c_uint32, c_uint32, ctypes.POINTER(c_uint64)]),
         "aoq_set_tensor_steps": (c_int, [P, c_uint32, c_uint32, ctypes.POINTER(c_uint64)]),
+        "aoq_flush": (c_int, [P]),
+        "aoq_session_seed": (c_uint64, [P]),
         "aoq_close": (None, [P]),
     }
-    if HAS_V2:
-        sigs["aoq_flush"] = (c_int, [P])
-    if hasattr(lib, "aoq_session_seed"):
-        sigs["aoq_session_seed"] = (c_uint64, [P])
     for name, (restype, argtypes) in sigs.items():
         f = getattr(lib, name)
         f.restype = restype

@@ -88,13 +88,9 @@ class Client:
         o.window = window
         o.seed = seed
         o.cuda_stream = cuda_stream
-        if max_grad_norm or skip_nonfinite or delayed_update:
-            if not _lib.HAS_V2:
-                raise AoqError(95, "this libaoq (%s) has no max_grad_norm/skip_nonfinite/delayed_update"
-                               % self._lib.path)
-            o.max_grad_norm = float(max_grad_norm or 0.0)
-            o.skip_nonfinite = bool(skip_nonfinite)
-            o.delayed_update = bool(delayed_update)
+        o.max_grad_norm = float(max_grad_norm or 0.0)
+        o.skip_nonfinite = bool(skip_nonfinite)
+        o.delayed_update = bool(delayed_update)
         self.device = device
         self.delayed_update = bool(delayed_update)
         h = ctypes.c_void_p()
@@ -144,9 +140,7 @@ class Client:
     def seed(self):
         """The session's stochastic rounding seed (after register()): pass it
         as seed= when restoring a checkpoint so a bf16 master continues bit
-        for bit.  0 when this libaoq cannot tell."""
-        if not hasattr(self._lib, "aoq_session_seed"):
-            return 0
+        for bit."""
         return self._lib.aoq_session_seed(self._handle())
 
     # -- steps -------------------------------------------------------------
@@ -202,13 +196,12 @@ class Client:
         every ended step is done.  Returns the last ended step's StepResult."""
         r = self._lib.StepResult()
         check(self._lib.aoq_sync(self._handle(), ctypes.byref(r)), "aoq_sync")
-        return StepResult(r.step, r.grad_sumsq, bool(r.nonfinite), bool(getattr(r, "skipped", False)),
-                          getattr(r, "clip_scale", 1.0), r.tensors_updated)
+        return StepResult(r.step, r.grad_sumsq, bool(r.nonfinite), bool(r.skipped), r.clip_scale,
+                          r.tensors_updated)
 
     def flush(self):
         """Delayed update: lands every pending updated parameter now."""
-        if _lib.HAS_V2:
-            check(self._lib.aoq_flush(self._handle()), "aoq_flush")
+        check(self._lib.aoq_flush(self._handle()), "aoq_flush")
 
     # -- state -------------------------------------------------------------
     def read_state(self, t, what, dtype="fp32", offset=0, count=None, out=None):

@@ -451,7 +451,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """{"state": {name: {"step", "master", "exp_avg", "exp_avg_sq"}},
         "param_groups": [... "params": [names]]}.  Daemon states are read
         as fp32 (q8 and bf16 states converted by the daemon)."""
-        import numpy as np  # noqa: F401  (Client.read_state returns numpy arrays)
         state = {}
         if self._slots:
             self.synchronize()
