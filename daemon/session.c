@@ -124,11 +124,11 @@ static bool hp_valid(const Aoq__Hyperparams *h, char *why, size_t len)
 static void set_hp(struct aoqd_group *g, Aoq__OptimizerKind kind, const Aoq__Hyperparams *h)
 {
 	g->kind = kind;
-	g->hp.lr = (float)h->lr;
-	g->hp.beta1 = (float)h->beta1;
-	g->hp.beta2 = (float)h->beta2;
-	g->hp.eps = (float)h->eps;
-	g->hp.weight_decay = (float)h->weight_decay;
+	g->hp.lr = h->lr;
+	g->hp.beta1 = h->beta1;
+	g->hp.beta2 = h->beta2;
+	g->hp.eps = h->eps;
+	g->hp.weight_decay = h->weight_decay;
 	g->hp.decoupled = kind == AOQ__OPTIMIZER_KIND__ADAMW;
 	g->hp.grad_scale = 1.0f;
 }

@@ -60,11 +60,14 @@ static inline bool aoqk_precision_bf16_master(enum aoqk_precision p)
 
 /* Hyperparameters of one update, fixed for the whole step. */
 struct aoqk_hparams {
-	float lr;
-	float beta1;
-	float beta2;
-	float eps;
-	float weight_decay;
+	/* double, as torch holds them: the per-call constants are derived in
+	 * double and rounded to float once, the way torch's foreach AdamW passes
+	 * its Python-float scalars to its kernels */
+	double lr;
+	double beta1;
+	double beta2;
+	double eps;
+	double weight_decay;
 	bool decoupled;   /* true: AdamW (decoupled decay); false: Adam (L2 into grad) */
 	uint64_t step;    /* this tensor's step, 1-based, for bias correction */
 	float grad_scale; /* every gradient is multiplied by this (unscale, clip); 1 = none */

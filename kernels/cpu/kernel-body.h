@@ -118,7 +118,7 @@ static AOQK_ALWAYS_INLINE vf q8_u_decode(const uint8_t *p, vf su)
  * passed by value into the always-inlined step, never through memory that
  * the state stores could alias. */
 struct kvec {
-	vf w1, w1c, b2, w2, step_size, bc2s, inv_bc2s, eps, decay, wd, gscale;
+	vf w1, w1c, b2, w2, nstep, bc2s, inv_bc2s, eps, decay, wd, gscale;
 	int lerp_small, adamw, l2;
 	uint32_t srkey;
 };
@@ -130,7 +130,7 @@ static AOQK_ALWAYS_INLINE struct kvec kvec_make(const struct aoqk_consts *k)
 		.w1c = vf_set1(k->w1c),
 		.b2 = vf_set1(k->b2),
 		.w2 = vf_set1(k->w2),
-		.step_size = vf_set1(k->step_size),
+		.nstep = vf_set1(k->nstep),
 		.bc2s = vf_set1(k->bc2s),
 		.inv_bc2s = vf_set1(1.0f / k->bc2s),
 		.eps = vf_set1(k->eps),
@@ -171,8 +171,9 @@ static AOQK_ALWAYS_INLINE void vstep(const struct kvec kc, const struct kptrs *p
 		pw = vh_bf16_to_f(vh_loadu((const uint16_t *)p->master + j));
 	else
 		pw = vf_loadu((const float *)p->master + j);
+	/* torch: grad + wd * param (_foreach_add, alpha) */
 	if (kc.l2)
-		g = vf_add(g, vf_mul(pw, kc.wd));
+		g = vf_fma(kc.wd, pw, g);
 	if (kc.adamw)
 		pw = vf_mul(pw, kc.decay);
 
@@ -188,20 +189,22 @@ static AOQK_ALWAYS_INLINE void vstep(const struct kvec kc, const struct kptrs *p
 		v = vf_loadu((const float *)p->v + j);
 	}
 
-	/* torch: exp_avg.lerp_(grad, 1 - beta1) */
+	/* The roundings of torch's foreach AdamW on CUDA, whose kernels
+	 * contract a * b + c into one FMA (README.md, "Numerics").
+	 * exp_avg.lerp_(grad, 1 - beta1): */
 	if (kc.lerp_small)
-		m = vf_add(m, vf_mul(kc.w1, vf_sub(g, m)));
+		m = vf_fma(kc.w1, vf_sub(g, m), m);
 	else
-		m = vf_sub(g, vf_mul(vf_sub(g, m), kc.w1c));
-	/* exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2) */
-	v = vf_add(vf_mul(v, kc.b2), vf_mul(vf_mul(kc.w2, g), g));
+		m = vf_fnma(vf_sub(g, m), kc.w1c, g);
+	/* exp_avg_sq.mul_(beta2); .addcmul_(grad, grad, value=1 - beta2) */
+	v = vf_fma(kc.w2, vf_mul(g, g), vf_mul(v, kc.b2));
 	u = vf_sqrt(v);
-	/* denom = sqrt(v) / sqrt(bc2) + eps; param -= step_size * m / denom.
+	/* denom = sqrt(v) / sqrt(bc2) + eps; param.addcdiv_(m, denom, -step_size).
 	 * q8 is compute-bound (its encode adds two square roots to the
 	 * divider), so it multiplies by 1 / sqrt(bc2) instead: within about
 	 * 1 ulp of the division. */
 	vf den = q8 ? vf_add(vf_mul(u, kc.inv_bc2s), kc.eps) : vf_add(vf_div(u, kc.bc2s), kc.eps);
-	pw = vf_sub(pw, vf_div(vf_mul(kc.step_size, m), den));
+	pw = vf_fma(kc.nstep, vf_div(m, den), pw);
 
 	if (q8) {
 		vf_storeu(bm, m);

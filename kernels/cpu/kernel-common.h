@@ -35,7 +35,7 @@ struct aoqk_consts {
 	float w1c;       /* 1 - w1, for the large-weight lerp form */
 	float b2;        /* beta2 */
 	float w2;        /* 1 - beta2 */
-	float step_size; /* lr / (1 - beta1^step) */
+	float nstep;     /* -(lr / (1 - beta1^step)) */
 	float bc2s;      /* sqrt(1 - beta2^step) */
 	float eps;
 	float decay;     /* AdamW: 1 - lr * weight_decay */
@@ -88,18 +88,18 @@ static inline void aoqk_consts_init(struct aoqk_consts *k, const struct aoqk_hpa
 	double bc2 = 1.0 - pow(b2, step);
 
 	k->w1 = (float)(1.0 - b1);
-	k->w1c = (float)(1.0 - (double)k->w1);
-	k->b2 = hp->beta2;
+	k->w1c = 1.0f - k->w1; /* torch's lerp: opmath_t(1) - weight */
+	k->b2 = (float)b2;
 	k->w2 = (float)(1.0 - b2);
-	k->step_size = (float)(lr / bc1);
+	k->nstep = (float)(-(lr / bc1));
 	k->bc2s = (float)sqrt(bc2);
-	k->eps = hp->eps;
+	k->eps = (float)hp->eps;
 	k->decay = (float)(1.0 - lr * wd);
-	k->wd = hp->weight_decay;
+	k->wd = (float)wd;
 	k->gscale = hp->grad_scale;
 	k->lerp_small = fabsf(k->w1) < 0.5f;
-	k->adamw = hp->decoupled && hp->weight_decay != 0.0f;
-	k->l2 = !hp->decoupled && hp->weight_decay != 0.0f;
+	k->adamw = hp->decoupled && hp->weight_decay != 0.0;
+	k->l2 = !hp->decoupled && hp->weight_decay != 0.0;
 	k->srkey = (uint32_t)aoqk_splitmix64(seed ^ aoqk_splitmix64(hp->step));
 }
 

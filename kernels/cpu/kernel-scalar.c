@@ -25,6 +25,9 @@ static AOQK_ALWAYS_INLINE vf vf_add(vf a, vf b) { return a + b; }
 static AOQK_ALWAYS_INLINE vf vf_sub(vf a, vf b) { return a - b; }
 static AOQK_ALWAYS_INLINE vf vf_mul(vf a, vf b) { return a * b; }
 static AOQK_ALWAYS_INLINE vf vf_div(vf a, vf b) { return a / b; }
+/* a * b + c and c - a * b with one rounding, as the FMA instructions */
+static AOQK_ALWAYS_INLINE vf vf_fma(vf a, vf b, vf c) { return fmaf(a, b, c); }
+static AOQK_ALWAYS_INLINE vf vf_fnma(vf a, vf b, vf c) { return fmaf(-a, b, c); }
 static AOQK_ALWAYS_INLINE vf vf_sqrt(vf a) { return sqrtf(a); }
 /* x86 maxps/minps semantics: the second operand when either is NaN */
 static AOQK_ALWAYS_INLINE vf vf_max(vf a, vf b) { return a > b ? a : b; }

@@ -444,7 +444,10 @@ static struct ref ref_elem(const struct tcase *t, const struct tbuf *b0, size_t 
 	m = b1 * m + (1 - b1) * g;
 	double gg = (1 - b2) * g * g;
 	v = b2 * v + gg;
-	if (gg > FLT_MAX || v > FLT_MAX) /* fp32 arithmetic overflows here */
+	/* fp32 arithmetic overflows here (g * g is rounded before the 1 - b2
+	 * multiplies it, as in torch's addcmul; 2^128 is where fp32 rounding
+	 * reaches infinity, up to half an ulp below it) */
+	if (g * g >= 0x1.ffffffp127 || v > FLT_MAX)
 		r.v_overflow = 1;
 	double bc1 = 1 - pow(b1, (double)hp->step), bc2 = 1 - pow(b2, (double)hp->step);
 	double mh = m / bc1, vh = v / bc2;

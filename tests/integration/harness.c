@@ -571,8 +571,8 @@ void aoqt_ref_free(struct aoqt_ref *r)
 
 void aoqt_ref_step(struct aoqt_ref *r, const struct aoq_group *hp, const float *g)
 {
-	const double lr = (float)hp->lr, b1 = (float)hp->beta1, b2 = (float)hp->beta2;
-	const double eps = (float)hp->eps, wd = (float)hp->weight_decay;
+	const double lr = hp->lr, b1 = hp->beta1, b2 = hp->beta2;
+	const double eps = hp->eps, wd = hp->weight_decay;
 	r->k++;
 	const double bc1 = 1.0 - pow(b1, (double)r->k);
 	const double bc2 = 1.0 - pow(b2, (double)r->k);

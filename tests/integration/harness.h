@@ -137,9 +137,9 @@ uint64_t aoqt_ulp_dist(uint32_t a, uint32_t b, enum aoq_dtype t);
 /* ---- the reference optimizer (double precision) ------------------------ */
 
 /*
- * One tensor's state.  Hyperparameters are rounded to float first, because
- * the kernel interface (struct aoqk_hparams) carries them as float; every
- * operation after that is double.
+ * One tensor's state, every operation in double (the daemon derives its
+ * per-step constants from the double hyperparameters and rounds them to
+ * float once).
  *
  * err[i] bounds how far an fp32 implementation may be from p[i]: each step
  * adds AOQT_RTOL * |p| (rounding of the master, about 8 ulp of fp32) plus

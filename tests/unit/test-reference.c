@@ -126,7 +126,7 @@ static double torch_step(int kind, double *p, double *m, double *v, double g, ui
 
 static void test_reference(void)
 {
-	/* One hand-checked AdamW step: p 1, g 0.5, lr 0.1 (as float), wd 0:
+	/* One hand-checked AdamW step: p 1, g 0.5, lr 0.1, wd 0:
 	 * mhat = g, vhat = g^2 exactly, so p = 1 - lr * 0.5 / (0.5 + eps). */
 	struct aoqt_ref r;
 	aoqt_ref_init(&r, 1);
@@ -134,7 +134,7 @@ static void test_reference(void)
 	struct aoq_group g = { .kind = AOQ_ADAMW, .lr = 0.1, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8 };
 	float grad = 0.5f;
 	aoqt_ref_step(&r, &g, &grad);
-	double want = 1 - (double)0.1f * 0.5 / (0.5 + (double)1e-8f);
+	double want = 1 - 0.1 * 0.5 / (0.5 + 1e-8);
 	EXPECT(fabs(r.p[0] - want) < 1e-15, "one AdamW step: %.17g, want %.17g", r.p[0], want);
 	aoqt_ref_free(&r);
 
@@ -155,8 +155,8 @@ static void test_reference(void)
 				gr[i] = (float)aoqt_uniform(&rng);
 			aoqt_ref_step(&r, &h, gr);
 			for (size_t i = 0; i < n; i++) {
-				double t = torch_step(h.kind, &p[i], &m[i], &v[i], gr[i], k, (float)h.lr, (float)h.beta1,
-				                      (float)h.beta2, (float)h.eps, (float)h.weight_decay);
+				double t = torch_step(h.kind, &p[i], &m[i], &v[i], gr[i], k, h.lr, h.beta1,
+				                      h.beta2, h.eps, h.weight_decay);
 				double e = fabs(t - r.p[i]) / (fabs(t) + 1e-3);
 				if (e > worst)
 					worst = e;

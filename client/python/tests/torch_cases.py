@@ -79,13 +79,19 @@ def offloaded(width, device, steps, accum=1, lr=1e-3, socket=None, attach=False,
     return m
 
 
-def same(a, b, what, **tol):
+def same(a, b, what, exact=False, **tol):
+    """assert_close on every parameter (exact: bit for bit); prints how many
+    elements differ at all."""
+    ndiff = nall = 0
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        x, y = p.detach().float().cpu(), q.detach().float().cpu()
+        ndiff += int((x != y).sum())
+        nall += x.numel()
         try:
-            torch.testing.assert_close(p.detach().float().cpu(), q.detach().float().cpu(), **tol)
+            torch.testing.assert_close(x, y, **(dict(rtol=0, atol=0) if exact else tol))
         except AssertionError as e:
             raise AssertionError("%s: parameter %s differs:\n%s" % (what, n, e)) from None
-    print("ok:", what)
+    print("ok: %s (%d of %d elements not bit-identical)" % (what, ndiff, nall))
 
 
 def run_cases(device, width, socket, cases=None, steps=10):
@@ -93,8 +99,12 @@ def run_cases(device, width, socket, cases=None, steps=10):
     want = set(cases or ["basic", "accum", "offload", "offload-explicit", "attach", "framework", "adam-groups",
                          "clip", "autocast", "compile"])
     ref = reference(width, device, steps)
+    # On CUDA the daemon's fp32 update is torch's foreach AdamW rounding for
+    # rounding (kernels/README.md, "Numerics"): the plain case must be exact.
+    cuda = torch.device(device).type == "cuda"
     if "basic" in want:
-        same(offloaded(width, device, steps, socket=socket), ref, "AdamW + CosineAnnealingLR, %d steps" % steps)
+        same(offloaded(width, device, steps, socket=socket), ref, "AdamW + CosineAnnealingLR, %d steps" % steps,
+             exact=cuda)
     if "attach" in want:
         same(offloaded(width, device, steps, socket=socket, attach=True), ref, "with attach(model)")
     if "framework" in want:
@@ -117,13 +127,16 @@ def run_cases(device, width, socket, cases=None, steps=10):
     if "clip" in want:
         same(offloaded(width, device, steps, socket=socket, max_grad_norm=0.05),
              reference(width, device, steps, clip=0.05), "max_grad_norm 0.05 in the daemon")
-    if "autocast" in want and device != "cpu" or "autocast-cpu" in want:
-        # Under autocast the weights are cast to bf16 for every matmul: an fp32
-        # ulp of difference between aoq's kernel and torch's AdamW (not bit
-        # identical) can flip a bf16 rounding and the gradient by a bf16 ulp,
-        # so the defaults (rtol 1.3e-6, atol 1e-5) are loosened to bf16 scale.
+    if "autocast" in want and device != "cpu":
         same(offloaded(width, device, steps, socket=socket, autocast=torch.bfloat16),
-             reference(width, device, steps, autocast=torch.bfloat16), "bf16 autocast", rtol=1e-2, atol=1e-4)
+             reference(width, device, steps, autocast=torch.bfloat16), "bf16 autocast")
+    if "autocast-cpu" in want:
+        # Under autocast the weights are cast to bf16 for every matmul.  torch's
+        # CPU AdamW does not round like its CUDA one (which aoq follows): an
+        # fp32 ulp of difference can flip a bf16 rounding and the gradient by
+        # a bf16 ulp, so the defaults are loosened to bf16 scale.
+        same(offloaded(width, device, steps, socket=socket, autocast=torch.bfloat16),
+             reference(width, device, steps, autocast=torch.bfloat16), "bf16 autocast (CPU)", rtol=1e-2, atol=1e-4)
     if "compile" in want:
         same(offloaded(width, device, steps, socket=socket, compile_=True),
              reference(width, device, steps, compile_=True), "torch.compile")
