@@ -221,7 +221,14 @@ static void job_submit(struct aoqd_job *j)
 		j->chunks[i].task.next = i + 1 < n ? &j->chunks[i + 1].task : NULL;
 		j->chunks[i].rep = (struct aoqk_report){ 0 };
 	}
-	aoqd_pool_submit(j->s->srv->pool, &j->s->queue, &j->chunks[0].task, &j->chunks[n - 1].task, n);
+	/* The next forward's order: earlier steps, then earlier tensors (the
+	 * client registers them in forward order), then earlier pieces. */
+	uint64_t piece = j->rec.offset >> 8;
+	struct aoqd_key key = {
+		.hi = j->rec.step,
+		.lo = (uint64_t)j->rec.tensor << 32 | (piece > UINT32_MAX ? UINT32_MAX : piece),
+	};
+	aoqd_pool_submit(j->s->srv->pool, &j->s->queue, key, &j->chunks[0].task, &j->chunks[n - 1].task, n);
 }
 
 /* Validates one record; a message for the client when it is bad. */

@@ -23,12 +23,58 @@ struct aoqd_pool {
 	struct worker *workers;
 };
 
+static bool key_less(struct aoqd_key a, struct aoqd_key b)
+{
+	return a.hi < b.hi || (a.hi == b.hi && a.lo < b.lo);
+}
+
+/* The first task of q's first chain; the rest of that chain stays first. */
+static struct aoqd_task *pop_task(struct aoqd_queue *q)
+{
+	struct aoqd_task *t = q->head;
+	struct aoqd_task *rest = t->next;
+	if (rest) {
+		rest->next_chain = t->next_chain;
+		rest->key = t->key;
+		if (q->tail == t)
+			q->tail = rest;
+		q->head = rest;
+	} else {
+		q->head = t->next_chain;
+		if (!q->head)
+			q->tail = NULL;
+	}
+	q->queued--;
+	t->next = t->next_chain = NULL;
+	return t;
+}
+
+/* Gradients come last layer first, so a new chain usually goes to the
+ * front, and a tensor's later pieces right behind its earlier ones. */
+static void insert_chain(struct aoqd_queue *q, struct aoqd_task *c)
+{
+	c->next_chain = NULL;
+	if (!q->head) {
+		q->head = q->tail = c;
+	} else if (!key_less(c->key, q->tail->key)) {
+		q->tail->next_chain = c;
+		q->tail = c;
+	} else if (key_less(c->key, q->head->key)) {
+		c->next_chain = q->head;
+		q->head = c;
+	} else {
+		struct aoqd_task *at = q->head;
+		while (at->next_chain && !key_less(c->key, at->next_chain->key))
+			at = at->next_chain;
+		c->next_chain = at->next_chain;
+		at->next_chain = c;
+	}
+}
+
 static struct aoqd_task *take(struct aoqd_pool *p)
 {
 	struct aoqd_queue *q = p->rr_head;
-	struct aoqd_task *t = q->head;
-	q->head = t->next;
-	q->queued--;
+	struct aoqd_task *t = pop_task(q);
 	p->rr_head = q->next;
 	if (!p->rr_head)
 		p->rr_tail = NULL;
@@ -41,10 +87,8 @@ static struct aoqd_task *take(struct aoqd_pool *p)
 			p->rr_head = q;
 		p->rr_tail = q;
 	} else {
-		q->tail = NULL;
 		q->active = false;
 	}
-	t->next = NULL;
 	return t;
 }
 
@@ -125,16 +169,13 @@ unsigned aoqd_pool_threads(const struct aoqd_pool *p)
 	return p->n;
 }
 
-void aoqd_pool_submit(struct aoqd_pool *p, struct aoqd_queue *q,
+void aoqd_pool_submit(struct aoqd_pool *p, struct aoqd_queue *q, struct aoqd_key key,
                       struct aoqd_task *first, struct aoqd_task *last, uint64_t n)
 {
 	last->next = NULL;
+	first->key = key;
 	pthread_mutex_lock(&p->lock);
-	if (q->tail)
-		q->tail->next = first;
-	else
-		q->head = first;
-	q->tail = last;
+	insert_chain(q, first);
 	q->queued += n;
 	if (!q->active) {
 		q->active = true;

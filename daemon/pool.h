@@ -4,6 +4,14 @@
  * Every session has its own queue; workers take one task at a time from the
  * queues with work in round-robin order, so sessions share the pool fairly
  * whatever their queue lengths.
+ *
+ * Within a session's queue, tasks run in the order of their keys, not of
+ * their arrival: a job's chunks are submitted as one chain with one key, and
+ * the chain with the smallest key goes first (equal keys: first come, first
+ * served).  The data plane keys a job by (step, tensor, offset): gradients
+ * arrive in backward order, last layer first, but the next forward needs
+ * the first layer first, so the update of a layer that forward needs sooner
+ * overtakes the ones queued before it.
  */
 #ifndef AOQD_POOL_H
 #define AOQD_POOL_H
@@ -12,11 +20,19 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-struct aoqd_task {
-	struct aoqd_task *next;
-	void (*run)(struct aoqd_task *t, unsigned worker);
+struct aoqd_key {
+	uint64_t hi, lo;
 };
 
+struct aoqd_task {
+	struct aoqd_task *next; /* in its chain */
+	void (*run)(struct aoqd_task *t, unsigned worker);
+	/* Set and read by the pool on the first task of a chain only: */
+	struct aoqd_task *next_chain;
+	struct aoqd_key key;
+};
+
+/* A sorted list of chains (their first tasks). */
 struct aoqd_queue {
 	struct aoqd_task *head, *tail;
 	struct aoqd_queue *next; /* in the pool's round-robin list */
@@ -31,8 +47,9 @@ struct aoqd_pool *aoqd_pool_new(unsigned n, const int *cpus);
 void aoqd_pool_free(struct aoqd_pool *p);
 unsigned aoqd_pool_threads(const struct aoqd_pool *p);
 
-/* Appends the chain first..last (n tasks) to q. */
-void aoqd_pool_submit(struct aoqd_pool *p, struct aoqd_queue *q,
+/* Queues the chain first..last (n tasks, linked by next) in q, after every
+ * chain whose key is smaller or equal and before the others. */
+void aoqd_pool_submit(struct aoqd_pool *p, struct aoqd_queue *q, struct aoqd_key key,
                       struct aoqd_task *first, struct aoqd_task *last, uint64_t n);
 
 /* Tasks in q not yet started. */

@@ -680,7 +680,9 @@ static bool start_transfer(struct aoqd_session *s, bool load, uint32_t tensor, i
 	s->xfer_count = count;
 	atomic_store(&s->xfer_done, false);
 	aoqd_session_ref(s);
-	aoqd_pool_submit(s->srv->pool, &s->queue, &x->tasks[0].task, &x->tasks[n - 1].task, n);
+	/* A transfer runs alone (no steps meanwhile): any key will do. */
+	aoqd_pool_submit(s->srv->pool, &s->queue, (struct aoqd_key){ 0, 0 }, &x->tasks[0].task,
+	                 &x->tasks[n - 1].task, n);
 	return true;
 }
 
