@@ -894,6 +894,18 @@ int aoq_grad_copied(struct aoq_client *c, uint32_t t)
 	return r;
 }
 
+int aoq_grad_pending(struct aoq_client *c, uint32_t t)
+{
+	if (t >= c->ntensors)
+		return aoq_set_error(-EINVAL, "aoq_grad_pending: no tensor %u", t);
+	struct tensor *x = &c->tensors[t];
+	pthread_mutex_lock(&c->lock);
+	uint64_t n = x->copies - x->copied;
+	int r = c->error && n ? session_error(c) : (int)(n > INT32_MAX ? INT32_MAX : n);
+	pthread_mutex_unlock(&c->lock);
+	return r;
+}
+
 /* Waits until tensor t's last record is answered (not with the delayed
  * update: its copy leaves at the next push) and takes a reference to the
  * last copy to the device. */

@@ -8,7 +8,7 @@
  *   test-ze AOQD train-own    the backend's own context, no streams
  *   test-ze AOQD accumulate   3 micro-batches per step (AOQ_PUSH_ACCUMULATE)
  *   test-ze AOQD offload      a fresh device grad buffer per push, poisoned
- *                             and freed as soon as aoq_grad_copied() returns
+ *                             and freed as soon as aoq_grad_pending() says 0
  *   test-ze AOQD no-driver    ZE_ENABLE_ALT_DRIVERS names no file
  *
  * Every training mode runs two sessions against one aoqd with the same
@@ -245,7 +245,14 @@ static void push_xpu(struct side *s, struct zenv *z, enum mode m, int t, uint64_
 	if (m == TRAIN_OWN)
 		list_sync(z); /* no stream to order against */
 	CHECK_OK(aoq_push_grad_ptr(s->c, (uint32_t)s->idx[t], g, flags, stream_for(z, m, t)));
-	if (m == OFFLOAD || mb < nmb - 1) {
+	if (m == OFFLOAD) {
+		/* Poll, as the Python optimizer does: 0 pending means the buffer
+		 * may be freed (a wrong 0 lets the poison below reach the daemon). */
+		int n;
+		while ((n = aoq_grad_pending(s->c, (uint32_t)s->idx[t])) > 0)
+			usleep(20);
+		CHECK_OK(n);
+	} else if (mb < nmb - 1) {
 		/* The buffer (and hgrad) may be reused or freed from here on. */
 		CHECK_OK(aoq_grad_copied(s->c, (uint32_t)s->idx[t]));
 	}

@@ -163,6 +163,9 @@ AOQ_API int aoq_push_grad_ptr(struct aoq_client *c, uint32_t t, const void *grad
 /* Host-blocking until tensor t's last pushed gradient has been copied off
  * the device (the buffer may be freed or reused). */
 AOQ_API int aoq_grad_copied(struct aoq_client *c, uint32_t t);
+/* Without blocking: how many of tensor t's pushed gradient copies have not
+ * finished (0: every buffer pushed so far may be freed or reused). */
+AOQ_API int aoq_grad_pending(struct aoq_client *c, uint32_t t);
 
 /* Makes `stream` wait until tensor t's updated parameter has landed, without
  * blocking the host.  With the host backend this blocks. */

@@ -129,6 +129,7 @@ def _declare(lib):
         "aoq_push_grad": (c_int, [P, c_uint32, c_uint, P]),
         "aoq_push_grad_ptr": (c_int, [P, c_uint32, P, c_uint, P]),
         "aoq_grad_copied": (c_int, [P, c_uint32]),
+        "aoq_grad_pending": (c_int, [P, c_uint32]),
         "aoq_wait_param": (c_int, [P, c_uint32, P]),
         "aoq_sync_param": (c_int, [P, c_uint32]),
         "aoq_set_hyperparams": (c_int, [P, c_uint32, ctypes.POINTER(Group)]),

@@ -165,7 +165,14 @@ class Client:
         check(r, "aoq_push_grad %d" % t)
 
     def grad_copied(self, t):
+        """Blocks until tensor t's pushed gradients have been copied off the device."""
         check(self._lib.aoq_grad_copied(self._handle(), t), "aoq_grad_copied")
+
+    def grad_pending(self, t):
+        """How many of tensor t's gradient copies are still running (no blocking)."""
+        r = self._lib.aoq_grad_pending(self._handle(), t)
+        check(r, "aoq_grad_pending")
+        return r
 
     def wait_param(self, t, stream=None):
         check(self._lib.aoq_wait_param(self._handle(), t, stream), "aoq_wait_param")

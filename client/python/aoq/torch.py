@@ -261,9 +261,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._client.push_grad(s.t, grad.data_ptr(), accumulate=not final, stream=self._stream())
             if self._cuda:   # the copy runs after the call returns: keep the memory alive
                 s.inflight.append(grad)
+                self._inflight_fifo.append((s, grad))
+                self._inflight_bytes += grad.numel() * grad.element_size()
+                self._reap()
                 if self.offload_window_bytes:
-                    self._inflight_fifo.append((s, grad))
-                    self._inflight_bytes += grad.numel() * grad.element_size()
                     self._trim_inflight()
         if final:
             s.final = True
@@ -271,25 +272,44 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if self._framework and self.delayed_update:
                 self._copy_in(s)
 
+    def _drop_oldest(self):
+        s, g = self._inflight_fifo.popleft()
+        for i, x in enumerate(s.inflight):
+            if x is g:
+                del s.inflight[i]
+                self._inflight_bytes -= g.numel() * g.element_size()
+                break
+
+    def _reap(self):
+        """CUDA: lets go of the pushed gradients whose copy off the device
+        has finished (no blocking), oldest first, so the caching allocator
+        can reuse their memory during the rest of backward."""
+        fifo = self._inflight_fifo
+        while fifo:
+            s, g = fifo[0]
+            if not any(x is g for x in s.inflight):   # released by _release already
+                fifo.popleft()
+                continue
+            if self._client.grad_pending(s.t):
+                break
+            self._drop_oldest()
+
     def _trim_inflight(self):
         """offload_gradients on CUDA: bounds the device memory held by
         gradients whose copy has not finished (waits for the oldest)."""
         while self._inflight_bytes > self.offload_window_bytes and self._inflight_fifo:
-            s, g = self._inflight_fifo.popleft()
-            self._client.grad_copied(s.t)
-            self._inflight_bytes -= g.numel() * g.element_size()
-            for i, x in enumerate(s.inflight):
-                if x is g:
-                    del s.inflight[i]
-                    break
+            s, g = self._inflight_fifo[0]
+            if any(x is g for x in s.inflight):
+                self._client.grad_copied(s.t)
+                self._drop_oldest()
+            else:
+                self._inflight_fifo.popleft()
 
     def _release(self, s):
-        if s.inflight:
-            for g in s.inflight:
-                self._inflight_bytes -= g.numel() * g.element_size() if self.offload_window_bytes else 0
-            s.inflight = []
-            if self.offload_window_bytes:
-                self._inflight_fifo = collections.deque((a, b) for a, b in self._inflight_fifo if a is not s)
+        """s's update has landed, so its gradient copies are done."""
+        for g in s.inflight:
+            self._inflight_bytes -= g.numel() * g.element_size()
+        s.inflight = []     # the FIFO's entries go at the next _reap
 
     def _copy_in(self, s):
         with torch.no_grad():
@@ -355,6 +375,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             def pre(mod, args, slots=slots):
                 for s in slots:
                     self._wait(s)
+                if self._inflight_fifo:
+                    self._reap()
             handles.append(m.register_forward_pre_hook(pre))
         return handles
 
@@ -389,6 +411,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._dev_opt.step()
         if self._slots:
             self._client.step_end()
+            if self._inflight_fifo:
+                self._reap()
             for s in self._slots:
                 s.count, s.final, s.held = 0, False, None
                 if not s.covered:
@@ -412,6 +436,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     else:
                         p.grad.requires_grad_(False)
                     p.grad.zero_()
+        if self._inflight_fifo:
+            self._reap()
 
     def synchronize(self):
         """Host barrier: every update has landed in the parameters."""

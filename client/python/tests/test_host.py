@@ -130,6 +130,7 @@ def main():
             c.step_end()
             res = c.sync()
             check(res.step == step, "sync step %d, got %d" % (step, res.step))
+            check(all(c.grad_pending(i) == 0 for i in range(len(specs))), "copies pending after sync")
             check(not res.nonfinite, "step %d nonfinite" % step)
             expected = 3 if step == 4 else 4
             check(res.tensors_updated == expected, "step %d: tensors_updated %d, expected %d"
@@ -154,6 +155,11 @@ def main():
             check(False, "push to tensor 99 did not fail")
         except IndexError:
             pass
+        try:
+            c.grad_pending(99)
+            check(False, "grad_pending(99) did not fail")
+        except aoq.AoqError as e:
+            check(e.errno == errno.EINVAL, "grad_pending error: %s" % e)
         try:
             c._lib.aoq_push_grad(c._h, 99, 0, None)
             aoq._lib.check(c._lib.aoq_push_grad(c._h, 99, 0, None), "push")
