@@ -139,6 +139,7 @@ struct aoqd_session {
 	_Atomic uint64_t inflight[2];   /* jobs per step parity */
 	_Atomic uint64_t outstanding;   /* jobs accepted, record not yet posted */
 	uint64_t accepted[2];           /* records accepted per step parity */
+	uint64_t arrivals;              /* records accepted, ever: the order of the pool keys */
 	pthread_mutex_t step_lock;      /* guards the per-step sums and lists below */
 	double sumsq[2];
 	bool nonfinite[2];

@@ -52,6 +52,7 @@ struct aoqd_job {
 	bool opens_step; /* this record counted the tensor's step (a tensor may come in pieces) */
 	bool ends_tensor; /* this record completed the tensor's gradient */
 	bool use_acc;
+	uint64_t arrival; /* the session's record count when it came */
 	const uint8_t *grad; /* element rec.offset */
 	uint8_t *param;
 	uint64_t seed;
@@ -221,12 +222,14 @@ static void job_submit(struct aoqd_job *j)
 		j->chunks[i].task.next = i + 1 < n ? &j->chunks[i + 1].task : NULL;
 		j->chunks[i].rep = (struct aoqk_report){ 0 };
 	}
-	/* The next forward's order: earlier steps, then earlier tensors (the
-	 * client registers them in forward order), then earlier pieces. */
-	uint64_t piece = j->rec.offset >> 8;
+	/* Earlier steps first.  Within a step, the newest record first: the
+	 * gradients come in backward order, so what is left when backward ends
+	 * is done in the next forward's order, first layer first.  With the
+	 * delayed update the next user of an update is the next step's push
+	 * of the same tensor, in backward order: there, the oldest first. */
 	struct aoqd_key key = {
 		.hi = j->rec.step,
-		.lo = (uint64_t)j->rec.tensor << 32 | (piece > UINT32_MAX ? UINT32_MAX : piece),
+		.lo = j->s->delayed ? j->arrival : UINT64_MAX - j->arrival,
 	};
 	aoqd_pool_submit(j->s->srv->pool, &j->s->queue, key, &j->chunks[0].task, &j->chunks[n - 1].task, n);
 }
@@ -339,6 +342,7 @@ static bool accept_record(struct aoqd_session *s, const struct aoq_rec *r)
 	j->param = s->arena + param_off + first * aoqk_dtype_size(t->param_dtype);
 	j->seed = s->seed; /* the kernel mixes in the tensor's step: a restored session continues alike */
 	j->t0 = aoqd_now_ns();
+	j->arrival = s->arrivals++;
 	j->nchunks = n;
 	for (uint32_t i = 0; i < n; i++) {
 		struct chunk *c = &j->chunks[i];

@@ -8,10 +8,11 @@
  * Within a session's queue, tasks run in the order of their keys, not of
  * their arrival: a job's chunks are submitted as one chain with one key, and
  * the chain with the smallest key goes first (equal keys: first come, first
- * served).  The data plane keys a job by (step, tensor, offset): gradients
- * arrive in backward order, last layer first, but the next forward needs
- * the first layer first, so the update of a layer that forward needs sooner
- * overtakes the ones queued before it.
+ * served).  The data plane keys a job by step, then newest first
+ * (dataplane.c, job_submit): gradients arrive in backward order, last
+ * layer first, but the next forward needs the first layer first, so the
+ * update of a layer that forward needs sooner overtakes the ones queued
+ * before it.
  */
 #ifndef AOQD_POOL_H
 #define AOQD_POOL_H

@@ -93,6 +93,13 @@ def peak_bytes(device):
     return m.max_memory_allocated()
 
 
+def allocated(device):
+    m = dev_mod(device)
+    if torch.device(device).type == "cpu" or not hasattr(m, "memory_allocated"):
+        return 0
+    return m.memory_allocated()
+
+
 def reset_peak(device):
     m = dev_mod(device)
     if torch.device(device).type != "cpu" and hasattr(m, "reset_peak_memory_stats"):
@@ -158,6 +165,7 @@ def run_mode(mode, args, socket):
     gen = torch.Generator().manual_seed(1)
     data = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen).to(dev) for _ in range(4)]
     times, losses = [], []
+    mem_fwd = mem_bwd = 0   # allocated after the loss (activations) and after backward (gradients)
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             synchronize(dev)
@@ -165,7 +173,9 @@ def run_mode(mode, args, socket):
         t0 = time.perf_counter()
         for k in range(args.grad_accum):
             loss = loss_of(fwd, data[(step * args.grad_accum + k) % len(data)], args.amp)
+            mem_fwd = max(mem_fwd, allocated(dev))
             (loss / args.grad_accum).backward()
+            mem_bwd = max(mem_bwd, allocated(dev))
         opt.step()
         opt.zero_grad(set_to_none=True)
         synchronize(dev)   # step time as the trainer sees it (the next forward's waits are in it)
@@ -173,7 +183,14 @@ def run_mode(mode, args, socket):
         losses.append(loss.item())
         print("#   step %d: %.3f s" % (step, times[-1]), file=sys.stderr, flush=True)
     peak = peak_bytes(dev)
-    floor = pcie_floor(model, dev) if mode == "gpu-adamw" or args.mode != "all" else None
+    floor = pcie_floor(model, dev) if mode == "gpu-adamw" else None
+    # what the on-device optimizer keeps on the device: its gradients and state
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    state_bytes = 0
+    if mode == "gpu-adamw":
+        for st in opt.state.values():
+            state_bytes += sum(v.numel() * v.element_size() for v in st.values()
+                               if torch.is_tensor(v) and v.device.type != "cpu")
     if hasattr(opt, "close"):
         opt.close()
     del opt, model, fwd, data
@@ -182,7 +199,26 @@ def run_mode(mode, args, socket):
         torch.cuda.empty_cache()
     st = sorted(times[args.warmup:])
     return dict(mode=mode, params=nparams, step_s=st[len(st) // 2], step_min_s=st[0], peak_gib=peak / 2 ** 30,
-                pcie_floor_s=floor, loss=losses[-1])
+                pcie_floor_s=floor, loss=losses[-1], grad_gib=grad_bytes / 2 ** 30, state_gib=state_bytes / 2 ** 30,
+                after_loss_gib=mem_fwd / 2 ** 30, after_backward_gib=mem_bwd / 2 ** 30,
+                times=times)
+
+
+def run_child(mode, args, socket):
+    """One mode in a fresh process: its peak device memory is its own."""
+    import subprocess
+    argv = [sys.executable, os.path.abspath(__file__), "--child", "--mode", mode]
+    skip = {"mode", "spawn_daemon", "json", "child", "socket", "in_process", "attach"}
+    for k, v in vars(args).items():
+        if k in skip or v is None or v is False:
+            continue
+        flag = "--" + k.replace("_", "-")
+        argv += [flag] if v is True else [flag, str(v)]
+    argv.append("--attach" if args.attach else "--no-attach")
+    if socket:
+        argv += ["--socket", socket]
+    out = subprocess.run(argv, stdout=subprocess.PIPE, check=True).stdout.decode()
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def main():
@@ -209,7 +245,12 @@ def main():
     ap.add_argument("--spawn-daemon", action="store_true", help="start a private aoqd ($AOQD or the build tree)")
     ap.add_argument("--daemon-threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--in-process", action="store_true", help="every mode in this process (default: one each)")
     args = ap.parse_args()
+    if args.child:
+        print(json.dumps(run_mode(args.mode, args, args.socket)))
+        return
 
     daemon = None
     socket = args.socket
@@ -221,19 +262,27 @@ def main():
     results = []
     try:
         for m in modes:
-            r = run_mode(m, args, socket)
+            r = run_mode(m, args, socket) if args.in_process or len(modes) == 1 else run_child(m, args, socket)
             results.append(r)
-            print("%-16s params %.3fB  step %.3f s (min %.3f)  peak %.2f GiB  loss %.4f%s" % (
-                m, r["params"] / 1e9, r["step_s"], r["step_min_s"], r["peak_gib"], r["loss"],
+            print("%-16s params %.3fB  step %.3f s (min %.3f)  peak %.2f GiB (allocated after the loss %.2f, "
+                  "after backward %.2f)  loss %.4f%s" % (
+                m, r["params"] / 1e9, r["step_s"], r["step_min_s"], r["peak_gib"], r["after_loss_gib"],
+                r["after_backward_gib"], r["loss"],
                 "  PCIe floor %.3f s" % r["pcie_floor_s"] if r["pcie_floor_s"] else ""), flush=True)
     finally:
         if daemon is not None:
             daemon.stop()
     base = next((r for r in results if r["mode"] == "gpu-adamw"), None)
     if base:
+        # the issue's memory target: the on-device peak less the gradients and
+        # the optimizer state (the staging window is what aoq adds back)
+        target = base["peak_gib"] - base["grad_gib"] - base["state_gib"]
+        print("on-device AdamW: peak %.2f GiB = gradients %.2f + optimizer state %.2f + the rest; "
+              "peak less both %.2f GiB" % (base["peak_gib"], base["grad_gib"], base["state_gib"], target))
         for r in results:
-            print("%-16s %.2fx on-device AdamW step, peak %+.2f GiB" % (r["mode"], r["step_s"] / base["step_s"],
-                                                                      r["peak_gib"] - base["peak_gib"]))
+            print("%-16s %.2fx on-device AdamW step, peak %+.2f GiB (%+.2f vs the peak less gradients and state)"
+                  % (r["mode"], r["step_s"] / base["step_s"], r["peak_gib"] - base["peak_gib"],
+                     r["peak_gib"] - target))
     if args.json:
         print(json.dumps(dict(args=vars(args), results=results)))
 
