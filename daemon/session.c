@@ -91,8 +91,8 @@ void aoqd_session_free_state(struct aoqd_session *s)
 static uint64_t state_len(enum aoqk_precision p, uint64_t n, uint64_t off[5])
 {
 	uint64_t blocks = (n + AOQK_Q8_BLOCK - 1) / AOQK_Q8_BLOCK;
-	uint64_t master = n * (aoqk_precision_bf16_master(p) ? 2 : 4);
-	uint64_t mom = n * (aoqk_precision_q8(p) ? 1 : 4);
+	uint64_t master = n * aoqk_master_size(p);
+	uint64_t mom = n * aoqk_moment_size(p);
 	uint64_t scale = aoqk_precision_q8(p) ? blocks * 4 : 0;
 	uint64_t o = 0;
 	off[0] = o; o = aoq_align_up(o + master, 64);
@@ -160,7 +160,7 @@ void aoqd_on_register(struct aoqd_session *s, const Aoq__Register *m)
 	const struct aoqd_config *cfg = &s->srv->cfg;
 	char why[256];
 	if (!s->reg_started) {
-		if (m->precision < 0 || m->precision > AOQ__STATE_PRECISION__STATE_BF16_Q8)
+		if (m->precision < 0 || m->precision > AOQ__STATE_PRECISION__STATE_BF16_ALL)
 			{ FAIL(s, INVALID, "unknown state precision %d", (int)m->precision); return; }
 		s->precision = m->precision;
 		s->window = m->window;
@@ -615,6 +615,11 @@ static void state_io(struct aoqd_tensor *t, int what, bool load, float *buf, uin
 			aoqd_q8_encode(mom, scale, buf, second, e, n);
 		else
 			aoqd_q8_decode(buf, mom, scale, second, e, n);
+	} else if (aoqk_precision_bf16_moments(t->st.precision)) {
+		if (load)
+			aoqd_from_f32((uint16_t *)mom + e, AOQK_BF16, buf, n);
+		else
+			aoqd_to_f32(buf, (uint16_t *)mom + e, AOQK_BF16, n);
 	} else if (load) {
 		memcpy((float *)mom + e, buf, n * sizeof(float));
 	} else {

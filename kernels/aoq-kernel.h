@@ -37,6 +37,7 @@ enum aoqk_precision {
 	AOQK_STATE_Q8 = 1,      /* fp32 master, q8 m and v */
 	AOQK_STATE_BF16 = 2,    /* bf16 master (stochastic rounding), fp32 m, v */
 	AOQK_STATE_BF16_Q8 = 3, /* bf16 master (stochastic rounding), q8 m, v */
+	AOQK_STATE_BF16_ALL = 4, /* bf16 master, m and v (all stochastic rounding) */
 };
 
 /* q8 moments are quantized in blocks of this many elements, one fp32 scale
@@ -55,7 +56,23 @@ static inline bool aoqk_precision_q8(enum aoqk_precision p)
 
 static inline bool aoqk_precision_bf16_master(enum aoqk_precision p)
 {
-	return p == AOQK_STATE_BF16 || p == AOQK_STATE_BF16_Q8;
+	return p == AOQK_STATE_BF16 || p == AOQK_STATE_BF16_Q8 || p == AOQK_STATE_BF16_ALL;
+}
+
+static inline bool aoqk_precision_bf16_moments(enum aoqk_precision p)
+{
+	return p == AOQK_STATE_BF16_ALL;
+}
+
+/* Bytes per element of the master and of each moment. */
+static inline size_t aoqk_master_size(enum aoqk_precision p)
+{
+	return aoqk_precision_bf16_master(p) ? 2 : 4;
+}
+
+static inline size_t aoqk_moment_size(enum aoqk_precision p)
+{
+	return aoqk_precision_q8(p) ? 1 : aoqk_precision_bf16_moments(p) ? 2 : 4;
 }
 
 /* Hyperparameters of one update, fixed for the whole step. */

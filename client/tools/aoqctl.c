@@ -114,6 +114,7 @@ static const char *precision_name(int p)
 	case AOQ__STATE_PRECISION__STATE_Q8: return "q8";
 	case AOQ__STATE_PRECISION__STATE_BF16: return "bf16";
 	case AOQ__STATE_PRECISION__STATE_BF16_Q8: return "bf16-q8";
+	case AOQ__STATE_PRECISION__STATE_BF16_ALL: return "bf16-all";
 	default: return "unknown";
 	}
 }

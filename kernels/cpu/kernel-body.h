@@ -155,7 +155,8 @@ static AOQK_ALWAYS_INLINE void vstep(const struct kvec kc, const struct kptrs *p
                                      vf *mx_u)
 {
 	const int q8 = prec == AOQK_STATE_Q8 || prec == AOQK_STATE_BF16_Q8;
-	const int bfm = prec == AOQK_STATE_BF16 || prec == AOQK_STATE_BF16_Q8;
+	const int bfm = prec == AOQK_STATE_BF16 || prec == AOQK_STATE_BF16_Q8 || prec == AOQK_STATE_BF16_ALL;
+	const int bfmom = prec == AOQK_STATE_BF16_ALL;
 	vf g = load_grad(p->grad, j, gd);
 	vf pw, m, v, u;
 
@@ -184,6 +185,9 @@ static AOQK_ALWAYS_INLINE void vstep(const struct kvec kc, const struct kptrs *p
 		m = q8_m_decode((const int8_t *)p->m + j, sm);
 		u = q8_u_decode((const uint8_t *)p->v + j, su);
 		v = vf_mul(u, u);
+	} else if (bfmom) {
+		m = vh_bf16_to_f(vh_loadu((const uint16_t *)p->m + j));
+		v = vh_bf16_to_f(vh_loadu((const uint16_t *)p->v + j));
 	} else {
 		m = vf_loadu((const float *)p->m + j);
 		v = vf_loadu((const float *)p->v + j);
@@ -211,18 +215,26 @@ static AOQK_ALWAYS_INLINE void vstep(const struct kvec kc, const struct kptrs *p
 		vf_storeu(bu, u);
 		*mx_m = vf_max(vf_abs(m), *mx_m);
 		*mx_u = vf_max(vf_abs(u), *mx_u);
-	} else {
+	} else if (!bfmom) {
 		vf_storeu((float *)p->m + j, m);
 		vf_storeu((float *)p->v + j, v);
 	}
 
 	/* one hash per element: bits 16..31 round the bf16 master, bits 0..15
-	 * the two q8 codes (in q8_encode, through hb) */
+	 * the two q8 codes (in q8_encode, through hb) or the two bf16 moments
+	 * (8 random bits each, the rest of the 16 at one half: P(up) within
+	 * 2^-9 of exact) */
 	vi h = vi_zero();
 	if ((q8 || bfm) && !AOQK_DROP_HASH)
 		h = sr_hash(kc.srkey, gi);
 	if (q8)
 		vi_storeu(hb, h);
+	if (bfmom) {
+		vi rm = vi_or(vi_slli(vi_and(h, vi_set1(0xffu)), 8), vi_set1(0x80u));
+		vi rv = vi_or(vi_and(h, vi_set1(0xff00u)), vi_set1(0x80u));
+		vh_storeu((uint16_t *)p->m + j, vi_to_vh(sr_bf16(m, rm)));
+		vh_storeu((uint16_t *)p->v + j, vi_to_vh(sr_bf16(v, rv)));
+	}
 	if (bfm) {
 		vi s = sr_bf16(pw, vi_srli(h, 16));
 		vh sh = vi_to_vh(s);
@@ -277,11 +289,11 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
                                          const int prec, const int gd, const int pd, const int nt)
 {
 	const int q8 = prec == AOQK_STATE_Q8 || prec == AOQK_STATE_BF16_Q8;
-	const int bfm = prec == AOQK_STATE_BF16 || prec == AOQK_STATE_BF16_Q8;
+	const int bfm = prec == AOQK_STATE_BF16 || prec == AOQK_STATE_BF16_Q8 || prec == AOQK_STATE_BF16_ALL;
 	const struct ksizes sz = {
 		.g = gd == AOQK_FP32 ? 4 : 2,
 		.master = bfm ? 2 : 4,
-		.mom = q8 ? 1 : 4,
+		.mom = q8 ? 1 : prec == AOQK_STATE_BF16_ALL ? 2 : 4,
 	};
 	const size_t psz = pd == PD_FP32 ? 4 : 2;
 	const size_t b0 = c->begin;
@@ -461,7 +473,8 @@ static void k_accumulate(float *acc, const void *grad, enum aoqk_dtype gd, float
 #define RUN_CASES_PG(P, G, NT) \
 	RUN_CASE(P, G, 0, NT) RUN_CASE(P, G, 1, NT) RUN_CASE(P, G, 2, NT) RUN_CASE(P, G, 3, NT)
 #define RUN_CASES_P(P, NT) RUN_CASES_PG(P, 0, NT) RUN_CASES_PG(P, 1, NT) RUN_CASES_PG(P, 2, NT)
-#define RUN_CASES(NT) RUN_CASES_P(0, NT) RUN_CASES_P(1, NT) RUN_CASES_P(2, NT) RUN_CASES_P(3, NT)
+#define RUN_CASES(NT) \
+	RUN_CASES_P(0, NT) RUN_CASES_P(1, NT) RUN_CASES_P(2, NT) RUN_CASES_P(3, NT) RUN_CASES_P(4, NT)
 
 static AOQK_ALWAYS_INLINE int adam_common(const struct aoqk_hparams *hp, const struct aoqk_state *st,
                                           const struct aoqk_chunk *c, struct aoqk_report *rep,

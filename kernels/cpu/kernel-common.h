@@ -114,7 +114,7 @@ static inline int aoqk_check(const struct aoqk_hparams *hp, const struct aoqk_st
 {
 	if (!hp || !st || !c || !rep)
 		return -EINVAL;
-	if ((unsigned)st->precision > AOQK_STATE_BF16_Q8)
+	if ((unsigned)st->precision > AOQK_STATE_BF16_ALL)
 		return -EINVAL;
 	if (!aoqk_dtype_ok(c->grad_dtype) || (c->param && !aoqk_dtype_ok(c->param_dtype)))
 		return -EINVAL;

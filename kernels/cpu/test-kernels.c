@@ -219,14 +219,15 @@ static void tbuf_alloc(struct tbuf *b, const struct tcase *t)
 	size_t n = t->n ? t->n : 1;
 	b->n = t->n;
 	b->nb = (n + AOQK_Q8_BLOCK - 1) / AOQK_Q8_BLOCK;
-	int q8 = aoqk_precision_q8(t->prec), bfm = aoqk_precision_bf16_master(t->prec);
+	int bfm = aoqk_precision_bf16_master(t->prec);
 	/* every array off elements past a cache line: aligned to its element,
 	 * not to any vector */
 	b->grad = xalloc(n * 4, t->off * gsize(t->gd), &b->raw[0]);
 	b->param = xalloc(n * 4, t->off * (t->pd == AOQK_FP32 ? 4 : 2), &b->raw[1]);
+	size_t ms = aoqk_moment_size(t->prec);
 	b->master = xalloc(n * (bfm ? 2 : 4), t->off * (bfm ? 2 : 4), &b->raw[2]);
-	b->m = xalloc(n * (q8 ? 1 : 4), t->off * (q8 ? 1 : 4), &b->raw[3]);
-	b->v = xalloc(n * (q8 ? 1 : 4), t->off * (q8 ? 1 : 4), &b->raw[4]);
+	b->m = xalloc(n * ms, t->off * ms, &b->raw[3]);
+	b->v = xalloc(n * ms, t->off * ms, &b->raw[4]);
 	b->acc = xalloc(n * 4, t->off * 4, &b->raw[5]);
 	b->ms = xalloc(b->nb * 4, 0, &b->raw[6]);
 	b->vs = xalloc(b->nb * 4, 0, &b->raw[7]);
@@ -241,12 +242,13 @@ static void tbuf_free(struct tbuf *b)
 static void tbuf_copy(struct tbuf *d, const struct tbuf *s, const struct tcase *t)
 {
 	size_t n = t->n;
-	int q8 = aoqk_precision_q8(t->prec), bfm = aoqk_precision_bf16_master(t->prec);
+	int bfm = aoqk_precision_bf16_master(t->prec);
+	size_t ms = aoqk_moment_size(t->prec);
 	memcpy(d->grad, s->grad, n * 4);
 	memcpy(d->param, s->param, n * 4);
 	memcpy(d->master, s->master, n * (bfm ? 2 : 4));
-	memcpy(d->m, s->m, n * (q8 ? 1 : 4));
-	memcpy(d->v, s->v, n * (q8 ? 1 : 4));
+	memcpy(d->m, s->m, n * ms);
+	memcpy(d->v, s->v, n * ms);
 	memcpy(d->acc, s->acc, n * 4);
 	memcpy(d->ms, s->ms, s->nb * 4);
 	memcpy(d->vs, s->vs, s->nb * 4);
@@ -257,8 +259,9 @@ static int tbuf_equal(const struct tbuf *a, const struct tbuf *b, const struct t
 {
 	size_t n = t->n;
 	int q8 = aoqk_precision_q8(t->prec), bfm = aoqk_precision_bf16_master(t->prec);
+	size_t ms = aoqk_moment_size(t->prec);
 	if (memcmp(a->master, b->master, n * (bfm ? 2 : 4)) ||
-	    memcmp(a->m, b->m, n * (q8 ? 1 : 4)) || memcmp(a->v, b->v, n * (q8 ? 1 : 4)) ||
+	    memcmp(a->m, b->m, n * ms) || memcmp(a->v, b->v, n * ms) ||
 	    memcmp(a->acc, b->acc, n * 4) || (q8 && (memcmp(a->ms, b->ms, a->nb * 4) ||
 	                                             memcmp(a->vs, b->vs, a->nb * 4))))
 		return 0;
@@ -344,8 +347,14 @@ static void fill_state(struct tbuf *b, const struct tcase *t)
 			double gm = t->wide ? wide_float() * 0.1 : nrand() * 0.01;
 			if (fabs(gm) > 1e15)
 				gm *= 1e-15;
-			((float *)b->m)[i] = (float)gm;
-			((float *)b->v)[i] = (float)(gm * gm * (1.0 + urand()));
+			float fm = (float)gm, fv = (float)(gm * gm * (1.0 + urand()));
+			if (aoqk_precision_bf16_moments(t->prec)) {
+				((uint16_t *)b->m)[i] = bf16_rne_ref(fm);
+				((uint16_t *)b->v)[i] = bf16_rne_ref(fv);
+			} else {
+				((float *)b->m)[i] = fm;
+				((float *)b->v)[i] = fv;
+			}
 		}
 		((float *)b->acc)[i] = t->use_acc ? (float)(nrand() * 0.01) : 0.0f;
 		fill_grad(b, t, i, 0.01);
@@ -426,6 +435,9 @@ static struct ref ref_elem(const struct tcase *t, const struct tbuf *b0, size_t 
 		m = (double)qm * abs(qm) / 16129.0 * b0->ms[blk];
 		double u = (double)qv * qv / 65025.0 * b0->vs[blk];
 		v = u * u;
+	} else if (aoqk_precision_bf16_moments(t->prec)) {
+		m = bf16_val(((const uint16_t *)b0->m)[i]);
+		v = bf16_val(((const uint16_t *)b0->v)[i]);
 	} else {
 		m = ((const float *)b0->m)[i];
 		v = ((const float *)b0->v)[i];
@@ -511,17 +523,20 @@ static void check_case(const struct tcase *t, const struct tbuf *b0, const struc
 			      tag, i, p_new, r.p, r.upd, r.g, r.m0, r.m, r.v, p_dec, t->hp.lr, t->hp.weight_decay, t->hp.beta1, t->hp.beta2, t->hp.eps,
 			      (unsigned long long)t->hp.step);
 		}
-		/* moments */
+		/* moments (bf16: stochastically rounded, within one bf16 ulp) */
 		if (!q8) {
-			double m = ((const float *)b->m)[i], v = ((const float *)b->v)[i];
+			int bmo = aoqk_precision_bf16_moments(t->prec);
+			double m = bmo ? bf16_val(((const uint16_t *)b->m)[i]) : ((const float *)b->m)[i];
+			double v = bmo ? bf16_val(((const uint16_t *)b->v)[i]) : ((const float *)b->v)[i];
 			double g2 = r.ge * r.ge;
-			if (!(fabs(m - r.m) <= 2e-6 * (fabs(r.m) + fabs(r.m0) + fabs(r.ge)) + w1 * r.eg + 1e-44)) {
+			double um = bmo ? bf16_ulp(r.m) : 0, uv = bmo ? bf16_ulp(r.v) : 0;
+			if (!(fabs(m - r.m) <= 2e-6 * (fabs(r.m) + fabs(r.m0) + fabs(r.ge)) + w1 * r.eg + 1e-44 + um)) {
 				bad++;
 				CHECK(0, "%s: m[%zu]=%.9g ref %.9g", tag, i, m, r.m);
 			}
 			if (r.v_overflow ? !isinf(v)
 			                 : !(fabs(v - r.v) <= 2e-6 * (r.v + g2 * w2) +
-			                                          2 * w2 * fabs(r.ge) * r.eg + 1e-44)) {
+			                                          2 * w2 * fabs(r.ge) * r.eg + 1e-44 + uv)) {
 				bad++;
 				CHECK(0, "%s: v[%zu]=%.9g ref %.9g", tag, i, v, r.v);
 			}
@@ -788,7 +803,7 @@ static int test_numerics(void)
 	size_t ncases = 0;
 
 	for (size_t li = 0; li < sizeof(lens) / sizeof(lens[0]); li++) {
-		for (int prec = 0; prec < 4; prec++)
+		for (int prec = 0; prec <= AOQK_STATE_BF16_ALL; prec++)
 			for (int gd = 0; gd < 3; gd++)
 				for (int pd = 0; pd < 4; pd++) {
 					/* the long length once per combination, the
@@ -812,7 +827,7 @@ static int test_numerics(void)
 	}
 	for (size_t vi = 0; vi < nrunnable; vi++) {
 		const struct aoqk_kernel *k = runnable[vi].k;
-		for (int prec = 0; prec < 4; prec++)
+		for (int prec = 0; prec <= AOQK_STATE_BF16_ALL; prec++)
 			for (int gd = 0; gd < 3; gd++)
 				nonfinite_case(k, (enum aoqk_precision)prec, (enum aoqk_dtype)gd, prec & 1);
 		for (int gd = 0; gd < 3; gd++)
@@ -847,8 +862,8 @@ static double quad_run(const struct aoqk_kernel *k, enum aoqk_precision prec, ui
 	uint64_t save = rng_state;
 
 	tbuf_alloc(&b, &t);
-	memset(b.m, 0, n * (aoqk_precision_q8(prec) ? 1 : 4));
-	memset(b.v, 0, n * (aoqk_precision_q8(prec) ? 1 : 4));
+	memset(b.m, 0, n * aoqk_moment_size(prec));
+	memset(b.v, 0, n * aoqk_moment_size(prec));
 	memset(b.ms, 0, b.nb * 4);
 	memset(b.vs, 0, b.nb * 4);
 	rng_state = seed;
@@ -931,7 +946,7 @@ static void sr_bias(const struct aoqk_kernel *k)
 static int test_convergence(void)
 {
 	const struct aoqk_kernel *k = aoqk_select(NULL);
-	static const char *names[] = { "fp32", "q8", "bf16", "bf16_q8" };
+	static const char *names[] = { "fp32", "q8", "bf16", "bf16_q8", "bf16_all" };
 	/* noise 1: the optimizer's own noise floor dominates, every precision
 	 * must end within 2% of fp32.  noise 0.1: bf16 parameters' resolution
 	 * floor (README.md: about 2% here at lr 0.05, 11% at lr 0.01) is of
@@ -949,7 +964,7 @@ static int test_convergence(void)
 		double base = quad_run(k, AOQK_STATE_FP32, seed);
 		printf("noisy quadratic (noise %.2g), %s, 2000 steps: fp32 tail loss %.6g\n", qnoise,
 		       k->name, base);
-		for (int p = 1; p < 4; p++) {
+		for (int p = 1; p <= AOQK_STATE_BF16_ALL; p++) {
 			double l = quad_run(k, (enum aoqk_precision)p, seed);
 			double rel = (l - base) / base;
 			int held = si == 0 || p == AOQK_STATE_Q8;

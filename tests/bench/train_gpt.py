@@ -224,7 +224,7 @@ def run_child(mode, args, socket):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", help="cuda | xpu | cpu (or cuda:N)")
-    ap.add_argument("--mode", default="all", choices=MODES + ["all"])
+    ap.add_argument("--mode", default="all", help="all, or modes separated by commas: " + ", ".join(MODES))
     ap.add_argument("--amp", action="store_true", help="bf16 autocast with fp32 parameters (default: full bf16)")
     ap.add_argument("--fp32-master", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--compile", action="store_true", help="torch.compile the model")
@@ -254,7 +254,10 @@ def main():
 
     daemon = None
     socket = args.socket
-    modes = MODES if args.mode == "all" else [args.mode]
+    modes = MODES if args.mode == "all" else args.mode.split(",")
+    for m in modes:
+        if m not in MODES:
+            ap.error("unknown mode %r" % m)
     if any(m.startswith("aoq") for m in modes) and args.spawn_daemon:
         import aoq
         daemon = aoq.Daemon(threads=args.daemon_threads)

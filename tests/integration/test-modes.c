@@ -242,13 +242,13 @@ static void test_window(const char *sock)
 
 /*
  * Checkpoint: read master, moments and step counters from session A, load
- * them into a fresh session B with the same seed, train both on: fp32 and
- * bf16-master states continue bit for bit; q8 moments come back within
+ * them into a fresh session B with the same seed, train both on: fp32,
+ * bf16-master and all-bf16 states continue bit for bit; q8 moments come back within
  * their code spacing and the parameters stay close.
  */
 static void test_restore(const char *sock, enum aoq_precision prec)
 {
-	static const char *const names[] = { "fp32", "q8", "bf16", "bf16+q8" };
+	static const char *const names[] = { "fp32", "q8", "bf16", "bf16+q8", "bf16-all" };
 	struct aoq_options o = AOQ_OPTIONS_INIT;
 	o.precision = prec;
 	o.seed = 0x1234567;
@@ -301,7 +301,7 @@ static void test_restore(const char *sock, enum aoq_precision prec)
 		CHECK_OK(aoq_sync(b.c, NULL));
 	}
 	for (int t = 0; t < NT; t++) {
-		if (prec == AOQ_STATE_FP32 || prec == AOQ_STATE_BF16) {
+		if (prec == AOQ_STATE_FP32 || prec == AOQ_STATE_BF16 || prec == AOQ_STATE_BF16_ALL) {
 			CHECK(memcmp(a.param[t], b.param[t], sizes[t] * 4) == 0, "%s: tensor %d differs after restore",
 			      names[prec], t);
 		} else {
@@ -327,7 +327,7 @@ int main(int argc, char **argv)
 	test_skip(d.socket);
 	test_delayed(d.socket);
 	test_window(d.socket);
-	for (int p = AOQ_STATE_FP32; p <= AOQ_STATE_BF16_Q8; p++)
+	for (int p = AOQ_STATE_FP32; p <= AOQ_STATE_BF16_ALL; p++)
 		test_restore(d.socket, (enum aoq_precision)p);
 	CHECK(aoqt_daemon_stop(&d, 10000, true) == 0, "aoqd did not exit cleanly");
 	return 0;

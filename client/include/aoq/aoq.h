@@ -66,6 +66,7 @@ enum aoq_precision {
 	AOQ_STATE_Q8 = 1,      /* fp32 master, 8-bit blockwise m, v */
 	AOQ_STATE_BF16 = 2,    /* bf16 master with stochastic rounding, fp32 m, v */
 	AOQ_STATE_BF16_Q8 = 3, /* bf16 master, 8-bit m, v */
+	AOQ_STATE_BF16_ALL = 4, /* bf16 master, m, v: 6 bytes per parameter */
 };
 
 /* Flags of aoq_push_grad(). */

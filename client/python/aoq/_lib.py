@@ -28,7 +28,7 @@ FP32, BF16, FP16 = 0, 1, 2
 # enum aoq_optimizer
 ADAMW, ADAM = 0, 1
 # enum aoq_precision
-STATE_FP32, STATE_Q8, STATE_BF16, STATE_BF16_Q8 = 0, 1, 2, 3
+STATE_FP32, STATE_Q8, STATE_BF16, STATE_BF16_Q8, STATE_BF16_ALL = 0, 1, 2, 3, 4
 # push flags
 PUSH_ACCUMULATE = 1 << 0
 # read_state / load_state `what`

@@ -15,7 +15,8 @@ from ._lib import AoqError, check
 DTYPES = {"fp32": _lib.FP32, "float32": _lib.FP32, "bf16": _lib.BF16, "bfloat16": _lib.BF16,
           "fp16": _lib.FP16, "float16": _lib.FP16}
 PRECISIONS = {"fp32": _lib.STATE_FP32, "q8": _lib.STATE_Q8, "bf16": _lib.STATE_BF16,
-              "bf16-q8": _lib.STATE_BF16_Q8, "bf16_q8": _lib.STATE_BF16_Q8}
+              "bf16-q8": _lib.STATE_BF16_Q8, "bf16_q8": _lib.STATE_BF16_Q8,
+              "bf16-all": _lib.STATE_BF16_ALL, "bf16_all": _lib.STATE_BF16_ALL}
 KINDS = {"adamw": _lib.ADAMW, "adam": _lib.ADAM}
 WHAT = {"master": _lib.MASTER, "param": _lib.MASTER, "exp_avg": _lib.EXP_AVG, "exp_avg_sq": _lib.EXP_AVG_SQ}
 _SIZE = {_lib.FP32: 4, _lib.BF16: 2, _lib.FP16: 2}

@@ -30,8 +30,10 @@ from .client import Client
 __all__ = ["OffloadOptimizer"]
 
 _AOQ_DTYPE = {torch.float32: _lib.FP32, torch.bfloat16: _lib.BF16, torch.float16: _lib.FP16}
-_PRECISION = {("fp32", None): _lib.STATE_FP32, ("q8", None): _lib.STATE_Q8,
-              ("fp32", "bf16"): _lib.STATE_BF16, ("q8", "bf16"): _lib.STATE_BF16_Q8}
+# (moments, master) -> the daemon's state precision; moments None: the master's dtype
+_PRECISION = {("fp32", None): _lib.STATE_FP32, ("q8", None): _lib.STATE_Q8, (None, None): _lib.STATE_FP32,
+              ("fp32", "bf16"): _lib.STATE_BF16, ("q8", "bf16"): _lib.STATE_BF16_Q8,
+              ("bf16", "bf16"): _lib.STATE_BF16_ALL, (None, "bf16"): _lib.STATE_BF16_ALL}
 
 
 class _Slot:
@@ -68,8 +70,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
     device: the aoq device ("cuda:0", "cpu", "xpu:0") when not the
     parameters'; copy_mode: "native" (libaoq copies with the CUDA backend or
     host memory) or "framework" (torch copies through pinned host buffers;
-    default for devices libaoq cannot drive).  state_precision "fp32"|"q8",
-    master_dtype None|"bf16" (bf16 master with stochastic rounding).
+    default for devices libaoq cannot drive).  master_dtype None|"bf16"
+    (bf16 master with stochastic rounding); state_precision, the moments:
+    None (the master's dtype: fp32, or with master_dtype="bf16" bf16, the
+    all-bf16 state of torchao's full-bf16 offload, 6 bytes per parameter),
+    "fp32", "q8" (blockwise 8-bit), "bf16" (with master_dtype="bf16" only).
     max_grad_norm / skip_nonfinite: global clipping and step skipping in the
     daemon (every parameter is then offloaded, so the norm is global).
     delayed_update: ZeRO-Offload's DPU (parameters one step stale); call
@@ -77,7 +82,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params, optimizer_class=torch.optim.AdamW, *, offload_gradients=False, minimal_size=4096,
-                 device=None, socket=None, state_precision="fp32", master_dtype=None, max_grad_norm=None,
+                 device=None, socket=None, state_precision=None, master_dtype=None, max_grad_norm=None,
                  delayed_update=False, skip_nonfinite=False, grad_accumulation_steps=None, copy_mode=None,
                  seed=0, job=None, rank=None, model=None, **kwargs):
         if optimizer_class is torch.optim.AdamW or getattr(optimizer_class, "__name__", "") == "AdamW":
@@ -93,7 +98,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             raise ValueError("master_dtype must be None/'fp32' or 'bf16'")
         master = "bf16" if master_dtype in ("bf16", torch.bfloat16) else None
         if (state_precision, master) not in _PRECISION:
-            raise ValueError("state_precision must be 'fp32' or 'q8'")
+            raise ValueError("state_precision must be None, 'fp32', 'q8', or 'bf16' with master_dtype='bf16'")
         self._kind = kind
         self._optimizer_class = optimizer_class
         self._dev_kwargs = dict(kwargs)
