@@ -14,16 +14,7 @@
 
 #include "pool.h"
 
-static int failures;
-#define EXPECT(cond, ...)                                                        \
-	do {                                                                     \
-		if (!(cond)) {                                                   \
-			fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-			fprintf(stderr, __VA_ARGS__);                            \
-			fputc('\n', stderr);                                     \
-			failures++;                                              \
-		}                                                                \
-	} while (0)
+#include "expect.h"
 
 struct ttask {
 	struct aoqd_task task;

@@ -14,16 +14,7 @@
 
 #include "harness.h"
 
-static int failures;
-#define EXPECT(cond, ...)                                                        \
-	do {                                                                     \
-		if (!(cond)) {                                                   \
-			fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-			fprintf(stderr, __VA_ARGS__);                            \
-			fputc('\n', stderr);                                     \
-			failures++;                                              \
-		}                                                                \
-	} while (0)
+#include "expect.h"
 
 static void expect_bits(double x, enum aoq_dtype t, uint32_t want)
 {

@@ -17,16 +17,7 @@
 
 #include "aoq-arena.h"
 
-static int failures;
-#define EXPECT(cond, ...)                                                        \
-	do {                                                                     \
-		if (!(cond)) {                                                   \
-			fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-			fprintf(stderr, __VA_ARGS__);                            \
-			fputc('\n', stderr);                                     \
-			failures++;                                              \
-		}                                                                \
-	} while (0)
+#include "expect.h"
 
 static struct aoq_ring *ring_new(uint32_t cap)
 {
