@@ -4,7 +4,7 @@
 AdamW/Adam reference: several tensors and groups, registered and per-push
 gradient buffers, gradient accumulation, a tensor left out of a step,
 hyperparameter changes, an fp16 parameter, state read/load round trip into a
-new daemon, errors.  Exit 0 ok, 1 fail, 77 skip (no numpy)."""
+new daemon, errors; q8 and all-bf16 sessions.  Exit 0 ok, 1 fail, 77 skip (no numpy)."""
 import errno
 import os
 import sys
@@ -235,6 +235,40 @@ def main():
             close(p, ref.p, "q8 param", rtol=1e-2, atol=1e-3)
     finally:
         d3.stop()
+
+    # An all-bf16 session (bf16 master, m, v): reads widen to fp32; the
+    # moments track the reference within bf16 rounding, and a state loaded
+    # into a second session reads back exactly (bf16 values are exact).
+    d4 = aoq.Daemon(aoqd, threads=2)
+    try:
+        with aoq.Client(socket=d4.socket, job="py-bf16-all", device="cpu", precision="bf16-all") as c4:
+            c4.add_group(**hps[0])
+            p = rng.standard_normal(4096).astype(np.float32)
+            ref = Ref(p, hps[0])
+            c4.add_tensor("b", p)
+            c4.register()
+            for step in range(4):
+                g = rng.standard_normal(4096).astype(np.float32)
+                c4.push_grad(0, g)
+                ref.step(g)
+                c4.step_end()
+            c4.sync()
+            st = {w: c4.read_state(0, w) for w in ("master", "exp_avg", "exp_avg_sq")}
+            # each step rounds by up to a bf16 ulp (2^-8 relative) of values
+            # as large as the moment's history: 4 steps, 4 ulps of its scale
+            close(st["exp_avg"], ref.m, "bf16-all exp_avg", rtol=2 ** -6, atol=2 ** -6 * np.abs(ref.m).max())
+            close(st["exp_avg_sq"], ref.v, "bf16-all exp_avg_sq", rtol=2 ** -6, atol=2 ** -6 * ref.v.max())
+            close(st["master"], ref.p, "bf16-all master", rtol=2 ** -5, atol=1e-3)
+            check(np.array_equal(p, st["master"]), "fp32 param = the bf16 master widened")
+            with aoq.Client(socket=d4.socket, job="py-bf16-all-2", device="cpu", precision="bf16-all") as c5:
+                c5.add_group(**hps[0])
+                c5.add_tensor("b", np.zeros(4096, np.float32))
+                c5.register()
+                for w in ("master", "exp_avg", "exp_avg_sq"):
+                    c5.load_state(0, w, st[w])
+                    check(np.array_equal(c5.read_state(0, w), st[w]), "bf16-all %s round trip" % w)
+    finally:
+        d4.stop()
 
     if FAILED:
         print("%d failures" % len(FAILED))
