@@ -154,9 +154,9 @@ static AOQK_ALWAYS_INLINE void vstep(const struct kvec kc, const struct kptrs *p
                                      float *bm, float *bu, uint32_t *hb, vf sm, vf su, vf *mx_m,
                                      vf *mx_u)
 {
-	const int q8 = prec == AOQK_STATE_Q8 || prec == AOQK_STATE_BF16_Q8;
-	const int bfm = prec == AOQK_STATE_BF16 || prec == AOQK_STATE_BF16_Q8 || prec == AOQK_STATE_BF16_ALL;
-	const int bfmom = prec == AOQK_STATE_BF16_ALL;
+	const int q8 = aoqk_precision_q8(prec);
+	const int bfm = aoqk_precision_bf16_master(prec);
+	const int bfmom = aoqk_precision_bf16_moments(prec);
 	vf g = load_grad(p->grad, j, gd);
 	vf pw, m, v, u;
 
@@ -288,12 +288,11 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
                                          const struct aoqk_chunk *c, int want_ss, double *ssum,
                                          const int prec, const int gd, const int pd, const int nt)
 {
-	const int q8 = prec == AOQK_STATE_Q8 || prec == AOQK_STATE_BF16_Q8;
-	const int bfm = prec == AOQK_STATE_BF16 || prec == AOQK_STATE_BF16_Q8 || prec == AOQK_STATE_BF16_ALL;
+	const int q8 = aoqk_precision_q8(prec);
 	const struct ksizes sz = {
 		.g = gd == AOQK_FP32 ? 4 : 2,
-		.master = bfm ? 2 : 4,
-		.mom = q8 ? 1 : prec == AOQK_STATE_BF16_ALL ? 2 : 4,
+		.master = aoqk_master_size(prec),
+		.mom = aoqk_moment_size(prec),
 	};
 	const size_t psz = pd == PD_FP32 ? 4 : 2;
 	const size_t b0 = c->begin;

@@ -219,13 +219,12 @@ static void tbuf_alloc(struct tbuf *b, const struct tcase *t)
 	size_t n = t->n ? t->n : 1;
 	b->n = t->n;
 	b->nb = (n + AOQK_Q8_BLOCK - 1) / AOQK_Q8_BLOCK;
-	int bfm = aoqk_precision_bf16_master(t->prec);
 	/* every array off elements past a cache line: aligned to its element,
 	 * not to any vector */
 	b->grad = xalloc(n * 4, t->off * gsize(t->gd), &b->raw[0]);
 	b->param = xalloc(n * 4, t->off * (t->pd == AOQK_FP32 ? 4 : 2), &b->raw[1]);
 	size_t ms = aoqk_moment_size(t->prec);
-	b->master = xalloc(n * (bfm ? 2 : 4), t->off * (bfm ? 2 : 4), &b->raw[2]);
+	b->master = xalloc(n * aoqk_master_size(t->prec), t->off * aoqk_master_size(t->prec), &b->raw[2]);
 	b->m = xalloc(n * ms, t->off * ms, &b->raw[3]);
 	b->v = xalloc(n * ms, t->off * ms, &b->raw[4]);
 	b->acc = xalloc(n * 4, t->off * 4, &b->raw[5]);
@@ -242,11 +241,10 @@ static void tbuf_free(struct tbuf *b)
 static void tbuf_copy(struct tbuf *d, const struct tbuf *s, const struct tcase *t)
 {
 	size_t n = t->n;
-	int bfm = aoqk_precision_bf16_master(t->prec);
 	size_t ms = aoqk_moment_size(t->prec);
 	memcpy(d->grad, s->grad, n * 4);
 	memcpy(d->param, s->param, n * 4);
-	memcpy(d->master, s->master, n * (bfm ? 2 : 4));
+	memcpy(d->master, s->master, n * aoqk_master_size(t->prec));
 	memcpy(d->m, s->m, n * ms);
 	memcpy(d->v, s->v, n * ms);
 	memcpy(d->acc, s->acc, n * 4);
@@ -260,7 +258,7 @@ static int tbuf_equal(const struct tbuf *a, const struct tbuf *b, const struct t
 	size_t n = t->n;
 	int q8 = aoqk_precision_q8(t->prec), bfm = aoqk_precision_bf16_master(t->prec);
 	size_t ms = aoqk_moment_size(t->prec);
-	if (memcmp(a->master, b->master, n * (bfm ? 2 : 4)) ||
+	if (memcmp(a->master, b->master, n * aoqk_master_size(t->prec)) ||
 	    memcmp(a->m, b->m, n * ms) || memcmp(a->v, b->v, n * ms) ||
 	    memcmp(a->acc, b->acc, n * 4) || (q8 && (memcmp(a->ms, b->ms, a->nb * 4) ||
 	                                             memcmp(a->vs, b->vs, a->nb * 4))))

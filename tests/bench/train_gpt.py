@@ -109,8 +109,6 @@ def reset_peak(device):
 def make_optimizer(mode, model, args, socket):
     if mode == "gpu-adamw":
         fused = torch.device(args.device).type == "cuda"
-        if args.amp or args.fp32_master:
-            return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=fused)
         return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=fused)
     from aoq.torch import OffloadOptimizer
     kw = dict(lr=args.lr, weight_decay=0.1, socket=socket, offload_gradients=args.offload_gradients,
@@ -226,7 +224,6 @@ def main():
     ap.add_argument("--device", default="cuda", help="cuda | xpu | cpu (or cuda:N)")
     ap.add_argument("--mode", default="all", help="all, or modes separated by commas: " + ", ".join(MODES))
     ap.add_argument("--amp", action="store_true", help="bf16 autocast with fp32 parameters (default: full bf16)")
-    ap.add_argument("--fp32-master", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--compile", action="store_true", help="torch.compile the model")
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--offload-gradients", action="store_true")

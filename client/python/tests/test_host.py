@@ -214,53 +214,45 @@ def main():
             print(d2.log_text()[-3000:])
     check(rc == 0, "second aoqd exit status %r" % rc)
 
-    # A q8 session: state reads come back as fp32 and track the reference.
+    def train_one(c, name, steps=4):
+        """One 4096-element tensor of group 0, `steps` steps; its fp32
+        parameter and the float64 reference."""
+        c.add_group(**hps[0])
+        p = rng.standard_normal(4096).astype(np.float32)
+        ref = Ref(p, hps[0])
+        c.add_tensor(name, p)
+        c.register()
+        for _ in range(steps):
+            g = rng.standard_normal(4096).astype(np.float32)
+            c.push_grad(0, g)
+            ref.step(g)
+            c.step_end()
+        c.sync()
+        return p, ref
+
     d3 = aoq.Daemon(aoqd, threads=2)
     try:
-        with aoq.Client(socket=d3.socket, job="py-q8", device="cpu", precision="q8") as c3:
-            c3.add_group(**hps[0])
-            p = rng.standard_normal(4096).astype(np.float32)
-            ref = Ref(p, hps[0])
-            c3.add_tensor("q", p)
-            c3.register()
-            for step in range(4):
-                g = rng.standard_normal(4096).astype(np.float32)
-                c3.push_grad(0, g)
-                ref.step(g)
-                c3.step_end()
-            c3.sync()
-            m = c3.read_state(0, "exp_avg")
+        # A q8 session: state reads come back as fp32 and track the reference.
+        with aoq.Client(socket=d3.socket, job="py-q8", device="cpu", precision="q8") as c:
+            p, ref = train_one(c, "q")
+            m = c.read_state(0, "exp_avg")
             check(m.dtype == np.float32 and m.shape == (4096,), "q8 read dtype")
             close(m, ref.m, "q8 exp_avg", rtol=0.05, atol=0.02)
             close(p, ref.p, "q8 param", rtol=1e-2, atol=1e-3)
-    finally:
-        d3.stop()
 
-    # An all-bf16 session (bf16 master, m, v): reads widen to fp32; the
-    # moments track the reference within bf16 rounding, and a state loaded
-    # into a second session reads back exactly (bf16 values are exact).
-    d4 = aoq.Daemon(aoqd, threads=2)
-    try:
-        with aoq.Client(socket=d4.socket, job="py-bf16-all", device="cpu", precision="bf16-all") as c4:
-            c4.add_group(**hps[0])
-            p = rng.standard_normal(4096).astype(np.float32)
-            ref = Ref(p, hps[0])
-            c4.add_tensor("b", p)
-            c4.register()
-            for step in range(4):
-                g = rng.standard_normal(4096).astype(np.float32)
-                c4.push_grad(0, g)
-                ref.step(g)
-                c4.step_end()
-            c4.sync()
-            st = {w: c4.read_state(0, w) for w in ("master", "exp_avg", "exp_avg_sq")}
+        # An all-bf16 session (bf16 master, m, v): reads widen to fp32; the
+        # moments track the reference within bf16 rounding, and a state loaded
+        # into a second session reads back exactly (bf16 values are exact).
+        with aoq.Client(socket=d3.socket, job="py-bf16-all", device="cpu", precision="bf16-all") as c:
+            p, ref = train_one(c, "b")
+            st = {w: c.read_state(0, w) for w in ("master", "exp_avg", "exp_avg_sq")}
             # each step rounds by up to a bf16 ulp (2^-8 relative) of values
             # as large as the moment's history: 4 steps, 4 ulps of its scale
             close(st["exp_avg"], ref.m, "bf16-all exp_avg", rtol=2 ** -6, atol=2 ** -6 * np.abs(ref.m).max())
             close(st["exp_avg_sq"], ref.v, "bf16-all exp_avg_sq", rtol=2 ** -6, atol=2 ** -6 * ref.v.max())
             close(st["master"], ref.p, "bf16-all master", rtol=2 ** -5, atol=1e-3)
             check(np.array_equal(p, st["master"]), "fp32 param = the bf16 master widened")
-            with aoq.Client(socket=d4.socket, job="py-bf16-all-2", device="cpu", precision="bf16-all") as c5:
+            with aoq.Client(socket=d3.socket, job="py-bf16-all-2", device="cpu", precision="bf16-all") as c5:
                 c5.add_group(**hps[0])
                 c5.add_tensor("b", np.zeros(4096, np.float32))
                 c5.register()
@@ -268,7 +260,7 @@ def main():
                     c5.load_state(0, w, st[w])
                     check(np.array_equal(c5.read_state(0, w), st[w]), "bf16-all %s round trip" % w)
     finally:
-        d4.stop()
+        d3.stop()
 
     if FAILED:
         print("%d failures" % len(FAILED))
