@@ -817,6 +817,20 @@ int aoq_push_grad_ptr(struct aoq_client *c, uint32_t t, const void *grad, unsign
 	}
 	struct aoq_rec rec = { .tensor = t, .slot = t, .step = c->step,
 	                       .flags = (flags & AOQ_PUSH_ACCUMULATE) ? AOQ_REC_ACCUMULATE : 0 };
+	if (!c->slots && !c->o.delayed_update && x->h2d && x->h2d->ev) {
+		/* The daemon writes the tensor's param area again once this
+		 * record is posted: the copy out of it must have landed.  A
+		 * trainer that waited for the parameter (the usual case) finds
+		 * it done; the host backend lands queued copies here. */
+		struct evref *prev = x->h2d;
+		prev->refs++;
+		pthread_mutex_unlock(&c->lock);
+		r = c->ops->host_wait(c->be, prev->ev);
+		pthread_mutex_lock(&c->lock);
+		evref_put(c, prev);
+		if (r < 0)
+			fail_session(c, r, "parameter copy to the device failed: %s", aoq_last_error());
+	}
 	if (c->o.delayed_update) {
 		/* The last copy out of the buffer this step will write is done
 		 * (it left during the previous step); then the pending update
