@@ -16,6 +16,7 @@
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "aoq-arena.h"
@@ -123,6 +124,36 @@ static int session_error(struct aoq_client *c)
 	return aoq_set_error(c->error, "aoq session ended: %s", c->errmsg);
 }
 
+/* A deadline for the waits of one call, set at its first wait. */
+struct deadline {
+	bool set;
+	struct timespec at;
+};
+
+/* Sleeps on c->cond (caller holds c->lock) until woken or until the call's
+ * deadline; past the deadline the session fails with -ETIMEDOUT, which ends
+ * every wait loop (they all test c->error). */
+static void wait_daemon(struct aoq_client *c, struct deadline *dl)
+{
+	if (c->o.timeout_ms == AOQ_TIMEOUT_NONE) {
+		pthread_cond_wait(&c->cond, &c->lock);
+		return;
+	}
+	if (!dl->set) {
+		clock_gettime(CLOCK_MONOTONIC, &dl->at);
+		dl->at.tv_sec += c->o.timeout_ms / 1000;
+		dl->at.tv_nsec += (long)(c->o.timeout_ms % 1000) * 1000000L;
+		if (dl->at.tv_nsec >= 1000000000L) {
+			dl->at.tv_sec++;
+			dl->at.tv_nsec -= 1000000000L;
+		}
+		dl->set = true;
+	}
+	if (pthread_cond_timedwait(&c->cond, &c->lock, &dl->at) == ETIMEDOUT)
+		fail_session(c, -ETIMEDOUT, "aoqd did not answer within %u ms (stalled or overloaded; "
+		             "aoq_options.timeout_ms sets the deadline)", c->o.timeout_ms);
+}
+
 static void ring(int fd)
 {
 	uint64_t one = 1;
@@ -160,6 +191,15 @@ static int ctl_recv(struct aoq_client *c, int want, Aoq__Envelope **out, int *fd
 	for (;;) {
 		Aoq__Envelope *rep;
 		int r = aoq_recv_frame(c->sock, &rep, fds, fds ? AOQ_MAX_FDS : 0, nfds);
+		if (r == -EAGAIN || r == -EWOULDBLOCK) {
+			/* SO_RCVTIMEO: the deadline passed mid-request; the reply
+			 * may still come, so the connection is out of step. */
+			pthread_mutex_lock(&c->lock);
+			fail_session(c, -ETIMEDOUT, "aoqd did not answer within %u ms", c->o.timeout_ms);
+			pthread_mutex_unlock(&c->lock);
+			return aoq_set_error(-ETIMEDOUT, "aoqd did not answer within %u ms (stalled or overloaded; "
+			                     "aoq_options.timeout_ms sets the deadline)", c->o.timeout_ms);
+		}
 		if (r < 0) {
 			pthread_mutex_lock(&c->lock);
 			fail_session(c, r, "control socket: %s", strerror(-r));
@@ -212,6 +252,12 @@ static int ctl_call(struct aoq_client *c, const Aoq__Envelope *env, int want, Ao
 	if (c->error)
 		return session_error(c);
 	int r = aoq_send_frame(c->sock, env, NULL, 0);
+	if (r == -EAGAIN || r == -EWOULDBLOCK) {
+		pthread_mutex_lock(&c->lock);
+		fail_session(c, -ETIMEDOUT, "aoqd did not take a request within %u ms", c->o.timeout_ms);
+		pthread_mutex_unlock(&c->lock);
+		return aoq_set_error(-ETIMEDOUT, "aoqd did not take a request within %u ms", c->o.timeout_ms);
+	}
 	if (r < 0)
 		return aoq_set_error(r, "aoqd: send: %s", strerror(-r));
 	return ctl_recv(c, want, out, NULL, NULL);
@@ -228,8 +274,14 @@ int aoq_connect(struct aoq_client **out, const struct aoq_options *opts)
 	c->sock = c->bell_in = c->bell_out = c->wake_fd = -1;
 	pthread_mutex_init(&c->ctl_lock, NULL);
 	pthread_mutex_init(&c->lock, NULL);
-	pthread_cond_init(&c->cond, NULL);
+	pthread_condattr_t ca;
+	pthread_condattr_init(&ca);
+	pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+	pthread_cond_init(&c->cond, &ca);
+	pthread_condattr_destroy(&ca);
 	c->o = *opts;
+	if (!c->o.timeout_ms)
+		c->o.timeout_ms = AOQ_DEFAULT_TIMEOUT_MS;
 	c->job = strdup(opts->job ? opts->job : "default");
 	c->device = strdup(opts->device ? opts->device : "cpu");
 	c->step = 1;
@@ -252,10 +304,13 @@ int aoq_connect(struct aoq_client **out, const struct aoq_options *opts)
 		aoq_close(c);
 		return r;
 	}
-	c->sock = aoq_socket_connect(path);
+	c->sock = aoq_socket_connect_timeout(path, c->o.timeout_ms == AOQ_TIMEOUT_NONE ? 0 : c->o.timeout_ms);
 	if (c->sock < 0) {
 		r = c->sock;
-		aoq_set_error(r, "cannot connect to aoqd at %s: %s (is aoqd running? set AOQ_SOCKET)", path, strerror(-r));
+		if (r == -ETIMEDOUT)
+			aoq_set_error(r, "aoqd at %s did not accept the connection within %u ms", path, c->o.timeout_ms);
+		else
+			aoq_set_error(r, "cannot connect to aoqd at %s: %s (is aoqd running? set AOQ_SOCKET)", path, strerror(-r));
 		aoq_close(c);
 		return r;
 	}
@@ -732,6 +787,7 @@ uint64_t aoq_current_step(struct aoq_client *c)
 /* The gradient is in the arena: post its record (any thread). */
 static void grad_copied(void *arg, int status)
 {
+	struct deadline dl = { 0 };
 	struct copy_done *d = arg;
 	struct aoq_client *c = d->c;
 	struct tensor *x = &c->tensors[d->t];
@@ -743,7 +799,7 @@ static void grad_copied(void *arg, int status)
 		int r;
 		while ((r = aoq_ring_push(&c->to_daemon, &d->rec)) == -EAGAIN && !c->error)
 			if (!aoq_ring_wait_space(&c->to_daemon, 1))
-				pthread_cond_wait(&c->cond, &c->lock);
+				wait_daemon(c, &dl);
 		if (r == 1)
 			ring(c->bell_out);
 		else if (r < 0 && !c->error)
@@ -779,6 +835,7 @@ static int start_copy(struct aoq_client *c, struct tensor *x, uint8_t *dst, cons
 
 int aoq_push_grad_ptr(struct aoq_client *c, uint32_t t, const void *grad, unsigned flags, void *stream)
 {
+	struct deadline dl = { 0 };
 	if (!c->registered)
 		return aoq_set_error(-EINVAL, "aoq_push_grad before aoq_register");
 	if (t >= c->ntensors || !grad || (flags & ~AOQ_PUSH_ACCUMULATE))
@@ -789,7 +846,7 @@ int aoq_push_grad_ptr(struct aoq_client *c, uint32_t t, const void *grad, unsign
 	/* One record of a tensor at a time: its slot is reused, and the
 	 * daemon must see micro-batches in order. */
 	while (!c->error && x->answered < x->pushed)
-		pthread_cond_wait(&c->cond, &c->lock);
+		wait_daemon(c, &dl);
 	if (c->error) {
 		pthread_mutex_unlock(&c->lock);
 		return session_error(c);
@@ -817,6 +874,20 @@ int aoq_push_grad_ptr(struct aoq_client *c, uint32_t t, const void *grad, unsign
 	}
 	struct aoq_rec rec = { .tensor = t, .slot = t, .step = c->step,
 	                       .flags = (flags & AOQ_PUSH_ACCUMULATE) ? AOQ_REC_ACCUMULATE : 0 };
+	if (!c->slots && !c->o.delayed_update && x->h2d && x->h2d->ev) {
+		/* The daemon writes the tensor's param area again once this
+		 * record is posted: the copy out of it must have landed.  A
+		 * trainer that waited for the parameter (the usual case) finds
+		 * it done; the host backend lands queued copies here. */
+		struct evref *prev = x->h2d;
+		prev->refs++;
+		pthread_mutex_unlock(&c->lock);
+		r = c->ops->host_wait(c->be, prev->ev);
+		pthread_mutex_lock(&c->lock);
+		evref_put(c, prev);
+		if (r < 0)
+			fail_session(c, r, "parameter copy to the device failed: %s", aoq_last_error());
+	}
 	if (c->o.delayed_update) {
 		/* The last copy out of the buffer this step will write is done
 		 * (it left during the previous step); then the pending update
@@ -842,7 +913,7 @@ int aoq_push_grad_ptr(struct aoq_client *c, uint32_t t, const void *grad, unsign
 	}
 	for (uint64_t off = 0; r == 0 && c->slots && off < x->d.numel; off += c->hdr.slot_elems) {
 		while (!c->error && c->nfree == 0)
-			pthread_cond_wait(&c->cond, &c->lock);
+			wait_daemon(c, &dl);
 		if (c->error)
 			break;
 		uint32_t i = c->free_slots[--c->nfree];
@@ -883,12 +954,13 @@ int aoq_push_grad(struct aoq_client *c, uint32_t t, unsigned flags, void *stream
 
 int aoq_grad_copied(struct aoq_client *c, uint32_t t)
 {
+	struct deadline dl = { 0 };
 	if (t >= c->ntensors)
 		return -EINVAL;
 	struct tensor *x = &c->tensors[t];
 	pthread_mutex_lock(&c->lock);
 	while (!c->error && x->copied < x->copies)
-		pthread_cond_wait(&c->cond, &c->lock);
+		wait_daemon(c, &dl);
 	int r = c->error && x->copied < x->copies ? session_error(c) : 0;
 	pthread_mutex_unlock(&c->lock);
 	return r;
@@ -911,12 +983,13 @@ int aoq_grad_pending(struct aoq_client *c, uint32_t t)
  * last copy to the device. */
 static int wait_answered(struct aoq_client *c, uint32_t t, struct evref **ev)
 {
+	struct deadline dl = { 0 };
 	if (t >= c->ntensors)
 		return aoq_set_error(-EINVAL, "no tensor %u", t);
 	struct tensor *x = &c->tensors[t];
 	pthread_mutex_lock(&c->lock);
 	while (!c->o.delayed_update && !c->error && x->answered < x->pushed)
-		pthread_cond_wait(&c->cond, &c->lock);
+		wait_daemon(c, &dl);
 	int r = !c->o.delayed_update && x->answered < x->pushed ? session_error(c) : 0;
 	*ev = r == 0 && x->h2d && x->h2d->ev ? x->h2d : NULL;
 	if (*ev)
@@ -976,6 +1049,7 @@ int aoq_set_hyperparams(struct aoq_client *c, uint32_t g, const struct aoq_group
 
 int aoq_step_end(struct aoq_client *c)
 {
+	struct deadline dl = { 0 };
 	if (!c->registered)
 		return aoq_set_error(-EINVAL, "aoq_step_end before aoq_register");
 	pthread_mutex_lock(&c->ctl_lock);
@@ -985,7 +1059,7 @@ int aoq_step_end(struct aoq_client *c)
 	/* Gradient copies still in flight must post before the step closes. */
 	for (uint32_t i = 0; i < c->ntensors; i++)
 		while (!c->error && c->tensors[i].copied < c->tensors[i].copies)
-			pthread_cond_wait(&c->cond, &c->lock);
+			wait_daemon(c, &dl);
 	int r = c->error ? session_error(c) : 0;
 	pthread_mutex_unlock(&c->lock);
 	if (r == 0) {
@@ -1008,6 +1082,7 @@ int aoq_step_end(struct aoq_client *c)
 
 int aoq_sync(struct aoq_client *c, struct aoq_step_result *last)
 {
+	struct deadline dl = { 0 };
 	if (!c->registered)
 		return aoq_set_error(-EINVAL, "aoq_sync before aoq_register");
 	int r = 0;
@@ -1018,7 +1093,7 @@ int aoq_sync(struct aoq_client *c, struct aoq_step_result *last)
 	pthread_mutex_lock(&c->lock);
 	for (uint32_t i = 0; i < c->ntensors; i++)
 		while (!c->error && c->tensors[i].answered < c->tensors[i].pushed)
-			pthread_cond_wait(&c->cond, &c->lock);
+			wait_daemon(c, &dl);
 	if (c->error && r == 0)
 		r = session_error(c);
 	pthread_mutex_unlock(&c->lock);

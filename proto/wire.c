@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -238,7 +239,7 @@ int aoq_socket_path(const char *explicit_path, char *buf, size_t len)
 	return 0;
 }
 
-int aoq_socket_connect(const char *path)
+int aoq_socket_connect_timeout(const char *path, uint32_t timeout_ms)
 {
 	struct sockaddr_un sa = { .sun_family = AF_UNIX };
 	if (strlen(path) >= sizeof(sa.sun_path))
@@ -247,10 +248,26 @@ int aoq_socket_connect(const char *path)
 	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
 	if (fd < 0)
 		return -errno;
+	if (timeout_ms) {
+		/* Linux applies SO_SNDTIMEO to a unix socket's connect too (a
+		 * listener whose backlog is full). */
+		struct timeval tv = { .tv_sec = timeout_ms / 1000, .tv_usec = (timeout_ms % 1000) * 1000 };
+		if (setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv)) < 0 ||
+		    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)) < 0) {
+			int r = -errno;
+			close(fd);
+			return r;
+		}
+	}
 	if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
-		int r = -errno;
+		int r = errno == EAGAIN || errno == EINPROGRESS ? -ETIMEDOUT : -errno;
 		close(fd);
 		return r;
 	}
 	return fd;
+}
+
+int aoq_socket_connect(const char *path)
+{
+	return aoq_socket_connect_timeout(path, 0);
 }

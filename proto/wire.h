@@ -48,5 +48,9 @@ const char *aoq_error_name(int code);
 int aoq_socket_path(const char *explicit_path, char *buf, size_t len);
 /* Connects a blocking SOCK_STREAM socket; returns the fd or -errno. */
 int aoq_socket_connect(const char *path);
+/* The same with a deadline of timeout_ms (0: none) on the connect and on
+ * every later send and receive of the socket (SO_SNDTIMEO, SO_RCVTIMEO): a
+ * call past it fails with -EAGAIN (-ETIMEDOUT for the connect). */
+int aoq_socket_connect_timeout(const char *path, uint32_t timeout_ms);
 
 #endif

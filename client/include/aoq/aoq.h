@@ -102,7 +102,15 @@ struct aoq_options {
 	void *ze_context;   /* Level Zero handles to use as given, or NULL */
 	void *ze_device;
 	void *ze_queue;
+	/* Deadline, in milliseconds, of connecting, of each request to aoqd
+	 * (registration included) and of each wait for the daemon (push,
+	 * wait, sync): past it the call fails with -ETIMEDOUT and the session
+	 * is over.  0: AOQ_DEFAULT_TIMEOUT_MS; AOQ_TIMEOUT_NONE: wait forever. */
+	uint32_t timeout_ms;
 };
+
+#define AOQ_DEFAULT_TIMEOUT_MS 120000u
+#define AOQ_TIMEOUT_NONE UINT32_MAX
 
 #define AOQ_OPTIONS_INIT { .job = "default", .device = "cpu" }
 

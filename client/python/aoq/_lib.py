@@ -77,6 +77,7 @@ class Options(ctypes.Structure):
         ("ze_context", c_void_p),
         ("ze_device", c_void_p),
         ("ze_queue", c_void_p),
+        ("timeout_ms", c_uint32),
     ]
 
 

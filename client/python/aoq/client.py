@@ -94,7 +94,8 @@ class Client:
     """
 
     def __init__(self, socket=None, job="default", rank=0, device="cpu", precision="fp32", window=0,
-                 seed=0, max_grad_norm=0.0, skip_nonfinite=False, delayed_update=False, cuda_stream=None):
+                 seed=0, max_grad_norm=0.0, skip_nonfinite=False, delayed_update=False, cuda_stream=None,
+                 timeout=None):
         self._lib = _lib.load()
         self._h = None
         self._keep = []          # buffers libaoq points into
@@ -113,6 +114,9 @@ class Client:
         o.max_grad_norm = float(max_grad_norm or 0.0)
         o.skip_nonfinite = bool(skip_nonfinite)
         o.delayed_update = bool(delayed_update)
+        # Deadline of connect, each request and each wait, in seconds (None:
+        # libaoq's default, 120 s; 0 or less: wait forever).
+        o.timeout_ms = 0 if timeout is None else (0xFFFFFFFF if timeout <= 0 else max(1, min(int(timeout * 1000), 0xFFFFFFFE)))
         self.device = device
         self.delayed_update = bool(delayed_update)
         h = ctypes.c_void_p()
