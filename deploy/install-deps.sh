@@ -9,8 +9,8 @@ set -euo pipefail
 packages=(
 	meson ninja-build pkg-config gcc
 	libuv1-dev libprotobuf-c-dev protobuf-c-compiler
-	libsystemd-dev libze-dev
-	valgrind python3 python3-numpy
+	libsystemd-dev libze-dev libjson-c-dev
+	valgrind python3 python3-numpy python3-prometheus-client
 )
 
 sudo=()
