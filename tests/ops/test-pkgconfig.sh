@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: MIT
+# (Also: the man pages are installed.)
 # aoq.pc works on a machine with only libaoq installed: a DESTDIR install of
 # the runtime and devel parts, pkg-config restricted to that tree (so the
 # system's level-zero.pc and libprotobuf-c.pc are not found), then a program
@@ -11,7 +12,7 @@ tmp=$(mktemp -d "${TMPDIR:-/tmp}/aoq-pc.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
 dest=$tmp/root
 
-meson install -C "$build" --no-rebuild --quiet --destdir "$dest" --tags runtime,devel >"$tmp/install.log" 2>&1 || {
+meson install -C "$build" --no-rebuild --quiet --destdir "$dest" --tags runtime,devel,man >"$tmp/install.log" 2>&1 || {
 	cat "$tmp/install.log"
 	echo "FAIL: meson install"
 	exit 1
@@ -22,6 +23,17 @@ echo "installed: ${pc#"$dest"}"
 cat "$pc"
 
 fail=0
+# The man pages come with the install and format without warnings.
+for page in man8/aoqd.8 man5/aoqd.conf.5 man1/aoqctl.1; do
+	f=$(find "$dest" -path "*/share/man/$page" | head -1)
+	if [[ -z $f ]]; then
+		echo "FAIL: man page $page not installed"
+		fail=1
+	elif command -v groff >/dev/null && [[ -n $(LC_ALL=C.UTF-8 groff -man -Tutf8 -ww -z "$f" 2>&1) ]]; then
+		echo "FAIL: groff warns about $page"
+		fail=1
+	fi
+done
 # No build-machine paths: every path is under ${prefix} (or the install's own
 # absolute libdir/includedir).
 prefix=$(sed -n 's/^prefix=//p' "$pc")
