@@ -47,9 +47,17 @@ int aoqd_parse_u64(const char *s, int allow_suffix, uint64_t *out)
 	/* strtoull accepts leading blanks and a sign ("-1" wraps): refuse them. */
 	if (!isdigit((unsigned char)*s))
 		return -EINVAL;
+	/* Decimal, or hex after 0x; never octal ("010" is ten). */
+	int base = 10;
+	if (s[0] == '0' && (s[1] == 'x' || s[1] == 'X')) {
+		base = 16;
+		s += 2;
+		if (!isxdigit((unsigned char)*s))
+			return -EINVAL;
+	}
 	char *end;
 	errno = 0;
-	unsigned long long x = strtoull(s, &end, 0);
+	unsigned long long x = strtoull(s, &end, base);
 	if (errno == ERANGE)
 		return -ERANGE;
 	if (errno || end == s)

@@ -118,6 +118,10 @@ badconf "unknown key 'Threads'" "Threads = 4"
 
 # Good forms: '=' flags, trailing comments, suffixes, the command line wins.
 good "threads = 3" --threads=3
+good "threads = 10" --threads 010
+good "threads = 16" --threads 0x10
+bad "--threads: '0x' is not a whole number" --threads 0x --socket "$sock"
+bad "--threads: '0x-1' is not a whole number" --threads 0x-1 --socket "$sock"
 good "lock_memory = no" --lock-memory=no
 good "log_level = debug" --log-level debug
 cat >"$tmp/ok.conf" <<CONF
