@@ -11,8 +11,8 @@ set -euo pipefail
 packages=(
 	meson ninja-build pkg-config gcc
 	libuv1-dev libprotobuf-c-dev protobuf-c-compiler
-	libsystemd-dev libze-dev
-	valgrind python3 python3-numpy python3-venv
+	libsystemd-dev libze-dev libjson-c-dev
+	valgrind python3 python3-numpy python3-venv python3-prometheus-client
 )
 
 sudo=()

@@ -23,6 +23,7 @@
 #define _GNU_SOURCE
 #endif
 #include <errno.h>
+#include <getopt.h>
 #include <immintrin.h>
 #include <inttypes.h>
 #include <pthread.h>
@@ -478,6 +479,30 @@ static void stream_all(const char *tag)
 	}
 }
 
+static const char bench_usage[] =
+	"usage: bench-kernels [-n params] [-t threads] [-r reps] [-c chunk] [-k variant,...]\n"
+	"  -n N       parameters per tensor (default 256Mi)\n"
+	"  -t N       threads, 1..1024 (default: every allowed core)\n"
+	"  -r N       repetitions; the median is reported (default 5)\n"
+	"  -c N       chunk elements (default 32768)\n"
+	"  -k LIST    kernel variants to run, comma separated\n"
+	"  -h, --help this text\n";
+
+/* A decimal or 0x number in [lo, hi]; otherwise names the option and fails. */
+static bool bench_arg(const char *s, const char *opt, unsigned long long lo, unsigned long long hi,
+                      unsigned long long *out)
+{
+	char *end;
+	errno = 0;
+	unsigned long long v = strtoull(s, &end, 0);
+	if (errno || end == s || *end || *s == '-' || v < lo || v > hi) {
+		fprintf(stderr, "bench-kernels: %s: '%s' is not a number in %llu..%llu\n", opt, s, lo, hi);
+		return false;
+	}
+	*out = v;
+	return true;
+}
+
 int main(int argc, char **argv)
 {
 	const char *klist = NULL;
@@ -489,31 +514,46 @@ int main(int argc, char **argv)
 		if (CPU_ISSET(c, &set))
 			cpus[T++] = c;
 	int ncpu = T;
-	while ((opt = getopt(argc, argv, "n:t:r:c:k:")) != -1) {
+	static const struct option longopts[] = {
+		{ "help", no_argument, NULL, 'h' },
+		{ NULL, 0, NULL, 0 },
+	};
+	unsigned long long v;
+	while ((opt = getopt_long(argc, argv, "n:t:r:c:k:h", longopts, NULL)) != -1) {
 		switch (opt) {
 		case 'n':
-			N = (size_t)strtoull(optarg, NULL, 0);
+			if (!bench_arg(optarg, "-n", AOQK_Q8_BLOCK, SIZE_MAX / 16, &v))
+				return 2;
+			N = (size_t)v;
 			break;
 		case 't':
-			T = atoi(optarg);
+			if (!bench_arg(optarg, "-t", 1, 1024, &v))
+				return 2;
+			T = (int)v;
 			break;
 		case 'r':
-			REPS = atoi(optarg);
+			if (!bench_arg(optarg, "-r", 1, 1000000, &v))
+				return 2;
+			REPS = (int)v;
 			break;
 		case 'c':
-			CHUNK = (size_t)strtoull(optarg, NULL, 0) / AOQK_Q8_BLOCK * AOQK_Q8_BLOCK;
+			if (!bench_arg(optarg, "-c", AOQK_Q8_BLOCK, SIZE_MAX / 16, &v))
+				return 2;
+			CHUNK = (size_t)v / AOQK_Q8_BLOCK * AOQK_Q8_BLOCK;
 			break;
 		case 'k':
 			klist = optarg;
 			break;
+		case 'h':
+			fputs(bench_usage, stdout);
+			return 0;
 		default:
-			fprintf(stderr, "usage: %s [-n params] [-t threads] [-r reps] [-c chunk] [-k variant,...]\n",
-			        argv[0]);
+			fputs(bench_usage, stderr);
 			return 2;
 		}
 	}
-	if (T < 1 || T > 1024 || N < AOQK_Q8_BLOCK || REPS < 1 || CHUNK < AOQK_Q8_BLOCK) {
-		fprintf(stderr, "bad arguments\n");
+	if (optind < argc) {
+		fprintf(stderr, "bench-kernels: unexpected argument '%s'\n", argv[optind]);
 		return 2;
 	}
 	for (int i = ncpu; i < T; i++)
