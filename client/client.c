@@ -422,22 +422,10 @@ static int check_arena(struct aoq_client *c)
 	const struct aoq_arena_header *h = (const void *)c->arena;
 	struct aoq_arena_header hd;
 	memcpy(&hd, h, sizeof(hd));
-	uint64_t ring_bytes, tt_bytes, st_bytes;
-	if (hd.magic != AOQ_ARENA_MAGIC || hd.version != AOQ_ARENA_VERSION || hd.size != c->arena_size ||
-	    hd.tensors != c->ntensors || hd.rec_size != sizeof(struct aoq_rec) || hd.ring_capacity == 0 ||
-	    hd.ring_capacity > (1u << 20) || hd.window != c->o.window)
-		return -EPROTO;
-	ring_bytes = sizeof(struct aoq_ring) + (uint64_t)hd.ring_capacity * sizeof(struct aoq_rec);
-	tt_bytes = (uint64_t)hd.tensors * sizeof(struct aoq_arena_tensor);
-	st_bytes = (uint64_t)hd.slots * sizeof(struct aoq_arena_slot);
-	if (!aoq_range_ok(hd.tensor_table_off, tt_bytes, hd.size) || !aoq_range_ok(hd.slot_table_off, st_bytes, hd.size) ||
-	    !aoq_range_ok(hd.to_daemon_off, ring_bytes, hd.size) || !aoq_range_ok(hd.to_client_off, ring_bytes, hd.size) ||
-	    !aoq_range_ok(hd.xfer_off, hd.xfer_bytes, hd.size) || hd.xfer_bytes < 4 ||
-	    hd.to_daemon_off % 64 || hd.to_client_off % 64 || hd.tensor_table_off % 8 || hd.slot_table_off % 8)
+	if (aoq_arena_header_check(&hd, c->arena_size) < 0 || hd.tensors != c->ntensors || hd.window != c->o.window)
 		return -EPROTO;
 	bool delayed = hd.flags & AOQ_ARENA_DELAYED;
-	if ((hd.window == 0 && hd.slots != hd.tensors) || (hd.window && (hd.slots == 0 || hd.slot_elems == 0)) ||
-	    delayed != c->o.delayed_update)
+	if (delayed != c->o.delayed_update)
 		return -EPROTO;
 	const struct aoq_arena_tensor *tt = (const void *)(c->arena + hd.tensor_table_off);
 	const struct aoq_arena_slot *sl = (const void *)(c->arena + hd.slot_table_off);
@@ -450,25 +438,20 @@ static int check_arena(struct aoq_client *c)
 			continue;
 		struct aoq_arena_slot s = sl[i];
 		uint64_t pbuf = delayed ? aoq_align_up(s.param_bytes, AOQ_ARENA_ALIGN) : 0;
-		if (s.grad_bytes < x->d.numel * x->gsize || s.param_bytes < x->d.numel * x->psize ||
-		    !aoq_range_ok(s.grad_off, s.grad_bytes, hd.size) ||
-		    !aoq_range_ok(s.param_off, pbuf + s.param_bytes, hd.size))
+		if (aoq_arena_slot_check(&hd, &s, x->d.numel * x->gsize, x->d.numel * x->psize) < 0)
 			return -EPROTO;
 		x->grad_area = c->arena + s.grad_off;
 		x->param_area = c->arena + s.param_off;
 		x->param_buf = pbuf;
 	}
 	if (hd.window) {
-		if (hd.slot_elems > (1ull << 40))
-			return -EPROTO;
 		c->slots = calloc(hd.slots, sizeof(*c->slots));
 		c->free_slots = calloc(hd.slots, sizeof(*c->free_slots));
 		if (!c->slots || !c->free_slots)
 			return -ENOMEM;
 		for (uint32_t i = 0; i < hd.slots; i++) {
 			struct aoq_arena_slot s = sl[i];
-			if (s.grad_bytes < hd.slot_elems * 4 || s.param_bytes < hd.slot_elems * 4 ||
-			    !aoq_range_ok(s.grad_off, s.grad_bytes, hd.size) || !aoq_range_ok(s.param_off, s.param_bytes, hd.size))
+			if (aoq_arena_slot_check(&hd, &s, hd.slot_elems * 4, hd.slot_elems * 4) < 0)
 				return -EPROTO;
 			c->slots[i].grad_area = c->arena + s.grad_off;
 			c->slots[i].param_area = c->arena + s.param_off;

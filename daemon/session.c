@@ -342,7 +342,7 @@ static int build_arena(struct aoqd_session *s)
 	for (uint32_t i = 0; !s->window && i < s->ntensors; i++)
 		recs += (s->tensors[i].numel + AOQ_PUSH_CHUNK_ELEMS - 1) / AOQ_PUSH_CHUNK_ELEMS;
 	uint64_t cap = 2 * (s->window ? s->nslots : recs);
-	s->ring_cap = (uint32_t)(cap < 256 ? 256 : cap > (1u << 20) ? (1u << 20) : cap);
+	s->ring_cap = (uint32_t)(cap < 256 ? 256 : cap > AOQ_RING_MAX_CAP ? AOQ_RING_MAX_CAP : cap);
 	uint64_t ring_bytes = sizeof(struct aoq_ring) + (uint64_t)s->ring_cap * sizeof(struct aoq_rec);
 	uint64_t to_daemon = off;
 	off = aoq_align_up(off + ring_bytes, AOQ_ARENA_ALIGN);
@@ -420,6 +420,12 @@ static int build_arena(struct aoqd_session *s)
 		tt[i].slot = s->window ? UINT32_MAX : i;
 	}
 	memcpy(s->arena + slot_table, s->slots, (size_t)s->nslots * sizeof(*s->slots));
+	/* The layout keeps the rules every reader checks. */
+	if (aoq_arena_header_check(h, s->arena_size) < 0)
+		return -EPROTO;
+	for (uint32_t i = 0; i < s->nslots; i++)
+		if (aoq_arena_slot_check(h, &s->slots[i], 0, 0) < 0)
+			return -EPROTO;
 	s->to_daemon = (struct aoq_ring_cons){ .ring = (void *)(s->arena + to_daemon), .cap = s->ring_cap };
 	s->to_client = (struct aoq_ring_prod){ .ring = (void *)(s->arena + to_client), .cap = s->ring_cap };
 	if (fcntl(fd, F_ADD_SEALS, F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL) < 0)
