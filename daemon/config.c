@@ -8,7 +8,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "aoqd.h"
+#include "config.h"
 #include "log.h"
 
 void aoqd_config_defaults(struct aoqd_config *c)

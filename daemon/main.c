@@ -8,7 +8,7 @@
 #include <unistd.h>
 
 #include "aoq-config.h"
-#include "aoqd.h"
+#include "server.h"
 #include "log.h"
 #include "wire.h"
 
