@@ -217,11 +217,51 @@ static int ctl_call(struct aoq_client *c, const Aoq__Envelope *env, int want, Ao
 	return ctl_recv(c, want, out, NULL, NULL);
 }
 
+const char *aoq_version(void)
+{
+	return AOQ_VERSION_STRING;
+}
+
+int aoq_abi_version(void)
+{
+	return AOQ_ABI_VERSION;
+}
+
+size_t aoq_struct_size(const char *name)
+{
+	static const struct {
+		const char *name;
+		size_t size;
+	} sizes[] = {
+		{ "aoq_options", sizeof(struct aoq_options) },
+		{ "aoq_group", sizeof(struct aoq_group) },
+		{ "aoq_tensor", sizeof(struct aoq_tensor) },
+		{ "aoq_step_result", sizeof(struct aoq_step_result) },
+	};
+	for (size_t i = 0; name && i < sizeof(sizes) / sizeof(sizes[0]); i++)
+		if (strcmp(name, sizes[i].name) == 0)
+			return sizes[i].size;
+	return 0;
+}
+
+/* A public struct's size field against the layout this library knows. */
+static int size_ok(uint32_t size, size_t want, const char *what)
+{
+	if (size == want)
+		return 0;
+	return aoq_set_error(-EINVAL, "struct %s has size %u, this libaoq (ABI %d) knows %zu: initialise it "
+	                     "with its AOQ_*_INIT or rebuild against this <aoq/aoq.h>",
+	                     what, size, AOQ_ABI_VERSION, want);
+}
+
 int aoq_connect(struct aoq_client **out, const struct aoq_options *opts)
 {
 	struct aoq_options def = AOQ_OPTIONS_INIT;
 	if (!opts)
 		opts = &def;
+	int r = size_ok(opts->size, sizeof(*opts), "aoq_options");
+	if (r < 0)
+		return r;
 	struct aoq_client *c = calloc(1, sizeof(*c));
 	if (!c)
 		return -ENOMEM;
@@ -234,7 +274,7 @@ int aoq_connect(struct aoq_client **out, const struct aoq_options *opts)
 	c->device = strdup(opts->device ? opts->device : "cpu");
 	c->step = 1;
 	char path[256];
-	int r = aoq_socket_path(opts->socket, path, sizeof(path));
+	r = aoq_socket_path(opts->socket, path, sizeof(path));
 	if (r < 0 || !c->job || !c->device || !(c->socket_path = strdup(path))) {
 		aoq_close(c);
 		return aoq_set_error(r < 0 ? r : -ENOMEM, "socket path too long");
@@ -295,6 +335,9 @@ static void *grow(void *p, uint32_t *cap, uint32_t need, size_t elem)
 
 int aoq_add_group(struct aoq_client *c, const struct aoq_group *g)
 {
+	int r = size_ok(g->size, sizeof(*g), "aoq_group");
+	if (r < 0)
+		return r;
 	if (c->registered)
 		return aoq_set_error(-EBUSY, "groups must be added before aoq_register()");
 	struct aoq_group *n = grow(c->groups, &c->cap_groups, c->ngroups + 1, sizeof(*n));
@@ -312,6 +355,9 @@ static bool dtype_ok(enum aoq_dtype t)
 
 int aoq_add_tensor(struct aoq_client *c, const struct aoq_tensor *t)
 {
+	int r = size_ok(t->size, sizeof(*t), "aoq_tensor");
+	if (r < 0)
+		return r;
 	if (c->registered)
 		return aoq_set_error(-EBUSY, "tensors must be added before aoq_register()");
 	if (t->numel == 0 || !dtype_ok(t->param_dtype) || !dtype_ok(t->grad_dtype) ||
@@ -935,6 +981,9 @@ int aoq_sync_param(struct aoq_client *c, uint32_t t)
 
 int aoq_set_hyperparams(struct aoq_client *c, uint32_t g, const struct aoq_group *hp)
 {
+	int r = size_ok(hp->size, sizeof(*hp), "aoq_group");
+	if (r < 0)
+		return r;
 	if (g >= c->ngroups)
 		return aoq_set_error(-EINVAL, "no group %u", g);
 	if (!c->registered) {
@@ -950,7 +999,7 @@ int aoq_set_hyperparams(struct aoq_client *c, uint32_t g, const struct aoq_group
 	Aoq__Envelope env = AOQ__ENVELOPE__INIT;
 	env.msg_case = AOQ__ENVELOPE__MSG_SET_HYPERPARAMS;
 	env.set_hyperparams = &m;
-	int r = ctl_call(c, &env, AOQ__ENVELOPE__MSG_DONE, NULL);
+	r = ctl_call(c, &env, AOQ__ENVELOPE__MSG_DONE, NULL);
 	if (r == 0)
 		c->groups[g] = *hp;
 	pthread_mutex_unlock(&c->ctl_lock);
@@ -991,6 +1040,8 @@ int aoq_step_end(struct aoq_client *c)
 
 int aoq_sync(struct aoq_client *c, struct aoq_step_result *last)
 {
+	if (last && size_ok(last->size, sizeof(*last), "aoq_step_result") < 0)
+		return -EINVAL;
 	if (!c->registered)
 		return aoq_set_error(-EINVAL, "aoq_sync before aoq_register");
 	int r = 0;
@@ -1010,6 +1061,7 @@ int aoq_sync(struct aoq_client *c, struct aoq_step_result *last)
 	if (r == 0 && last) {
 		pthread_mutex_lock(&c->lock);
 		*last = c->last;
+		last->size = sizeof(*last);
 		pthread_mutex_unlock(&c->lock);
 	}
 	return r;
@@ -1073,13 +1125,13 @@ static int transfer(struct aoq_client *c, bool load, uint32_t t, int what, enum 
 	return r;
 }
 
-int aoq_read_state(struct aoq_client *c, uint32_t t, int what, enum aoq_dtype dtype, uint64_t offset,
+int aoq_read_state(struct aoq_client *c, uint32_t t, enum aoq_state_kind what, enum aoq_dtype dtype, uint64_t offset,
                    uint64_t count, void *dst)
 {
 	return transfer(c, false, t, what, dtype, offset, count, dst);
 }
 
-int aoq_load_state(struct aoq_client *c, uint32_t t, int what, enum aoq_dtype dtype, uint64_t offset,
+int aoq_load_state(struct aoq_client *c, uint32_t t, enum aoq_state_kind what, enum aoq_dtype dtype, uint64_t offset,
                    uint64_t count, const void *src)
 {
 	return transfer(c, true, t, what, dtype, offset, count, (void *)src);
