@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The Level Zero backend ("xpu:N", DESIGN §7): Intel GPUs through the Level
+ * The Level Zero backend ("xpu:N", docs/design.md, Client backends): Intel GPUs through the Level
  * Zero loader.
  *
  * Devices: "xpu:N" is the N-th GPU-type device over all drivers, in the

@@ -121,7 +121,8 @@ static int make_state(struct aoqd_session *s, uint64_t uid_state_bytes, struct a
 	return 0;
 }
 
-int aoqd_register(struct aoqd_session *s, const Aoq__Register *m, uint64_t uid_state_bytes, struct aoqd_error *err)
+int aoqd_register(struct aoqd_session *s, const Aoq__Register *m, uint64_t uid_state_bytes, uv_poll_cb on_doorbell,
+                  struct aoqd_error *err)
 {
 	struct aoqd_state *st = &s->st;
 	int r;
@@ -142,7 +143,7 @@ int aoqd_register(struct aoqd_session *s, const Aoq__Register *m, uint64_t uid_s
 		return r;
 	r = aoqd_arena_build(&s->arena, st, s->id, s->srv->cfg.max_arena_bytes);
 	if (r == 0)
-		r = aoqd_arena_watch(&s->arena, s->srv->loop, aoqd_session_on_doorbell, s);
+		r = aoqd_arena_watch(&s->arena, s->srv->loop, on_doorbell, s);
 	if (r < 0)
 		return AOQD_FAIL(err, NO_MEMORY, "cannot create the arena: %s", strerror(-r));
 	Aoq__Registered reg = AOQ__REGISTERED__INIT;

@@ -183,7 +183,7 @@ static int on_register(struct aoqd_session *s, const Aoq__Envelope *env, struct 
 	for (struct aoqd_session *o = s->srv->sessions; o; o = o->next)
 		if (o->conn.uid == s->conn.uid && o != s)
 			used += o->st.state_bytes;
-	return aoqd_register(s, env->register_, used, err);
+	return aoqd_register(s, env->register_, used, aoqd_session_on_doorbell, err);
 }
 
 static const char *state_name(enum aoqd_session_state st)

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * CUDA benchmark (issue 4): a synthetic trainer of L linear layers of
+ * CUDA benchmark: a synthetic trainer of L linear layers of
  * d x d bf16 weights (16 x 8192^2 = 1.07 G parameters by default) on
  * T tokens, trained two ways in the same run:
  *

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * bench-spine: the spine of issue 2 on the host backend ("cpu"), against
+ * bench-spine: the whole path (client, daemon, kernels) on the host backend ("cpu"), against
  * the CPU kernel alone in the same run.
  *
  *  (a) round trip per tensor, gradient pushed -> updated parameter ready

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * GPU tests of the CUDA backend and kernels (issue 4).  Needs a CUDA device
+ * GPU tests of the CUDA backend and kernels.  Needs a CUDA device
  * and the built aoqd; run by tests/gpu/run-gpu-tests.sh, never by CI.
  *
  *   test-cuda MODE AOQD [small]
