@@ -320,19 +320,6 @@ int aoq_connect(struct aoq_client **out, const struct aoq_options *opts)
 	return 0;
 }
 
-static void *grow(void *p, uint32_t *cap, uint32_t need, size_t elem)
-{
-	if (need <= *cap)
-		return p;
-	uint32_t n = *cap ? *cap * 2 : 16;
-	if (n < need)
-		n = need;
-	void *q = realloc(p, (size_t)n * elem);
-	if (q)
-		*cap = n;
-	return q;
-}
-
 int aoq_add_group(struct aoq_client *c, const struct aoq_group *g)
 {
 	int r = size_ok(g->size, sizeof(*g), "aoq_group");
@@ -340,7 +327,7 @@ int aoq_add_group(struct aoq_client *c, const struct aoq_group *g)
 		return r;
 	if (c->registered)
 		return aoq_set_error(-EBUSY, "groups must be added before aoq_register()");
-	struct aoq_group *n = grow(c->groups, &c->cap_groups, c->ngroups + 1, sizeof(*n));
+	struct aoq_group *n = aoq_grow(c->groups, &c->cap_groups, c->ngroups + 1, sizeof(*n));
 	if (!n)
 		return -ENOMEM;
 	c->groups = n;
@@ -366,7 +353,7 @@ int aoq_add_tensor(struct aoq_client *c, const struct aoq_tensor *t)
 		                     t->name ? t->name : "");
 	if (c->ntensors >= INT32_MAX)
 		return -E2BIG;
-	struct tensor *n = grow(c->tensors, &c->cap_tensors, c->ntensors + 1, sizeof(*n));
+	struct tensor *n = aoq_grow(c->tensors, &c->cap_tensors, c->ntensors + 1, sizeof(*n));
 	if (!n)
 		return -ENOMEM;
 	c->tensors = n;

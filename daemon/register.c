@@ -17,6 +17,7 @@
 #include "server.h"
 #include "session.h"
 #include "state.h"
+#include "wire.h"
 
 /* The first Register frame's session-wide options. */
 static int set_options(struct aoqd_session *s, const Aoq__Register *m, struct aoqd_error *err)
@@ -49,7 +50,7 @@ static int add_tensors(struct aoqd_session *s, const Aoq__Register *m, struct ao
 		return AOQD_FAIL(err, INVALID, "too many groups");
 	if (m->n_tensors > cfg->max_tensors - st->ntensors)
 		return AOQD_FAIL(err, INVALID, "more than %u tensors", cfg->max_tensors);
-	struct aoqd_group *g = aoqd_grow(st->groups, &st->cap_groups, st->ngroups + (uint32_t)m->n_groups, sizeof(*g));
+	struct aoqd_group *g = aoq_grow(st->groups, &st->cap_groups, st->ngroups + (uint32_t)m->n_groups, sizeof(*g));
 	if (!g)
 		return AOQD_FAIL(err, NO_MEMORY, "out of memory");
 	st->groups = g;
@@ -61,7 +62,7 @@ static int add_tensors(struct aoqd_session *s, const Aoq__Register *m, struct ao
 			return AOQD_FAIL(err, INVALID, "group %u: %s", st->ngroups, why);
 		aoqd_group_set(&st->groups[st->ngroups++], mg->kind, mg->hp);
 	}
-	struct aoqd_tensor *t = aoqd_grow(st->tensors, &st->cap_tensors, st->ntensors + (uint32_t)m->n_tensors, sizeof(*t));
+	struct aoqd_tensor *t = aoq_grow(st->tensors, &st->cap_tensors, st->ntensors + (uint32_t)m->n_tensors, sizeof(*t));
 	if (!t)
 		return AOQD_FAIL(err, NO_MEMORY, "out of memory");
 	st->tensors = t;

@@ -50,21 +50,6 @@ bool aoqd_dtype_valid(int d)
 	return d == AOQ__DTYPE__FP32 || d == AOQ__DTYPE__BF16 || d == AOQ__DTYPE__FP16;
 }
 
-void *aoqd_grow(void *p, uint32_t *cap, uint32_t need, size_t elem)
-{
-	if (need <= *cap)
-		return p;
-	uint32_t n = *cap ? *cap : 16;
-	while (n < need)
-		n = n > UINT32_MAX / 2 ? need : n * 2;
-	void *q = realloc(p, (size_t)n * elem);
-	if (!q)
-		return NULL;
-	memset((char *)q + (size_t)*cap * elem, 0, (size_t)(n - *cap) * elem);
-	*cap = n;
-	return q;
-}
-
 uint64_t aoqd_state_len(enum aoqk_precision p, uint64_t n, uint64_t off[5])
 {
 	uint64_t blocks = (n + AOQK_Q8_BLOCK - 1) / AOQK_Q8_BLOCK;

@@ -58,9 +58,6 @@ bool aoqd_hp_valid(const Aoq__Hyperparams *h, char *why, size_t len);
 void aoqd_group_set(struct aoqd_group *g, Aoq__OptimizerKind kind, const Aoq__Hyperparams *h);
 bool aoqd_dtype_valid(int d);
 
-/* Grows an array of elem-sized entries to hold need (zero-filled). */
-void *aoqd_grow(void *p, uint32_t *cap, uint32_t need, size_t elem);
-
 /* Bytes of one tensor's state arrays; off[] receives master, m, v,
  * m_scale, v_scale offsets. */
 uint64_t aoqd_state_len(enum aoqk_precision p, uint64_t n, uint64_t off[5]);

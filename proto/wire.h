@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* Frames on the control socket: a 4-byte little-endian length, then one
- * protobuf Envelope of at most AOQ_MAX_FRAME bytes. */
+ * protobuf Envelope of at most AOQ_MAX_FRAME bytes; and the helpers the
+ * daemon and libaoq share. */
 #ifndef AOQ_WIRE_H
 #define AOQ_WIRE_H
 
@@ -48,5 +49,9 @@ const char *aoq_error_name(int code);
 int aoq_socket_path(const char *explicit_path, char *buf, size_t len);
 /* Connects a blocking SOCK_STREAM socket; returns the fd or -errno. */
 int aoq_socket_connect(const char *path);
+
+/* Grows an array of elem-sized entries to hold need (new entries zeroed),
+ * doubling from 16; NULL when out of memory (the array is unchanged). */
+void *aoq_grow(void *p, uint32_t *cap, uint32_t need, size_t elem);
 
 #endif
