@@ -20,7 +20,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include "aoqd.h"
+#include "aoq-kernel.h"
 #include "config.h"
 #include "log.h"
 

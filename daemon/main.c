@@ -11,8 +11,8 @@
 #include <unistd.h>
 
 #include "aoq-config.h"
-#include "aoqd.h"
 #include "config.h"
+#include "server.h"
 #include "log.h"
 #include "wire.h"
 

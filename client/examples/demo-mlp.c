@@ -458,6 +458,7 @@ static int train(const struct config *cfg)
 	}
 
 	struct aoq_group grp = {
+		.size = sizeof(struct aoq_group),
 		.kind = AOQ_ADAMW, .lr = cfg->lr, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
 		.weight_decay = 1e-2,
 	};
@@ -468,6 +469,7 @@ static int train(const struct config *cfg)
 	}
 	for (int t = 0; t < N_TENSORS; t++) {
 		struct aoq_tensor desc = {
+			.size = sizeof(struct aoq_tensor),
 			.name = tensor_name[t],
 			.numel = tensor_numel[t],
 			.group = (uint32_t)gi,
@@ -550,7 +552,7 @@ static int train(const struct config *cfg)
 			fail("aoq_step_end", r);
 			goto out;
 		}
-		struct aoq_step_result res;
+		struct aoq_step_result res = AOQ_STEP_RESULT_INIT;
 		r = aoq_sync(c, &res);
 		if (r < 0) {
 			fail("aoq_sync", r);

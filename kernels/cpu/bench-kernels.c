@@ -13,7 +13,7 @@
  * bf16 out), variants that drop a stage: memory traffic only, compute only
  * (cache-resident chunk), and the non-finite pre-scan.
  *
- * GB/s counts the bytes the job must move (DESIGN.md §6: 28 B/param for fp32
+ * GB/s counts the bytes the job must move (kernels/README.md: 28 B/param for fp32
  * state with bf16 grad and param), not what the hardware moved (e.g. the
  * read-for-ownership of plain stores).  The last lines are
  *   RESULT <name> gparams_per_s=<x> gbps=<y> ratio_to_triad=<z>

@@ -22,6 +22,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "aoq-convert.h"
 #include "aoq-kernel.h"
 #include "kernel-internal.h"
 
@@ -430,8 +431,8 @@ static struct ref ref_elem(const struct tcase *t, const struct tbuf *b0, size_t 
 	if (q8) {
 		size_t blk = i / AOQK_Q8_BLOCK;
 		int qm = ((const int8_t *)b0->m)[i], qv = ((const uint8_t *)b0->v)[i];
-		m = (double)qm * abs(qm) / 16129.0 * b0->ms[blk];
-		double u = (double)qv * qv / 65025.0 * b0->vs[blk];
+		m = (double)qm * abs(qm) / (double)AOQK_Q8_M_DIV * b0->ms[blk];
+		double u = (double)qv * qv / (double)AOQK_Q8_U_DIV * b0->vs[blk];
 		v = u * u;
 	} else if (aoqk_precision_bf16_moments(t->prec)) {
 		m = bf16_val(((const uint16_t *)b0->m)[i]);

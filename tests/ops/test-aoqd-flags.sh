@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: MIT
-# Every bad flag and config line of issue 16 gives an error that names the
+# Every bad flag and config line gives an error that names the
 # flag or key (and the file and line) and a non-zero exit; good forms work.
 #   test-aoqd-flags.sh PATH/TO/aoqd
 set -uo pipefail

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: MIT
-"""OffloadOptimizer as a drop-in for torch's optimizers (issue 14), on the
+"""OffloadOptimizer as a drop-in for torch's optimizers, on the
 CPU against torch's own optimizers with the same user code:
   * in-place gradient changes after backward: user clip_grad_norm_, an edit
     of p.grad by assignment, GradScaler with an injected inf (a skipped

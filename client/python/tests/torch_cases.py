@@ -95,7 +95,7 @@ def same(a, b, what, exact=False, **tol):
 
 
 def run_cases(device, width, socket, cases=None, steps=10):
-    """The issue's correctness cases on `device`; raises on the first failure."""
+    """The correctness cases on `device`; raises on the first failure."""
     want = set(cases or ["basic", "accum", "offload", "offload-explicit", "attach", "framework", "adam-groups",
                          "clip", "autocast", "compile"])
     ref = reference(width, device, steps)
