@@ -414,6 +414,7 @@ static int run_chunked(const struct aoqk_kernel *k, const struct tcase *t, struc
 struct ref {
 	double p, m, v, g, upd, m0, ge, eg;
 	int v_overflow;
+	int v_edge; /* g * g so close to fp32's overflow that v may be inf */
 };
 
 static struct ref ref_elem(const struct tcase *t, const struct tbuf *b0, size_t i)
@@ -460,6 +461,11 @@ static struct ref ref_elem(const struct tcase *t, const struct tbuf *b0, size_t 
 	 * reaches infinity, up to half an ulp below it) */
 	if (g * g >= 0x1.ffffffp127 || v > FLT_MAX)
 		r.v_overflow = 1;
+	/* Within fp32's rounding of g of that edge, the kernel's g (rounded
+	 * once more: acc + grad, * scale, + wd * p) may land on either side:
+	 * both answers are right. */
+	else if (g * g >= 0x1.ffffffp127 * (1 - 8 * 0x1p-24))
+		r.v_edge = 1;
 	double bc1 = 1 - pow(b1, (double)hp->step), bc2 = 1 - pow(b2, (double)hp->step);
 	double mh = m / bc1, vh = v / bc2;
 	r.upd = r.v_overflow ? 0.0 : hp->lr * mh / (sqrt(vh) + hp->eps);
@@ -512,11 +518,14 @@ static void check_case(const struct tcase *t, const struct tbuf *b0, const struc
 		if (bfm) {
 			double lo = r.p - tol, hi = r.p + tol;
 			double u = bf16_ulp(r.p);
-			if (!(p_new >= lo - u && p_new <= hi + u)) {
+			/* at the overflow edge, v = inf means no update */
+			int edge_ok = r.v_edge && fabs(p_new - p_dec) <= tol + bf16_ulp(p_dec);
+			if (!(p_new >= lo - u && p_new <= hi + u) && !edge_ok) {
 				bad++;
 				CHECK(0, "%s: master[%zu]=%.9g ref %.9g (bf16 SR)", tag, i, p_new, r.p);
 			}
-		} else if (!(fabs(p_new - r.p) <= tol) && !(isinf(r.p) && p_new == r.p)) {
+		} else if (!(fabs(p_new - r.p) <= tol) && !(isinf(r.p) && p_new == r.p) &&
+		           !(r.v_edge && fabs(p_new - p_dec) <= tol)) {
 			bad++;
 			CHECK(0, "%s: master[%zu]=%.9g ref %.9g upd %.3g (g %.9g m0 %.9g m %.9g v %.9g p0 %.9g lr %.9g wd %.9g b1 %.9g b2 %.9g eps %g step %llu)",
 			      tag, i, p_new, r.p, r.upd, r.g, r.m0, r.m, r.v, p_dec, t->hp.lr, t->hp.weight_decay, t->hp.beta1, t->hp.beta2, t->hp.eps,
@@ -535,7 +544,8 @@ static void check_case(const struct tcase *t, const struct tbuf *b0, const struc
 			}
 			if (r.v_overflow ? !isinf(v)
 			                 : !(fabs(v - r.v) <= 2e-6 * (r.v + g2 * w2) +
-			                                          2 * w2 * fabs(r.ge) * r.eg + 1e-44 + uv)) {
+			                                          2 * w2 * fabs(r.ge) * r.eg + 1e-44 + uv) &&
+			                       !(r.v_edge && isinf(v))) {
 				bad++;
 				CHECK(0, "%s: v[%zu]=%.9g ref %.9g", tag, i, v, r.v);
 			}
