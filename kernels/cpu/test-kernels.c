@@ -617,8 +617,11 @@ static void check_case(const struct tcase *t, const struct tbuf *b0, const struc
 			}
 			CHECK(fabs(b->ms[blk] - mm) <= tm + 1e-38, "%s: m_scale[%zu]=%g ref %g", tag, blk,
 			      b->ms[blk], mm);
-			CHECK(fabs(b->vs[blk] - mu) <= tu + 1e-5 * mu + 1e-38, "%s: v_scale[%zu]=%g ref %g",
-			      tag, blk, b->vs[blk], mu);
+			/* the block's largest v below fp32's normal range (g * g
+			 * may underflow to 0 there): its sqrt anywhere from 0 */
+			CHECK(fabs(b->vs[blk] - mu) <= tu + 1e-5 * mu + 1e-38 ||
+			              (mu * mu < FLT_MIN && b->vs[blk] >= 0 && b->vs[blk] <= 2 * mu + 1e-38),
+			      "%s: v_scale[%zu]=%g ref %g", tag, blk, b->vs[blk], mu);
 			for (size_t i = s; i < e && bad < 5; i++) {
 				struct ref r = ref_elem(t, b0, i);
 				int qm = ((const int8_t *)b->m)[i], qv = ((const uint8_t *)b->v)[i];
