@@ -11,7 +11,10 @@
  * in the same run with the same threads (STREAM-like copy and triad, plain
  * and non-temporal stores); and, for the headline job (fp32 state, bf16 in,
  * bf16 out), variants that drop a stage: memory traffic only, compute only
- * (cache-resident chunk), and the non-finite pre-scan.
+ * (cache-resident chunk), and the non-finite pre-scan.  SGD (momentum 0.9)
+ * and Lion rows follow Adam's for every variant, fp32, bf16 and all-bf16
+ * state, bf16 in and out; their names start with the variant, then "sgd_"
+ * or "lion_".
  *
  * GB/s counts the bytes the job must move (kernels/README.md: 28 B/param for fp32
  * state with bf16 grad and param), not what the hardware moved (e.g. the
@@ -131,7 +134,7 @@ static double timed(void (*fn)(int), void (*before)(void))
 
 static float *master32, *m32, *v32, *ms, *vs;
 static void *grad, *param;
-static uint16_t *master16;
+static uint16_t *master16, *m16;
 static int8_t *mq;
 static uint8_t *vq;
 
@@ -193,6 +196,7 @@ static void init_job(int tid)
 		v32[i] = r * r * 1e-6f + 1e-12f;
 		((float *)param)[i] = 0.0f;
 		master16[i] = (uint16_t)(aoqk_f2u(r) >> 16);
+		m16[i] = (uint16_t)(aoqk_f2u(r * 1e-3f) >> 16);
 		mq[i] = (int8_t)(x >> 25);
 		vq[i] = (uint8_t)(x >> 8);
 	}
@@ -211,6 +215,15 @@ static enum aoqk_dtype cur_gd, cur_pd;
 static int cur_skip;
 static struct aoqk_hparams cur_hp;
 static size_t cur_chunk;
+enum { OPT_ADAM, OPT_SGD, OPT_LION };
+static int cur_opt;
+
+static void *moment_ptr(enum aoqk_precision p, void *f32, void *q8)
+{
+	if (aoqk_precision_q8(p))
+		return q8;
+	return aoqk_precision_bf16_moments(p) ? (void *)m16 : f32;
+}
 
 static void kernel_job(int tid)
 {
@@ -219,11 +232,15 @@ static void kernel_job(int tid)
 		.precision = cur_prec,
 		.n = N,
 		.master = aoqk_precision_bf16_master(cur_prec) ? (void *)master16 : (void *)master32,
-		.m = aoqk_precision_q8(cur_prec) ? (void *)mq : (void *)m32,
-		.v = aoqk_precision_q8(cur_prec) ? (void *)vq : (void *)v32,
+		.m = moment_ptr(cur_prec, m32, mq),
+		.v = cur_opt != OPT_ADAM ? NULL : moment_ptr(cur_prec, v32, vq),
 		.m_scale = ms,
 		.v_scale = vs,
 	};
+	int (*fn)(const struct aoqk_hparams *, const struct aoqk_state *, const struct aoqk_chunk *,
+	          struct aoqk_report *) = cur_opt == OPT_SGD    ? cur_k->sgd
+	                                  : cur_opt == OPT_LION ? cur_k->lion
+	                                                        : cur_k->adam;
 	size_t gs = aoqk_dtype_size(cur_gd), ps = aoqk_dtype_size(cur_pd);
 	slice(tid, &lo, &hi);
 	for (size_t b = lo; b < hi; b += cur_chunk) {
@@ -239,7 +256,7 @@ static void kernel_job(int tid)
 			.skip_nonfinite = cur_skip,
 		};
 		struct aoqk_report rep;
-		if (cur_k->adam(&cur_hp, &st, &c, &rep) != 0) {
+		if (fn(&cur_hp, &st, &c, &rep) != 0) {
 			fprintf(stderr, "kernel %s refused a chunk\n", cur_k->name);
 			exit(1);
 		}
@@ -413,7 +430,7 @@ static void record(const char *name, double seconds, double elems, double bytes_
 
 static const char *prec_name(enum aoqk_precision p)
 {
-	static const char *n[] = { "fp32", "q8", "bf16", "bf16q8" };
+	static const char *n[] = { "fp32", "q8", "bf16", "bf16q8", "bf16all" };
 	return n[p];
 }
 
@@ -423,11 +440,19 @@ static const char *dt_name(enum aoqk_dtype d)
 	return n[d];
 }
 
+/* Bytes the job must move per parameter: grad in, master and moments read
+ * and written, param out (Adam: m and v; SGD with momentum and Lion: m). */
+static double job_bytes_opt(enum aoqk_precision p, enum aoqk_dtype gd, enum aoqk_dtype pd, int opt)
+{
+	double master = (double)aoqk_master_size(p);
+	double mom = (double)aoqk_moment_size(p);
+	double nmom = opt == OPT_ADAM ? 2 : 1;
+	return (double)aoqk_dtype_size(gd) + 2 * master + 2 * nmom * mom + (double)aoqk_dtype_size(pd);
+}
+
 static double job_bytes(enum aoqk_precision p, enum aoqk_dtype gd, enum aoqk_dtype pd)
 {
-	double master = aoqk_precision_bf16_master(p) ? 2 : 4;
-	double mom = aoqk_precision_q8(p) ? 1 : 4;
-	return (double)aoqk_dtype_size(gd) + 2 * master + 4 * mom + (double)aoqk_dtype_size(pd);
+	return job_bytes_opt(p, gd, pd, OPT_ADAM);
 }
 
 static void bench_kernel(const struct aoqk_kernel *k, enum aoqk_precision p, enum aoqk_dtype gd,
@@ -444,13 +469,20 @@ static void bench_kernel(const struct aoqk_kernel *k, enum aoqk_precision p, enu
 	cur_hp = (struct aoqk_hparams){ .lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
 	                                .weight_decay = 0.01f, .decoupled = true, .step = 1,
 	                                .grad_scale = 1.0f };
+	if (cur_opt == OPT_SGD)
+		cur_hp = (struct aoqk_hparams){ .lr = 1e-2, .momentum = 0.9, .weight_decay = 1e-4,
+		                                .step = 1, .grad_scale = 1.0f };
+	else if (cur_opt == OPT_LION)
+		cur_hp = (struct aoqk_hparams){ .lr = 1e-4, .beta1 = 0.9, .beta2 = 0.99,
+		                                .weight_decay = 0.01, .step = 1, .grad_scale = 1.0f };
 	double t = timed(kernel_job, next_step);
-	snprintf(name, sizeof(name), "%s_%s_%s_%s%s", k->name, prec_name(p), dt_name(gd), dt_name(pd),
-	         suffix);
+	snprintf(name, sizeof(name), "%s_%s%s_%s_%s%s", k->name,
+	         cur_opt == OPT_SGD ? "sgd_" : cur_opt == OPT_LION ? "lion_" : "", prec_name(p),
+	         dt_name(gd), dt_name(pd), suffix);
 	for (char *c = name; *c; c++)
 		if (*c == '-')
 			*c = '_';
-	record(name, t, (double)N, job_bytes(p, gd, pd));
+	record(name, t, (double)N, job_bytes_opt(p, gd, pd, cur_opt));
 }
 
 static int wanted(const char *list, const char *name)
@@ -571,6 +603,7 @@ int main(int argc, char **argv)
 	grad = big(N * 4);
 	param = big(N * 4);
 	master16 = big(N * 2);
+	m16 = big(N * 2);
 	mq = big(N);
 	vq = big(N);
 	ms = big(nb * 4);
@@ -598,6 +631,12 @@ int main(int argc, char **argv)
 		for (int p = 0; p < 4; p++)
 			bench_kernel(k, (enum aoqk_precision)p, AOQK_BF16, AOQK_BF16, 0, CHUNK, "");
 		bench_kernel(k, AOQK_STATE_FP32, AOQK_FP32, AOQK_FP32, 0, CHUNK, "");
+		static const enum aoqk_precision slp[] = { AOQK_STATE_FP32, AOQK_STATE_BF16,
+		                                           AOQK_STATE_BF16_ALL };
+		for (cur_opt = OPT_SGD; cur_opt <= OPT_LION; cur_opt++)
+			for (int p = 0; p < 3; p++)
+				bench_kernel(k, slp[p], AOQK_BF16, AOQK_BF16, 0, CHUNK, "");
+		cur_opt = OPT_ADAM;
 	}
 
 	/* where the headline job's time goes, with the default kernel */

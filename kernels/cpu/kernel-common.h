@@ -39,6 +39,15 @@ struct aoqk_consts {
 	int adamw;       /* apply decay */
 	int l2;          /* apply wd * param to the gradient */
 	uint32_t srkey;  /* stochastic rounding key, from (seed, step) */
+	/* SGD and Lion */
+	float b1;        /* Lion: beta1 */
+	float nlr;       /* -lr */
+	float mom;       /* SGD: momentum */
+	float damp1;     /* SGD: 1 - dampening */
+	int wd_on;       /* weight_decay != 0 (SGD: L2, Lion: decoupled) */
+	int mom_on;      /* SGD: momentum != 0 (else no buffer) */
+	int first;       /* SGD: step 1, the buffer starts as the gradient */
+	int nesterov;    /* SGD */
 };
 
 static inline uint64_t aoqk_splitmix64(uint64_t x)
@@ -95,6 +104,14 @@ static inline void aoqk_consts_init(struct aoqk_consts *k, const struct aoqk_hpa
 	k->adamw = hp->decoupled && hp->weight_decay != 0.0;
 	k->l2 = !hp->decoupled && hp->weight_decay != 0.0;
 	k->srkey = (uint32_t)aoqk_splitmix64(seed ^ aoqk_splitmix64(hp->step));
+	k->b1 = (float)b1;
+	k->nlr = (float)-lr;
+	k->mom = (float)hp->momentum;
+	k->damp1 = (float)(1.0 - hp->dampening);
+	k->wd_on = wd != 0.0;
+	k->mom_on = hp->momentum != 0.0;
+	k->first = hp->step == 1;
+	k->nesterov = hp->nesterov;
 }
 
 static inline int aoqk_dtype_ok(enum aoqk_dtype t)
@@ -129,6 +146,34 @@ static inline int aoqk_check(const struct aoqk_hparams *hp, const struct aoqk_st
 		if (c->count % AOQK_Q8_BLOCK != 0 && c->begin + c->count != st->n)
 			return -EINVAL;
 	}
+	return 0;
+}
+
+/* The contract of aoqk_kernel.sgd (lion = 0) and .lion (lion = 1): no q8
+ * state, no v; m only where a buffer is kept; nesterov as torch allows it. */
+static inline int aoqk_check_sl(const struct aoqk_hparams *hp, const struct aoqk_state *st,
+                                const struct aoqk_chunk *c, const struct aoqk_report *rep,
+                                int lion)
+{
+	if (!hp || !st || !c || !rep)
+		return -EINVAL;
+	if (st->precision != AOQK_STATE_FP32 && st->precision != AOQK_STATE_BF16 &&
+	    st->precision != AOQK_STATE_BF16_ALL)
+		return -EINVAL;
+	if (!aoqk_dtype_ok(c->grad_dtype) || (c->param && !aoqk_dtype_ok(c->param_dtype)))
+		return -EINVAL;
+	if (hp->step == 0)
+		return -EINVAL;
+	if (!lion && hp->nesterov && (!(hp->momentum > 0.0) || hp->dampening != 0.0))
+		return -EINVAL;
+	if (c->begin > st->n || c->count > st->n - c->begin)
+		return -EINVAL;
+	if (c->count == 0)
+		return 0;
+	if (!c->grad || !st->master)
+		return -EINVAL;
+	if ((lion || hp->momentum != 0.0) && !st->m)
+		return -EINVAL;
 	return 0;
 }
 
