@@ -6,7 +6,7 @@ set -u
 bin=$(cd "$1" && pwd); limit=$2; shift 2
 here=$(cd "$(dirname "$0")" && pwd); root=$(cd "$here/../.." && pwd)
 logs=${OUT:-$PWD}
-export LD_LIBRARY_PATH=$bin/lib PYTHONUNBUFFERED=1 AOQ_LIBRARY=$bin/lib/libaoq.so.0 AOQD=$bin/aoqd \
+export LD_LIBRARY_PATH=$bin/lib PYTHONUNBUFFERED=1 AOQ_LIBRARY=$(ls "$bin"/lib/libaoq.so.* | head -n 1) AOQD=$bin/aoqd \
        PYTHONPATH=$root/client/python
 python3 -X faulthandler "$root/tests/bench/train_gpt.py" "$@" >"$logs/diag.log" 2>&1 &
 pid=$!

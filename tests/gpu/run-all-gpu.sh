@@ -22,11 +22,11 @@ AOQ_BENCH_ARGS=${AOQ_BENCH_ARGS:---modes unbounded,window256,delayed --tokens 81
 	"$here/run-gpu-tests.sh" "$bin" "$logs"
 echo "cuda tests: exit $?" >>"$logs/summary.txt"
 
-AOQ_LIBRARY=$bin/lib/libaoq.so.0 AOQD=$bin/aoqd timeout -k 5 "${AOQ_PY_BUDGET:-150}" \
+AOQ_LIBRARY=$(ls "$bin"/lib/libaoq.so.* | head -n 1) AOQD=$bin/aoqd timeout -k 5 "${AOQ_PY_BUDGET:-150}" \
 	"$here/python/run.sh" "$bin" >"$logs/python.log" 2>&1
 echo "python gpu tests: exit $?" >>"$logs/summary.txt"
 
-AOQ_LIBRARY=$bin/lib/libaoq.so.0 AOQD=$bin/aoqd PYTHONPATH=$root/client/python \
+AOQ_LIBRARY=$(ls "$bin"/lib/libaoq.so.* | head -n 1) AOQD=$bin/aoqd PYTHONPATH=$root/client/python \
 	timeout -k 5 "${AOQ_GPT_BUDGET:-150}" python3 "$root/tests/bench/train_gpt.py" --device cuda \
 	--mode all --spawn-daemon --steps 5 --warmup 2 ${AOQ_GPT_ARGS:-} >"$logs/train_gpt.log" 2>&1
 echo "train_gpt: exit $?" >>"$logs/summary.txt"

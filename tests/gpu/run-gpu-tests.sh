@@ -5,7 +5,7 @@
 #   tests/gpu/run-gpu-tests.sh [BIN] [LOGDIR]
 #
 # BIN: a folder holding aoqd, test-cuda, test-cuda-nodev, bench-cuda and
-# lib/ (libaoq.so.0 plus any shared library the machine lacks), as made by
+# lib/ (libaoq.so.N, its soname, plus any shared library the machine lacks), as made by
 # `run-gpu-tests.sh pack BUILD_DIR BIN`; without it the script builds with
 # meson into build-gpu (needs libuv, protobuf-c, nvcc).  Logs go to LOGDIR
 # (default $OUT, else ./gpu-logs): tests.log, sanitizer.log, bench.log and
@@ -21,7 +21,8 @@ if [ "${1:-}" = pack ]; then
 	mkdir -p "$bin/lib"
 	cp "$build/daemon/aoqd" "$build/tests/gpu/test-cuda" "$build/tests/gpu/test-cuda-nodev" \
 	   "$build/tests/gpu/bench-cuda" "$bin/"
-	cp -L "$build/client/libaoq.so.0" "$bin/lib/"
+	soname=$(objdump -p "$build/client/libaoq.so" | awk '/SONAME/ { print $2 }')
+	cp -L "$build/client/$soname" "$bin/lib/"
 	for l in libuv.so.1 libprotobuf-c.so.1; do
 		cp -L "/usr/lib/x86_64-linux-gnu/$l" "$bin/lib/"
 	done
