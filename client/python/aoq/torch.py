@@ -111,11 +111,20 @@ class _HostFallback:
     copies of the parameters in this process, as torchao's
     CPUOffloadOptimizer does (gradients copied to the host at step(), the
     updated parameters copied back).  Synchronous; the state lives in
-    self.opt (positional torch state_dict)."""
+    self.opt (positional torch state_dict).  Parameters already on the CPU
+    are stepped in place (their own tensors, torch's numerics exactly); a
+    device parameter changed since the last step (its version counter
+    moved: model.load_state_dict, a user edit) is copied to the host again
+    before the step, so the host copy never overwrites it with stale values."""
+
+    # False: CPU parameters get host copies too (the tests run the device
+    # path, copies and staleness checks, on a CPU-only machine this way).
+    cpu_in_place = True
 
     def __init__(self, owner, optimizer_class, kwargs):
         self.owner = owner
-        self.host = {}                               # device param -> host copy
+        self.host = {}                               # device param -> host copy (CPU params: itself)
+        self.ver = {}                                # device param -> its version after our last write
         host_groups = []
         for g in owner.param_groups:
             hg = {k: v for k, v in g.items() if k != "params"}
@@ -126,11 +135,15 @@ class _HostFallback:
     def _host_of(self, p):
         h = self.host.get(p)
         if h is None:
-            pin = p.device.type == "cuda" and torch.cuda.is_available()
-            h = torch.empty(p.shape, dtype=p.dtype, pin_memory=pin)
-            with torch.no_grad():
-                h.copy_(p.detach())
-            h.requires_grad_(p.requires_grad)
+            if p.device.type == "cpu" and self.cpu_in_place:
+                h = p
+            else:
+                pin = p.device.type == "cuda" and torch.cuda.is_available()
+                h = torch.empty(p.shape, dtype=p.dtype, pin_memory=pin)
+                with torch.no_grad():
+                    h.copy_(p.detach())
+                h.requires_grad_(p.requires_grad)
+                self.ver[p] = p._version
             self.host[p] = h
         return h
 
@@ -145,6 +158,10 @@ class _HostFallback:
                 if k != "params":
                     hg[k] = v
             for p, h in zip(g["params"], hg["params"]):
+                if h is p:
+                    continue
+                if p._version != self.ver[p]:   # changed on the device since our last copy
+                    h.copy_(p.detach())
                 if p.grad is None:
                     h.grad = None
                     continue
@@ -153,8 +170,9 @@ class _HostFallback:
                 h.grad.copy_(p.grad)
         self.opt.step()
         for p, h in self.host.items():
-            if p.grad is not None:
+            if h is not p and p.grad is not None:
                 p.copy_(h)
+                self.ver[p] = p._version
         return loss
 
     def zero_grad(self, set_to_none=True):
@@ -172,11 +190,33 @@ class _HostFallback:
         return self.opt.state_dict()
 
     def load_state_dict(self, sd):
-        self.opt.load_state_dict(sd)
+        self.opt.load_state_dict(_copied_state_dict(sd))
         for g, hg in zip(self.owner.param_groups, self.opt.param_groups):
             for k, v in hg.items():
                 if k != "params":
                     g[k] = v
+
+
+def _state_copy(p, key, v):
+    """A loaded optimizer state value for parameter p, as torch's
+    Optimizer.load_state_dict casts it (floating state to p's dtype and
+    device, "step" as it is), but always a copy of the loaded tensor."""
+    if not torch.is_tensor(v):
+        return v
+    v = v.detach()
+    if key == "step":
+        return v.clone()
+    if v.is_floating_point() and p.is_floating_point():
+        return v.to(device=p.device, dtype=p.dtype, copy=True)
+    return v.to(device=p.device, copy=True)
+
+
+def _copied_state_dict(sd):
+    """sd with every state tensor copied (torch's load_state_dict keeps views
+    of the loaded tensors where dtype and device already match)."""
+    state = {k: ({kk: (vv.detach().clone() if torch.is_tensor(vv) else vv) for kk, vv in st.items()}
+                 if isinstance(st, dict) else st) for k, st in sd["state"].items()}
+    return dict(sd, state=state)
 
 
 def _is_compiling():
@@ -910,9 +950,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             small = set(self._small_params)
             for p, st in entries:
                 if p in small and st is not None:
-                    self._dev_opt.state[p] = {k: (v.to(p.device) if torch.is_tensor(v) and k != "step" else
-                                                  (v.clone() if torch.is_tensor(v) else v))
-                                              for k, v in st.items() if k != "master"}
+                    # Copies, never views of the caller's tensors: a state dict of a live optimizer
+                    # (or one loaded twice) would otherwise be stepped by both.
+                    self._dev_opt.state[p] = {k: _state_copy(p, k, v) for k, v in st.items() if k != "master"}
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

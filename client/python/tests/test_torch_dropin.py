@@ -192,9 +192,13 @@ def loop_compiled(c, m, opt, steps):
 
 
 def case_other_classes():
-    for cls, kw in ((torch.optim.SGD, dict(lr=1e-2, momentum=0.9)),
-                    (torch.optim.SGD, dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01)),
-                    (torch.optim.RMSprop, dict(lr=1e-3))):
+    from aoq.torch import _HostFallback
+    for in_place, cls, kw in ((True, torch.optim.SGD, dict(lr=1e-2, momentum=0.9)),
+                              (True, torch.optim.SGD, dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01)),
+                              (True, torch.optim.RMSprop, dict(lr=1e-3)),
+                              (False, torch.optim.SGD, dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01)),
+                              (False, torch.optim.RMSprop, dict(lr=1e-3))):
+        _HostFallback.cpu_in_place = in_place
         m1 = make_model(W, "cpu")
         o1 = cls(trainable(m1), **kw)
         sched1 = torch.optim.lr_scheduler.StepLR(o1, 3, 0.5)
@@ -209,8 +213,10 @@ def case_other_classes():
             sched1.step()
             loop(m2, o2, 1, clip, start=i)
             sched2.step()
-        same(m2, m1, "%s %s (host copies, user clipping, StepLR)" % (cls.__name__, kw))
+        same(m2, m1, "%s %s (%s, user clipping, StepLR)" % (cls.__name__, kw, "in place on the CPU" if in_place
+                                                              else "host copies"))
         o2.close()
+    _HostFallback.cpu_in_place = True
     print("ok: other optimizer classes")
 
 
@@ -222,7 +228,10 @@ def torch_trained(steps):
 
 
 def case_checkpoints():
-    # torch AdamW -> aoq, continued == torch continued
+    # torch AdamW -> aoq, continued == torch continued.  The state dict of the
+    # live optimizer (its tensors are o1's own, which keep stepping): aoq
+    # must copy what it loads (it once kept the small parameters' moments
+    # as views, so both optimizers stepped them).
     m1, o1 = torch_trained(4)
     sd = o1.state_dict()
     m2 = make_model(W, "cpu")
@@ -263,14 +272,60 @@ def case_checkpoints():
     m2 = make_model(W, "cpu")
     m2.load_state_dict(m1.state_dict())
     o2 = OffloadOptimizer(m2.named_parameters(), torch.optim.AdamW, socket=SOCKET, lr=1e-2)
-    o2.load_state_dict(tao)
+    o2.load_state_dict(saved(tao))
     loop(m1, o1, 4, start=4)
     loop(m2, o2, 4, start=4)
     o2.synchronize()
     same(m2, m1, "torchao CPUOffloadOptimizer state dict loaded, 4 more steps")
 
     o2.close()
-    print("ok: checkpoints (torch, torchao, to torch, DCP)")
+
+    # An optimizer class aoqd does not run (SGD, host copies): torch SGD's
+    # state dict loaded (through torch.save, as a checkpoint is), the model's
+    # weights loaded after the optimizer was made, then aoq's state dict
+    # loaded into torch's SGD; every continuation equal to torch's.
+    for in_place in (True, False):
+        sgd_checkpoint(in_place)
+    print("ok: checkpoints (torch AdamW, torchao, aoq to torch AdamW, SGD both ways)")
+
+
+def sgd_checkpoint(in_place):
+    """in_place False: host copies of the CPU parameters, as for a device."""
+    from aoq.torch import _HostFallback
+    _HostFallback.cpu_in_place = in_place
+    how = "in place" if in_place else "host copies"
+    kw = dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01)
+    m1 = make_model(W, "cpu")
+    o1 = torch.optim.SGD(trainable(m1), **kw)
+    loop(m1, o1, 4)
+    sd = saved(o1.state_dict())
+    m2 = make_model(W, "cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        o2 = OffloadOptimizer(trainable_named(m2), torch.optim.SGD, socket=SOCKET, **kw)
+    m2.load_state_dict(m1.state_dict())
+    o2.load_state_dict(sd)
+    loop(m1, o1, 4, start=4)
+    loop(m2, o2, 4, start=4)
+    same(m2, m1, "torch SGD state dict loaded into aoq (%s), 4 more steps" % how)
+    m3 = make_model(W, "cpu")
+    m3.load_state_dict(m2.state_dict())
+    o3 = torch.optim.SGD(trainable(m3), **kw)
+    o3.load_state_dict(saved(o2.state_dict()))
+    loop(m2, o2, 3, start=8)
+    loop(m3, o3, 3, start=8)
+    same(m3, m2, "aoq SGD (%s) state dict loaded into torch SGD, 3 more steps" % how)
+    o2.close()
+    _HostFallback.cpu_in_place = True
+
+
+def saved(sd):
+    """sd after torch.save / torch.load (a checkpoint on disk)."""
+    import io
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
 
 
 def case_dcp():
@@ -305,7 +360,7 @@ def case_add_param_group():
         data = batches(8, "cpu")
         for i in range(STEPS):
             if i == 3:
-                o.add_param_group({"params": list(m[6].parameters()) + list(extra.parameters()), "lr": 3e-3})
+                o.add_param_group({"params": list(m[6].parameters()) + list(extra.parameters()), "lr": 1e-3})
             x, y = data[i % len(data)]
             torch.nn.functional.mse_loss(extra(m(x)), y).backward()
             o.step()
@@ -320,9 +375,12 @@ def case_add_param_group():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         got = run(lambda ps: OffloadOptimizer(ps, torch.optim.AdamW, socket=SOCKET, lr=1e-2))
-    # the added group's first steps run on the device from parameters aoq
-    # trained: fp32 differences of the daemon's update carry over (1e-5 seen)
-    same(got, ref, "add_param_group after 3 steps", rtol=1e-4, atol=1e-4)
+    # The added group is stepped on the device by torch's AdamW itself, from
+    # inputs that aoq's first group produced; the daemon's fp32 update is not
+    # bit-identical to torch's, and Adam's first steps amplify that for tiny
+    # gradients (lr 3e-3 gave one element 1.008e-5 off): lr 1e-3 for the
+    # added group keeps that below assert_close's default tolerance.
+    same(got, ref, "add_param_group after 3 steps")
     print("ok: add_param_group")
 
 
@@ -360,12 +418,9 @@ def case_errors():
 
 
 CASES = {"grad-edits": case_grad_edits, "import-swap": case_import_swap, "other-classes": case_other_classes,
-         "dcp": case_dcp, "add-param-group": case_add_param_group, "errors": case_errors,
-         "checkpoints": case_checkpoints}
-# "checkpoints" (torch AdamW / torchao state dicts loaded) fails today: the
-# device-stepped small parameters (biases) differ after the load.  Not in the
-# default list until fixed (AOQ_TORCH_CASES=checkpoints runs it).
-DEFAULT = [n for n in CASES if n != "checkpoints"]
+         "checkpoints": case_checkpoints, "dcp": case_dcp, "add-param-group": case_add_param_group,
+         "errors": case_errors}
+DEFAULT = list(CASES)
 
 
 def main():
