@@ -7,8 +7,11 @@ CPU against torch's own optimizers with the same user code:
     step), a loop that starts editing late (warning, then torch semantics),
   * the import swap (no attach): per-module waits through the global
     forward pre-hook, and torch.compile without graph breaks,
+  * model.state_dict() / load_state_dict() right after step() (import swap,
+    no synchronize()): they wait for the pending updates; written weights
+    become the daemon's master,
   * optimizer classes aoqd does not run (SGD with momentum/nesterov,
-    RMSprop): host copies in this process, with a warning,
+    RMSprop): in place on the CPU or host copies, with a warning,
   * checkpoints: torch AdamW and torchao CPUOffloadOptimizer state dicts
     loaded, aoq's loaded into torch's AdamW, DCP's get_optimizer_state_dict
     without a hidden step, add_param_group,
@@ -174,12 +177,67 @@ def case_import_swap():
     opt = aoq_opt(m2)
     c2 = torch.compile(m2, backend=counter)
     loop_compiled(c2, m2, opt, 4)
+    # the original module's state_dict() right after step(), no synchronize()
+    same_dicts(cloned(m2.state_dict()), m1.state_dict(), "torch.compile, import swap: state_dict() after step()")
     opt.synchronize()
     same(m2, m1, "torch.compile, import swap")
     assert counter.frame_count == frames_ref, ("graph breaks under compile", counter.frame_count, frames_ref)
     assert all(s.fwd for s in opt._slots), "the compiled module did not wait for its parameters"
     opt.close()
     print("ok: import swap (per-module waits, compile with %d frame(s))" % frames_ref)
+
+
+def cloned(sd):
+    return {k: v.detach().clone() for k, v in sd.items()}
+
+
+def same_dicts(a, b, what):
+    assert list(a) == list(b), (what, list(a), list(b))
+    for k in a:
+        try:
+            torch.testing.assert_close(a[k], b[k])
+        except AssertionError as e:
+            raise AssertionError("%s: %s differs:\n%s" % (what, k, e)) from None
+    print("ok: %s" % what)
+
+
+def case_reads_after_step():
+    """Import swap: the updates land in a parameter when its module next runs;
+    model.state_dict() (torch.save, an EMA over it) and model.load_state_dict()
+    right after step() wait for them first, without synchronize()."""
+    steps = 4
+    other = make_model(W, "cpu", seed=7).state_dict()
+    data = batches(8, "cpu")
+
+    def run(m, o):
+        seen, emas = [], None
+        for i in range(steps):
+            x, y = data[i]
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+            sd = m.state_dict()                  # right after step(): what torch.save would write
+            seen.append(cloned(sd))
+            if emas is None:
+                emas = cloned(sd)
+            else:
+                for k, v in sd.items():
+                    emas[k].mul_(0.9).add_(v, alpha=0.1)
+            if i == 1:
+                m.load_state_dict(other)         # weights loaded right after step(): the next step starts there
+        return seen, emas
+    m1 = make_model(W, "cpu")
+    ref, ref_ema = run(m1, torch.optim.AdamW(trainable(m1), lr=1e-2))
+    m2 = make_model(W, "cpu")
+    opt = aoq_opt(m2)
+    got, got_ema = run(m2, opt)
+    for i, (a, b) in enumerate(zip(got, ref)):
+        same_dicts(a, b, "model.state_dict() right after step() %d (model weights loaded after step 1)" % i)
+    same_dicts(got_ema, ref_ema, "an EMA of model.state_dict() taken after every step()")
+    opt.synchronize()
+    same(m2, m1, "model.load_state_dict() between steps")
+    opt.close()
+    print("ok: reads and writes of the model right after step()")
 
 
 def loop_compiled(c, m, opt, steps):
@@ -418,7 +476,7 @@ def case_errors():
 
 
 CASES = {"grad-edits": case_grad_edits, "import-swap": case_import_swap, "other-classes": case_other_classes,
-         "checkpoints": case_checkpoints, "dcp": case_dcp, "add-param-group": case_add_param_group,
+         "reads-after-step": case_reads_after_step, "checkpoints": case_checkpoints, "dcp": case_dcp, "add-param-group": case_add_param_group,
          "errors": case_errors}
 DEFAULT = list(CASES)
 
