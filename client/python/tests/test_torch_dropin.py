@@ -16,7 +16,11 @@ CPU against torch's own optimizers with the same user code:
     loaded, aoq's loaded into torch's AdamW, DCP's get_optimizer_state_dict
     without a hidden step, add_param_group,
   * ValueErrors naming the bad value for precision, dtype, device.
-Exit 0 ok, 1 fail, 77 skip without torch (1 when CI / AOQ_REQUIRE_TORCH is set)."""
+    test_torch_dropin.py [--device cuda:0] [--cases a,b]   (AOQ_TORCH_CASES=a,b too)
+On a GPU machine (the issue's import swap and compile with CUDA):
+    test_torch_dropin.py --device cuda:0
+Exit 0 ok, 1 fail, 77 skip without torch or the device (1 when CI /
+AOQ_REQUIRE_TORCH is set and torch is missing)."""
 import os
 import sys
 import traceback
@@ -41,11 +45,12 @@ from torch_cases import batches, make_model, same  # noqa: E402
 W = 256
 STEPS = 8
 SOCKET = None
+DEV = "cpu"     # --device cuda:0 runs the cases on a GPU (tests/gpu: the import swap and compile with CUDA)
 
 
 def loop(model, opt, steps, edit=None, scaler=None, inject=None, start=0, unscale=True):
     """A plain training loop; edit(model, step) runs between backward and step()."""
-    data = batches(8, "cpu")
+    data = batches(8, DEV)
     for i in range(start, start + steps):
         x, y = data[i % len(data)]
         loss = torch.nn.functional.mse_loss(model(x), y)
@@ -74,12 +79,12 @@ def aoq_opt(m, cls=torch.optim.AdamW, **kw):
 
 
 def compare(what, edit=None, steps=STEPS, use_scaler=False, inject=None, expect_warning=False, unscale=True, **kw):
-    m1 = make_model(W, "cpu")
-    s1 = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if use_scaler else None
+    m1 = make_model(W, DEV)
+    s1 = torch.amp.GradScaler(torch.device(DEV).type, init_scale=2.0 ** 8) if use_scaler else None
     loop(m1, torch.optim.AdamW(trainable(m1), lr=1e-2), steps, edit, s1, inject, unscale=unscale)
-    m2 = make_model(W, "cpu")
+    m2 = make_model(W, DEV)
     opt = aoq_opt(m2, **kw)
-    s2 = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if use_scaler else None
+    s2 = torch.amp.GradScaler(torch.device(DEV).type, init_scale=2.0 ** 8) if use_scaler else None
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         loop(m2, opt, steps, edit, s2, inject, unscale=unscale)
@@ -131,12 +136,12 @@ def case_grad_edits():
     a, ref = compare("edits from step 3 on, undeclared", late, expect_warning=True)
     compare("edits from step 3 on, grad_edits=True", late, grad_edits=True)
     # Without any edit the fast path stays: gradients stream from the hooks.
-    m = make_model(W, "cpu")
+    m = make_model(W, DEV)
     opt = aoq_opt(m)
     loop(m, opt, 3)
     assert opt._edits is False and opt._learned == 1, (opt._edits, opt._learned)
     opt.close()
-    m = make_model(W, "cpu")
+    m = make_model(W, DEV)
     opt = aoq_opt(m)
     loop(m, opt, 3, clip)
     assert opt._edits is True, opt._edits
@@ -148,13 +153,13 @@ def case_import_swap():
     """No attach: the global forward pre-hook waits per module (a slot met in
     a forward is not waited for at step()); compiled modules wait outside
     the compiled code and the hooks do not break the graph."""
-    m = make_model(W, "cpu")
+    m = make_model(W, DEV)
     opt = aoq_opt(m)
     loop(m, opt, 2)
     fwd = [s.name for s in opt._slots if s.fwd]
     assert len(fwd) == len(opt._slots), ("not every parameter waited for in forward", fwd)
     # After step() the update may still be pending; the next forward waits for it.
-    x, y = batches(8, "cpu")[0]
+    x, y = batches(8, DEV)[0]
     torch.nn.functional.mse_loss(m(x), y).backward()
     opt.step()
     pending = [s for s in opt._slots if s.wait]
@@ -168,12 +173,12 @@ def case_import_swap():
     from torch._dynamo.testing import CompileCounter
     torch._dynamo.reset()
     counter = CompileCounter()
-    m1 = make_model(W, "cpu")
+    m1 = make_model(W, DEV)
     loop(torch.compile(m1, backend=counter), torch.optim.AdamW(trainable(m1), lr=1e-2), 4)
     frames_ref = counter.frame_count
     torch._dynamo.reset()
     counter = CompileCounter()
-    m2 = make_model(W, "cpu")
+    m2 = make_model(W, DEV)
     opt = aoq_opt(m2)
     c2 = torch.compile(m2, backend=counter)
     loop_compiled(c2, m2, opt, 4)
@@ -206,8 +211,8 @@ def case_reads_after_step():
     model.state_dict() (torch.save, an EMA over it) and model.load_state_dict()
     right after step() wait for them first, without synchronize()."""
     steps = 4
-    other = make_model(W, "cpu", seed=7).state_dict()
-    data = batches(8, "cpu")
+    other = make_model(W, DEV, seed=7).state_dict()
+    data = batches(8, DEV)
 
     def run(m, o):
         seen, emas = [], None
@@ -226,9 +231,9 @@ def case_reads_after_step():
             if i == 1:
                 m.load_state_dict(other)         # weights loaded right after step(): the next step starts there
         return seen, emas
-    m1 = make_model(W, "cpu")
+    m1 = make_model(W, DEV)
     ref, ref_ema = run(m1, torch.optim.AdamW(trainable(m1), lr=1e-2))
-    m2 = make_model(W, "cpu")
+    m2 = make_model(W, DEV)
     opt = aoq_opt(m2)
     got, got_ema = run(m2, opt)
     for i, (a, b) in enumerate(zip(got, ref)):
@@ -241,7 +246,7 @@ def case_reads_after_step():
 
 
 def loop_compiled(c, m, opt, steps):
-    data = batches(8, "cpu")
+    data = batches(8, DEV)
     for i in range(steps):
         x, y = data[i % len(data)]
         torch.nn.functional.mse_loss(c(x), y).backward()
@@ -257,10 +262,10 @@ def case_other_classes():
                               (False, torch.optim.SGD, dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01)),
                               (False, torch.optim.RMSprop, dict(lr=1e-3))):
         _HostFallback.cpu_in_place = in_place
-        m1 = make_model(W, "cpu")
+        m1 = make_model(W, DEV)
         o1 = cls(trainable(m1), **kw)
         sched1 = torch.optim.lr_scheduler.StepLR(o1, 3, 0.5)
-        m2 = make_model(W, "cpu")
+        m2 = make_model(W, DEV)
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             o2 = OffloadOptimizer(m2.named_parameters(), cls, socket=SOCKET, **kw)
@@ -279,7 +284,7 @@ def case_other_classes():
 
 
 def torch_trained(steps):
-    m = make_model(W, "cpu")
+    m = make_model(W, DEV)
     o = torch.optim.AdamW(trainable(m), lr=1e-2)
     loop(m, o, steps)
     return m, o
@@ -292,7 +297,7 @@ def case_checkpoints():
     # as views, so both optimizers stepped them).
     m1, o1 = torch_trained(4)
     sd = o1.state_dict()
-    m2 = make_model(W, "cpu")
+    m2 = make_model(W, DEV)
     m2.load_state_dict(m1.state_dict())
     o2 = OffloadOptimizer(trainable_named(m2), torch.optim.AdamW, socket=SOCKET, lr=1e-2)
     o2.load_state_dict(sd)
@@ -302,7 +307,7 @@ def case_checkpoints():
     same(m2, m1, "torch AdamW state dict loaded, 4 more steps")
     # aoq -> torch AdamW, continued == aoq continued
     sd2 = o2.state_dict()
-    m3 = make_model(W, "cpu")
+    m3 = make_model(W, DEV)
     m3.load_state_dict(m2.state_dict())
     o3 = torch.optim.AdamW(trainable(m3), lr=1e-2)
     o3.load_state_dict(sd2)
@@ -327,7 +332,7 @@ def case_checkpoints():
             dev_state[len(dev_ids)] = sd["state"][i]
             dev_ids.append(len(dev_ids))
     tao = {"offloaded": off, "on-device": {"state": dev_state, "param_groups": [dict(hp, params=dev_ids)]}}
-    m2 = make_model(W, "cpu")
+    m2 = make_model(W, DEV)
     m2.load_state_dict(m1.state_dict())
     o2 = OffloadOptimizer(m2.named_parameters(), torch.optim.AdamW, socket=SOCKET, lr=1e-2)
     o2.load_state_dict(saved(tao))
@@ -353,11 +358,11 @@ def sgd_checkpoint(in_place):
     _HostFallback.cpu_in_place = in_place
     how = "in place" if in_place else "host copies"
     kw = dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01)
-    m1 = make_model(W, "cpu")
+    m1 = make_model(W, DEV)
     o1 = torch.optim.SGD(trainable(m1), **kw)
     loop(m1, o1, 4)
     sd = saved(o1.state_dict())
-    m2 = make_model(W, "cpu")
+    m2 = make_model(W, DEV)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         o2 = OffloadOptimizer(trainable_named(m2), torch.optim.SGD, socket=SOCKET, **kw)
@@ -366,7 +371,7 @@ def sgd_checkpoint(in_place):
     loop(m1, o1, 4, start=4)
     loop(m2, o2, 4, start=4)
     same(m2, m1, "torch SGD state dict loaded into aoq (%s), 4 more steps" % how)
-    m3 = make_model(W, "cpu")
+    m3 = make_model(W, DEV)
     m3.load_state_dict(m2.state_dict())
     o3 = torch.optim.SGD(trainable(m3), **kw)
     o3.load_state_dict(saved(o2.state_dict()))
@@ -389,7 +394,7 @@ def saved(sd):
 def case_dcp():
     # DCP's get_optimizer_state_dict must not step
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-    m4 = make_model(W, "cpu")
+    m4 = make_model(W, DEV)
     o4 = OffloadOptimizer(m4.named_parameters(), torch.optim.AdamW, socket=SOCKET, lr=1e-2)
     before = [p.detach().clone() for p in m4.parameters()]
     dsd = get_optimizer_state_dict(m4, o4)
@@ -410,12 +415,13 @@ def trainable_named(m):
 
 def case_add_param_group():
     def run(make_opt):
-        m = make_model(W, "cpu")
+        m = make_model(W, DEV)
         extra = torch.nn.Linear(128, 128)
         torch.manual_seed(5)
         torch.nn.init.normal_(extra.weight, std=0.02)
+        extra = extra.to(DEV)
         o = make_opt([p for n, p in m.named_parameters() if p.requires_grad and not n.startswith("6.")])
-        data = batches(8, "cpu")
+        data = batches(8, DEV)
         for i in range(STEPS):
             if i == 3:
                 o.add_param_group({"params": list(m[6].parameters()) + list(extra.parameters()), "lr": 1e-3})
@@ -456,7 +462,7 @@ def expect_value_error(fn, *needles):
 
 
 def case_errors():
-    m = make_model(W, "cpu")
+    m = make_model(W, DEV)
     mk = lambda **kw: OffloadOptimizer(m.named_parameters(), socket=SOCKET, **kw)  # noqa: E731
     expect_value_error(lambda: mk(state_precision="q4"), "'q4'", "'q8'")
     expect_value_error(lambda: mk(state_precision="bf16"), "'bf16'", "master_dtype")
@@ -482,10 +488,19 @@ DEFAULT = list(CASES)
 
 
 def main():
-    global SOCKET
+    global SOCKET, DEV
     torch.set_num_threads(2)
-    want = os.environ.get("AOQ_TORCH_CASES")
-    names = want.split(",") if want else DEFAULT
+    import argparse
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu", help="cpu (CI) or cuda:N")
+    ap.add_argument("--cases", default=os.environ.get("AOQ_TORCH_CASES"),
+                    help="cases separated by commas (default: all): " + ", ".join(CASES))
+    a = ap.parse_args()
+    DEV = a.device
+    if torch.device(DEV).type == "cuda" and not torch.cuda.is_available():
+        print("SKIP: no CUDA device")
+        return 77
+    names = a.cases.split(",") if a.cases else DEFAULT
     with aoq.Daemon(threads=2) as d:
         SOCKET = d.socket
         for n in names:
