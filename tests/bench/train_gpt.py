@@ -8,6 +8,16 @@ down and every parameter up through pinned buffers, measured in the same run.
     python3 tests/bench/train_gpt.py --mode gpu-adamw
     python3 tests/bench/train_gpt.py --mode aoq-fp32 --socket /tmp/aoq.sock   # or --spawn-daemon
     python3 tests/bench/train_gpt.py --mode all --spawn-daemon               # every mode, one table
+    python3 tests/bench/train_gpt.py --mode dropin --spawn-daemon            # the drop-in targets (below)
+
+A mode name may end in -swap, -attach or -compile (aoq-fp32-swap, aoq-q8-compile,
+gpu-adamw-compile, ...): -swap is the import swap (OffloadOptimizer, nothing else:
+the global forward pre-hook waits per module), -attach adds opt.attach(model),
+-compile is the import swap with torch.compile(model).  Without a suffix the
+--attach/--no-attach and --compile flags decide, as before.  --mode dropin runs
+%s
+and prints the drop-in targets: import swap <= 1.02x attach, compiled <= eager,
+fp32 state <= 1.2x on-device AdamW, q8 <= 1.08x.
 
 Needs a running aoqd (--socket / $AOQ_SOCKET) or --spawn-daemon (build/daemon/aoqd
 or $AOQD).  Results go to tests/bench/RESULTS.md by hand.
@@ -28,6 +38,28 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "client", "python"))
 
 MODES = ["gpu-adamw", "aoq-fp32", "aoq-q8", "aoq-bf16master", "aoq-delayed", "aoq-delayed-q8"]
+VARIANTS = ("swap", "attach", "compile")
+DROPIN = ["gpu-adamw", "gpu-adamw-compile", "aoq-fp32-swap", "aoq-fp32-attach", "aoq-fp32-compile",
+          "aoq-q8-swap", "aoq-q8-attach", "aoq-q8-compile"]
+__doc__ = __doc__ % ", ".join(DROPIN)
+
+
+def parse_mode(name):
+    """(base mode, variant or None): "aoq-q8-compile" -> ("aoq-q8", "compile")."""
+    for v in VARIANTS:
+        if name.endswith("-" + v) and name[:-len(v) - 1] in MODES:
+            if v != "compile" and not name.startswith("aoq"):
+                return None
+            return name[:-len(v) - 1], v
+    return (name, None) if name in MODES else None
+
+
+def variant_flags(mode, args):
+    """(attach, compile) of a mode."""
+    base, v = parse_mode(mode)
+    if v is None:
+        return args.attach and not args.compile, args.compile
+    return v == "attach", v == "compile"
 
 
 class Block(nn.Module):
@@ -107,6 +139,8 @@ def reset_peak(device):
 
 
 def make_optimizer(mode, model, args, socket):
+    attach, _ = variant_flags(mode, args)
+    mode = parse_mode(mode)[0]
     if mode == "gpu-adamw":
         fused = torch.device(args.device).type == "cuda"
         return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=fused)
@@ -120,7 +154,7 @@ def make_optimizer(mode, model, args, socket):
     if mode.startswith("aoq-delayed"):
         kw["delayed_update"] = True
     opt = OffloadOptimizer(model.named_parameters(), torch.optim.AdamW, **kw)
-    if args.attach and not args.compile:
+    if attach:
         opt.attach(model)
     return opt
 
@@ -155,7 +189,7 @@ def run_mode(mode, args, socket):
         model = model.to(torch.bfloat16)
     model = model.to(dev)
     nparams = sum(p.numel() for p in model.parameters())
-    fwd = torch.compile(model) if args.compile else model
+    fwd = torch.compile(model) if variant_flags(mode, args)[1] else model
     t_reg = time.perf_counter()
     opt = make_optimizer(mode, model, args, socket)
     print("# %s: %.3fB parameters, optimizer ready in %.1f s" % (mode, nparams * 1e-9, time.perf_counter() - t_reg),
@@ -181,11 +215,12 @@ def run_mode(mode, args, socket):
         losses.append(loss.item())
         print("#   step %d: %.3f s" % (step, times[-1]), file=sys.stderr, flush=True)
     peak = peak_bytes(dev)
+    base_mode = parse_mode(mode)[0]
     floor = pcie_floor(model, dev) if mode == "gpu-adamw" else None
     # what the on-device optimizer keeps on the device: its gradients and state
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     state_bytes = 0
-    if mode == "gpu-adamw":
+    if base_mode == "gpu-adamw":
         for st in opt.state.values():
             state_bytes += sum(v.numel() * v.element_size() for v in st.values()
                                if torch.is_tensor(v) and v.device.type != "cpu")
@@ -222,7 +257,8 @@ def run_child(mode, args, socket):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", help="cuda | xpu | cpu (or cuda:N)")
-    ap.add_argument("--mode", default="all", help="all, or modes separated by commas: " + ", ".join(MODES))
+    ap.add_argument("--mode", default="all", help="all, dropin, or modes separated by commas: " + ", ".join(MODES)
+                    + " (each may end in -swap, -attach or -compile)")
     ap.add_argument("--amp", action="store_true", help="bf16 autocast with fp32 parameters (default: full bf16)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model")
     ap.add_argument("--grad-accum", type=int, default=1)
@@ -251,10 +287,11 @@ def main():
 
     daemon = None
     socket = args.socket
-    modes = MODES if args.mode == "all" else args.mode.split(",")
+    modes = MODES if args.mode == "all" else DROPIN if args.mode == "dropin" else args.mode.split(",")
     for m in modes:
-        if m not in MODES:
-            ap.error("unknown mode %r" % m)
+        if parse_mode(m) is None:
+            ap.error("unknown mode %r (modes: %s, each may end in -swap, -attach or -compile; gpu-adamw only in "
+                     "-compile)" % (m, ", ".join(MODES)))
     if any(m.startswith("aoq") for m in modes) and args.spawn_daemon:
         import aoq
         daemon = aoq.Daemon(threads=args.daemon_threads)
@@ -283,8 +320,31 @@ def main():
             print("%-16s %.2fx on-device AdamW step, peak %+.2f GiB (%+.2f vs the peak less gradients and state)"
                   % (r["mode"], r["step_s"] / base["step_s"], r["peak_gib"] - base["peak_gib"],
                      r["peak_gib"] - target))
+    targets(results)
     if args.json:
         print(json.dumps(dict(args=vars(args), results=results)))
+
+
+def targets(results):
+    """The drop-in targets over whichever of their modes ran."""
+    t = {r["mode"]: r["step_s"] for r in results}
+    rows = []
+    for st in ("fp32", "q8"):
+        rows.append(("aoq-%s-swap / aoq-%s-attach" % (st, st), "aoq-%s-swap" % st, "aoq-%s-attach" % st, 1.02))
+    for st in ("fp32", "q8"):
+        rows.append(("aoq-%s-compile / aoq-%s-swap (compiled vs eager)" % (st, st), "aoq-%s-compile" % st,
+                     "aoq-%s-swap" % st, 1.0))
+    rows.append(("gpu-adamw-compile / gpu-adamw (for reference)", "gpu-adamw-compile", "gpu-adamw", None))
+    for st, limit in (("fp32", 1.2), ("q8", 1.08)):
+        for v in ("swap", "attach"):
+            rows.append(("aoq-%s-%s / gpu-adamw" % (st, v), "aoq-%s-%s" % (st, v), "gpu-adamw", limit))
+        rows.append(("aoq-%s-compile / gpu-adamw-compile" % st, "aoq-%s-compile" % st, "gpu-adamw-compile", limit))
+    shown = [(label, t[a] / t[b], limit) for label, a, b, limit in rows if a in t and b in t]
+    if shown:
+        print("drop-in targets (median step time ratios):")
+    for label, ratio, limit in shown:
+        verdict = "" if limit is None else ("  target <= %.2f: %s" % (limit, "met" if ratio <= limit else "MISSED"))
+        print("  %-52s %.3f%s" % (label, ratio, verdict))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from ._lib import (ADAM, ADAMW, BF16, EXP_AVG, EXP_AVG_SQ, FP16, FP32, MASTER, P
 from .client import Client, Hyperparams, StepResult
 from .daemon import Daemon
 
-__version__ = "0.1.0"
+from ._lib import PACKAGE_VERSION as __version__  # noqa: E402  (libaoq's version, checked at load)
 
 __all__ = ["Client", "Daemon", "AoqError", "StepResult", "Hyperparams", "FP32", "BF16", "FP16", "ADAMW", "ADAM",
            "STATE_FP32", "STATE_Q8", "STATE_BF16", "STATE_BF16_Q8", "STATE_BF16_ALL", "PUSH_ACCUMULATE", "MASTER", "EXP_AVG",

@@ -3,9 +3,11 @@
 
 The library is found, in this order, at:
   1. $AOQ_LIBRARY (a full path),
-  2. the build trees of the source checkout this package sits in
+  2. aoq/_native/libaoq.so, the copy a wheel carries (pip install of the
+     repository root builds and bundles it),
+  3. the build trees of the source checkout this package sits in
      (<repo>/build/client/libaoq.so, then <repo>/build-*/client/libaoq.so),
-  3. ctypes.util.find_library("aoq") (an installed libaoq).
+  4. ctypes.util.find_library("aoq") (an installed libaoq).
 """
 import ctypes
 import ctypes.util
@@ -119,6 +121,9 @@ def _candidates():
         yield env
         return
     here = os.path.dirname(os.path.abspath(__file__))      # <repo>/client/python/aoq
+    bundled = os.path.join(here, "_native", "libaoq.so")
+    if os.path.exists(bundled):
+        yield bundled
     repo = os.path.normpath(os.path.join(here, "..", "..", ".."))
     yield os.path.join(repo, "build", "client", "libaoq.so")
     for d in sorted(glob.glob(os.path.join(repo, "build-*", "client", "libaoq.so"))):
@@ -171,18 +176,12 @@ def _declare(lib):
     lib.StepResult = res
 
 
-_STRUCTS = {"aoq_options": Options, "aoq_group": Group, "aoq_tensor": Tensor, "aoq_step_result": StepResult}
-
-
 def _check(lib):
     """Raises OSError(EPROTO) unless lib's ABI and struct sizes are the ones
     this module's layouts copy."""
     abi = lib.aoq_abi_version()
     bad = [] if abi == ABI_VERSION else ["ABI %d (this binding speaks %d)" % (abi, ABI_VERSION)]
-    for name, cls in _STRUCTS.items():
-        n = lib.aoq_struct_size(name.encode())
-        if n != ctypes.sizeof(cls):
-            bad.append("struct %s is %d bytes there, %d here" % (name, n, ctypes.sizeof(cls)))
+    bad += _struct_size_mismatches(lib)
     if bad:
         raise OSError(_errno.EPROTO, "%s (libaoq %s) does not match the aoq package: %s"
                       % (getattr(lib, "path", "libaoq"), lib.aoq_version().decode(), "; ".join(bad)))
@@ -213,6 +212,7 @@ def load():
             except (OSError, AttributeError) as e:
                 tried.append("%s (%s)" % (path, e))
                 continue
+            check_library_version(lib, path)
             lib.path = path
             _check(lib)
             _lib = lib
@@ -232,3 +232,52 @@ def check(r, what=""):
         msg = last_error() or os.strerror(-r)
         raise AoqError(-r, ("%s: %s" % (what, msg)) if what else msg)
     return r
+
+
+# ---- Is the loaded libaoq the one this package was written for? ------------
+# PACKAGE_VERSION is the libaoq version this package speaks (aoq.__version__,
+# the meson project's version; a wheel bundles the libaoq built from the same
+# tree).  load() calls check_library_version() on the library it found: a
+# libaoq that exports aoq_version() and reports another version is refused
+# with an ImportError; one without aoq_version() predates the versioned API
+# and is used as it is.
+PACKAGE_VERSION = "0.1.0"
+
+# STRUCT-SIZE CHECK: the one place that compares the ctypes layouts above with
+# the library's own sizes (aoq_struct_size(name), where the library has it).
+_STRUCTS = {"aoq_options": Options, "aoq_group": Group, "aoq_tensor": Tensor, "aoq_step_result": StepResult}
+
+
+def _struct_size_mismatches(lib):
+    f = getattr(lib, "aoq_struct_size", None)
+    if f is None:
+        return []
+    f.restype, f.argtypes = ctypes.c_size_t, [c_char_p]
+    bad = []
+    for cname, cls in _STRUCTS.items():
+        n, here = f(cname.encode()), ctypes.sizeof(cls)
+        if n != here:
+            bad.append("struct %s is %d bytes there, %d in this package" % (cname, n, here))
+    return bad
+
+
+def check_library_version(lib, path, expected=None):
+    """Raises ImportError unless lib (loaded from path) is the libaoq this
+    package speaks: aoq_version() equal to `expected` (PACKAGE_VERSION) and
+    the public structs' sizes equal to this module's layouts."""
+    expected = expected or PACKAGE_VERSION
+    bad = []
+    f = getattr(lib, "aoq_version", None)
+    version = None
+    if f is not None:
+        f.restype, f.argtypes = c_char_p, []
+        raw = f()
+        version = raw.decode("utf-8", "replace") if raw else "?"
+        if version != expected:
+            bad.append("libaoq %s, this package expects %s" % (version, expected))
+    bad += _struct_size_mismatches(lib)
+    if bad:
+        raise ImportError("aoq: the libaoq at %s does not match this aoq package (%s): %s. Reinstall the package "
+                          "(pip install of the repository root builds a matching libaoq), rebuild the checkout, "
+                          "or point AOQ_LIBRARY at a matching libaoq.so" % (path, PACKAGE_VERSION, "; ".join(bad)))
+    return version

@@ -9,11 +9,15 @@ import tempfile
 
 
 def find_aoqd():
-    """$AOQD, else the build tree of this checkout, else aoqd on $PATH."""
+    """$AOQD, else the aoqd a wheel carries (aoq/_native/aoqd), else the
+    build tree of this checkout, else aoqd on $PATH."""
     exe = os.environ.get("AOQD")
     if exe:
         return exe
     here = os.path.dirname(os.path.abspath(__file__))
+    bundled = os.path.join(here, "_native", "aoqd")
+    if os.access(bundled, os.X_OK):
+        return bundled
     repo = os.path.normpath(os.path.join(here, "..", "..", ".."))
     for b in ["build"] + sorted(d for d in os.listdir(repo) if d.startswith("build-")) if os.path.isdir(repo) else []:
         p = os.path.join(repo, b, "daemon", "aoqd")

@@ -51,7 +51,7 @@ _PRECISION = {("fp32", None): _lib.STATE_FP32, ("q8", None): _lib.STATE_Q8, (Non
 class _Slot:
     """One parameter stepped by aoqd."""
     __slots__ = ("t", "p", "name", "group", "numel", "host_param", "host_grad", "count", "final", "held",
-                 "inflight", "wait", "covered", "seen", "seen_ver", "fwd")
+                 "inflight", "wait", "covered", "seen", "seen_ver", "fwd", "ver")
 
     def __init__(self, t, p, name, group):
         self.t, self.p, self.name, self.group = t, p, name, group
@@ -66,6 +66,7 @@ class _Slot:
         self.seen = None        # p.grad at the last hook (or push) and its version counter: a change
         self.seen_ver = -1      # after that is a user edit (clipping, GradScaler.unscale_, ...)
         self.fwd = False        # the global forward pre-hook met it in a forward (outside compiled code)
+        self.ver = p._version   # p's version counter after our last write: another value is a user write
 
 
 def _parse_params(params, start=0, taken=()):
@@ -111,11 +112,20 @@ class _HostFallback:
     copies of the parameters in this process, as torchao's
     CPUOffloadOptimizer does (gradients copied to the host at step(), the
     updated parameters copied back).  Synchronous; the state lives in
-    self.opt (positional torch state_dict)."""
+    self.opt (positional torch state_dict).  Parameters already on the CPU
+    are stepped in place (their own tensors, torch's numerics exactly); a
+    device parameter changed since the last step (its version counter
+    moved: model.load_state_dict, a user edit) is copied to the host again
+    before the step, so the host copy never overwrites it with stale values."""
+
+    # False: CPU parameters get host copies too (the tests run the device
+    # path, copies and staleness checks, on a CPU-only machine this way).
+    cpu_in_place = True
 
     def __init__(self, owner, optimizer_class, kwargs):
         self.owner = owner
-        self.host = {}                               # device param -> host copy
+        self.host = {}                               # device param -> host copy (CPU params: itself)
+        self.ver = {}                                # device param -> its version after our last write
         host_groups = []
         for g in owner.param_groups:
             hg = {k: v for k, v in g.items() if k != "params"}
@@ -126,11 +136,15 @@ class _HostFallback:
     def _host_of(self, p):
         h = self.host.get(p)
         if h is None:
-            pin = p.device.type == "cuda" and torch.cuda.is_available()
-            h = torch.empty(p.shape, dtype=p.dtype, pin_memory=pin)
-            with torch.no_grad():
-                h.copy_(p.detach())
-            h.requires_grad_(p.requires_grad)
+            if p.device.type == "cpu" and self.cpu_in_place:
+                h = p
+            else:
+                pin = p.device.type == "cuda" and torch.cuda.is_available()
+                h = torch.empty(p.shape, dtype=p.dtype, pin_memory=pin)
+                with torch.no_grad():
+                    h.copy_(p.detach())
+                h.requires_grad_(p.requires_grad)
+                self.ver[p] = p._version
             self.host[p] = h
         return h
 
@@ -145,6 +159,10 @@ class _HostFallback:
                 if k != "params":
                     hg[k] = v
             for p, h in zip(g["params"], hg["params"]):
+                if h is p:
+                    continue
+                if p._version != self.ver[p]:   # changed on the device since our last copy
+                    h.copy_(p.detach())
                 if p.grad is None:
                     h.grad = None
                     continue
@@ -153,8 +171,9 @@ class _HostFallback:
                 h.grad.copy_(p.grad)
         self.opt.step()
         for p, h in self.host.items():
-            if p.grad is not None:
+            if h is not p and p.grad is not None:
                 p.copy_(h)
+                self.ver[p] = p._version
         return loss
 
     def zero_grad(self, set_to_none=True):
@@ -172,11 +191,33 @@ class _HostFallback:
         return self.opt.state_dict()
 
     def load_state_dict(self, sd):
-        self.opt.load_state_dict(sd)
+        self.opt.load_state_dict(_copied_state_dict(sd))
         for g, hg in zip(self.owner.param_groups, self.opt.param_groups):
             for k, v in hg.items():
                 if k != "params":
                     g[k] = v
+
+
+def _state_copy(p, key, v):
+    """A loaded optimizer state value for parameter p, as torch's
+    Optimizer.load_state_dict casts it (floating state to p's dtype and
+    device, "step" as it is), but always a copy of the loaded tensor."""
+    if not torch.is_tensor(v):
+        return v
+    v = v.detach()
+    if key == "step":
+        return v.clone()
+    if v.is_floating_point() and p.is_floating_point():
+        return v.to(device=p.device, dtype=p.dtype, copy=True)
+    return v.to(device=p.device, copy=True)
+
+
+def _copied_state_dict(sd):
+    """sd with every state tensor copied (torch's load_state_dict keeps views
+    of the loaded tensors where dtype and device already match)."""
+    state = {k: ({kk: (vv.detach().clone() if torch.is_tensor(vv) else vv) for kk, vv in st.items()}
+                 if isinstance(st, dict) else st) for k, st in sd["state"].items()}
+    return dict(sd, state=state)
 
 
 def _is_compiling():
@@ -373,6 +414,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._inflight_fifo = collections.deque()
         self.offload_window_bytes = 1 << 30 if self.offload_gradients else 0
         self.last_result = None
+        self._any_wait = False          # some slot may have s.wait set (module state_dict hooks check it)
+        self._hooked = weakref.WeakSet()    # modules with our state_dict / load_state_dict pre-hooks
+        self._mod_handles = []
         self._constructed = True
         if self._slots:
             # Import swap = attach: before any module runs, the current stream
@@ -405,6 +449,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self._step_started:
             return
         self._step_started = True
+        self._reload_written()
         for gi in range(len(self._sent_hp)):      # groups added later (add_param_group) are on the device
             hp = self._hp_of(self.param_groups[gi])
             if hp != self._sent_hp[gi]:
@@ -431,6 +476,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if final:
             s.final = True
             s.wait = True
+            self._any_wait = True
             if self._framework and self.delayed_update:
                 self._copy_in(s)
 
@@ -476,6 +522,61 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _copy_in(self, s):
         with torch.no_grad():
             s.p.view(-1).copy_(s.host_param, non_blocking=s.host_param.is_pinned())
+        s.ver = s.p._version
+
+    def _wait_all(self):
+        """The current stream waits for every pending update (no host sync
+        on the CUDA backend): what a module's state_dict() and
+        load_state_dict() do before they touch the parameters."""
+        if not self._any_wait:
+            return
+        self._any_wait = False
+        for s in self._slots:
+            if s.wait:
+                self._wait(s)
+        if self._inflight_fifo:
+            self._reap()
+
+    def _reload_written(self):
+        """Parameters the user wrote since our last write (their version
+        counter moved: model.load_state_dict, an in-place edit under
+        no_grad) become the daemon's master before the next update, as a
+        torch optimizer would step the written values.  Host-synchronous,
+        only when something was written."""
+        changed = [s for s in self._slots if s.p._version != s.ver]
+        if not changed:
+            return
+        import numpy as np
+        self.synchronize()
+        for s in changed:
+            a = np.ascontiguousarray(s.p.detach().to("cpu", torch.float32).reshape(-1).numpy())
+            self._client.load_state(s.t, "master", a)
+            if self._framework:
+                s.host_param.copy_(s.p.detach().reshape(-1))
+            s.ver = s.p._version
+
+    def _hook_module(self, mod):
+        """On the first forward of mod (global pre-hook) or at attach():
+        mod.state_dict() and mod.load_state_dict() first wait for the
+        pending updates (torch.save(model.state_dict()), an EMA over the
+        state dict, loading weights right after step())."""
+        if mod in self._hooked:
+            return
+        self._hooked.add(mod)
+        ref = weakref.ref(self)
+
+        def wait(*args, **kwargs):
+            opt = ref()
+            if opt is not None and opt._any_wait and not _is_compiling():
+                opt._wait_all()
+        sd = getattr(mod, "register_state_dict_pre_hook", None)
+        if sd is not None:
+            self._mod_handles.append(sd(wait))
+        ld = getattr(mod, "register_load_state_dict_pre_hook", None)
+        if ld is not None:
+            self._mod_handles.append(ld(wait))
+        elif hasattr(mod, "_register_load_state_dict_pre_hook"):
+            self._mod_handles.append(mod._register_load_state_dict_pre_hook(wait, with_module=True))
 
     def _wait(self, s):
         """The current stream waits for s's update (host-blocking on the host
@@ -531,6 +632,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if _is_compiling():
             return
         slot_of = self._slot_of
+        if mod not in self._hooked:
+            self._hook_module(mod)
+            orig = getattr(mod, "_orig_mod", None)
+            if isinstance(orig, torch.nn.Module):     # torch.compile: the user holds the original module
+                for m in orig.modules():
+                    self._hook_module(m)
         if type(mod).__name__ == "OptimizedModule":
             params = mod.parameters()
         else:
@@ -553,6 +660,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         would break the graph): there step() waits for everything."""
         handles = []
         for m in model.modules():
+            self._hook_module(m)
             slots = [self._slot_of[p] for p in m.parameters(recurse=False) if p in self._slot_of]
             if not slots:
                 continue
@@ -677,6 +785,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if not self._slots:
             return None
         self.last_result = self._client.sync()
+        self._any_wait = False
         for s in self._slots:
             if s.wait:
                 s.wait = False
@@ -702,6 +811,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self._global_hook is not None:
             self._global_hook.remove()
             self._global_hook = None
+        for h in getattr(self, "_mod_handles", ()):
+            h.remove()
+        self._mod_handles = []
         if self._client is not None:
             self.synchronize()
             self._client.close()
@@ -902,6 +1014,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     s.p.copy_(master.to(s.p.device, s.p.dtype).view(s.p.shape))
                     if self._framework:
                         s.host_param.copy_(s.p.reshape(-1))
+                s.ver = s.p._version
             self._client.set_tensor_steps(steps)
             self._step_started = False
             self._begin_step()      # the loaded hyperparameters
@@ -910,9 +1023,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             small = set(self._small_params)
             for p, st in entries:
                 if p in small and st is not None:
-                    self._dev_opt.state[p] = {k: (v.to(p.device) if torch.is_tensor(v) and k != "step" else
-                                                  (v.clone() if torch.is_tensor(v) else v))
-                                              for k, v in st.items() if k != "master"}
+                    # Copies, never views of the caller's tensors: a state dict of a live optimizer
+                    # (or one loaded twice) would otherwise be stepped by both.
+                    self._dev_opt.state[p] = {k: _state_copy(p, k, v) for k, v in st.items() if k != "master"}
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

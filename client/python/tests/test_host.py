@@ -64,6 +64,42 @@ class Ref:
         self.p -= h["lr"] / bc1 * self.m / (np.sqrt(self.v) / np.sqrt(bc2) + h["eps"])
 
 
+class _FakeLib:
+    """A library as ctypes shows it: functions are attributes (restype and
+    argtypes settable); a missing symbol is a missing attribute."""
+
+    def __init__(self, version=None, sizes=None):
+        if version is not None:
+            def aoq_version():
+                return version
+            self.aoq_version = aoq_version
+        if sizes is not None:
+            def aoq_struct_size(name):
+                return sizes.get(name.decode(), 0)
+            self.aoq_struct_size = aoq_struct_size
+
+
+def version_checks():
+    """The loaded libaoq is refused unless it is the one the package speaks."""
+    import ctypes
+    from aoq import _lib
+    real = {c: ctypes.sizeof(cls) for c, cls in _lib._STRUCTS.items()}
+    check(_lib.check_library_version(_FakeLib(), "/x/libaoq.so") is None, "a libaoq without aoq_version() is used")
+    check(_lib.check_library_version(_FakeLib(_lib.PACKAGE_VERSION.encode(), real), "/x/libaoq.so")
+          == _lib.PACKAGE_VERSION, "a libaoq of the package's version and layouts is used")
+    check(aoq.__version__ == _lib.PACKAGE_VERSION, "aoq.__version__ is the libaoq version it checks")
+    for fake, needles in ((_FakeLib(b"9.9.9"), ["/x/libaoq.so", "9.9.9", _lib.PACKAGE_VERSION, "AOQ_LIBRARY"]),
+                          (_FakeLib(_lib.PACKAGE_VERSION.encode(), dict(real, aoq_tensor=real["aoq_tensor"] + 8)),
+                           ["struct aoq_tensor is %d bytes there" % (real["aoq_tensor"] + 8)])):
+        try:
+            _lib.check_library_version(fake, "/x/libaoq.so")
+            check(False, "a mismatching libaoq (%s) was accepted" % needles[1])
+        except ImportError as e:
+            for n in needles:
+                check(n in str(e), "the ImportError %r names %r" % (str(e), n))
+    print("ok: libaoq version and struct-size checks")
+
+
 def main():
     rng = np.random.default_rng(1234)
     aoqd = os.environ.get("AOQD")
@@ -261,6 +297,8 @@ def main():
                     check(np.array_equal(c5.read_state(0, w), st[w]), "bf16-all %s round trip" % w)
     finally:
         d3.stop()
+
+    version_checks()
 
     if FAILED:
         print("%d failures" % len(FAILED))
