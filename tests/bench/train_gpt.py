@@ -13,7 +13,8 @@ down and every parameter up through pinned buffers, measured in the same run.
 A mode name may end in -swap, -attach or -compile (aoq-fp32-swap, aoq-q8-compile,
 gpu-adamw-compile, ...): -swap is the import swap (OffloadOptimizer, nothing else:
 the global forward pre-hook waits per module), -attach adds opt.attach(model),
--compile is the import swap with torch.compile(model).  Without a suffix the
+-compile is the import swap with torch.compile(model); -rcompile compiles each
+block on its own (regional compilation), so the waits run between blocks.  Without a suffix the
 --attach/--no-attach and --compile flags decide, as before.  --mode dropin runs
 %s
 and prints the drop-in targets: import swap <= 1.02x attach, compiled <= eager,
@@ -38,9 +39,10 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "client", "python"))
 
 MODES = ["gpu-adamw", "aoq-fp32", "aoq-q8", "aoq-bf16master", "aoq-delayed", "aoq-delayed-q8"]
-VARIANTS = ("swap", "attach", "compile")
-DROPIN = ["gpu-adamw", "gpu-adamw-compile", "aoq-fp32-swap", "aoq-fp32-attach", "aoq-fp32-compile",
-          "aoq-q8-swap", "aoq-q8-attach", "aoq-q8-compile"]
+VARIANTS = ("swap", "attach", "compile", "rcompile")
+DROPIN = ["gpu-adamw", "gpu-adamw-compile", "gpu-adamw-rcompile", "aoq-fp32-swap", "aoq-fp32-attach",
+          "aoq-fp32-compile", "aoq-fp32-rcompile", "aoq-q8-swap", "aoq-q8-attach", "aoq-q8-compile",
+          "aoq-q8-rcompile"]
 __doc__ = __doc__ % ", ".join(DROPIN)
 
 
@@ -48,18 +50,20 @@ def parse_mode(name):
     """(base mode, variant or None): "aoq-q8-compile" -> ("aoq-q8", "compile")."""
     for v in VARIANTS:
         if name.endswith("-" + v) and name[:-len(v) - 1] in MODES:
-            if v != "compile" and not name.startswith("aoq"):
+            if v not in ("compile", "rcompile") and not name.startswith("aoq"):
                 return None
             return name[:-len(v) - 1], v
     return (name, None) if name in MODES else None
 
 
 def variant_flags(mode, args):
-    """(attach, compile) of a mode."""
+    """(attach, compile) of a mode; compile is False, "model" (torch.compile
+    of the whole model) or "regional" (each block compiled on its own,
+    torch's regional compilation: the waits run between the blocks)."""
     base, v = parse_mode(mode)
     if v is None:
-        return args.attach and not args.compile, args.compile
-    return v == "attach", v == "compile"
+        return args.attach and not args.compile, "model" if args.compile else False
+    return v == "attach", {"compile": "model", "rcompile": "regional"}.get(v, False)
 
 
 class Block(nn.Module):
@@ -189,7 +193,11 @@ def run_mode(mode, args, socket):
         model = model.to(torch.bfloat16)
     model = model.to(dev)
     nparams = sum(p.numel() for p in model.parameters())
-    fwd = torch.compile(model) if variant_flags(mode, args)[1] else model
+    how = variant_flags(mode, args)[1]
+    if how == "regional":
+        for i, b in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(b)
+    fwd = torch.compile(model) if how == "model" else model
     t_reg = time.perf_counter()
     opt = make_optimizer(mode, model, args, socket)
     print("# %s: %.3fB parameters, optimizer ready in %.1f s" % (mode, nparams * 1e-9, time.perf_counter() - t_reg),
@@ -334,11 +342,17 @@ def targets(results):
     for st in ("fp32", "q8"):
         rows.append(("aoq-%s-compile / aoq-%s-swap (compiled vs eager)" % (st, st), "aoq-%s-compile" % st,
                      "aoq-%s-swap" % st, 1.0))
+    for st in ("fp32", "q8"):
+        rows.append(("aoq-%s-rcompile / aoq-%s-swap (blocks compiled vs eager)" % (st, st), "aoq-%s-rcompile" % st,
+                     "aoq-%s-swap" % st, 1.0))
     rows.append(("gpu-adamw-compile / gpu-adamw (for reference)", "gpu-adamw-compile", "gpu-adamw", None))
+    rows.append(("gpu-adamw-rcompile / gpu-adamw (for reference)", "gpu-adamw-rcompile", "gpu-adamw", None))
     for st, limit in (("fp32", 1.2), ("q8", 1.08)):
         for v in ("swap", "attach"):
             rows.append(("aoq-%s-%s / gpu-adamw" % (st, v), "aoq-%s-%s" % (st, v), "gpu-adamw", limit))
         rows.append(("aoq-%s-compile / gpu-adamw-compile" % st, "aoq-%s-compile" % st, "gpu-adamw-compile", limit))
+        rows.append(("aoq-%s-rcompile / gpu-adamw-rcompile" % st, "aoq-%s-rcompile" % st, "gpu-adamw-rcompile",
+                     limit))
     shown = [(label, t[a] / t[b], limit) for label, a, b, limit in rows if a in t and b in t]
     if shown:
         print("drop-in targets (median step time ratios):")
