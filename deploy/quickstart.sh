@@ -64,7 +64,7 @@ demo_pid=$!
 snapshot=
 while kill -0 "$demo_pid" 2>/dev/null; do
 	steps=$("$aoqctl" --socket "$sock" stats --json 2>/dev/null |
-		grep -o '"steps":[0-9]*' | head -n1 | cut -d: -f2 || true)
+		grep -oE '"steps": *[0-9]+' | head -n1 | grep -oE '[0-9]+$' || true)
 	if [[ -n $steps ]] && ((steps >= 500)); then
 		snapshot=$("$aoqctl" --socket "$sock" stats 2>&1) || status=$?
 		break
