@@ -258,6 +258,13 @@ static int ctl_call(struct aoq_client *c, const Aoq__Envelope *env, int want, Ao
 		pthread_mutex_unlock(&c->lock);
 		return aoq_set_error(-ETIMEDOUT, "aoqd did not take a request within %u ms", c->o.timeout_ms);
 	}
+	if (r == -EPIPE || r == -ECONNRESET) {
+		/* The daemon closed the connection, perhaps after saying why
+		 * (a QUOTA refusal): an Error waiting to be read wins. */
+		int e = ctl_recv(c, want, out, NULL, NULL);
+		if (e < 0 && e != -EPIPE && e != -ECONNRESET)
+			return e;
+	}
 	if (r < 0)
 		return aoq_set_error(r, "aoqd: send: %s", strerror(-r));
 	return ctl_recv(c, want, out, NULL, NULL);
@@ -654,10 +661,17 @@ static void *progress_main(void *arg)
 		}
 		if (p[1].revents)
 			break;
-		uint64_t v;
-		if (p[0].revents & POLLIN) {
-			ssize_t r = read(c->bell_in, &v, sizeof(v));
-			(void)r;
+		if (p[0].revents & (POLLIN | POLLHUP)) {
+			/* An eventfd or a socket: take every pending ring. */
+			uint8_t v[256];
+			ssize_t r = read(c->bell_in, v, sizeof(v));
+			if (r == 0) {
+				drain_params(c);
+				pthread_mutex_lock(&c->lock);
+				fail_session(c, -ECONNRESET, "aoqd closed the doorbell (see its log)");
+				pthread_mutex_unlock(&c->lock);
+				break;
+			}
 			/* The daemon also rings when it freed space in our ring. */
 			pthread_mutex_lock(&c->lock);
 			pthread_cond_broadcast(&c->cond);
