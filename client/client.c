@@ -15,6 +15,7 @@
 #include <string.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -154,10 +155,14 @@ static void wait_daemon(struct aoq_client *c, struct deadline *dl)
 		             "aoq_options.timeout_ms sets the deadline)", c->o.timeout_ms);
 }
 
+/* Rings a doorbell: aoqd's are sockets (send: no SIGPIPE when the daemon
+ * is gone, never blocking); our own wake_fd is an eventfd. */
 static void ring(int fd)
 {
 	uint64_t one = 1;
-	ssize_t r = write(fd, &one, sizeof(one));
+	ssize_t r = send(fd, &one, sizeof(one), MSG_NOSIGNAL | MSG_DONTWAIT);
+	if (r < 0 && errno == ENOTSOCK)
+		r = write(fd, &one, sizeof(one));
 	(void)r;
 }
 

@@ -199,6 +199,9 @@ int main(int argc, char **argv)
 	printf("threaded == single-threaded, bit for bit\n");
 	char *log = aoqt_daemon_log(&daemon_);
 	CHECK(log && !strstr(log, "corrupt"), "the daemon's log reports a corrupt ring");
+	/* A sanitizer build of the daemon reports into its log. */
+	CHECK(!strstr(log, "ThreadSanitizer") && !strstr(log, "AddressSanitizer") && !strstr(log, "runtime error"),
+	      "the daemon's log has a sanitizer report");
 	free(log);
 	int rc = aoqt_daemon_stop(&daemon_, 30000, true);
 	CHECK(rc == 0, "aoqd exit status %d", rc);
