@@ -1237,6 +1237,32 @@ int aoq_set_tensor_steps(struct aoq_client *c, uint32_t first, uint32_t n, const
 	return tensor_steps(c, first, n, (uint64_t *)steps, true);
 }
 
+/* Waits, within the deadline, until every gradient copy has completed. */
+static bool copies_done(struct aoq_client *c)
+{
+	struct timespec at;
+	clock_gettime(CLOCK_MONOTONIC, &at);
+	uint32_t ms = c->o.timeout_ms == AOQ_TIMEOUT_NONE ? AOQ_DEFAULT_TIMEOUT_MS : c->o.timeout_ms;
+	at.tv_sec += ms / 1000;
+	at.tv_nsec += (long)(ms % 1000) * 1000000L;
+	if (at.tv_nsec >= 1000000000L) {
+		at.tv_sec++;
+		at.tv_nsec -= 1000000000L;
+	}
+	pthread_mutex_lock(&c->lock);
+	bool done = false;
+	for (;;) {
+		done = true;
+		for (uint32_t i = 0; i < c->ntensors; i++)
+			if (c->tensors[i].copied < c->tensors[i].copies)
+				done = false;
+		if (done || pthread_cond_timedwait(&c->cond, &c->lock, &at) == ETIMEDOUT)
+			break;
+	}
+	pthread_mutex_unlock(&c->lock);
+	return done;
+}
+
 void aoq_close(struct aoq_client *c)
 {
 	if (!c)
@@ -1253,6 +1279,15 @@ void aoq_close(struct aoq_client *c)
 	if (c->progress_running) {
 		ring(c->wake_fd);
 		pthread_join(c->progress, NULL);
+	}
+	/* A gradient copy still in flight (a device's, after an error skipped
+	 * the sync above) lands in the arena and pushes its record when it
+	 * completes: wait for it before unmapping, or it writes into whatever
+	 * is mapped there next (another session's ring).  Past the deadline
+	 * the arena and the client are left mapped and allocated. */
+	if (c->arena && !copies_done(c)) {
+		aoq_set_error(-ETIMEDOUT, "aoq_close: gradient copies did not complete; the session's memory is left");
+		return;
 	}
 	for (uint32_t i = 0; i < c->ntensors; i++) {
 		evref_put(c, c->tensors[i].h2d);
