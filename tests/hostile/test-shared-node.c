@@ -753,15 +753,15 @@ static int att_halfframes(void)
 	return 0;
 }
 
-/* Expects the reply to a request: its kind or the Error's code. */
+/* Expects the reply to a request: its kind or the Error's code.  Fds that
+ * come with it (the arena, the doorbells) stay open, as a client's do: a
+ * session whose client closed its doorbell is over. */
 static int reply_code(int fd, int *errcode)
 {
 	Aoq__Envelope *env = NULL;
 	int fds[AOQ_MAX_FDS], nfds = 0;
 	*errcode = -1;
 	int r = aoq_recv_frame(fd, &env, fds, AOQ_MAX_FDS, &nfds);
-	for (int i = 0; i < nfds; i++)
-		close(fds[i]);
 	if (r < 0)
 		return -1;
 	int kind = (int)env->msg_case;
@@ -1319,6 +1319,9 @@ static void case_quota_default(const char *exe, const char *conf)
 	char cfg[256];
 	snprintf(cfg, sizeof(cfg), "max_state_bytes_per_uid = %s\n", value);
 	start_daemon(exe, cfg, NULL);
+	Aoq__Envelope *st = NULL;
+	CHECK_OK(aoqt_stats(daemon_.socket, &st)); /* it serves (and has its signal handlers) */
+	aoq_envelope_free(st);
 	end_daemon();
 }
 
