@@ -24,8 +24,9 @@
  *   doorbell   (1) the attacker clears O_NONBLOCK on the doorbells it was
  *              given and saturates them, in sessions whose answers wake it
  *              from the workers and (producer_waiting) from the loop;
- *   stall      (2) an unfinished registration of 2^19 tensors, then 500
- *              pipelined StatsRequests;
+ *   stall      (2) an unfinished registration of 2^19 tensors (frames of
+ *              4,096, the most the daemon takes), then 500 pipelined
+ *              StatsRequests;
  *   lockout    (3) 1,100 idle connections from one uid, a daemon started
  *              with a soft RLIMIT_NOFILE of 1024: other uids' trainers and
  *              observers still connect, over-cap connections get a QUOTA
@@ -530,7 +531,7 @@ static int att_doorbell(void)
 
 static int att_stall(const char *arg)
 {
-	uint32_t total = 1u << 19, per = 50000, stats = 500;
+	uint32_t total = 1u << 19, per = 4096, stats = 500;
 	int fd = aoqt_raw_connect(att_sock);
 	if (fd < 0 || aoqt_raw_hello(fd, "att-stall", 0, false, NULL) < 0) {
 		say("hello-failed");
@@ -810,16 +811,14 @@ static int att_quota(void)
 		int fd = aoqt_raw_connect(att_sock);
 		int code = -1, kind = -1;
 		if (fd >= 0 && aoqt_raw_hello(fd, "att-tiny", 0, false, NULL) == 0) {
-			uint8_t *buf;
-			size_t len = register_frame(&buf, 0, 50000, 1, 0, true, true);
-			send_all(fd, buf, len);
-			free(buf);
-			kind = reply_code(fd, &code);
-			if (kind == AOQ__ENVELOPE__MSG_REGISTER_MORE) {
-				len = register_frame(&buf, 50000, 50000, 1, 0, false, false);
+			for (uint32_t first = 0; first < 100000; first += 4000) {
+				uint8_t *buf;
+				size_t len = register_frame(&buf, first, 4000, 1, 0, first == 0, first + 4000 < 100000);
 				send_all(fd, buf, len);
 				free(buf);
 				kind = reply_code(fd, &code);
+				if (kind != AOQ__ENVELOPE__MSG_REGISTER_MORE)
+					break;
 			}
 		}
 		say("tiny %s %d", kind == AOQ__ENVELOPE__MSG_REGISTERED ? "registered" : "refused", code);
