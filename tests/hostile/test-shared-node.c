@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * A shared training node (issue 11): local users of other uids attack aoqd
+ * A shared training node (docs/design.md, "Shared nodes"): local users of
+ * other uids attack aoqd
  * while a victim trainer (libaoq, host backend, root) trains.  Each case
  * (--case NAME) starts its own daemon, starts the victim, measures its step
  * latency undisturbed (the baseline), runs the attack as another uid
@@ -20,7 +21,7 @@
  *     (16 frames per connection per turn, Stats in O(sessions));
  * and the daemon still exits 0 on SIGTERM.
  *
- * Cases (items of issue 11):
+ * Cases:
  *   doorbell   (1) the attacker clears O_NONBLOCK on the doorbells it was
  *              given and saturates them, in sessions whose answers wake it
  *              from the workers and (producer_waiting) from the loop;

@@ -1,10 +1,10 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * Many threads pushing through one libaoq client, several all-bf16 sessions
- * at once (issue 11, "Also": a bf16-all session once closed with "the
- * to-daemon ring's head counter is corrupt").  Built with
- * -Db_sanitize=thread this is the ThreadSanitizer run of the producer side
- * (push paths, grad_copied, the progress thread).
+ * at once: the producer side's stress test (a bf16-all session was once
+ * closed with "the to-daemon ring's head counter is corrupt").  Built with
+ * -Db_sanitize=thread this is the ThreadSanitizer run of the push paths,
+ * grad_copied and the progress thread.
  *
  * SESSIONS sessions train at once, each from its own thread; in each,
  * PUSHERS threads push disjoint sets of tensors every step, concurrently,
