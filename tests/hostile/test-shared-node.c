@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * A shared training node (docs/design.md, "Shared nodes"): local users of
- * other uids attack aoqd
- * while a victim trainer (libaoq, host backend, root) trains.  Each case
+ * other uids attack aoqd while a victim trainer (libaoq, host backend, root)
+ * trains.  Each case
  * (--case NAME) starts its own daemon, starts the victim, measures its step
  * latency undisturbed (the baseline), runs the attack as another uid
  * (`setpriv --reuid --regid --clear-groups`, this binary re-executed in an
