@@ -19,4 +19,9 @@ static int ze_open(struct aoq_backend **out, int index, const struct aoq_options
 	return aoq_set_error(-ENODEV, "no XPU device: this libaoq was built without Level Zero");
 }
 const struct aoq_backend_ops aoq_backend_ze = { .name = "ze", .open = ze_open };
+
+const char *aoq_ze_staging_mode(void)
+{
+	return "none";
+}
 #endif

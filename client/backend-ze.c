@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The Level Zero backend ("xpu:N", DESIGN §7): Intel GPUs through the Level
+ * The Level Zero backend ("xpu:N", docs/design.md, Client backends): Intel GPUs through the Level
  * Zero loader.
  *
  * Devices: "xpu:N" is the N-th GPU-type device over all drivers, in the
@@ -61,8 +61,7 @@
 #define STAGING_MIN ((size_t)4096)
 #define CLOSE_MARKER_WAIT_NS 2000000000ull
 
-/* The staging mode of the most recently registered arena, for aoqctl. */
-AOQ_API const char *aoq_ze_staging_mode(void);
+/* The staging mode of the most recently registered arena (<aoq/aoq.h>). */
 static _Atomic(const char *) last_mode = "none";
 
 const char *aoq_ze_staging_mode(void)

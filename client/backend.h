@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * Device backends of libaoq (DESIGN §7): how gradients leave the device and
+ * Device backends of libaoq (docs/design.md, Client backends): how gradients leave the device and
  * parameters return to it.  One small interface, three implementations:
  * host (plain memory, device string "cpu"), cuda ("cuda:N"), ze ("xpu:N").
  *

@@ -275,11 +275,51 @@ static int ctl_call(struct aoq_client *c, const Aoq__Envelope *env, int want, Ao
 	return ctl_recv(c, want, out, NULL, NULL);
 }
 
+const char *aoq_version(void)
+{
+	return AOQ_VERSION_STRING;
+}
+
+int aoq_abi_version(void)
+{
+	return AOQ_ABI_VERSION;
+}
+
+size_t aoq_struct_size(const char *name)
+{
+	static const struct {
+		const char *name;
+		size_t size;
+	} sizes[] = {
+		{ "aoq_options", sizeof(struct aoq_options) },
+		{ "aoq_group", sizeof(struct aoq_group) },
+		{ "aoq_tensor", sizeof(struct aoq_tensor) },
+		{ "aoq_step_result", sizeof(struct aoq_step_result) },
+	};
+	for (size_t i = 0; name && i < sizeof(sizes) / sizeof(sizes[0]); i++)
+		if (strcmp(name, sizes[i].name) == 0)
+			return sizes[i].size;
+	return 0;
+}
+
+/* A public struct's size field against the layout this library knows. */
+static int size_ok(uint32_t size, size_t want, const char *what)
+{
+	if (size == want)
+		return 0;
+	return aoq_set_error(-EINVAL, "struct %s has size %u, this libaoq (ABI %d) knows %zu: initialise it "
+	                     "with its AOQ_*_INIT or rebuild against this <aoq/aoq.h>",
+	                     what, size, AOQ_ABI_VERSION, want);
+}
+
 int aoq_connect(struct aoq_client **out, const struct aoq_options *opts)
 {
 	struct aoq_options def = AOQ_OPTIONS_INIT;
 	if (!opts)
 		opts = &def;
+	int r = size_ok(opts->size, sizeof(*opts), "aoq_options");
+	if (r < 0)
+		return r;
 	struct aoq_client *c = calloc(1, sizeof(*c));
 	if (!c)
 		return -ENOMEM;
@@ -298,7 +338,7 @@ int aoq_connect(struct aoq_client **out, const struct aoq_options *opts)
 	c->device = strdup(opts->device ? opts->device : "cpu");
 	c->step = 1;
 	char path[256];
-	int r = aoq_socket_path(opts->socket, path, sizeof(path));
+	r = aoq_socket_path(opts->socket, path, sizeof(path));
 	if (r < 0 || !c->job || !c->device || !(c->socket_path = strdup(path))) {
 		aoq_close(c);
 		return aoq_set_error(r < 0 ? r : -ENOMEM, "socket path too long");
@@ -347,24 +387,14 @@ int aoq_connect(struct aoq_client **out, const struct aoq_options *opts)
 	return 0;
 }
 
-static void *grow(void *p, uint32_t *cap, uint32_t need, size_t elem)
-{
-	if (need <= *cap)
-		return p;
-	uint32_t n = *cap ? *cap * 2 : 16;
-	if (n < need)
-		n = need;
-	void *q = realloc(p, (size_t)n * elem);
-	if (q)
-		*cap = n;
-	return q;
-}
-
 int aoq_add_group(struct aoq_client *c, const struct aoq_group *g)
 {
+	int r = size_ok(g->size, sizeof(*g), "aoq_group");
+	if (r < 0)
+		return r;
 	if (c->registered)
 		return aoq_set_error(-EBUSY, "groups must be added before aoq_register()");
-	struct aoq_group *n = grow(c->groups, &c->cap_groups, c->ngroups + 1, sizeof(*n));
+	struct aoq_group *n = aoq_grow(c->groups, &c->cap_groups, c->ngroups + 1, sizeof(*n));
 	if (!n)
 		return -ENOMEM;
 	c->groups = n;
@@ -379,6 +409,9 @@ static bool dtype_ok(enum aoq_dtype t)
 
 int aoq_add_tensor(struct aoq_client *c, const struct aoq_tensor *t)
 {
+	int r = size_ok(t->size, sizeof(*t), "aoq_tensor");
+	if (r < 0)
+		return r;
 	if (c->registered)
 		return aoq_set_error(-EBUSY, "tensors must be added before aoq_register()");
 	if (t->numel == 0 || !dtype_ok(t->param_dtype) || !dtype_ok(t->grad_dtype) ||
@@ -387,7 +420,7 @@ int aoq_add_tensor(struct aoq_client *c, const struct aoq_tensor *t)
 		                     t->name ? t->name : "");
 	if (c->ntensors >= INT32_MAX)
 		return -E2BIG;
-	struct tensor *n = grow(c->tensors, &c->cap_tensors, c->ntensors + 1, sizeof(*n));
+	struct tensor *n = aoq_grow(c->tensors, &c->cap_tensors, c->ntensors + 1, sizeof(*n));
 	if (!n)
 		return -ENOMEM;
 	c->tensors = n;
@@ -489,22 +522,10 @@ static int check_arena(struct aoq_client *c)
 	const struct aoq_arena_header *h = (const void *)c->arena;
 	struct aoq_arena_header hd;
 	memcpy(&hd, h, sizeof(hd));
-	uint64_t ring_bytes, tt_bytes, st_bytes;
-	if (hd.magic != AOQ_ARENA_MAGIC || hd.version != AOQ_ARENA_VERSION || hd.size != c->arena_size ||
-	    hd.tensors != c->ntensors || hd.rec_size != sizeof(struct aoq_rec) || hd.ring_capacity == 0 ||
-	    hd.ring_capacity > (1u << 20) || hd.window != c->o.window)
-		return -EPROTO;
-	ring_bytes = sizeof(struct aoq_ring) + (uint64_t)hd.ring_capacity * sizeof(struct aoq_rec);
-	tt_bytes = (uint64_t)hd.tensors * sizeof(struct aoq_arena_tensor);
-	st_bytes = (uint64_t)hd.slots * sizeof(struct aoq_arena_slot);
-	if (!aoq_range_ok(hd.tensor_table_off, tt_bytes, hd.size) || !aoq_range_ok(hd.slot_table_off, st_bytes, hd.size) ||
-	    !aoq_range_ok(hd.to_daemon_off, ring_bytes, hd.size) || !aoq_range_ok(hd.to_client_off, ring_bytes, hd.size) ||
-	    !aoq_range_ok(hd.xfer_off, hd.xfer_bytes, hd.size) || hd.xfer_bytes < 4 ||
-	    hd.to_daemon_off % 64 || hd.to_client_off % 64 || hd.tensor_table_off % 8 || hd.slot_table_off % 8)
+	if (aoq_arena_header_check(&hd, c->arena_size) < 0 || hd.tensors != c->ntensors || hd.window != c->o.window)
 		return -EPROTO;
 	bool delayed = hd.flags & AOQ_ARENA_DELAYED;
-	if ((hd.window == 0 && hd.slots != hd.tensors) || (hd.window && (hd.slots == 0 || hd.slot_elems == 0)) ||
-	    delayed != c->o.delayed_update)
+	if (delayed != c->o.delayed_update)
 		return -EPROTO;
 	const struct aoq_arena_tensor *tt = (const void *)(c->arena + hd.tensor_table_off);
 	const struct aoq_arena_slot *sl = (const void *)(c->arena + hd.slot_table_off);
@@ -517,25 +538,20 @@ static int check_arena(struct aoq_client *c)
 			continue;
 		struct aoq_arena_slot s = sl[i];
 		uint64_t pbuf = delayed ? aoq_align_up(s.param_bytes, AOQ_ARENA_ALIGN) : 0;
-		if (s.grad_bytes < x->d.numel * x->gsize || s.param_bytes < x->d.numel * x->psize ||
-		    !aoq_range_ok(s.grad_off, s.grad_bytes, hd.size) ||
-		    !aoq_range_ok(s.param_off, pbuf + s.param_bytes, hd.size))
+		if (aoq_arena_slot_check(&hd, &s, x->d.numel * x->gsize, x->d.numel * x->psize) < 0)
 			return -EPROTO;
 		x->grad_area = c->arena + s.grad_off;
 		x->param_area = c->arena + s.param_off;
 		x->param_buf = pbuf;
 	}
 	if (hd.window) {
-		if (hd.slot_elems > (1ull << 40))
-			return -EPROTO;
 		c->slots = calloc(hd.slots, sizeof(*c->slots));
 		c->free_slots = calloc(hd.slots, sizeof(*c->free_slots));
 		if (!c->slots || !c->free_slots)
 			return -ENOMEM;
 		for (uint32_t i = 0; i < hd.slots; i++) {
 			struct aoq_arena_slot s = sl[i];
-			if (s.grad_bytes < hd.slot_elems * 4 || s.param_bytes < hd.slot_elems * 4 ||
-			    !aoq_range_ok(s.grad_off, s.grad_bytes, hd.size) || !aoq_range_ok(s.param_off, s.param_bytes, hd.size))
+			if (aoq_arena_slot_check(&hd, &s, hd.slot_elems * 4, hd.slot_elems * 4) < 0)
 				return -EPROTO;
 			c->slots[i].grad_area = c->arena + s.grad_off;
 			c->slots[i].param_area = c->arena + s.param_off;
@@ -1044,6 +1060,9 @@ int aoq_sync_param(struct aoq_client *c, uint32_t t)
 
 int aoq_set_hyperparams(struct aoq_client *c, uint32_t g, const struct aoq_group *hp)
 {
+	int r = size_ok(hp->size, sizeof(*hp), "aoq_group");
+	if (r < 0)
+		return r;
 	if (g >= c->ngroups)
 		return aoq_set_error(-EINVAL, "no group %u", g);
 	if (!c->registered) {
@@ -1059,7 +1078,7 @@ int aoq_set_hyperparams(struct aoq_client *c, uint32_t g, const struct aoq_group
 	Aoq__Envelope env = AOQ__ENVELOPE__INIT;
 	env.msg_case = AOQ__ENVELOPE__MSG_SET_HYPERPARAMS;
 	env.set_hyperparams = &m;
-	int r = ctl_call(c, &env, AOQ__ENVELOPE__MSG_DONE, NULL);
+	r = ctl_call(c, &env, AOQ__ENVELOPE__MSG_DONE, NULL);
 	if (r == 0)
 		c->groups[g] = *hp;
 	pthread_mutex_unlock(&c->ctl_lock);
@@ -1102,6 +1121,8 @@ int aoq_step_end(struct aoq_client *c)
 int aoq_sync(struct aoq_client *c, struct aoq_step_result *last)
 {
 	struct deadline dl = { 0 };
+	if (last && size_ok(last->size, sizeof(*last), "aoq_step_result") < 0)
+		return -EINVAL;
 	if (!c->registered)
 		return aoq_set_error(-EINVAL, "aoq_sync before aoq_register");
 	int r = 0;
@@ -1121,6 +1142,7 @@ int aoq_sync(struct aoq_client *c, struct aoq_step_result *last)
 	if (r == 0 && last) {
 		pthread_mutex_lock(&c->lock);
 		*last = c->last;
+		last->size = sizeof(*last);
 		pthread_mutex_unlock(&c->lock);
 	}
 	return r;
@@ -1184,13 +1206,13 @@ static int transfer(struct aoq_client *c, bool load, uint32_t t, int what, enum 
 	return r;
 }
 
-int aoq_read_state(struct aoq_client *c, uint32_t t, int what, enum aoq_dtype dtype, uint64_t offset,
+int aoq_read_state(struct aoq_client *c, uint32_t t, enum aoq_state_kind what, enum aoq_dtype dtype, uint64_t offset,
                    uint64_t count, void *dst)
 {
 	return transfer(c, false, t, what, dtype, offset, count, dst);
 }
 
-int aoq_load_state(struct aoq_client *c, uint32_t t, int what, enum aoq_dtype dtype, uint64_t offset,
+int aoq_load_state(struct aoq_client *c, uint32_t t, enum aoq_state_kind what, enum aoq_dtype dtype, uint64_t offset,
                    uint64_t count, const void *src)
 {
 	return transfer(c, true, t, what, dtype, offset, count, (void *)src);

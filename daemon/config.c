@@ -1,15 +1,30 @@
 /* SPDX-License-Identifier: MIT */
-/* Daemon configuration: defaults and the "key = value" file. */
+/*
+ * Daemon configuration: defaults, one table of keys, the "key = value" file.
+ *
+ * Every key is parsed strictly: whole numbers with overflow checks and a
+ * range, words from a fixed list, strings non-empty.  An error names the key
+ * (and, in a file, the path and line); "unknown key" and "bad value" are
+ * different errors.
+ */
 #include <ctype.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
-#include "aoqd.h"
+#include "aoq-kernel.h"
+#include "config.h"
 #include "log.h"
+
+#define SUN_PATH_MAX (sizeof(((struct sockaddr_un *)0)->sun_path) - 1)
 
 void aoqd_config_defaults(struct aoqd_config *c)
 {
@@ -27,6 +42,209 @@ void aoqd_config_defaults(struct aoqd_config *c)
 	c->max_state_bytes_per_uid = pages > 0 && psize > 0 ? (uint64_t)pages * (uint64_t)psize : 0;
 }
 
+int aoqd_parse_u64(const char *s, int allow_suffix, uint64_t *out)
+{
+	/* strtoull accepts leading blanks and a sign ("-1" wraps): refuse them. */
+	if (!isdigit((unsigned char)*s))
+		return -EINVAL;
+	/* Decimal, or hex after 0x; never octal ("010" is ten). */
+	int base = 10;
+	if (s[0] == '0' && (s[1] == 'x' || s[1] == 'X')) {
+		base = 16;
+		s += 2;
+		if (!isxdigit((unsigned char)*s))
+			return -EINVAL;
+	}
+	char *end;
+	errno = 0;
+	unsigned long long x = strtoull(s, &end, base);
+	if (errno == ERANGE)
+		return -ERANGE;
+	if (errno || end == s)
+		return -EINVAL;
+	uint64_t mul = 1;
+	if (allow_suffix && *end && !end[1]) {
+		switch (*end) {
+		case 'K': case 'k': mul = 1ull << 10; end++; break;
+		case 'M': mul = 1ull << 20; end++; break;
+		case 'G': mul = 1ull << 30; end++; break;
+		case 'T': mul = 1ull << 40; end++; break;
+		default: break;
+		}
+	}
+	if (*end)
+		return -EINVAL;
+	if (__builtin_mul_overflow((uint64_t)x, mul, out))
+		return -ERANGE;
+	return 0;
+}
+
+enum key_kind { K_STRING, K_COUNT, K_SIZE, K_LOCK, K_LOG, K_KERNEL, K_GID };
+
+struct key {
+	const char *name;
+	enum key_kind kind;
+	size_t off;       /* in struct aoqd_config */
+	size_t width;     /* 4 or 8 bytes, numbers only */
+	uint64_t lo, hi;  /* numbers only */
+};
+
+#define OFF(f) offsetof(struct aoqd_config, f)
+#define W(f) sizeof(((struct aoqd_config *)0)->f)
+static const struct key keys[] = {
+	{ "socket", K_STRING, OFF(socket_path), 0, 0, 0 },
+	{ "threads", K_COUNT, OFF(threads), W(threads), 0, AOQD_MAX_THREADS },
+	{ "kernel", K_KERNEL, OFF(kernel), 0, 0, 0 },
+	{ "lock_memory", K_LOCK, OFF(lock_memory), 0, 0, 0 },
+	{ "log_level", K_LOG, 0, 0, 0, 0 },
+	{ "max_connections", K_COUNT, OFF(max_connections), W(max_connections), 1, 1u << 20 },
+	{ "max_sessions_per_uid", K_COUNT, OFF(max_sessions_per_uid), W(max_sessions_per_uid), 1, 1u << 20 },
+	{ "max_tensors", K_COUNT, OFF(max_tensors), W(max_tensors), 1, UINT32_MAX },
+	{ "max_tensor_elems", K_SIZE, OFF(max_tensor_elems), W(max_tensor_elems), 1, 1ull << 48 },
+	{ "max_arena_bytes", K_SIZE, OFF(max_arena_bytes), W(max_arena_bytes), 1ull << 16, 1ull << 52 },
+	{ "max_state_bytes_per_uid", K_SIZE, OFF(max_state_bytes_per_uid), W(max_state_bytes_per_uid), 0, UINT64_MAX },
+	{ "admin_gid", K_GID, OFF(admin_gid), W(admin_gid), 0, UINT32_MAX - 1 },
+};
+
+/* Every string value ever set. */
+struct owned {
+	struct owned *next;
+	char s[];
+};
+static struct owned *owned;
+
+static const char *const lock_words[] = { "no", "try", "yes" };
+static const char *const kernel_words[] = { "auto", "scalar", "avx2", "avx512", "avx512bf16" };
+
+static int word_index(const char *v, const char *const *words, size_t n)
+{
+	for (size_t i = 0; i < n; i++)
+		if (strcmp(v, words[i]) == 0)
+			return (int)i;
+	return -1;
+}
+
+static int set_number(struct aoqd_config *c, const struct key *k, const char *v, char *err, size_t errlen)
+{
+	uint64_t x;
+	int r = aoqd_parse_u64(v, k->kind == K_SIZE, &x);
+	if (r == -EINVAL) {
+		snprintf(err, errlen, "'%s' is not a whole number%s", v,
+		         k->kind == K_SIZE ? " (optionally with a K, M, G or T suffix)" : "");
+		return r;
+	}
+	if (r == -ERANGE || x < k->lo || x > k->hi) {
+		snprintf(err, errlen, "%s is out of range (%" PRIu64 "..%" PRIu64 ")", v, k->lo, k->hi);
+		return -ERANGE;
+	}
+	void *p = (char *)c + k->off;
+	if (k->width == 4) {
+		uint32_t x32 = (uint32_t)x;
+		memcpy(p, &x32, 4);
+	} else {
+		memcpy(p, &x, 8);
+	}
+	return 0;
+}
+
+static void list_words(char *buf, size_t len, const char *const *words, size_t n)
+{
+	size_t o = 0;
+	buf[0] = '\0';
+	for (size_t i = 0; i < n && o < len; i++) {
+		int w = snprintf(buf + o, len - o, "%s%s", i ? (i + 1 == n ? " or " : ", ") : "", words[i]);
+		if (w < 0)
+			break;
+		o += (size_t)w;
+	}
+}
+
+int aoqd_config_set(struct aoqd_config *c, const char *key, const char *v, char *err, size_t errlen)
+{
+	const struct key *k = NULL;
+	for (size_t i = 0; i < sizeof(keys) / sizeof(keys[0]); i++)
+		if (strcmp(key, keys[i].name) == 0)
+			k = &keys[i];
+	if (!k) {
+		snprintf(err, errlen, "unknown key '%s'", key);
+		return -ENOENT;
+	}
+	if (!*v) {
+		snprintf(err, errlen, "needs a value");
+		return -EINVAL;
+	}
+	char words[128];
+	int i;
+	switch (k->kind) {
+	case K_COUNT:
+	case K_SIZE:
+		if (k->kind == K_COUNT && strcmp(k->name, "threads") == 0 && strcmp(v, "auto") == 0) {
+			c->threads = 0;
+			return 0;
+		}
+		return set_number(c, k, v, err, errlen);
+	case K_GID: {
+		if (isdigit((unsigned char)*v))
+			return set_number(c, k, v, err, errlen);
+		if (strcmp(v, "none") == 0) {
+			c->admin_gid = (uint32_t)-1;
+			return 0;
+		}
+		struct group *g = getgrnam(v);
+		if (!g) {
+			snprintf(err, errlen, "'%s' is neither a gid nor a known group name", v);
+			return -EINVAL;
+		}
+		c->admin_gid = (uint32_t)g->gr_gid;
+		return 0;
+	}
+	case K_LOCK:
+		if ((i = word_index(v, lock_words, 3)) < 0) {
+			list_words(words, sizeof(words), lock_words, 3);
+			snprintf(err, errlen, "'%s' is not one of %s", v, words);
+			return -EINVAL;
+		}
+		c->lock_memory = i == 0 ? 0 : i == 1 ? 1 : 2;
+		return 0;
+	case K_LOG:
+		if ((i = aoqd_log_parse_level(v)) < 0) {
+			snprintf(err, errlen, "'%s' is not one of error, warn, info or debug", v);
+			return -EINVAL;
+		}
+		aoqd_log_level = (enum aoqd_log_level)i;
+		return 0;
+	case K_KERNEL:
+		if (word_index(v, kernel_words, 5) < 0) {
+			list_words(words, sizeof(words), kernel_words, 5);
+			snprintf(err, errlen, "'%s' is not one of %s", v, words);
+			return -EINVAL;
+		}
+		break;
+	case K_STRING:
+		if (strlen(v) > SUN_PATH_MAX) {
+			snprintf(err, errlen, "socket path is %zu bytes; a Unix socket path has at most %zu",
+			         strlen(v), SUN_PATH_MAX);
+			return -ENAMETOOLONG;
+		}
+		break;
+	}
+	/* Strings: a copy that lives as long as the daemon (an older value of
+	 * the same key may still be referenced, so none is freed); the list
+	 * keeps them reachable. */
+	size_t n = strlen(v);
+	struct owned *o = malloc(sizeof(*o) + n + 1);
+	if (!o) {
+		snprintf(err, errlen, "out of memory");
+		return -ENOMEM;
+	}
+	memcpy(o->s, v, n + 1);
+	o->next = owned;
+	owned = o;
+	char *copy = o->s;
+	memcpy((char *)c + k->off, &copy, sizeof(copy));
+	return 0;
+}
+
 static char *trim(char *s)
 {
 	while (isspace((unsigned char)*s))
@@ -37,86 +255,127 @@ static char *trim(char *s)
 	return s;
 }
 
-static int parse_u64(const char *v, uint64_t *out)
+/* A '#' at the start of a line or after a blank starts a comment, so
+ * "threads = 4  # the rest for the trainer" works and "a#b" stays a value. */
+static void strip_comment(char *s)
 {
-	char *end;
-	errno = 0;
-	unsigned long long x = strtoull(v, &end, 0);
-	if (errno || end == v)
-		return -EINVAL;
-	end = trim(end);
-	uint64_t mul = 1;
-	if (*end == 'K' || *end == 'k')
-		mul = 1ull << 10, end++;
-	else if (*end == 'M')
-		mul = 1ull << 20, end++;
-	else if (*end == 'G')
-		mul = 1ull << 30, end++;
-	else if (*end == 'T')
-		mul = 1ull << 40, end++;
-	if (*end)
-		return -EINVAL;
-	if (__builtin_mul_overflow((uint64_t)x, mul, out))
-		return -ERANGE;
-	return 0;
+	for (char *p = s; *p; p++)
+		if (*p == '#' && (p == s || isspace((unsigned char)p[-1]))) {
+			*p = '\0';
+			return;
+		}
 }
 
-/* Only the last occurrence of a string option is kept (leaked on purpose:
- * the config lives as long as the daemon). */
 int aoqd_config_load(struct aoqd_config *c, const char *path)
 {
 	FILE *f = fopen(path, "r");
 	if (!f) {
-		aoqd_err("config", "%s: %s", path, strerror(errno));
-		return -errno;
+		int e = errno;
+		aoqd_err("config", "cannot read %s: %s", path, strerror(e));
+		return -e;
 	}
-	char line[512];
+	char line[4096], err[256];
 	int lineno = 0, r = 0;
 	while (fgets(line, sizeof(line), f)) {
 		lineno++;
+		size_t len = strlen(line);
+		if (len == sizeof(line) - 1 && line[len - 1] != '\n' && !feof(f)) {
+			aoqd_err("config", "%s:%d: line longer than %zu bytes", path, lineno, sizeof(line) - 2);
+			r = -EINVAL;
+			break;
+		}
+		strip_comment(line);
 		char *s = trim(line);
-		if (!*s || *s == '#')
+		if (!*s)
 			continue;
 		char *eq = strchr(s, '=');
 		if (!eq) {
-			aoqd_err("config", "%s:%d: expected key = value", path, lineno);
+			aoqd_err("config", "%s:%d: expected 'key = value', got '%s'", path, lineno, s);
 			r = -EINVAL;
 			break;
 		}
 		*eq = '\0';
 		char *k = trim(s), *v = trim(eq + 1);
-		uint64_t x = 0;
-		bool num = parse_u64(v, &x) == 0;
-		if (strcmp(k, "socket") == 0)
-			c->socket_path = strdup(v);
-		else if (strcmp(k, "threads") == 0 && num)
-			c->threads = (unsigned)x;
-		else if (strcmp(k, "kernel") == 0)
-			c->kernel = strdup(v);
-		else if (strcmp(k, "lock_memory") == 0)
-			c->lock_memory = strcmp(v, "no") == 0 ? 0 : strcmp(v, "yes") == 0 ? 2 : 1;
-		else if (strcmp(k, "max_sessions_per_uid") == 0 && num)
-			c->max_sessions_per_uid = (uint32_t)x;
-		else if (strcmp(k, "max_connections") == 0 && num)
-			c->max_connections = (uint32_t)x;
-		else if (strcmp(k, "max_tensors") == 0 && num)
-			c->max_tensors = (uint32_t)x;
-		else if (strcmp(k, "max_tensor_elems") == 0 && num)
-			c->max_tensor_elems = x;
-		else if (strcmp(k, "max_arena_bytes") == 0 && num)
-			c->max_arena_bytes = x;
-		else if (strcmp(k, "max_state_bytes_per_uid") == 0 && num)
-			c->max_state_bytes_per_uid = x;
-		else if (strcmp(k, "admin_gid") == 0 && num)
-			c->admin_gid = (uint32_t)x;
-		else if (strcmp(k, "log_level") == 0 && aoqd_log_parse_level(v) >= 0)
-			aoqd_log_level = (enum aoqd_log_level)aoqd_log_parse_level(v);
-		else {
-			aoqd_err("config", "%s:%d: unknown key or bad value: %s = %s", path, lineno, k, v);
+		if (!*k) {
+			aoqd_err("config", "%s:%d: a value without a key", path, lineno);
 			r = -EINVAL;
 			break;
 		}
+		r = aoqd_config_set(c, k, v, err, sizeof(err));
+		if (r == -ENOENT) {
+			aoqd_err("config", "%s:%d: %s", path, lineno, err);
+			break;
+		}
+		if (r < 0) {
+			aoqd_err("config", "%s:%d: %s: %s", path, lineno, k, err);
+			break;
+		}
+	}
+	if (r == 0 && ferror(f)) {
+		aoqd_err("config", "%s: read error", path);
+		r = -EIO;
 	}
 	fclose(f);
 	return r;
+}
+
+int aoqd_config_check(const struct aoqd_config *c, char *err, size_t errlen)
+{
+	if (c->socket_path && strlen(c->socket_path) > SUN_PATH_MAX) {
+		snprintf(err, errlen, "socket path %s is %zu bytes; a Unix socket path has at most %zu",
+		         c->socket_path, strlen(c->socket_path), SUN_PATH_MAX);
+		return -ENAMETOOLONG;
+	}
+	if (c->socket_path && !*c->socket_path) {
+		snprintf(err, errlen, "the socket path is empty");
+		return -EINVAL;
+	}
+	if (!aoqk_select(c->kernel)) {
+		int e = errno;
+		snprintf(err, errlen, "kernel '%s': %s", c->kernel ? c->kernel : "auto",
+		         e == ENOTSUP ? "this CPU (or this build) lacks its instructions" : "no such kernel");
+		return -EINVAL;
+	}
+	if (c->listen_fd >= 0) {
+		int type = 0;
+		socklen_t tl = sizeof(type);
+		struct sockaddr_storage sa;
+		socklen_t sl = sizeof(sa);
+		if (fcntl(c->listen_fd, F_GETFD) < 0) {
+			snprintf(err, errlen, "listen fd %d is not open", c->listen_fd);
+			return -EBADF;
+		}
+		if (getsockopt(c->listen_fd, SOL_SOCKET, SO_TYPE, &type, &tl) < 0 || type != SOCK_STREAM ||
+		    getsockname(c->listen_fd, (struct sockaddr *)&sa, &sl) < 0 || sa.ss_family != AF_UNIX) {
+			snprintf(err, errlen, "listen fd %d is not a Unix stream socket", c->listen_fd);
+			return -ENOTSOCK;
+		}
+	}
+	return 0;
+}
+
+void aoqd_config_print(const struct aoqd_config *c, FILE *f)
+{
+	static const char *const levels[] = { "error", "warn", "info", "debug" };
+	if (c->listen_fd >= 0)
+		fprintf(f, "# listen fd %d\n", c->listen_fd);
+	if (c->socket_path)
+		fprintf(f, "socket = %s\n", c->socket_path);
+	if (c->threads)
+		fprintf(f, "threads = %u\n", c->threads);
+	else
+		fprintf(f, "threads = auto\n");
+	fprintf(f, "kernel = %s\n", c->kernel && *c->kernel ? c->kernel : "auto");
+	fprintf(f, "lock_memory = %s\n", c->lock_memory == 0 ? "no" : c->lock_memory == 2 ? "yes" : "try");
+	fprintf(f, "log_level = %s\n", levels[aoqd_log_level]);
+	fprintf(f, "max_connections = %" PRIu32 "\n", c->max_connections);
+	fprintf(f, "max_sessions_per_uid = %" PRIu32 "\n", c->max_sessions_per_uid);
+	fprintf(f, "max_tensors = %" PRIu32 "\n", c->max_tensors);
+	fprintf(f, "max_tensor_elems = %" PRIu64 "\n", c->max_tensor_elems);
+	fprintf(f, "max_arena_bytes = %" PRIu64 "\n", c->max_arena_bytes);
+	fprintf(f, "max_state_bytes_per_uid = %" PRIu64 "\n", c->max_state_bytes_per_uid);
+	if (c->admin_gid == (uint32_t)-1)
+		fprintf(f, "admin_gid = none\n");
+	else
+		fprintf(f, "admin_gid = %" PRIu32 "\n", c->admin_gid);
 }

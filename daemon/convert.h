@@ -9,10 +9,7 @@
 
 #include "aoq-kernel.h"
 
-float aoqd_half_to_float(uint16_t h);
-uint16_t aoqd_float_to_half(float f);   /* round to nearest even */
-float aoqd_bf16_to_float(uint16_t b);
-uint16_t aoqd_float_to_bf16(float f);   /* round to nearest even */
+/* The element conversions are kernels/aoq-convert.h's. */
 
 /* dst[i] = (float)src[i] */
 void aoqd_to_f32(float *dst, const void *src, enum aoqk_dtype t, size_t n);

@@ -13,8 +13,8 @@
  *
  * Threads: aoqd_drain() and aoqd_release_step() run on the loop thread;
  * chunk_run() and job_complete() on workers.  Workers touch a session's
- * state arrays (each chunk its own range), the to-client ring (ring_lock),
- * the per-step sums and deferred lists (step_lock), stats (stats_lock) and
+ * state arrays (each chunk its own range), the to-client ring (arena.ring_lock),
+ * the per-step sums and deferred lists (steps.lock), stats (stats.lock) and
  * atomics.
  */
 #include <errno.h>
@@ -27,10 +27,10 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "aoqd.h"
+#include "dataplane.h"
 #include "log.h"
-
-#define FAIL(s, code, ...) aoqd_session_fail(s, AOQ__ERROR_CODE__##code, __VA_ARGS__)
+#include "server.h"
+#include "session.h"
 
 enum job_phase { PHASE_UPDATE, PHASE_ACCUMULATE, PHASE_NORM };
 
@@ -69,23 +69,16 @@ static uint64_t thread_cpu_ns(void)
 	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
-void aoqd_ring_doorbell(int fd)
-{
-	uint64_t one = 1;
-	ssize_t r = write(fd, &one, sizeof(one));
-	(void)r; /* EAGAIN: the counter is saturated, the peer is woken anyway */
-}
-
 static void post_record(struct aoqd_session *s, const struct aoqd_job *j, int32_t status)
 {
 	struct aoq_rec out = j->rec;
 	out.flags = 0;
 	out.status = status;
-	pthread_mutex_lock(&s->ring_lock);
-	int r = atomic_load(&s->dead) ? 0 : aoq_ring_push(&s->to_client, &out);
-	pthread_mutex_unlock(&s->ring_lock);
+	pthread_mutex_lock(&s->arena.ring_lock);
+	int r = atomic_load(&s->dead) ? 0 : aoq_ring_push(&s->arena.to_client, &out);
+	pthread_mutex_unlock(&s->arena.ring_lock);
 	if (r == 1)
-		aoqd_ring_doorbell(s->doorbell_out);
+		aoqd_arena_ring(&s->arena);
 	else if (r < 0) {
 		/* Reserved space vanished: the client wrote its tail counter. */
 		atomic_store(&s->dead, true);
@@ -99,14 +92,14 @@ static void job_answer(struct aoqd_job *j, int32_t status)
 	struct aoqd_session *s = j->s;
 	unsigned p = j->rec.step & 1;
 	post_record(s, j, status);
-	pthread_mutex_lock(&s->stats_lock);
-	s->bytes_in += j->rec.count * aoqk_dtype_size(j->t->grad_dtype);
+	pthread_mutex_lock(&s->stats.lock);
+	s->stats.bytes_in += j->rec.count * aoqk_dtype_size(j->t->grad_dtype);
 	if (status == AOQ_REC_UPDATED)
-		s->bytes_out += j->rec.count * aoqk_dtype_size(j->t->param_dtype);
-	aoqd_hist_add(&s->rec_hist, aoqd_now_ns() - j->t0);
-	pthread_mutex_unlock(&s->stats_lock);
-	atomic_fetch_sub(&s->outstanding, 1);
-	if (atomic_fetch_sub(&s->inflight[p], 1) == 1)
+		s->stats.bytes_out += j->rec.count * aoqk_dtype_size(j->t->param_dtype);
+	aoqd_hist_add(&s->stats.rec_hist, aoqd_now_ns() - j->t0);
+	pthread_mutex_unlock(&s->stats.lock);
+	atomic_fetch_sub(&s->steps.outstanding, 1);
+	if (atomic_fetch_sub(&s->steps.inflight[p], 1) == 1)
 		uv_async_send(&s->srv->wake);
 	free(j);
 	aoqd_session_unref(s);
@@ -124,31 +117,31 @@ static void job_complete(struct aoqd_job *j)
 	unsigned p = j->rec.step & 1;
 	if (j->phase == PHASE_NORM) {
 		/* Wait for the rest of the step; aoqd_release_step() goes on. */
-		pthread_mutex_lock(&s->step_lock);
+		pthread_mutex_lock(&s->steps.lock);
 		/* A closing session dropped its list already (dead is set
 		 * before aoqd_drop_deferred() takes this lock). */
 		bool dead = atomic_load(&s->dead);
 		if (!dead) {
-			s->sumsq[p] += sumsq;
-			s->nonfinite[p] |= nonfinite;
-			j->next = s->deferred[p];
-			s->deferred[p] = j;
+			s->steps.sumsq[p] += sumsq;
+			s->steps.nonfinite[p] |= nonfinite;
+			j->next = s->steps.deferred[p];
+			s->steps.deferred[p] = j;
 		}
-		pthread_mutex_unlock(&s->step_lock);
-		if (atomic_fetch_sub(&s->norming[p], 1) == 1)
+		pthread_mutex_unlock(&s->steps.lock);
+		if (atomic_fetch_sub(&s->steps.norming[p], 1) == 1)
 			uv_async_send(&s->srv->wake);
 		if (dead)
 			job_answer(j, AOQ_REC_SKIPPED); /* posts nothing: the session is dead */
 		return;
 	}
-	pthread_mutex_lock(&s->step_lock);
-	if (!s->defer) {
-		s->sumsq[p] += sumsq;
-		s->nonfinite[p] |= nonfinite;
+	pthread_mutex_lock(&s->steps.lock);
+	if (!s->st.defer) {
+		s->steps.sumsq[p] += sumsq;
+		s->steps.nonfinite[p] |= nonfinite;
 	}
 	if (j->phase == PHASE_UPDATE && j->ends_tensor)
-		s->updated[p]++;
-	pthread_mutex_unlock(&s->step_lock);
+		s->steps.updated[p]++;
+	pthread_mutex_unlock(&s->steps.lock);
 	job_answer(j, j->phase == PHASE_ACCUMULATE ? AOQ_REC_ACCUMULATED : AOQ_REC_UPDATED);
 }
 
@@ -190,11 +183,11 @@ static void chunk_run(struct aoqd_task *task, unsigned worker)
 		}
 		}
 		uint64_t c1 = thread_cpu_ns(), w1 = aoqd_now_ns();
-		pthread_mutex_lock(&s->stats_lock);
-		s->cpu_ns += c1 - c0;
-		s->chunks++;
-		aoqd_hist_add(&s->chunk_hist, w1 - w0);
-		pthread_mutex_unlock(&s->stats_lock);
+		pthread_mutex_lock(&s->stats.lock);
+		s->stats.cpu_ns += c1 - c0;
+		s->stats.chunks++;
+		aoqd_hist_add(&s->stats.chunk_hist, w1 - w0);
+		pthread_mutex_unlock(&s->stats.lock);
 	}
 	if (atomic_fetch_sub_explicit(&j->remaining, 1, memory_order_acq_rel) == 1)
 		job_complete(j);
@@ -229,7 +222,7 @@ static void job_submit(struct aoqd_job *j)
 	 * of the same tensor, in backward order: there, the oldest first. */
 	struct aoqd_key key = {
 		.hi = j->rec.step,
-		.lo = j->s->delayed ? j->arrival : UINT64_MAX - j->arrival,
+		.lo = j->s->st.delayed ? j->arrival : UINT64_MAX - j->arrival,
 	};
 	aoqd_pool_submit(j->s->srv->pool, &j->s->queue, key, &j->chunks[0].task, &j->chunks[n - 1].task, n);
 }
@@ -241,26 +234,26 @@ static bool rec_valid(struct aoqd_session *s, const struct aoq_rec *r, char *why
 		snprintf(why, len, "unknown flags 0x%x", r->flags);
 		return false;
 	}
-	if (r->tensor >= s->ntensors) {
-		snprintf(why, len, "tensor %u of %u", r->tensor, s->ntensors);
+	if (r->tensor >= s->st.ntensors) {
+		snprintf(why, len, "tensor %u of %u", r->tensor, s->st.ntensors);
 		return false;
 	}
-	const struct aoqd_tensor *t = &s->tensors[r->tensor];
+	const struct aoqd_tensor *t = &s->st.tensors[r->tensor];
 	if (r->count == 0 || !aoq_range_ok(r->offset, r->count, t->numel)) {
 		snprintf(why, len, "tensor %u: elements %" PRIu64 "+%" PRIu64 " outside 0..%" PRIu64,
 		         r->tensor, r->offset, r->count, t->numel);
 		return false;
 	}
-	if (s->window) {
-		if (r->slot >= s->nslots || r->count > s->slot_elems) {
-			snprintf(why, len, "slot %u (of %u) cannot hold %" PRIu64 " elements", r->slot, s->nslots, r->count);
+	if (s->st.window) {
+		if (r->slot >= s->arena.nslots || r->count > s->arena.slot_elems) {
+			snprintf(why, len, "slot %u (of %u) cannot hold %" PRIu64 " elements", r->slot, s->arena.nslots, r->count);
 			return false;
 		}
 	} else if (r->slot != r->tensor) {
 		snprintf(why, len, "tensor %u: slot %u is not its own", r->tensor, r->slot);
 		return false;
 	}
-	if (aoqk_precision_q8((enum aoqk_precision)s->precision) &&
+	if (aoqk_precision_q8((enum aoqk_precision)s->st.precision) &&
 	    (r->offset % AOQK_Q8_BLOCK || (r->count % AOQK_Q8_BLOCK && r->offset + r->count != t->numel))) {
 		snprintf(why, len, "tensor %u: q8 state needs chunks on %u-element blocks", r->tensor, AOQK_Q8_BLOCK);
 		return false;
@@ -268,35 +261,27 @@ static bool rec_valid(struct aoqd_session *s, const struct aoq_rec *r, char *why
 	/* The client posts every record of a step before its StepEnd, but the
 	 * socket can overtake the ring: the ending step's records stay valid
 	 * while its StepEnd is pending. */
-	if (r->step != s->next_step && !(s->step_end_pending && r->step == s->ending_step)) {
-		snprintf(why, len, "tensor %u: step %" PRIu64 ", the current step is %" PRIu64, r->tensor, r->step, s->next_step);
+	if (r->step != s->steps.next_step && !(s->steps.end_pending && r->step == s->steps.ending_step)) {
+		snprintf(why, len, "tensor %u: step %" PRIu64 ", the current step is %" PRIu64, r->tensor, r->step, s->steps.next_step);
 		return false;
 	}
-	if (s->defer && s->step_end_pending && r->step == s->ending_step && s->released[r->step & 1]) {
+	if (s->st.defer && s->steps.end_pending && r->step == s->steps.ending_step && s->steps.released[r->step & 1]) {
 		snprintf(why, len, "tensor %u: gradient of step %" PRIu64 " after its StepEnd", r->tensor, r->step);
 		return false;
 	}
 	return true;
 }
 
-/* Turns a valid record into a job of chunks for the pool.  False when the
- * session failed. */
-static bool accept_record(struct aoqd_session *s, const struct aoq_rec *r)
+/* Turns a valid record into a job of chunks for the pool.  0, or -errno
+ * with err filled. */
+static int accept_record(struct aoqd_session *s, const struct aoq_rec *r, struct aoqd_error *err)
 {
-	struct aoqd_tensor *t = &s->tensors[r->tensor];
-	enum job_phase phase = (r->flags & AOQ_REC_ACCUMULATE) ? PHASE_ACCUMULATE : s->defer ? PHASE_NORM : PHASE_UPDATE;
+	struct aoqd_tensor *t = &s->st.tensors[r->tensor];
+	enum job_phase phase = (r->flags & AOQ_REC_ACCUMULATE) ? PHASE_ACCUMULATE : s->st.defer ? PHASE_NORM : PHASE_UPDATE;
 	bool acc_first = false, use_acc = false, opens_step = false, ends_tensor = false;
 	if (phase == PHASE_ACCUMULATE) {
-		if (!t->acc) {
-			void *p = mmap(NULL, t->numel * sizeof(float), PROT_READ | PROT_WRITE,
-			               MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-			if (p == MAP_FAILED) {
-				FAIL(s, NO_MEMORY, "tensor %u: no memory for the gradient accumulator", r->tensor);
-				return false;
-			}
-			t->acc = p;
-			s->state_bytes += t->numel * sizeof(float);
-		}
+		if (aoqd_state_acc(&s->st, t) < 0)
+			return AOQD_FAIL(err, NO_MEMORY, "tensor %u: no memory for the gradient accumulator", r->tensor);
 		if (t->acc_step != r->step) {
 			t->acc_step = r->step;
 			acc_first = true;
@@ -310,39 +295,36 @@ static bool accept_record(struct aoqd_session *s, const struct aoq_rec *r)
 			opens_step = true;
 		}
 		t->done_elems += r->count;
-		if (t->done_elems > t->numel) {
-			FAIL(s, BAD_RECORD, "tensor %u: more than one final gradient in step %" PRIu64, r->tensor, r->step);
-			return false;
-		}
+		if (t->done_elems > t->numel)
+			return AOQD_FAIL(err, BAD_RECORD, "tensor %u: more than one final gradient in step %" PRIu64,
+			                 r->tensor, r->step);
 		ends_tensor = t->done_elems == t->numel;
 	}
 	uint64_t ce = chunk_elems(s, r->count);
 	uint32_t n = (uint32_t)((r->count + ce - 1) / ce);
 	struct aoqd_job *j = calloc(1, sizeof(*j) + (size_t)n * sizeof(struct chunk));
-	if (!j) {
-		FAIL(s, NO_MEMORY, "out of memory");
-		return false;
-	}
+	if (!j)
+		return AOQD_FAIL(err, NO_MEMORY, "out of memory");
 	j->s = s;
 	j->t = t;
 	j->rec = *r;
-	j->hp = s->groups[t->group].hp;
+	j->hp = s->st.groups[t->group].hp;
 	j->hp.step = t->steps;
 	j->phase = phase;
 	j->acc_first = acc_first;
 	j->use_acc = use_acc;
 	j->opens_step = opens_step;
 	j->ends_tensor = ends_tensor;
-	const struct aoq_arena_slot *sl = &s->slots[s->window ? r->slot : r->tensor];
-	uint64_t first = s->window ? 0 : r->offset;
+	const struct aoq_arena_slot *sl = &s->arena.slots[s->st.window ? r->slot : r->tensor];
+	uint64_t first = s->st.window ? 0 : r->offset;
 	uint64_t param_off = sl->param_off;
-	if (s->delayed && (r->step & 1))
+	if (s->st.delayed && (r->step & 1))
 		param_off += aoq_align_up(sl->param_bytes, AOQ_ARENA_ALIGN);
-	j->grad = s->arena + sl->grad_off + first * aoqk_dtype_size(t->grad_dtype);
-	j->param = s->arena + param_off + first * aoqk_dtype_size(t->param_dtype);
-	j->seed = s->seed; /* the kernel mixes in the tensor's step: a restored session continues alike */
+	j->grad = s->arena.base + sl->grad_off + first * aoqk_dtype_size(t->grad_dtype);
+	j->param = s->arena.base + param_off + first * aoqk_dtype_size(t->param_dtype);
+	j->seed = s->st.seed; /* the kernel mixes in the tensor's step: a restored session continues alike */
 	j->t0 = aoqd_now_ns();
-	j->arrival = s->arrivals++;
+	j->arrival = s->steps.arrivals++;
 	j->nchunks = n;
 	for (uint32_t i = 0; i < n; i++) {
 		struct chunk *c = &j->chunks[i];
@@ -352,13 +334,13 @@ static bool accept_record(struct aoqd_session *s, const struct aoq_rec *r)
 	}
 	unsigned p = r->step & 1;
 	aoqd_session_ref(s);
-	atomic_fetch_add(&s->outstanding, 1);
-	atomic_fetch_add(&s->inflight[p], 1);
+	atomic_fetch_add(&s->steps.outstanding, 1);
+	atomic_fetch_add(&s->steps.inflight[p], 1);
 	if (phase == PHASE_NORM)
-		atomic_fetch_add(&s->norming[p], 1);
-	s->accepted[p]++;
+		atomic_fetch_add(&s->steps.norming[p], 1);
+	s->steps.accepted[p]++;
 	job_submit(j);
-	return true;
+	return 0;
 }
 
 /*
@@ -367,45 +349,46 @@ static bool accept_record(struct aoqd_session *s, const struct aoq_rec *r)
  * step until StepEnd arrives, and when the answers could overflow the
  * to-client ring until the client frees space.
  */
-void aoqd_drain(struct aoqd_session *s)
+int aoqd_drain(struct aoqd_session *s, struct aoqd_error *err)
 {
 	char why[256];
-	s->space_wait = false;
-	while (s->state == AOQD_READY && !s->held) {
+	s->steps.space_wait = false;
+	while (s->state == AOQD_READY && !s->steps.held) {
 		struct aoq_rec rec;
-		int r = aoq_ring_peek(&s->to_daemon, &rec);
+		int r = aoq_ring_peek(&s->arena.to_daemon, &rec);
 		if (r < 0)
-			{ FAIL(s, BAD_RECORD, "the to-daemon ring's head counter is corrupt"); return; }
+			return AOQD_FAIL(err, BAD_RECORD, "the to-daemon ring's head counter is corrupt");
 		if (r == 0) {
-			if (aoq_ring_idle(&s->to_daemon))
-				return;
+			if (aoq_ring_idle(&s->arena.to_daemon))
+				return 0;
 			continue;
 		}
-		if (rec.step == s->next_step + 1 && s->next_step + 1 > s->next_step) {
-			s->held = true; /* until StepEnd(next_step) */
-			return;
+		if (rec.step == s->steps.next_step + 1 && s->steps.next_step + 1 > s->steps.next_step) {
+			s->steps.held = true; /* until StepEnd(next_step) */
+			return 0;
 		}
 		if (!rec_valid(s, &rec, why, sizeof(why)))
-			{ FAIL(s, BAD_RECORD, "%s", why); return; }
+			return AOQD_FAIL(err, BAD_RECORD, "%s", why);
 		/* Every accepted record is answered: keep room for all of them. */
-		pthread_mutex_lock(&s->ring_lock);
-		int64_t space = aoq_ring_space(&s->to_client);
-		bool room = space > (int64_t)atomic_load(&s->outstanding);
-		if (space >= 0 && !room && aoq_ring_wait_space(&s->to_client, atomic_load(&s->outstanding) + 1))
+		pthread_mutex_lock(&s->arena.ring_lock);
+		int64_t space = aoq_ring_space(&s->arena.to_client);
+		bool room = space > (int64_t)atomic_load(&s->steps.outstanding);
+		if (space >= 0 && !room && aoq_ring_wait_space(&s->arena.to_client, atomic_load(&s->steps.outstanding) + 1))
 			room = true;
-		pthread_mutex_unlock(&s->ring_lock);
+		pthread_mutex_unlock(&s->arena.ring_lock);
 		if (space < 0)
-			{ FAIL(s, BAD_RECORD, "the to-client ring's tail counter is corrupt"); return; }
+			return AOQD_FAIL(err, BAD_RECORD, "the to-client ring's tail counter is corrupt");
 		if (!room) {
-			s->space_wait = true;
-			return;
+			s->steps.space_wait = true;
+			return 0;
 		}
-		aoq_ring_pop(&s->to_daemon);
-		if (aoq_ring_producer_waiting(&s->to_daemon))
-			aoqd_ring_doorbell(s->doorbell_out);
-		if (!accept_record(s, &rec))
-			return;
+		aoq_ring_pop(&s->arena.to_daemon);
+		if (aoq_ring_producer_waiting(&s->arena.to_daemon))
+			aoqd_arena_ring(&s->arena);
+		if ((r = accept_record(s, &rec, err)) < 0)
+			return r;
 	}
+	return 0;
 }
 
 /*
@@ -415,26 +398,26 @@ void aoqd_drain(struct aoqd_session *s)
  */
 bool aoqd_release_step(struct aoqd_session *s)
 {
-	unsigned p = s->ending_step & 1;
-	if (!s->defer || !s->step_end_pending || s->released[p] || s->space_wait ||
-	    atomic_load(&s->norming[p]) != 0)
+	unsigned p = s->steps.ending_step & 1;
+	if (!s->st.defer || !s->steps.end_pending || s->steps.released[p] || s->steps.space_wait ||
+	    atomic_load(&s->steps.norming[p]) != 0)
 		return false;
-	pthread_mutex_lock(&s->step_lock);
-	struct aoqd_job *list = s->deferred[p];
-	s->deferred[p] = NULL;
-	double norm = sqrt(s->sumsq[p]);
-	bool skip = s->skip_nonfinite && s->nonfinite[p];
-	pthread_mutex_unlock(&s->step_lock);
+	pthread_mutex_lock(&s->steps.lock);
+	struct aoqd_job *list = s->steps.deferred[p];
+	s->steps.deferred[p] = NULL;
+	double norm = sqrt(s->steps.sumsq[p]);
+	bool skip = s->st.skip_nonfinite && s->steps.nonfinite[p];
+	pthread_mutex_unlock(&s->steps.lock);
 	double scale = 1.0;
-	if (s->max_grad_norm > 0 && norm > 0) {
+	if (s->st.max_grad_norm > 0 && norm > 0) {
 		/* torch.nn.utils.clip_grad_norm_: coef = max / (norm + 1e-6), at most 1 */
-		double coef = s->max_grad_norm / (norm + 1e-6);
+		double coef = s->st.max_grad_norm / (norm + 1e-6);
 		if (coef < 1.0)
 			scale = coef;
 	}
-	s->released[p] = true;
-	s->clip_scale[p] = scale;
-	s->skipped[p] = skip;
+	s->steps.released[p] = true;
+	s->steps.clip_scale[p] = scale;
+	s->steps.skipped[p] = skip;
 	while (list) {
 		struct aoqd_job *j = list;
 		list = j->next;
@@ -456,15 +439,15 @@ bool aoqd_release_step(struct aoqd_session *s)
 void aoqd_drop_deferred(struct aoqd_session *s)
 {
 	for (unsigned p = 0; p < 2; p++) {
-		pthread_mutex_lock(&s->step_lock);
-		struct aoqd_job *list = s->deferred[p];
-		s->deferred[p] = NULL;
-		pthread_mutex_unlock(&s->step_lock);
+		pthread_mutex_lock(&s->steps.lock);
+		struct aoqd_job *list = s->steps.deferred[p];
+		s->steps.deferred[p] = NULL;
+		pthread_mutex_unlock(&s->steps.lock);
 		while (list) {
 			struct aoqd_job *j = list;
 			list = j->next;
-			atomic_fetch_sub(&s->outstanding, 1);
-			atomic_fetch_sub(&s->inflight[p], 1);
+			atomic_fetch_sub(&s->steps.outstanding, 1);
+			atomic_fetch_sub(&s->steps.inflight[p], 1);
 			free(j);
 			aoqd_session_unref(s);
 		}

@@ -1,14 +1,18 @@
 /* SPDX-License-Identifier: MIT */
 /* aoqd: the command line over the daemon library. */
+#include <errno.h>
 #include <getopt.h>
+#include <limits.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
 #include "aoq-config.h"
-#include "aoqd.h"
+#include "config.h"
+#include "server.h"
 #include "log.h"
 #include "wire.h"
 
@@ -17,62 +21,127 @@ static void usage(FILE *f)
 	fprintf(f,
 	        "usage: aoqd [options]\n"
 	        "  --socket PATH       listen on PATH (default $XDG_RUNTIME_DIR/aoq/aoqd.sock,\n"
-	        "                      or a socket passed by systemd)\n"
-	        "  --listen-fd N       use the listening socket on fd N\n"
-	        "  --threads N         worker threads (default: all cores but one)\n"
+	        "                      or a socket passed by systemd); at most 107 bytes\n"
+	        "  --listen-fd N       use the listening Unix socket on fd N\n"
+	        "  --threads N         worker threads, 0..1024 (default 0 = all cores but one)\n"
 	        "  --kernel NAME       auto|scalar|avx2|avx512|avx512bf16 (or $AOQ_KERNEL)\n"
 	        "  --lock-memory M     yes|try|no: mlock the optimizer state (default try)\n"
-	        "  --config FILE       read key = value settings (see deploy/aoqd.conf)\n"
+	        "  --config FILE       read key = value settings (see aoqd.conf(5));\n"
+	        "                      flags given on the command line win\n"
 	        "  --log-level L       error|warn|info|debug\n"
-	        "  --version, --help\n");
+	        "  --check-config      check the settings, print the effective ones, exit\n"
+	        "  -h, --help          this text\n"
+	        "  -V, --version       the version\n"
+	        "Options take their value as '--opt VALUE' or '--opt=VALUE'.\n");
+}
+
+static int usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int usage_error(const char *fmt, ...)
+{
+	va_list ap;
+	fputs("aoqd: ", stderr);
+	va_start(ap, fmt);
+	vfprintf(stderr, fmt, ap);
+	va_end(ap);
+	fputs("\nTry 'aoqd --help'.\n", stderr);
+	return 2;
+}
+
+enum { O_SOCKET = 256, O_LISTEN_FD, O_THREADS, O_KERNEL, O_LOCK, O_CONFIG, O_LOG, O_CHECK };
+
+static const struct option opts[] = {
+	{ "socket", required_argument, NULL, O_SOCKET },
+	{ "listen-fd", required_argument, NULL, O_LISTEN_FD },
+	{ "threads", required_argument, NULL, O_THREADS },
+	{ "kernel", required_argument, NULL, O_KERNEL },
+	{ "lock-memory", required_argument, NULL, O_LOCK },
+	{ "config", required_argument, NULL, O_CONFIG },
+	{ "log-level", required_argument, NULL, O_LOG },
+	{ "check-config", no_argument, NULL, O_CHECK },
+	{ "version", no_argument, NULL, 'V' },
+	{ "help", no_argument, NULL, 'h' },
+	{ 0 },
+};
+
+/* The config key behind a flag (NULL: not a setting). */
+static const char *flag_key(int c)
+{
+	switch (c) {
+	case O_SOCKET: return "socket";
+	case O_THREADS: return "threads";
+	case O_KERNEL: return "kernel";
+	case O_LOCK: return "lock_memory";
+	case O_LOG: return "log_level";
+	default: return NULL;
+	}
+}
+
+static const char *flag_name(int c)
+{
+	for (const struct option *o = opts; o->name; o++)
+		if (o->val == c)
+			return o->name;
+	return "?";
 }
 
 int main(int argc, char **argv)
 {
-	static const struct option opts[] = {
-		{ "socket", required_argument, NULL, 's' },
-		{ "listen-fd", required_argument, NULL, 'f' },
-		{ "threads", required_argument, NULL, 't' },
-		{ "kernel", required_argument, NULL, 'k' },
-		{ "lock-memory", required_argument, NULL, 'l' },
-		{ "config", required_argument, NULL, 'c' },
-		{ "log-level", required_argument, NULL, 'L' },
-		{ "version", no_argument, NULL, 'V' },
-		{ "help", no_argument, NULL, 'h' },
-		{ 0 },
-	};
 	struct aoqd_config cfg;
 	aoqd_config_defaults(&cfg);
-	const char *env_kernel = getenv("AOQ_KERNEL");
-	if (env_kernel && *env_kernel)
-		cfg.kernel = env_kernel;
+	const char *config_path = NULL;
+	bool check = false;
+	char err[256];
 	int c;
-	/* A config file first, so the command line wins. */
-	for (int i = 1; i < argc - 1; i++)
-		if (strcmp(argv[i], "--config") == 0 && aoqd_config_load(&cfg, argv[i + 1]) < 0)
-			return 2;
-	while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+
+	/* Pass 1: the syntax of every flag, --config, --help, --version.  The
+	 * config file is read before the other flags are applied, so the
+	 * command line wins whatever the order. */
+	opterr = 0;
+	while ((c = getopt_long(argc, argv, ":hV", opts, NULL)) != -1) {
 		switch (c) {
-		case 's': cfg.socket_path = optarg; break;
-		case 'f': cfg.listen_fd = atoi(optarg); break;
-		case 't': cfg.threads = (unsigned)atoi(optarg); break;
-		case 'k': cfg.kernel = optarg; break;
-		case 'l':
-			cfg.lock_memory = strcmp(optarg, "no") == 0 ? 0 : strcmp(optarg, "yes") == 0 ? 2 : 1;
+		case O_CONFIG:
+			if (config_path)
+				return usage_error("--config: given twice");
+			config_path = optarg;
 			break;
-		case 'c': break;
-		case 'L':
-			if (aoqd_log_parse_level(optarg) < 0) {
-				usage(stderr);
-				return 2;
-			}
-			aoqd_log_level = (enum aoqd_log_level)aoqd_log_parse_level(optarg);
-			break;
+		case O_CHECK: check = true; break;
 		case 'V': printf("aoqd %s\n", AOQ_VERSION); return 0;
 		case 'h': usage(stdout); return 0;
-		default: usage(stderr); return 2;
+		case ':': return usage_error("option '%s' needs a value", argv[optind - 1]);
+		case '?':
+			if (optopt)
+				return usage_error("unknown option '-%c'", optopt);
+			return usage_error("unknown option '%s'", argv[optind - 1]);
+		default: break;
 		}
 	}
+	if (optind < argc)
+		return usage_error("unexpected argument '%s' (aoqd takes no positional arguments)", argv[optind]);
+
+	const char *env_kernel = getenv("AOQ_KERNEL");
+	if (env_kernel && *env_kernel && aoqd_config_set(&cfg, "kernel", env_kernel, err, sizeof(err)) < 0) {
+		fprintf(stderr, "aoqd: AOQ_KERNEL: %s\n", err);
+		return 2;
+	}
+	if (config_path && aoqd_config_load(&cfg, config_path) < 0)
+		return 2;
+
+	/* Pass 2: apply the flags. */
+	optind = 0;
+	while ((c = getopt_long(argc, argv, ":hV", opts, NULL)) != -1) {
+		const char *key = flag_key(c);
+		if (key) {
+			if (aoqd_config_set(&cfg, key, optarg, err, sizeof(err)) < 0)
+				return usage_error("--%s: %s", flag_name(c), err);
+		} else if (c == O_LISTEN_FD) {
+			uint64_t fd;
+			int r = aoqd_parse_u64(optarg, 0, &fd);
+			if (r < 0 || fd > INT_MAX)
+				return usage_error("--listen-fd: '%s' is not a file descriptor number (0..%d)", optarg, INT_MAX);
+			cfg.listen_fd = (int)fd;
+		}
+	}
+
 	char path[108];
 	if (!cfg.socket_path && cfg.listen_fd < 0) {
 		/* By hand: the per-user default (a client tries /run/aoq first). */
@@ -80,11 +149,22 @@ int main(int argc, char **argv)
 		int n = xdg && *xdg ? snprintf(path, sizeof(path), "%s/aoq/aoqd.sock", xdg)
 		                    : snprintf(path, sizeof(path), "/tmp/aoq-%u/aoqd.sock", (unsigned)getuid());
 		if (n < 0 || (size_t)n >= sizeof(path)) {
-			aoqd_err("main", "socket path too long");
+			fprintf(stderr, "aoqd: the default socket path under $XDG_RUNTIME_DIR is longer than %zu bytes; "
+			        "give --socket\n", sizeof(path) - 1);
 			return 2;
 		}
 		cfg.socket_path = path;
 	}
+	if (aoqd_config_check(&cfg, err, sizeof(err)) < 0) {
+		fprintf(stderr, "aoqd: %s\n", err);
+		return 2;
+	}
+	if (check) {
+		aoqd_config_print(&cfg, stdout);
+		fprintf(stderr, "aoqd: configuration ok\n");
+		return fflush(stdout) == 0 ? 0 : 1;
+	}
+
 	signal(SIGPIPE, SIG_IGN);
 	uv_loop_t loop;
 	uv_loop_init(&loop);

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: MIT
 # Installs what building and testing aoq needs on Debian 12 (run as root, or
-# as a user with sudo).  Used by .ci/run and deploy/quickstart.sh.
+# as a user with sudo).  Used by .ci/run and deploy/quickstart.sh.  torch is
+# not here (not a Debian package): .ci/run adds a venv with it
+# (deploy/python-venv.sh; python3-venv below makes the venv).
 # CUDA is not a Debian package: the CUDA code is built when a toolkit is
 # found at /usr/local/cuda (meson option -Dcudatoolkit=DIR).
 set -euo pipefail
@@ -9,8 +11,8 @@ set -euo pipefail
 packages=(
 	meson ninja-build pkg-config gcc
 	libuv1-dev libprotobuf-c-dev protobuf-c-compiler
-	libsystemd-dev libze-dev
-	valgrind python3 python3-numpy
+	libsystemd-dev libze-dev libjson-c-dev
+	valgrind python3 python3-numpy python3-venv python3-prometheus-client
 )
 
 sudo=()

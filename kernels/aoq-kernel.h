@@ -88,6 +88,14 @@ struct aoqk_hparams {
 	bool decoupled;   /* true: AdamW (decoupled decay); false: Adam (L2 into grad) */
 	uint64_t step;    /* this tensor's step, 1-based, for bias correction */
 	float grad_scale; /* every gradient is multiplied by this (unscale, clip); 1 = none */
+	/* SGD only (torch.optim.SGD's arguments; 0 and false when unused).
+	 * Adam and Lion ignore them, and SGD and Lion ignore `decoupled`
+	 * and `eps` (SGD's weight decay is always L2 into the gradient,
+	 * Lion's always decoupled).  step == 1 is SGD's first step: the
+	 * momentum buffer is set to the gradient (kernels/README.md). */
+	double momentum;
+	double dampening;
+	bool nesterov; /* needs momentum > 0 and dampening == 0, else -EINVAL */
 };
 
 /*
@@ -134,6 +142,16 @@ struct aoqk_kernel {
 	/* Update one chunk.  Returns 0, or -EINVAL for arguments that violate
 	 * the contract above (the daemon validates before calling). */
 	int (*adam)(const struct aoqk_hparams *hp, const struct aoqk_state *st,
+	            const struct aoqk_chunk *c, struct aoqk_report *rep);
+	/* SGD (momentum, dampening, nesterov, L2 weight decay) and Lion, with
+	 * the same chunk, dtype, report and skip conventions.  State: master and
+	 * one moment in st->m (the momentum buffer; Lion's m); st->v and the q8
+	 * scales are never touched and may be NULL, and so may st->m for SGD
+	 * with momentum 0.  Precisions FP32, BF16 and BF16_ALL (bf16 m); Q8 and
+	 * BF16_Q8 return -EINVAL (kernels/README.md, "SGD and Lion"). */
+	int (*sgd)(const struct aoqk_hparams *hp, const struct aoqk_state *st,
+	           const struct aoqk_chunk *c, struct aoqk_report *rep);
+	int (*lion)(const struct aoqk_hparams *hp, const struct aoqk_state *st,
 	            const struct aoqk_chunk *c, struct aoqk_report *rep);
 	/* acc[i] += grad[i] * scale for i < n (non-final micro-batch). */
 	void (*accumulate)(float *acc, const void *grad, enum aoqk_dtype grad_dtype,

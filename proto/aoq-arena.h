@@ -42,6 +42,10 @@
  * multiple of the q8 block), so the daemon updates the first piece while
  * the rest is still being copied; the rings are sized for it. */
 #define AOQ_PUSH_CHUNK_ELEMS (1u << 20)
+/* The most records a ring holds (the daemon sizes rings within it). */
+#define AOQ_RING_MAX_CAP (1u << 20)
+/* The most elements a window slot holds (bounds slot_elems * 4). */
+#define AOQ_SLOT_MAX_ELEMS (1ull << 40)
 
 struct aoq_arena_header {
 	uint32_t magic;
@@ -139,6 +143,48 @@ static inline bool aoq_range_ok(uint64_t off, uint64_t len, uint64_t limit)
 {
 	uint64_t end;
 	return !__builtin_add_overflow(off, len, &end) && end <= limit;
+}
+
+/*
+ * The arena's layout rules, one definition for every side: the daemon
+ * checks the layout it built, the client and the test harness the layout
+ * they mapped (map_size bytes).  h is the reader's private copy of the
+ * header.  0, or -EPROTO when the layout breaks a rule.
+ */
+static inline int aoq_arena_header_check(const struct aoq_arena_header *h, uint64_t map_size)
+{
+	if (h->magic != AOQ_ARENA_MAGIC || h->version != AOQ_ARENA_VERSION || h->size != map_size ||
+	    h->size < sizeof(struct aoq_arena_header) || h->rec_size != sizeof(struct aoq_rec) ||
+	    h->ring_capacity == 0 || h->ring_capacity > AOQ_RING_MAX_CAP)
+		return -EPROTO;
+	uint64_t ring_bytes = sizeof(struct aoq_ring) + (uint64_t)h->ring_capacity * sizeof(struct aoq_rec);
+	uint64_t tt_bytes = (uint64_t)h->tensors * sizeof(struct aoq_arena_tensor);
+	uint64_t st_bytes = (uint64_t)h->slots * sizeof(struct aoq_arena_slot);
+	if (!aoq_range_ok(h->tensor_table_off, tt_bytes, h->size) ||
+	    !aoq_range_ok(h->slot_table_off, st_bytes, h->size) ||
+	    !aoq_range_ok(h->to_daemon_off, ring_bytes, h->size) ||
+	    !aoq_range_ok(h->to_client_off, ring_bytes, h->size) ||
+	    !aoq_range_ok(h->xfer_off, h->xfer_bytes, h->size) || h->xfer_bytes < 4 ||
+	    h->to_daemon_off % 64 || h->to_client_off % 64 || h->tensor_table_off % 8 || h->slot_table_off % 8)
+		return -EPROTO;
+	if ((h->window == 0 && h->slots != h->tensors) ||
+	    (h->window && (h->slots == 0 || h->slot_elems == 0 || h->slot_elems > AOQ_SLOT_MAX_ELEMS)))
+		return -EPROTO;
+	return 0;
+}
+
+/* One slot (the reader's copy) of a checked header: its areas lie in the
+ * arena, the delayed update's second param buffer included, and hold at
+ * least grad_need and param_need bytes. */
+static inline int aoq_arena_slot_check(const struct aoq_arena_header *h, const struct aoq_arena_slot *s,
+                                       uint64_t grad_need, uint64_t param_need)
+{
+	uint64_t pbuf = (h->flags & AOQ_ARENA_DELAYED) ? aoq_align_up(s->param_bytes, AOQ_ARENA_ALIGN) : 0;
+	if (s->grad_bytes < grad_need || s->param_bytes < param_need ||
+	    !aoq_range_ok(s->grad_off, s->grad_bytes, h->size) ||
+	    !aoq_range_ok(s->param_off, pbuf + s->param_bytes, h->size))
+		return -EPROTO;
+	return 0;
 }
 
 /* The producer's side of a ring.  `head` is private: the shared head is

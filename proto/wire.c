@@ -271,3 +271,18 @@ int aoq_socket_connect(const char *path)
 {
 	return aoq_socket_connect_timeout(path, 0);
 }
+
+void *aoq_grow(void *p, uint32_t *cap, uint32_t need, size_t elem)
+{
+	if (need <= *cap)
+		return p;
+	uint32_t n = *cap ? *cap : 16;
+	while (n < need)
+		n = n > UINT32_MAX / 2 ? need : n * 2;
+	void *q = realloc(p, (size_t)n * elem);
+	if (!q)
+		return NULL;
+	memset((char *)q + (size_t)*cap * elem, 0, (size_t)(n - *cap) * elem);
+	*cap = n;
+	return q;
+}

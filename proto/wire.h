@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* Frames on the control socket: a 4-byte little-endian length, then one
- * protobuf Envelope of at most AOQ_MAX_FRAME bytes. */
+ * protobuf Envelope of at most AOQ_MAX_FRAME bytes; and the helpers the
+ * daemon and libaoq share. */
 #ifndef AOQ_WIRE_H
 #define AOQ_WIRE_H
 
@@ -52,5 +53,9 @@ int aoq_socket_connect(const char *path);
  * every later send and receive of the socket (SO_SNDTIMEO, SO_RCVTIMEO): a
  * call past it fails with -EAGAIN (-ETIMEDOUT for the connect). */
 int aoq_socket_connect_timeout(const char *path, uint32_t timeout_ms);
+
+/* Grows an array of elem-sized entries to hold need (new entries zeroed),
+ * doubling from 16; NULL when out of memory (the array is unchanged). */
+void *aoq_grow(void *p, uint32_t *cap, uint32_t need, size_t elem);
 
 #endif

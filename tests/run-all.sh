@@ -19,6 +19,11 @@
 # Environment:
 #   AOQ_PHASES   which phases to run (default "main asan valgrind minimal")
 #   AOQ_WERROR   1 (default): warnings are errors in build and build-minimal
+#   AOQ_PYTHON   the interpreter of the python suite (meson -Dpython=); default
+#                $AOQ_VENV/bin/python (AOQ_VENV: /opt/aoq-venv, the venv with
+#                torch that deploy/python-venv.sh makes) when it exists, else
+#                Debian's python3 (test_torch.py then skips, or fails when CI
+#                is set: CI must run the torch tests)
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -100,11 +105,20 @@ if [[ $werror == 1 ]]; then
 	werror_arg=(-Dwerror=true)
 fi
 
+python=${AOQ_PYTHON:-}
+if [[ -z $python && -x ${AOQ_VENV:-/opt/aoq-venv}/bin/python ]]; then
+	python=${AOQ_VENV:-/opt/aoq-venv}/bin/python
+fi
+# -Dpython= (empty) resets a value an earlier run configured.
+python_arg=(-Dpython="$python")
+echo "run-all.sh: python suite interpreter: ${python:-/usr/bin/python3 (no torch venv)}"
+
 # 0: not built yet, 1: built, 2: its build failed (counted once).
 main_state=0
 build_main() {
 	if ((main_state == 0)); then
-		if build main build -Dcuda=auto -Dlevel_zero=auto -Dsystemd=auto "${werror_arg[@]}"; then
+		if build main build -Dcuda=auto -Dlevel_zero=auto -Dsystemd=auto "${werror_arg[@]}" \
+			"${python_arg[@]}"; then
 			main_state=1
 		else
 			main_state=2
@@ -137,7 +151,7 @@ for phase in $phases; do
 		;;
 	minimal)
 		if build minimal build-minimal -Dcuda=disabled -Dlevel_zero=disabled \
-			-Dsystemd=disabled "${werror_arg[@]}"; then
+			-Dsystemd=disabled "${werror_arg[@]}" "${python_arg[@]}"; then
 			run_tests minimal build-minimal
 		fi
 		;;

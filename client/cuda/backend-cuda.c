@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The CUDA backend of libaoq ("cuda:N"; DESIGN §3, §4, §7; issue 4).
+ * The CUDA backend of libaoq ("cuda:N"; docs/design.md, Data plane, The path
+ * of one gradient, Client backends).
  *
  * - The arena is pinned in place with cudaHostRegister at its exact size:
  *   DMA goes straight between device tensors and the shared memory the

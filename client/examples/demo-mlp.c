@@ -28,6 +28,7 @@
 #include <inttypes.h>
 #include <math.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -402,9 +403,12 @@ struct config {
 	bool bf16;
 };
 
+/* libaoq's message already names the cause (and the errno text when it
+ * matters); the errno text is added only when the library gave none. */
 static int fail(const char *what, int r)
 {
-	fprintf(stderr, "aoq-demo: %s: %s (%s)\n", what, aoq_last_error(), strerror(-r));
+	const char *msg = aoq_last_error();
+	fprintf(stderr, "aoq-demo: %s: %s\n", what, msg && *msg ? msg : strerror(-r));
 	return -1;
 }
 
@@ -447,10 +451,14 @@ static int train(const struct config *cfg)
 	r = aoq_connect(&c, &o);
 	if (r < 0) {
 		dev_close(&dv);
-		return fail("cannot connect to aoqd", r);
+		/* a device error or a connection error: the message says which */
+		char what[128];
+		snprintf(what, sizeof(what), "starting a session on %s", cfg->device);
+		return fail(what, r);
 	}
 
 	struct aoq_group grp = {
+		.size = sizeof(struct aoq_group),
 		.kind = AOQ_ADAMW, .lr = cfg->lr, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
 		.weight_decay = 1e-2,
 	};
@@ -461,6 +469,7 @@ static int train(const struct config *cfg)
 	}
 	for (int t = 0; t < N_TENSORS; t++) {
 		struct aoq_tensor desc = {
+			.size = sizeof(struct aoq_tensor),
 			.name = tensor_name[t],
 			.numel = tensor_numel[t],
 			.group = (uint32_t)gi,
@@ -543,7 +552,7 @@ static int train(const struct config *cfg)
 			fail("aoq_step_end", r);
 			goto out;
 		}
-		struct aoq_step_result res;
+		struct aoq_step_result res = AOQ_STEP_RESULT_INIT;
 		r = aoq_sync(c, &res);
 		if (r < 0) {
 			fail("aoq_sync", r);
@@ -590,6 +599,18 @@ static const char usage_text[] =
 	"  --spawn-daemon PATH   start the aoqd at PATH on a private socket for this run\n"
 	"  --help                this text\n";
 
+static int usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int usage_error(const char *fmt, ...)
+{
+	va_list ap;
+	fputs("aoq-demo: ", stderr);
+	va_start(ap, fmt);
+	vfprintf(stderr, fmt, ap);
+	va_end(ap);
+	fputs(" (see aoq-demo --help)\n", stderr);
+	return 2;
+}
+
 static bool parse_long(const char *s, long lo, long hi, long *out)
 {
 	char *end;
@@ -627,7 +648,8 @@ int main(int argc, char **argv)
 	char *end;
 	int c;
 
-	while ((c = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
+	opterr = 0;
+	while ((c = getopt_long(argc, argv, ":", longopts, NULL)) != -1) {
 		switch (c) {
 		case O_SOCKET: cfg.socket = optarg; break;
 		case O_DEVICE: cfg.device = optarg; break;
@@ -637,25 +659,27 @@ int main(int argc, char **argv)
 		case O_HELP: fputs(usage_text, stdout); return 0;
 		case O_STEPS:
 			if (!parse_long(optarg, 1, 10000000, &cfg.steps))
-				goto usage;
+				return usage_error("--steps: '%s' is not a whole number in 1..10000000", optarg);
 			break;
 		case O_RANK:
 			if (!parse_long(optarg, 0, UINT32_MAX, &v))
-				goto usage;
+				return usage_error("--rank: '%s' is not a whole number in 0..%" PRIu32, optarg, UINT32_MAX);
 			cfg.rank = (uint32_t)v;
 			break;
 		case O_LR:
 			errno = 0;
 			cfg.lr = strtod(optarg, &end);
 			if (errno || end == optarg || *end || !(cfg.lr > 0) || !isfinite(cfg.lr))
-				goto usage;
+				return usage_error("--lr: '%s' is not a positive number", optarg);
 			break;
+		case ':':
+			return usage_error("option '%s' needs a value", argv[optind - 1]);
 		default:
-			goto usage;
+			return usage_error("unknown option '%s'", argv[optind - 1]);
 		}
 	}
 	if (optind != argc)
-		goto usage;
+		return usage_error("unexpected argument '%s'", argv[optind]);
 	if (!cfg.device) {
 		cfg.device = "cpu";
 #if AOQ_DEMO_CUDA
@@ -677,8 +701,4 @@ int main(int argc, char **argv)
 	if (spawn && stop_daemon(&sp) < 0)
 		r = -1;
 	return r == 0 ? 0 : 1;
-
-usage:
-	fprintf(stderr, "aoq-demo: bad arguments (see aoq-demo --help)\n");
-	return 2;
 }

@@ -11,9 +11,12 @@
  * in the same run with the same threads (STREAM-like copy and triad, plain
  * and non-temporal stores); and, for the headline job (fp32 state, bf16 in,
  * bf16 out), variants that drop a stage: memory traffic only, compute only
- * (cache-resident chunk), and the non-finite pre-scan.
+ * (cache-resident chunk), and the non-finite pre-scan.  SGD (momentum 0.9)
+ * and Lion rows follow Adam's for every variant, fp32, bf16 and all-bf16
+ * state, bf16 in and out; their names start with the variant, then "sgd_"
+ * or "lion_".
  *
- * GB/s counts the bytes the job must move (DESIGN.md §6: 28 B/param for fp32
+ * GB/s counts the bytes the job must move (kernels/README.md: 28 B/param for fp32
  * state with bf16 grad and param), not what the hardware moved (e.g. the
  * read-for-ownership of plain stores).  The last lines are
  *   RESULT <name> gparams_per_s=<x> gbps=<y> ratio_to_triad=<z>
@@ -23,6 +26,7 @@
 #define _GNU_SOURCE
 #endif
 #include <errno.h>
+#include <getopt.h>
 #include <immintrin.h>
 #include <inttypes.h>
 #include <pthread.h>
@@ -130,7 +134,7 @@ static double timed(void (*fn)(int), void (*before)(void))
 
 static float *master32, *m32, *v32, *ms, *vs;
 static void *grad, *param;
-static uint16_t *master16;
+static uint16_t *master16, *m16;
 static int8_t *mq;
 static uint8_t *vq;
 
@@ -192,6 +196,7 @@ static void init_job(int tid)
 		v32[i] = r * r * 1e-6f + 1e-12f;
 		((float *)param)[i] = 0.0f;
 		master16[i] = (uint16_t)(aoqk_f2u(r) >> 16);
+		m16[i] = (uint16_t)(aoqk_f2u(r * 1e-3f) >> 16);
 		mq[i] = (int8_t)(x >> 25);
 		vq[i] = (uint8_t)(x >> 8);
 	}
@@ -210,6 +215,15 @@ static enum aoqk_dtype cur_gd, cur_pd;
 static int cur_skip;
 static struct aoqk_hparams cur_hp;
 static size_t cur_chunk;
+enum { OPT_ADAM, OPT_SGD, OPT_LION };
+static int cur_opt;
+
+static void *moment_ptr(enum aoqk_precision p, void *f32, void *q8)
+{
+	if (aoqk_precision_q8(p))
+		return q8;
+	return aoqk_precision_bf16_moments(p) ? (void *)m16 : f32;
+}
 
 static void kernel_job(int tid)
 {
@@ -218,11 +232,15 @@ static void kernel_job(int tid)
 		.precision = cur_prec,
 		.n = N,
 		.master = aoqk_precision_bf16_master(cur_prec) ? (void *)master16 : (void *)master32,
-		.m = aoqk_precision_q8(cur_prec) ? (void *)mq : (void *)m32,
-		.v = aoqk_precision_q8(cur_prec) ? (void *)vq : (void *)v32,
+		.m = moment_ptr(cur_prec, m32, mq),
+		.v = cur_opt != OPT_ADAM ? NULL : moment_ptr(cur_prec, v32, vq),
 		.m_scale = ms,
 		.v_scale = vs,
 	};
+	int (*fn)(const struct aoqk_hparams *, const struct aoqk_state *, const struct aoqk_chunk *,
+	          struct aoqk_report *) = cur_opt == OPT_SGD    ? cur_k->sgd
+	                                  : cur_opt == OPT_LION ? cur_k->lion
+	                                                        : cur_k->adam;
 	size_t gs = aoqk_dtype_size(cur_gd), ps = aoqk_dtype_size(cur_pd);
 	slice(tid, &lo, &hi);
 	for (size_t b = lo; b < hi; b += cur_chunk) {
@@ -238,7 +256,7 @@ static void kernel_job(int tid)
 			.skip_nonfinite = cur_skip,
 		};
 		struct aoqk_report rep;
-		if (cur_k->adam(&cur_hp, &st, &c, &rep) != 0) {
+		if (fn(&cur_hp, &st, &c, &rep) != 0) {
 			fprintf(stderr, "kernel %s refused a chunk\n", cur_k->name);
 			exit(1);
 		}
@@ -412,7 +430,7 @@ static void record(const char *name, double seconds, double elems, double bytes_
 
 static const char *prec_name(enum aoqk_precision p)
 {
-	static const char *n[] = { "fp32", "q8", "bf16", "bf16q8" };
+	static const char *n[] = { "fp32", "q8", "bf16", "bf16q8", "bf16all" };
 	return n[p];
 }
 
@@ -422,11 +440,19 @@ static const char *dt_name(enum aoqk_dtype d)
 	return n[d];
 }
 
+/* Bytes the job must move per parameter: grad in, master and moments read
+ * and written, param out (Adam: m and v; SGD with momentum and Lion: m). */
+static double job_bytes_opt(enum aoqk_precision p, enum aoqk_dtype gd, enum aoqk_dtype pd, int opt)
+{
+	double master = (double)aoqk_master_size(p);
+	double mom = (double)aoqk_moment_size(p);
+	double nmom = opt == OPT_ADAM ? 2 : 1;
+	return (double)aoqk_dtype_size(gd) + 2 * master + 2 * nmom * mom + (double)aoqk_dtype_size(pd);
+}
+
 static double job_bytes(enum aoqk_precision p, enum aoqk_dtype gd, enum aoqk_dtype pd)
 {
-	double master = aoqk_precision_bf16_master(p) ? 2 : 4;
-	double mom = aoqk_precision_q8(p) ? 1 : 4;
-	return (double)aoqk_dtype_size(gd) + 2 * master + 4 * mom + (double)aoqk_dtype_size(pd);
+	return job_bytes_opt(p, gd, pd, OPT_ADAM);
 }
 
 static void bench_kernel(const struct aoqk_kernel *k, enum aoqk_precision p, enum aoqk_dtype gd,
@@ -443,13 +469,20 @@ static void bench_kernel(const struct aoqk_kernel *k, enum aoqk_precision p, enu
 	cur_hp = (struct aoqk_hparams){ .lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
 	                                .weight_decay = 0.01f, .decoupled = true, .step = 1,
 	                                .grad_scale = 1.0f };
+	if (cur_opt == OPT_SGD)
+		cur_hp = (struct aoqk_hparams){ .lr = 1e-2, .momentum = 0.9, .weight_decay = 1e-4,
+		                                .step = 1, .grad_scale = 1.0f };
+	else if (cur_opt == OPT_LION)
+		cur_hp = (struct aoqk_hparams){ .lr = 1e-4, .beta1 = 0.9, .beta2 = 0.99,
+		                                .weight_decay = 0.01, .step = 1, .grad_scale = 1.0f };
 	double t = timed(kernel_job, next_step);
-	snprintf(name, sizeof(name), "%s_%s_%s_%s%s", k->name, prec_name(p), dt_name(gd), dt_name(pd),
-	         suffix);
+	snprintf(name, sizeof(name), "%s_%s%s_%s_%s%s", k->name,
+	         cur_opt == OPT_SGD ? "sgd_" : cur_opt == OPT_LION ? "lion_" : "", prec_name(p),
+	         dt_name(gd), dt_name(pd), suffix);
 	for (char *c = name; *c; c++)
 		if (*c == '-')
 			*c = '_';
-	record(name, t, (double)N, job_bytes(p, gd, pd));
+	record(name, t, (double)N, job_bytes_opt(p, gd, pd, cur_opt));
 }
 
 static int wanted(const char *list, const char *name)
@@ -478,6 +511,30 @@ static void stream_all(const char *tag)
 	}
 }
 
+static const char bench_usage[] =
+	"usage: bench-kernels [-n params] [-t threads] [-r reps] [-c chunk] [-k variant,...]\n"
+	"  -n N       parameters per tensor (default 256Mi)\n"
+	"  -t N       threads, 1..1024 (default: every allowed core)\n"
+	"  -r N       repetitions; the median is reported (default 5)\n"
+	"  -c N       chunk elements (default 32768)\n"
+	"  -k LIST    kernel variants to run, comma separated\n"
+	"  -h, --help this text\n";
+
+/* A decimal or 0x number in [lo, hi]; otherwise names the option and fails. */
+static bool bench_arg(const char *s, const char *opt, unsigned long long lo, unsigned long long hi,
+                      unsigned long long *out)
+{
+	char *end;
+	errno = 0;
+	unsigned long long v = strtoull(s, &end, 0);
+	if (errno || end == s || *end || *s == '-' || v < lo || v > hi) {
+		fprintf(stderr, "bench-kernels: %s: '%s' is not a number in %llu..%llu\n", opt, s, lo, hi);
+		return false;
+	}
+	*out = v;
+	return true;
+}
+
 int main(int argc, char **argv)
 {
 	const char *klist = NULL;
@@ -489,31 +546,46 @@ int main(int argc, char **argv)
 		if (CPU_ISSET(c, &set))
 			cpus[T++] = c;
 	int ncpu = T;
-	while ((opt = getopt(argc, argv, "n:t:r:c:k:")) != -1) {
+	static const struct option longopts[] = {
+		{ "help", no_argument, NULL, 'h' },
+		{ NULL, 0, NULL, 0 },
+	};
+	unsigned long long v;
+	while ((opt = getopt_long(argc, argv, "n:t:r:c:k:h", longopts, NULL)) != -1) {
 		switch (opt) {
 		case 'n':
-			N = (size_t)strtoull(optarg, NULL, 0);
+			if (!bench_arg(optarg, "-n", AOQK_Q8_BLOCK, SIZE_MAX / 16, &v))
+				return 2;
+			N = (size_t)v;
 			break;
 		case 't':
-			T = atoi(optarg);
+			if (!bench_arg(optarg, "-t", 1, 1024, &v))
+				return 2;
+			T = (int)v;
 			break;
 		case 'r':
-			REPS = atoi(optarg);
+			if (!bench_arg(optarg, "-r", 1, 1000000, &v))
+				return 2;
+			REPS = (int)v;
 			break;
 		case 'c':
-			CHUNK = (size_t)strtoull(optarg, NULL, 0) / AOQK_Q8_BLOCK * AOQK_Q8_BLOCK;
+			if (!bench_arg(optarg, "-c", AOQK_Q8_BLOCK, SIZE_MAX / 16, &v))
+				return 2;
+			CHUNK = (size_t)v / AOQK_Q8_BLOCK * AOQK_Q8_BLOCK;
 			break;
 		case 'k':
 			klist = optarg;
 			break;
+		case 'h':
+			fputs(bench_usage, stdout);
+			return 0;
 		default:
-			fprintf(stderr, "usage: %s [-n params] [-t threads] [-r reps] [-c chunk] [-k variant,...]\n",
-			        argv[0]);
+			fputs(bench_usage, stderr);
 			return 2;
 		}
 	}
-	if (T < 1 || T > 1024 || N < AOQK_Q8_BLOCK || REPS < 1 || CHUNK < AOQK_Q8_BLOCK) {
-		fprintf(stderr, "bad arguments\n");
+	if (optind < argc) {
+		fprintf(stderr, "bench-kernels: unexpected argument '%s'\n", argv[optind]);
 		return 2;
 	}
 	for (int i = ncpu; i < T; i++)
@@ -531,6 +603,7 @@ int main(int argc, char **argv)
 	grad = big(N * 4);
 	param = big(N * 4);
 	master16 = big(N * 2);
+	m16 = big(N * 2);
 	mq = big(N);
 	vq = big(N);
 	ms = big(nb * 4);
@@ -558,6 +631,12 @@ int main(int argc, char **argv)
 		for (int p = 0; p < 4; p++)
 			bench_kernel(k, (enum aoqk_precision)p, AOQK_BF16, AOQK_BF16, 0, CHUNK, "");
 		bench_kernel(k, AOQK_STATE_FP32, AOQK_FP32, AOQK_FP32, 0, CHUNK, "");
+		static const enum aoqk_precision slp[] = { AOQK_STATE_FP32, AOQK_STATE_BF16,
+		                                           AOQK_STATE_BF16_ALL };
+		for (cur_opt = OPT_SGD; cur_opt <= OPT_LION; cur_opt++)
+			for (int p = 0; p < 3; p++)
+				bench_kernel(k, slp[p], AOQK_BF16, AOQK_BF16, 0, CHUNK, "");
+		cur_opt = OPT_ADAM;
 	}
 
 	/* where the headline job's time goes, with the default kernel */

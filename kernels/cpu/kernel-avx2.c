@@ -42,6 +42,12 @@ KI vf vf_copysign(vf x, vf s)
 {
 	return _mm256_or_ps(x, _mm256_and_ps(s, _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u))));
 }
+/* +-1 for non-zero a, a itself for +-0 and NaN (Lion's sign) */
+KI vf vf_sign(vf a)
+{
+	return _mm256_blendv_ps(a, vf_copysign(_mm256_set1_ps(1.0f), a),
+	                        _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_NEQ_OQ));
+}
 KI float vf_hmax(vf a)
 {
 	__m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));

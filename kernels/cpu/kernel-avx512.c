@@ -52,6 +52,12 @@ KI vf vf_copysign(vf x, vf s)
 	                                                     _mm512_set1_epi32((int)0x80000000u), 0xf8));
 }
 KI float vf_hmax(vf a) { return _mm512_reduce_max_ps(a); }
+/* +-1 for non-zero a, a itself for +-0 and NaN (Lion's sign) */
+KI vf vf_sign(vf a)
+{
+	return _mm512_mask_mov_ps(a, _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_NEQ_OQ),
+	                          vf_copysign(_mm512_set1_ps(1.0f), a));
+}
 
 KI vi vi_set1(uint32_t x) { return _mm512_set1_epi32((int)x); }
 KI vi vi_iota(uint32_t base)

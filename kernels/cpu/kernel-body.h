@@ -119,7 +119,9 @@ static AOQK_ALWAYS_INLINE vf q8_u_decode(const uint8_t *p, vf su)
  * the state stores could alias. */
 struct kvec {
 	vf w1, w1c, b2, w2, nstep, bc2s, inv_bc2s, eps, decay, wd, gscale;
+	vf b1, nlr, mom, damp1; /* SGD, Lion */
 	int lerp_small, adamw, l2;
+	int wd_on, mom_on, first, nesterov;
 	uint32_t srkey;
 };
 
@@ -137,6 +139,14 @@ static AOQK_ALWAYS_INLINE struct kvec kvec_make(const struct aoqk_consts *k)
 		.decay = vf_set1(k->decay),
 		.wd = vf_set1(k->wd),
 		.gscale = vf_set1(k->gscale),
+		.b1 = vf_set1(k->b1),
+		.nlr = vf_set1(k->nlr),
+		.mom = vf_set1(k->mom),
+		.damp1 = vf_set1(k->damp1),
+		.wd_on = k->wd_on,
+		.mom_on = k->mom_on,
+		.first = k->first,
+		.nesterov = k->nesterov,
 		.lerp_small = k->lerp_small,
 		.adamw = k->adamw,
 		.l2 = k->l2,
@@ -521,6 +531,221 @@ static AOQK_ALWAYS_INLINE int adam_common(const struct aoqk_hparams *hp, const s
 	return 0;
 }
 
+/* ------------------------------------------------------------------ */
+/* SGD and Lion (README.md, "SGD and Lion"): master plus one moment in m,
+ * no q8; the same loads, casts, report and stores as Adam's step. */
+
+static AOQK_ALWAYS_INLINE void vstep_sl(const struct kvec kc, const struct kptrs *p, size_t j,
+                                        uint64_t gi, const int prec, const int gd, const int pd,
+                                        const int nt, int want_ss, vacc *ss, const int lion)
+{
+	const int bfm = aoqk_precision_bf16_master(prec);
+	const int bfmom = aoqk_precision_bf16_moments(prec);
+	const int keep_m = lion || kc.mom_on;
+	vf g = load_grad(p->grad, j, gd);
+	vf pw, m = vf_zero();
+
+	if (p->acc) {
+		g = vf_add(vf_loadu(p->acc + j), g);
+		vf_storeu(p->acc + j, vf_zero());
+	}
+	g = vf_mul(g, kc.gscale);
+	if (want_ss)
+		vacc_add_sq(ss, g);
+
+	if (bfm)
+		pw = vh_bf16_to_f(vh_loadu((const uint16_t *)p->master + j));
+	else
+		pw = vf_loadu((const float *)p->master + j);
+	/* SGD's first step does not read the buffer (torch: None, then a
+	 * clone of the gradient) */
+	if (keep_m && (lion || !kc.first)) {
+		if (bfmom)
+			m = vh_bf16_to_f(vh_loadu((const uint16_t *)p->m + j));
+		else
+			m = vf_loadu((const float *)p->m + j);
+	}
+
+	if (lion) {
+		/* lion-pytorch: p.mul_(1 - lr * wd);
+		 * update = (m * beta1).add(grad, alpha=1 - beta1).sign_();
+		 * p.add_(update, alpha=-lr);
+		 * m.mul_(beta2).add_(grad, alpha=1 - beta2) */
+		if (kc.wd_on)
+			pw = vf_mul(pw, kc.decay);
+		vf c = vf_fma(kc.w1, g, vf_mul(m, kc.b1));
+		pw = vf_fma(kc.nlr, vf_sign(c), pw);
+		m = vf_fma(kc.w2, g, vf_mul(m, kc.b2));
+	} else {
+		/* torch.optim.SGD (foreach): grad.add(param, alpha=wd);
+		 * buf.mul_(momentum).add_(grad, alpha=1 - dampening), or
+		 * buf = grad on the first step; nesterov: grad.add(buf,
+		 * alpha=momentum), else grad = buf; param.add_(grad, alpha=-lr) */
+		if (kc.wd_on)
+			g = vf_fma(kc.wd, pw, g);
+		if (kc.mom_on) {
+			m = kc.first ? g : vf_fma(kc.damp1, g, vf_mul(m, kc.mom));
+			g = kc.nesterov ? vf_fma(kc.mom, m, g) : m;
+		}
+		pw = vf_fma(kc.nlr, g, pw);
+	}
+
+	/* the hash as Adam's: bits 16..31 round the bf16 master, bits 0..7
+	 * the bf16 moment */
+	vi h = vi_zero();
+	if (bfm)
+		h = sr_hash(kc.srkey, gi);
+	if (keep_m) {
+		if (bfmom) {
+			vi rm = vi_or(vi_slli(vi_and(h, vi_set1(0xffu)), 8), vi_set1(0x80u));
+			vh_storeu((uint16_t *)p->m + j, vi_to_vh(sr_bf16(m, rm)));
+		} else {
+			vf_storeu((float *)p->m + j, m);
+		}
+	}
+	if (bfm) {
+		vi s = sr_bf16(pw, vi_srli(h, 16));
+		vh sh = vi_to_vh(s);
+		vh_storeu((uint16_t *)p->master + j, sh);
+		if (pd != PD_NONE)
+			store_param(p->param, j, vi_as_vf(vi_slli(s, 16)), sh, pd, 1, nt);
+	} else {
+		vf_storeu((float *)p->master + j, pw);
+		if (pd != PD_NONE)
+			store_param(p->param, j, pw, vh_zero(), pd, 0, nt);
+	}
+}
+
+static AOQK_ALWAYS_INLINE void run_chunk_sl(const struct aoqk_consts *k, const struct aoqk_state *st,
+                                            const struct aoqk_chunk *c, int want_ss, double *ssum,
+                                            const int prec, const int gd, const int pd, const int nt,
+                                            const int lion)
+{
+	const size_t gsz = gd == AOQK_FP32 ? 4 : 2;
+	const size_t msz = aoqk_master_size(prec), osz = aoqk_moment_size(prec);
+	const size_t psz = pd == PD_FP32 ? 4 : 2;
+	const size_t b0 = c->begin;
+	const size_t n = c->count;
+	const int keep_m = lion || k->mom_on;
+	struct kptrs d = {
+		.grad = c->grad,
+		.acc = c->acc,
+		.master = (char *)st->master + b0 * msz,
+		.m = keep_m ? (char *)st->m + b0 * osz : NULL,
+		.v = NULL,
+		.param = c->param,
+	};
+	vacc ss = vacc_zero();
+	const struct kvec kc = kvec_make(k);
+	size_t j = 0;
+
+	for (; j + W <= n; j += W)
+		vstep_sl(kc, &d, j, b0 + j, prec, gd, pd, nt, want_ss, &ss, lion);
+	if (j < n) {
+		/* the tail: the same step on zero-padded copies */
+		size_t r = n - j;
+		_Alignas(64) unsigned char lg[W * 4], la[W * 4], lmst[W * 4], lm[W * 4], lp[W * 4];
+		memset(lg, 0, sizeof(lg));
+		memset(la, 0, sizeof(la));
+		memset(lmst, 0, sizeof(lmst));
+		memset(lm, 0, sizeof(lm));
+		memcpy(lg, (const char *)d.grad + j * gsz, r * gsz);
+		if (d.acc)
+			memcpy(la, d.acc + j, r * 4);
+		memcpy(lmst, (char *)d.master + j * msz, r * msz);
+		if (keep_m)
+			memcpy(lm, (char *)d.m + j * osz, r * osz);
+		struct kptrs l = {
+			.grad = lg,
+			.acc = d.acc ? (float *)(void *)la : NULL,
+			.master = lmst,
+			.m = keep_m ? lm : NULL,
+			.v = NULL,
+			.param = lp,
+		};
+		vstep_sl(kc, &l, 0, b0 + j, prec, gd, pd, 0, want_ss, &ss, lion);
+		if (d.acc)
+			memset(d.acc + j, 0, r * 4);
+		memcpy((char *)d.master + j * msz, lmst, r * msz);
+		if (keep_m)
+			memcpy((char *)d.m + j * osz, lm, r * osz);
+		if (pd != PD_NONE)
+			memcpy((char *)d.param + j * psz, lp, r * psz);
+	}
+	if (want_ss)
+		*ssum = vacc_sum(ss);
+}
+
+#define SL_CASE(P, G, D, NT, L)                                                            \
+	case (P) * 12 + (G) * 4 + (D):                                                     \
+		run_chunk_sl(&k, st, c, want_ss, &ss, P, G, D, NT, L);                     \
+		break;
+#define SL_CASES_PG(P, G, NT, L) \
+	SL_CASE(P, G, 0, NT, L) SL_CASE(P, G, 1, NT, L) SL_CASE(P, G, 2, NT, L) SL_CASE(P, G, 3, NT, L)
+#define SL_CASES_P(P, NT, L) \
+	SL_CASES_PG(P, 0, NT, L) SL_CASES_PG(P, 1, NT, L) SL_CASES_PG(P, 2, NT, L)
+#define SL_CASES(NT, L) \
+	SL_CASES_P(AOQK_STATE_FP32, NT, L) SL_CASES_P(AOQK_STATE_BF16, NT, L) \
+	SL_CASES_P(AOQK_STATE_BF16_ALL, NT, L)
+
+static AOQK_ALWAYS_INLINE int sl_common(const struct aoqk_hparams *hp, const struct aoqk_state *st,
+                                        const struct aoqk_chunk *c, struct aoqk_report *rep,
+                                        const int nt, const int lion)
+{
+	struct aoqk_consts k;
+	double ss = 0.0;
+	int want_ss = 1;
+	int r = aoqk_check_sl(hp, st, c, rep, lion);
+
+	if (rep) {
+		rep->sumsq = 0.0;
+		rep->nonfinite = false;
+	}
+	if (r < 0 || c->count == 0)
+		return r;
+	if (c->skip_nonfinite) {
+		ss = scan_sumsq(c->grad, c->grad_dtype, c->acc, hp->grad_scale, c->count);
+		rep->sumsq = ss;
+		rep->nonfinite = !isfinite(ss);
+		if (rep->nonfinite)
+			return 0;
+		want_ss = 0;
+	}
+	aoqk_consts_init(&k, hp, c->seed);
+	int pd = c->param ? (int)c->param_dtype : PD_NONE;
+	int sel = (int)st->precision * 12 + (int)c->grad_dtype * 4 + pd;
+
+	if (nt && pd != PD_NONE && (uintptr_t)c->param % (W * (pd == PD_FP32 ? 4 : 2)) == 0) {
+#if KHAS_NT
+		switch (sel) {
+			SL_CASES(1, lion)
+		}
+		vf_sfence();
+#endif
+	} else {
+		switch (sel) {
+			SL_CASES(0, lion)
+		}
+	}
+	if (want_ss) {
+		rep->sumsq = ss;
+		rep->nonfinite = !isfinite(ss);
+	}
+	return 0;
+}
+
+static int k_sgd(const struct aoqk_hparams *hp, const struct aoqk_state *st,
+                 const struct aoqk_chunk *c, struct aoqk_report *rep)
+{
+	return sl_common(hp, st, c, rep, KHAS_NT, 0);
+}
+
+static int k_lion(const struct aoqk_hparams *hp, const struct aoqk_state *st,
+                  const struct aoqk_chunk *c, struct aoqk_report *rep)
+{
+	return sl_common(hp, st, c, rep, KHAS_NT, 1);
+}
+
 /* The default table streams the parameter out with non-temporal stores
  * (when the param pointer is vector-aligned): measured faster on the
  * reference host for every precision (tests/bench/RESULTS.md).  The
@@ -534,6 +759,8 @@ static int k_adam(const struct aoqk_hparams *hp, const struct aoqk_state *st,
 const struct aoqk_kernel KCAT(aoqk_kernel_, KVAR) = {
 	.name = KSTR(KVAR),
 	.adam = k_adam,
+	.sgd = k_sgd,
+	.lion = k_lion,
 	.accumulate = k_accumulate,
 	.sumsq = k_sumsq,
 };
@@ -545,9 +772,23 @@ static int k_adam_cached(const struct aoqk_hparams *hp, const struct aoqk_state 
 	return adam_common(hp, st, c, rep, 0);
 }
 
+static int k_sgd_cached(const struct aoqk_hparams *hp, const struct aoqk_state *st,
+                        const struct aoqk_chunk *c, struct aoqk_report *rep)
+{
+	return sl_common(hp, st, c, rep, 0, 0);
+}
+
+static int k_lion_cached(const struct aoqk_hparams *hp, const struct aoqk_state *st,
+                         const struct aoqk_chunk *c, struct aoqk_report *rep)
+{
+	return sl_common(hp, st, c, rep, 0, 1);
+}
+
 const struct aoqk_kernel KCAT(KCAT(aoqk_kernel_, KVAR), _cached) = {
 	.name = KSTR(KVAR) "-cached",
 	.adam = k_adam_cached,
+	.sgd = k_sgd_cached,
+	.lion = k_lion_cached,
 	.accumulate = k_accumulate,
 	.sumsq = k_sumsq,
 };

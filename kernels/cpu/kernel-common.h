@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * Helpers shared by every kernel variant: argument checks, the per-call
- * constants, scalar dtype conversions (bit-exact with the F16C and integer
- * SIMD paths), the stochastic-rounding hash and the q8 codebook constants.
+ * constants and the stochastic-rounding hash; the scalar dtype conversions
+ * and the q8 codebook constants come from aoq-convert.h.
  *
  * Everything here is plain C; the SIMD variants include it too, and use it
  * only outside their inner loops.
@@ -15,18 +15,12 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "aoq-convert.h"
 #include "aoq-kernel.h"
 
 #define AOQK_ALWAYS_INLINE inline __attribute__((always_inline))
 
-/* q8 codebooks (README.md, "q8 moments"):
- *   m = sign(q) * q^2 / 127^2 * m_scale        q in [-127, 127]
- *   sqrt(v) = q^2 / 255^2 * v_scale            q in [0, 255]
- * m_scale is the block's max |m|, v_scale the block's max sqrt(v). */
-#define AOQK_Q8_M_MAX 127.0f
-#define AOQK_Q8_U_MAX 255.0f
-#define AOQK_Q8_M_DIV 16129.0f /* 127^2 */
-#define AOQK_Q8_U_DIV 65025.0f /* 255^2 */
+/* The q8 codebook constants and the scalar conversions: aoq-convert.h. */
 
 
 /* Per-call constants, computed once per chunk from the hyperparameters. */
@@ -45,6 +39,15 @@ struct aoqk_consts {
 	int adamw;       /* apply decay */
 	int l2;          /* apply wd * param to the gradient */
 	uint32_t srkey;  /* stochastic rounding key, from (seed, step) */
+	/* SGD and Lion */
+	float b1;        /* Lion: beta1 */
+	float nlr;       /* -lr */
+	float mom;       /* SGD: momentum */
+	float damp1;     /* SGD: 1 - dampening */
+	int wd_on;       /* weight_decay != 0 (SGD: L2, Lion: decoupled) */
+	int mom_on;      /* SGD: momentum != 0 (else no buffer) */
+	int first;       /* SGD: step 1, the buffer starts as the gradient */
+	int nesterov;    /* SGD */
 };
 
 static inline uint64_t aoqk_splitmix64(uint64_t x)
@@ -101,6 +104,14 @@ static inline void aoqk_consts_init(struct aoqk_consts *k, const struct aoqk_hpa
 	k->adamw = hp->decoupled && hp->weight_decay != 0.0;
 	k->l2 = !hp->decoupled && hp->weight_decay != 0.0;
 	k->srkey = (uint32_t)aoqk_splitmix64(seed ^ aoqk_splitmix64(hp->step));
+	k->b1 = (float)b1;
+	k->nlr = (float)-lr;
+	k->mom = (float)hp->momentum;
+	k->damp1 = (float)(1.0 - hp->dampening);
+	k->wd_on = wd != 0.0;
+	k->mom_on = hp->momentum != 0.0;
+	k->first = hp->step == 1;
+	k->nesterov = hp->nesterov;
 }
 
 static inline int aoqk_dtype_ok(enum aoqk_dtype t)
@@ -138,80 +149,32 @@ static inline int aoqk_check(const struct aoqk_hparams *hp, const struct aoqk_st
 	return 0;
 }
 
-static inline uint32_t aoqk_f2u(float f)
+/* The contract of aoqk_kernel.sgd (lion = 0) and .lion (lion = 1): no q8
+ * state, no v; m only where a buffer is kept; nesterov as torch allows it. */
+static inline int aoqk_check_sl(const struct aoqk_hparams *hp, const struct aoqk_state *st,
+                                const struct aoqk_chunk *c, const struct aoqk_report *rep,
+                                int lion)
 {
-	uint32_t u;
-	memcpy(&u, &f, 4);
-	return u;
-}
-
-static inline float aoqk_u2f(uint32_t u)
-{
-	float f;
-	memcpy(&f, &u, 4);
-	return f;
-}
-
-/* fp32 -> bf16, round to nearest even; NaN -> quiet NaN keeping the sign and
- * the top payload bits.  Same as the SIMD integer path. */
-static inline uint16_t aoqk_f32_to_bf16(float f)
-{
-	uint32_t b = aoqk_f2u(f);
-	if ((b & 0x7fffffffu) > 0x7f800000u)
-		return (uint16_t)((b >> 16) | 0x40u);
-	return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-}
-
-static inline float aoqk_bf16_to_f32(uint16_t h)
-{
-	return aoqk_u2f((uint32_t)h << 16);
-}
-
-/* fp32 -> fp16, round to nearest even, overflow -> inf, NaN -> quiet NaN
- * keeping the top payload bits: bit-exact with F16C vcvtps2ph (imm RNE).
- * Needs the default rounding mode and no FTZ/DAZ. */
-static inline uint16_t aoqk_f32_to_f16(float f)
-{
-	uint32_t x = aoqk_f2u(f);
-	uint32_t sign = (x >> 16) & 0x8000u;
-	uint32_t a = x & 0x7fffffffu;
-	uint32_t o;
-
-	if (a > 0x7f800000u) {
-		o = 0x7e00u | ((a >> 13) & 0x3ffu);
-	} else if (a >= 0x47800000u) { /* >= 65536: inf (65520..65536 round up below) */
-		o = 0x7c00u;
-	} else if (a < 0x38800000u) { /* fp16 subnormal or zero */
-		/* aligning the 10 fp16 mantissa bits at the bottom of a float
-		 * whose exponent is 2^-1: the float add rounds to nearest even */
-		float t = aoqk_u2f(a) + aoqk_u2f(126u << 23);
-		o = aoqk_f2u(t) - (126u << 23);
-	} else {
-		uint32_t odd = (a >> 13) & 1u;
-		a += ((uint32_t)(15 - 127) << 23) + 0xfffu + odd;
-		o = a >> 13;
-	}
-	return (uint16_t)(o | sign);
-}
-
-/* fp16 -> fp32, exact; NaN is quieted like F16C vcvtph2ps. */
-static inline float aoqk_f16_to_f32(uint16_t h)
-{
-	uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-	uint32_t e = (h >> 10) & 0x1fu;
-	uint32_t mant = h & 0x3ffu;
-	uint32_t o;
-
-	if (e == 0x1f) {
-		o = 0x7f800000u | (mant << 13) | (mant ? 0x400000u : 0);
-	} else if (e == 0) {
-		/* subnormal or zero: mant * 2^-24, exact */
-		float t = (float)mant * aoqk_u2f(103u << 23);
-		o = aoqk_f2u(t);
-	} else {
-		o = ((e + 112u) << 23) | (mant << 13);
-	}
-	return aoqk_u2f(o | sign);
+	if (!hp || !st || !c || !rep)
+		return -EINVAL;
+	if (st->precision != AOQK_STATE_FP32 && st->precision != AOQK_STATE_BF16 &&
+	    st->precision != AOQK_STATE_BF16_ALL)
+		return -EINVAL;
+	if (!aoqk_dtype_ok(c->grad_dtype) || (c->param && !aoqk_dtype_ok(c->param_dtype)))
+		return -EINVAL;
+	if (hp->step == 0)
+		return -EINVAL;
+	if (!lion && hp->nesterov && (!(hp->momentum > 0.0) || hp->dampening != 0.0))
+		return -EINVAL;
+	if (c->begin > st->n || c->count > st->n - c->begin)
+		return -EINVAL;
+	if (c->count == 0)
+		return 0;
+	if (!c->grad || !st->master)
+		return -EINVAL;
+	if ((lion || hp->momentum != 0.0) && !st->m)
+		return -EINVAL;
+	return 0;
 }
 
 #endif

@@ -38,6 +38,8 @@ static AOQK_ALWAYS_INLINE vf vf_copysign(vf x, vf s)
 	return aoqk_u2f(aoqk_f2u(x) | (aoqk_f2u(s) & 0x80000000u));
 }
 static AOQK_ALWAYS_INLINE float vf_hmax(vf a) { return a; }
+/* +-1 for non-zero a, a itself for +-0 and NaN (Lion's sign) */
+static AOQK_ALWAYS_INLINE vf vf_sign(vf a) { return a > 0.0f ? 1.0f : a < 0.0f ? -1.0f : a; }
 
 static AOQK_ALWAYS_INLINE vi vi_set1(uint32_t x) { return x; }
 static AOQK_ALWAYS_INLINE vi vi_iota(uint32_t base) { return base; }

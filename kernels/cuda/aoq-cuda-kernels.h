@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * Device-side kernels of aoq (issue 4 item 5), C interface.  Built by nvcc
+ * Device-side kernels of aoq (casts, quantization), C interface.  Built by nvcc
  * for sm_90 with a compute_90 PTX fallback (client/cuda/meson.build).
  *
  * - Gradient cast before D2H: fp32 -> bf16 (or fp16) on the device, round

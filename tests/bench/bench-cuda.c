@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * CUDA benchmark (issue 4): a synthetic trainer of L linear layers of
+ * CUDA benchmark: a synthetic trainer of L linear layers of
  * d x d bf16 weights (16 x 8192^2 = 1.07 G parameters by default) on
  * T tokens, trained two ways in the same run:
  *
@@ -403,13 +403,13 @@ int main(int argc, char **argv)
 	o.delayed_update = delayed;
 	struct aoq_client *c;
 	CHECK_OK(aoq_connect(&c, &o));
-	struct aoq_group grp = { .kind = AOQ_ADAMW, .lr = 1e-6, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8,
+	struct aoq_group grp = { .size = sizeof(struct aoq_group), .kind = AOQ_ADAMW, .lr = 1e-6, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8,
 	                         .weight_decay = 0.1 };
 	CHECK_OK(aoq_add_group(c, &grp));
 	for (int l = 0; l < L; l++) {
 		char name[16];
 		snprintf(name, sizeof(name), "w%d", l);
-		struct aoq_tensor td = { .name = name, .numel = nper, .param_dtype = AOQ_BF16, .grad_dtype = AOQ_BF16,
+		struct aoq_tensor td = { .size = sizeof(struct aoq_tensor), .name = name, .numel = nper, .param_dtype = AOQ_BF16, .grad_dtype = AOQ_BF16,
 		                         .param = md.w[l], .grad = md.g[l] };
 		CHECK_OK(aoq_add_tensor(c, &td));
 	}
@@ -439,7 +439,7 @@ int main(int argc, char **argv)
 		}
 	}
 	double upd_ms = median(upd, nupd), d2h_lib = median(d2h_rate, nupd);
-	struct aoq_step_result res;
+	struct aoq_step_result res = AOQ_STEP_RESULT_INIT;
 	CHECK_OK(aoq_sync(c, &res));
 	if (res.nonfinite)
 		printf("WARNING: non-finite gradients in the update-only steps\n");

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * bench-spine: the spine of issue 2 on the host backend ("cpu"), against
+ * bench-spine: the whole path (client, daemon, kernels) on the host backend ("cpu"), against
  * the CPU kernel alone in the same run.
  *
  *  (a) round trip per tensor, gradient pushed -> updated parameter ready
@@ -138,13 +138,13 @@ static void bench_latency(struct aoqt_daemon *d, const struct aoqk_kernel *k)
 	o.device = "cpu";
 	struct aoq_client *c;
 	CHECK_OK(aoq_connect(&c, &o));
-	struct aoq_group g = { .kind = AOQ_ADAMW, .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
+	struct aoq_group g = { .size = sizeof(struct aoq_group), .kind = AOQ_ADAMW, .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
 	                       .weight_decay = 0.01 };
 	CHECK_OK(aoq_add_group(c, &g));
 	for (uint32_t t = 0; t < nt; t++) {
 		char name[32];
 		snprintf(name, sizeof(name), "t%u", t);
-		struct aoq_tensor td = { .name = name, .numel = n, .param_dtype = opt.pd, .grad_dtype = opt.gd,
+		struct aoq_tensor td = { .size = sizeof(struct aoq_tensor), .name = name, .numel = n, .param_dtype = opt.pd, .grad_dtype = opt.gd,
 		                         .param = params + (size_t)t * n * ps, .grad = grads + (size_t)t * n * gs };
 		CHECK_OK(aoq_add_tensor(c, &td));
 	}
@@ -325,10 +325,10 @@ static void bench_throughput(struct aoqt_daemon *d, const struct aoqk_kernel *k)
 	o.device = "cpu";
 	struct aoq_client *c;
 	CHECK_OK(aoq_connect(&c, &o));
-	struct aoq_group g = { .kind = AOQ_ADAMW, .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
+	struct aoq_group g = { .size = sizeof(struct aoq_group), .kind = AOQ_ADAMW, .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
 	                       .weight_decay = 0.01 };
 	CHECK_OK(aoq_add_group(c, &g));
-	struct aoq_tensor td = { .name = "big", .numel = n, .param_dtype = opt.pd, .grad_dtype = opt.gd,
+	struct aoq_tensor td = { .size = sizeof(struct aoq_tensor), .name = "big", .numel = n, .param_dtype = opt.pd, .grad_dtype = opt.gd,
 	                         .param = param, .grad = grad };
 	CHECK_OK(aoq_add_tensor(c, &td));
 	double r0 = aoqt_now();

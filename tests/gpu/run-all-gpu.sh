@@ -5,7 +5,7 @@
 # BIN: made here by `tests/gpu/run-gpu-tests.sh pack build-gpu BIN` (aoqd, libaoq, test
 # programs and the shared libraries the GPU machine lacks).  Runs, each within its own
 # share of the time: the CUDA tests, compute-sanitizer and bench-cuda in its modes
-# (issue 4), the Python GPU tests (issue 6) and train_gpt.py (issue 6's benchmark).
+# (tests/gpu), the Python GPU tests (tests/gpu/python) and train_gpt.py (tests/bench).
 # Logs in LOGDIR (default $OUT): tests.log sanitizer.log bench.log summary.txt python.log
 # train_gpt.log.
 set -u

@@ -1,6 +1,6 @@
 #!/bin/bash
 # SPDX-License-Identifier: MIT
-# GPU tests and benchmark of the CUDA backend (issue 4).
+# GPU tests and benchmark of the CUDA backend.
 #
 #   tests/gpu/run-gpu-tests.sh [BIN] [LOGDIR]
 #

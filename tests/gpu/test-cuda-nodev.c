@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * "cuda:N" without a GPU (DESIGN §10, issue 4 item 7): aoq_connect fails
+ * "cuda:N" without a GPU (docs/design.md, Client backends): aoq_connect fails
  * with -ENODEV and "no CUDA device (cudaErrorXxx)", never a crash, also
  * when asked twice and for another index.  Needs no daemon: the backend
  * opens before the socket.  On a machine with a CUDA device the backend

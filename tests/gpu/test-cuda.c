@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * GPU tests of the CUDA backend and kernels (issue 4).  Needs a CUDA device
+ * GPU tests of the CUDA backend and kernels.  Needs a CUDA device
  * and the built aoqd; run by tests/gpu/run-gpu-tests.sh, never by CI.
  *
  *   test-cuda MODE AOQD [small]
@@ -229,8 +229,10 @@ static void test_correct(void)
 	struct aoq_client *c;
 	CHECK_OK(aoq_connect(&c, &o));
 	struct aoq_group g[2] = {
-		{ .kind = AOQ_ADAMW, .lr = 2e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.05 },
-		{ .kind = AOQ_ADAM, .lr = 1e-3, .beta1 = 0.8, .beta2 = 0.99, .eps = 1e-6, .weight_decay = 0.01 },
+		{ .size = sizeof(struct aoq_group), .kind = AOQ_ADAMW, .lr = 2e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
+		  .weight_decay = 0.05 },
+		{ .size = sizeof(struct aoq_group), .kind = AOQ_ADAM, .lr = 1e-3, .beta1 = 0.8, .beta2 = 0.99, .eps = 1e-6,
+		  .weight_decay = 0.01 },
 	};
 	CHECK_OK(aoq_add_group(c, &g[0]));
 	CHECK_OK(aoq_add_group(c, &g[1]));
@@ -268,7 +270,7 @@ static void test_correct(void)
 		CK(cudaMemcpyAsync(x->d_param, x->h_param, x->n * ps, cudaMemcpyHostToDevice, s));
 		char name[32];
 		snprintf(name, sizeof(name), "t%d", j);
-		struct aoq_tensor d = { .name = name, .numel = x->n, .param_dtype = x->pd, .grad_dtype = x->gd,
+		struct aoq_tensor d = { .size = sizeof(struct aoq_tensor), .name = name, .numel = x->n, .param_dtype = x->pd, .grad_dtype = x->gd,
 		                        .group = x->group, .param = x->d_param, .grad = x->d_grad,
 		                        .init = x->init, .init_dtype = AOQ_FP32 };
 		x->idx = aoq_add_tensor(c, &d);
@@ -319,7 +321,7 @@ static void test_correct(void)
 			CK(cudaMemcpyAsync(x->h_param, x->d_param, x->n * aoqt_dtype_size(x->pd), cudaMemcpyDeviceToHost, s));
 		}
 		CK(cudaStreamSynchronize(s));
-		struct aoq_step_result res = { 0 };
+		struct aoq_step_result res = AOQ_STEP_RESULT_INIT;
 		CHECK_OK(aoq_sync(c, &res));
 		CHECK(res.step == (uint64_t)k && !res.nonfinite && res.tensors_updated == CT,
 		      "step %d: result step %" PRIu64 ", nonfinite %d, %" PRIu64 " tensors updated", k, res.step,
@@ -381,7 +383,7 @@ static void race_open(struct race_side *r, const char *sock, bool gpu, cudaStrea
 	o.cuda_stream = gpu ? s : NULL;
 	r->gpu = gpu;
 	CHECK_OK(aoq_connect(&r->c, &o));
-	struct aoq_group g = { .kind = AOQ_ADAMW, .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
+	struct aoq_group g = { .size = sizeof(struct aoq_group), .kind = AOQ_ADAMW, .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
 	                       .weight_decay = 0.01 };
 	CHECK_OK(aoq_add_group(r->c, &g));
 	size_t kb = dv->kb;
@@ -397,7 +399,7 @@ static void race_open(struct race_side *r, const char *sock, bool gpu, cudaStrea
 		}
 		char name[16];
 		snprintf(name, sizeof(name), "w1.%d", b);
-		struct aoq_tensor d = { .name = name, .numel = kb * RACE_N, .param_dtype = AOQ_BF16,
+		struct aoq_tensor d = { .size = sizeof(struct aoq_tensor), .name = name, .numel = kb * RACE_N, .param_dtype = AOQ_BF16,
 		                        .grad_dtype = AOQ_BF16, .param = r->w1[b], .grad = r->g1[b] };
 		r->i1[b] = aoq_add_tensor(r->c, &d);
 		CHECK_OK(r->i1[b]);
@@ -411,7 +413,7 @@ static void race_open(struct race_side *r, const char *sock, bool gpu, cudaStrea
 		r->g2 = aoqt_xmalloc(RACE_N * RACE_N * 4);
 		memcpy(r->w2, w2init, RACE_N * RACE_N * 4);
 	}
-	struct aoq_tensor d = { .name = "w2", .numel = RACE_N * RACE_N, .param_dtype = AOQ_FP32,
+	struct aoq_tensor d = { .size = sizeof(struct aoq_tensor), .name = "w2", .numel = RACE_N * RACE_N, .param_dtype = AOQ_FP32,
 	                        .grad_dtype = AOQ_FP32, .param = r->w2, .grad = r->g2 };
 	r->i2 = aoq_add_tensor(r->c, &d);
 	CHECK_OK(r->i2);
@@ -583,7 +585,7 @@ static void test_timeline(void)
 	o.cuda_stream = s;
 	struct aoq_client *c;
 	CHECK_OK(aoq_connect(&c, &o));
-	struct aoq_group g = { .kind = AOQ_ADAMW, .lr = 1e-4, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8 };
+	struct aoq_group g = { .size = sizeof(struct aoq_group), .kind = AOQ_ADAMW, .lr = 1e-4, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8 };
 	CHECK_OK(aoq_add_group(c, &g));
 	uint16_t *p[TL], *gr[TL];
 	for (int l = 0; l < TL; l++) {
@@ -592,7 +594,7 @@ static void test_timeline(void)
 		CK(fill_bf16(p[l], n, 100 + (uint32_t)l, s));
 		char name[16];
 		snprintf(name, sizeof(name), "layer%d", l);
-		struct aoq_tensor d = { .name = name, .numel = n, .param_dtype = AOQ_BF16, .grad_dtype = AOQ_BF16,
+		struct aoq_tensor d = { .size = sizeof(struct aoq_tensor), .name = name, .numel = n, .param_dtype = AOQ_BF16, .grad_dtype = AOQ_BF16,
 		                        .param = p[l], .grad = gr[l] };
 		CHECK_OK(aoq_add_tensor(c, &d));
 	}

@@ -71,9 +71,9 @@ struct trainer {
 static struct aoq_group thp(uint32_t g, uint64_t k)
 {
 	struct aoq_group h = g == 0
-		? (struct aoq_group){ .kind = AOQ_ADAMW, .lr = 2e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
+		? (struct aoq_group){ .size = sizeof(struct aoq_group), .kind = AOQ_ADAMW, .lr = 2e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
 		                      .weight_decay = 0.02 }
-		: (struct aoq_group){ .kind = AOQ_ADAM, .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.98, .eps = 1e-6,
+		: (struct aoq_group){ .size = sizeof(struct aoq_group), .kind = AOQ_ADAM, .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.98, .eps = 1e-6,
 		                      .weight_decay = 0.01 };
 	h.lr *= 1.0 + 0.5 * sin(0.3 * (double)k);
 	return h;
@@ -109,7 +109,7 @@ static void *trainer_run(void *arg)
 		}
 		char name[16];
 		snprintf(name, sizeof(name), "w%d", t);
-		struct aoq_tensor td = { .name = name, .numel = d->n, .param_dtype = d->pd, .grad_dtype = d->gd,
+		struct aoq_tensor td = { .size = sizeof(struct aoq_tensor), .name = name, .numel = d->n, .param_dtype = d->pd, .grad_dtype = d->gd,
 		                         .group = d->group, .param = tr->param[t], .grad = grad[t] };
 		idx[t] = aoq_add_tensor(c, &td);
 		CHECK_OK(idx[t]);
@@ -136,7 +136,7 @@ static void *trainer_run(void *arg)
 			CHECK_OK(aoq_push_grad(c, (uint32_t)idx[t], 0, NULL));
 		}
 		CHECK_OK(aoq_step_end(c));
-		struct aoq_step_result res = { 0 };
+		struct aoq_step_result res = AOQ_STEP_RESULT_INIT;
 		CHECK_OK(aoq_sync(c, &res));
 		CHECK(res.step == k && res.tensors_updated == TT,
 		      "trainer %s: step result %" PRIu64 " with %" PRIu64 " tensors, want %" PRIu64 " with %d", tr->job,
@@ -648,7 +648,7 @@ static int kill9_child(const char *sock)
 	struct aoq_client *c = NULL;
 	if (aoq_connect(&c, &o) < 0)
 		return 1;
-	struct aoq_group g = { .kind = AOQ_ADAMW, .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8 };
+	struct aoq_group g = { .size = sizeof(struct aoq_group), .kind = AOQ_ADAMW, .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8 };
 	if (aoq_add_group(c, &g) < 0)
 		return 1;
 	uint64_t n[2] = { (1u << 20) + 13, 4097 };
@@ -658,7 +658,7 @@ static int kill9_child(const char *sock)
 		gr[t] = calloc(n[t], 4);
 		if (!p[t] || !gr[t])
 			return 1;
-		struct aoq_tensor td = { .name = t ? "k1" : "k0", .numel = n[t], .param = p[t], .grad = gr[t] };
+		struct aoq_tensor td = { .size = sizeof(struct aoq_tensor), .name = t ? "k1" : "k0", .numel = n[t], .param = p[t], .grad = gr[t] };
 		if (aoq_add_tensor(c, &td) < 0)
 			return 1;
 	}

@@ -832,12 +832,7 @@ int aoqt_raw_open(struct aoqt_raw *s, const char *path, const char *job, const u
 	s->arena = a;
 	memcpy(&s->hdr, s->arena, sizeof(s->hdr));
 	const struct aoq_arena_header *h = &s->hdr;
-	uint64_t ring_bytes;
-	if (h->magic != AOQ_ARENA_MAGIC || h->version != AOQ_ARENA_VERSION || h->size != s->arena_size ||
-	    h->tensors != n || h->ring_capacity == 0 || h->rec_size != sizeof(struct aoq_rec) ||
-	    !aoq_mul_ok(h->ring_capacity, sizeof(struct aoq_rec), &ring_bytes) ||
-	    !aoq_range_ok(h->to_daemon_off, sizeof(struct aoq_ring) + ring_bytes, s->arena_size) ||
-	    !aoq_range_ok(h->to_client_off, sizeof(struct aoq_ring) + ring_bytes, s->arena_size)) {
+	if (aoq_arena_header_check(h, s->arena_size) < 0 || h->tensors != n) {
 		fprintf(stderr, "raw register: bad arena header\n");
 		return -EPROTO;
 	}

@@ -47,9 +47,9 @@ struct side {
 static struct aoq_group hp_at(uint32_t g, uint64_t k)
 {
 	struct aoq_group h = g == 0
-		? (struct aoq_group){ .kind = AOQ_ADAMW, .lr = 3e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
+		? (struct aoq_group){ .size = sizeof(struct aoq_group), .kind = AOQ_ADAMW, .lr = 3e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
 		                      .weight_decay = 0.05 }
-		: (struct aoq_group){ .kind = AOQ_ADAM, .lr = 1e-3, .beta1 = 0.85, .beta2 = 0.995, .eps = 1e-7,
+		: (struct aoq_group){ .size = sizeof(struct aoq_group), .kind = AOQ_ADAM, .lr = 1e-3, .beta1 = 0.85, .beta2 = 0.995, .eps = 1e-7,
 		                      .weight_decay = 0.01 };
 	h.lr *= 1.0 + 0.25 * (double)((k * 7) % 5);
 	return h;
@@ -78,7 +78,7 @@ static void open_side(struct side *s, const char *sock, const char *job, bool su
 		}
 		char name[16];
 		snprintf(name, sizeof(name), "t%d", t);
-		struct aoq_tensor td = { .name = name, .numel = d->n, .param_dtype = d->pd, .grad_dtype = gd,
+		struct aoq_tensor td = { .size = sizeof(struct aoq_tensor), .name = name, .numel = d->n, .param_dtype = d->pd, .grad_dtype = gd,
 		                         .group = d->group, .param = s->param[t], .grad = s->grad[t] };
 		s->idx[t] = aoq_add_tensor(s->c, &td);
 		CHECK_OK(s->idx[t]);
@@ -172,7 +172,7 @@ int main(int argc, char **argv)
 		}
 		CHECK_OK(aoq_step_end(a.c));
 		CHECK_OK(aoq_step_end(b.c));
-		struct aoq_step_result ra = { 0 }, rb = { 0 };
+		struct aoq_step_result ra = AOQ_STEP_RESULT_INIT, rb = AOQ_STEP_RESULT_INIT;
 		CHECK_OK(aoq_sync(a.c, &ra));
 		CHECK_OK(aoq_sync(b.c, &rb));
 		double ss = 0;

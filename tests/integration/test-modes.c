@@ -20,7 +20,7 @@
 #define NT 4
 static const uint64_t sizes[NT] = { 1, 3, 4097, (1u << 20) + 13 };
 
-static const struct aoq_group hp = { .kind = AOQ_ADAMW, .lr = 2e-3, .beta1 = 0.9, .beta2 = 0.999,
+static const struct aoq_group hp = { .size = sizeof(struct aoq_group), .kind = AOQ_ADAMW, .lr = 2e-3, .beta1 = 0.9, .beta2 = 0.999,
                                      .eps = 1e-8, .weight_decay = 0.01 };
 
 struct run {
@@ -47,7 +47,7 @@ static void open_run(struct run *r, const char *sock, const char *job, struct ao
 		}
 		char name[16];
 		snprintf(name, sizeof(name), "t%d", t);
-		struct aoq_tensor d = { .name = name, .numel = sizes[t], .param_dtype = AOQ_FP32,
+		struct aoq_tensor d = { .size = sizeof(struct aoq_tensor), .name = name, .numel = sizes[t], .param_dtype = AOQ_FP32,
 		                        .grad_dtype = AOQ_FP32, .param = r->param[t], .grad = r->grad[t] };
 		CHECK(aoq_add_tensor(r->c, &d) == t, "tensor index");
 	}
@@ -106,7 +106,7 @@ static void test_clip(const char *sock)
 			scale = 1;
 		push_all(&r, 0);
 		CHECK_OK(aoq_step_end(r.c));
-		struct aoq_step_result res;
+		struct aoq_step_result res = AOQ_STEP_RESULT_INIT;
 		CHECK_OK(aoq_sync(r.c, &res));
 		CHECK(fabs(res.clip_scale - scale) <= 1e-5 * scale, "step %lu: clip %g, expected %g",
 		      (unsigned long)step, res.clip_scale, scale);
@@ -157,7 +157,7 @@ static void test_skip(const char *sock)
 		memcpy(before, r.param[NT - 1], sizes[NT - 1] * 4);
 		push_all(&r, 0);
 		CHECK_OK(aoq_step_end(r.c));
-		struct aoq_step_result res;
+		struct aoq_step_result res = AOQ_STEP_RESULT_INIT;
 		CHECK_OK(aoq_sync(r.c, &res));
 		CHECK(res.skipped == bad && res.nonfinite == bad, "step %lu: skipped %d nonfinite %d",
 		      (unsigned long)step, res.skipped, res.nonfinite);

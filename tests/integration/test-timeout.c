@@ -112,9 +112,9 @@ static struct aoq_client *trainer(const char *socket, const char *job, float *pa
 	struct aoq_options o = opts(socket, job);
 	struct aoq_client *c;
 	CHECK_OK(aoq_connect(&c, &o));
-	struct aoq_group g = { .kind = AOQ_ADAMW, .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8 };
+	struct aoq_group g = { .size = sizeof(g), .kind = AOQ_ADAMW, .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8 };
 	CHECK_OK(aoq_add_group(c, &g));
-	struct aoq_tensor t = { .name = "w", .numel = n, .param_dtype = AOQ_FP32, .grad_dtype = AOQ_FP32,
+	struct aoq_tensor t = { .size = sizeof(t), .name = "w", .numel = n, .param_dtype = AOQ_FP32, .grad_dtype = AOQ_FP32,
 	                        .group = 0, .param = param, .grad = grad };
 	CHECK(aoq_add_tensor(c, &t) == 0, "add tensor: %s", aoq_last_error());
 	CHECK_OK(aoq_register(c));
@@ -148,7 +148,7 @@ static void stopped_daemon(const char *aoqd)
 	r = aoq_step_end(a);
 	CHECK(r < 0 && now_s() - t0 < 1.0, "a call after the timeout: %d after %.3f s", r, now_s() - t0);
 
-	struct aoq_group hp = { .kind = AOQ_ADAMW, .lr = 2e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8 };
+	struct aoq_group hp = { .size = sizeof(hp), .kind = AOQ_ADAMW, .lr = 2e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8 };
 	t0 = now_s();
 	r = aoq_set_hyperparams(b, 0, &hp);
 	CHECK(r == -ETIMEDOUT, "a request to a stopped daemon: %d (%s)", r, aoq_last_error());

@@ -63,9 +63,9 @@ static struct aoq_group hp_at(const struct client *c, uint32_t g, uint64_t step)
 
 static void setup(struct client *c)
 {
-	c->g0[0] = (struct aoq_group){ .kind = AOQ_ADAMW, .lr = 1e-3 * (1 + c->id), .beta1 = 0.9, .beta2 = 0.999,
+	c->g0[0] = (struct aoq_group){ .size = sizeof(struct aoq_group), .kind = AOQ_ADAMW, .lr = 1e-3 * (1 + c->id), .beta1 = 0.9, .beta2 = 0.999,
 	                                .eps = 1e-8, .weight_decay = 0.01 * (c->id + 1) };
-	c->g0[1] = (struct aoq_group){ .kind = AOQ_ADAM, .lr = 2e-3, .beta1 = 0.8, .beta2 = 0.99,
+	c->g0[1] = (struct aoq_group){ .size = sizeof(struct aoq_group), .kind = AOQ_ADAM, .lr = 2e-3, .beta1 = 0.8, .beta2 = 0.99,
 	                                .eps = c->id == 3 ? 1e-3 : 1e-6, .weight_decay = c->id % 2 ? 0.0 : 0.02 };
 	for (int j = 0; j < NTENS; j++) {
 		struct tens *t = &c->t[j];
@@ -164,7 +164,7 @@ static void *run_client(void *arg)
 		struct tens *t = &c->t[j];
 		char name[32];
 		snprintf(name, sizeof(name), "c%d.t%d", c->id, j);
-		struct aoq_tensor d = { .name = name, .numel = t->n, .param_dtype = t->pd, .grad_dtype = t->gd,
+		struct aoq_tensor d = { .size = sizeof(struct aoq_tensor), .name = name, .numel = t->n, .param_dtype = t->pd, .grad_dtype = t->gd,
 		                        .group = t->group, .param = t->param, .grad = t->grad,
 		                        .init = t->init, .init_dtype = AOQ_FP32 };
 		t->idx = aoq_add_tensor(ac, &d);
@@ -199,7 +199,7 @@ static void *run_client(void *arg)
 				struct aoq_group h = hp_at(c, g, k + 1);
 				CHECK_OK(aoq_set_hyperparams(ac, g, &h));
 			}
-		struct aoq_step_result res = { 0 };
+		struct aoq_step_result res = AOQ_STEP_RESULT_INIT;
 		CHECK_OK(aoq_sync(ac, &res));
 		double sumsq = 0;
 		for (int j = 0; j < NTENS; j++)

@@ -122,7 +122,7 @@ static void test_reference(void)
 	struct aoqt_ref r;
 	aoqt_ref_init(&r, 1);
 	r.p[0] = 1;
-	struct aoq_group g = { .kind = AOQ_ADAMW, .lr = 0.1, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8 };
+	struct aoq_group g = { .size = sizeof(struct aoq_group), .kind = AOQ_ADAMW, .lr = 0.1, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8 };
 	float grad = 0.5f;
 	aoqt_ref_step(&r, &g, &grad);
 	double want = 1 - 0.1 * 0.5 / (0.5 + 1e-8);
@@ -140,7 +140,7 @@ static void test_reference(void)
 			r.p[i] = p[i] = aoqt_uniform(&rng);
 		double worst = 0;
 		for (uint64_t k = 1; k <= 30; k++) {
-			struct aoq_group h = { .kind = kind ? AOQ_ADAM : AOQ_ADAMW, .lr = 1e-2 * (1 + 0.1 * (double)k),
+			struct aoq_group h = { .size = sizeof(struct aoq_group), .kind = kind ? AOQ_ADAM : AOQ_ADAMW, .lr = 1e-2 * (1 + 0.1 * (double)k),
 			                       .beta1 = 0.8, .beta2 = 0.95, .eps = 1e-6, .weight_decay = 0.1 };
 			for (size_t i = 0; i < n; i++)
 				gr[i] = (float)aoqt_uniform(&rng);

@@ -400,9 +400,32 @@ static void test_call(void)
 	EXPECT(aoq_error_to_errno(999) < 0, "unknown code maps to %d", aoq_error_to_errno(999));
 }
 
+/* aoq_grow: doubling from 16, new entries zeroed, old ones kept. */
+static void test_grow(void)
+{
+	uint32_t cap = 0;
+	uint64_t *a = aoq_grow(NULL, &cap, 5, sizeof(*a));
+	EXPECT(a && cap == 16, "cap %u", cap);
+	bool zero = true;
+	for (uint32_t i = 0; a && i < cap; i++)
+		zero &= a[i] == 0;
+	EXPECT(zero, "new entries not zeroed");
+	for (uint32_t i = 0; a && i < cap; i++)
+		a[i] = i + 1;
+	uint64_t *b = aoq_grow(a, &cap, 17, sizeof(*b));
+	EXPECT(b && cap == 32, "cap %u", cap);
+	bool kept = true;
+	for (uint32_t i = 0; b && i < 32; i++)
+		kept &= b[i] == (i < 16 ? i + 1 : 0);
+	EXPECT(kept, "entries lost or not zeroed after growing");
+	EXPECT(aoq_grow(b, &cap, 20, sizeof(*b)) == b && cap == 32, "no growth needed");
+	free(b ? b : a);
+}
+
 int main(void)
 {
 	signal(SIGPIPE, SIG_IGN);
+	test_grow();
 	test_round_trip();
 	test_cap();
 	test_bad_frames();

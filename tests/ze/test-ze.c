@@ -32,8 +32,6 @@
 #include "aoq-ze-testdriver.h"
 #include "harness.h"
 
-/* Exported by libaoq's ze backend. */
-const char *aoq_ze_staging_mode(void);
 
 #define NT 7
 #define NSTEPS 10
@@ -145,9 +143,9 @@ struct side {
 static struct aoq_group hp(uint32_t g, uint64_t k)
 {
 	struct aoq_group h = g == 0
-		? (struct aoq_group){ .kind = AOQ_ADAMW, .lr = 3e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
+		? (struct aoq_group){ .size = sizeof(struct aoq_group), .kind = AOQ_ADAMW, .lr = 3e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
 		                      .weight_decay = 0.05 }
-		: (struct aoq_group){ .kind = AOQ_ADAMW, .lr = 1e-3, .beta1 = 0.85, .beta2 = 0.995, .eps = 1e-7,
+		: (struct aoq_group){ .size = sizeof(struct aoq_group), .kind = AOQ_ADAMW, .lr = 1e-3, .beta1 = 0.85, .beta2 = 0.995, .eps = 1e-7,
 		                      .weight_decay = 0.01 };
 	h.lr *= 1.0 + 0.25 * (double)((k * 7) % 5);
 	return h;
@@ -190,7 +188,7 @@ static void open_side(struct side *s, struct zenv *z, enum mode m, const char *s
 		}
 		char name[16];
 		snprintf(name, sizeof(name), "t%d", t);
-		struct aoq_tensor td = { .name = name, .numel = d->n, .param_dtype = d->pd, .grad_dtype = d->gd,
+		struct aoq_tensor td = { .size = sizeof(struct aoq_tensor), .name = name, .numel = d->n, .param_dtype = d->pd, .grad_dtype = d->gd,
 		                         .group = d->group, .param = s->param[t], .grad = s->grad[t] };
 		s->idx[t] = aoq_add_tensor(s->c, &td);
 		CHECK_OK(s->idx[t]);
@@ -339,7 +337,7 @@ static void train(enum mode m, const char *sock)
 		}
 		CHECK_OK(aoq_step_end(cpu.c));
 		CHECK_OK(aoq_step_end(xpu.c));
-		struct aoq_step_result rc = { 0 }, rx = { 0 };
+		struct aoq_step_result rc = AOQ_STEP_RESULT_INIT, rx = AOQ_STEP_RESULT_INIT;
 		CHECK_OK(aoq_sync(cpu.c, &rc));
 		/* The next use of each parameter waits on the trainer's list
 		 * without blocking the host, then reads it back. */

@@ -11,9 +11,12 @@
  *     o.device = "cpu"; o.job = "demo";
  *     struct aoq_client *c;
  *     aoq_connect(&c, &o);
- *     int g = aoq_add_group(c, &(struct aoq_group){ .kind = AOQ_ADAMW, .lr = 1e-3, ... });
- *     int t = aoq_add_tensor(c, &(struct aoq_tensor){ .name = "w", .numel = n, .group = g,
- *                                                    .param = w, .grad = gw });
+ *     struct aoq_group hp = AOQ_GROUP_INIT;
+ *     hp.kind = AOQ_ADAMW; hp.lr = 1e-3; ...
+ *     int g = aoq_add_group(c, &hp);
+ *     struct aoq_tensor d = AOQ_TENSOR_INIT;
+ *     d.name = "w"; d.numel = n; d.group = g; d.param = w; d.grad = gw;
+ *     int t = aoq_add_tensor(c, &d);
  *     aoq_register(c);
  *     for (step...) {
  *         ... backward produces gw ...
@@ -29,6 +32,17 @@
  *
  * Thread safety: one client may be used from several threads; push and wait
  * calls for different tensors may run concurrently.
+ *
+ * Versions: the soname's number is AOQ_ABI_VERSION; it changes whenever a
+ * public struct or a function's signature does.  Every public struct starts
+ * with `size`, which the caller sets to sizeof the struct it was compiled
+ * with (the AOQ_*_INIT initialisers do); libaoq refuses a struct whose size
+ * it does not know with -EINVAL, instead of reading past or misreading it.
+ * Bindings that copy the layouts by hand check aoq_abi_version() and
+ * aoq_struct_size() first.
+ *
+ * Pointers: unless said otherwise beside it, a pointer argument is only
+ * read (or written) during the call; libaoq copies what it keeps.
  */
 #ifndef AOQ_AOQ_H
 #define AOQ_AOQ_H
@@ -48,6 +62,8 @@ extern "C" {
 #endif
 
 #define AOQ_VERSION_STRING "0.1.0"
+/* The ABI: the soname is libaoq.so.AOQ_ABI_VERSION. */
+#define AOQ_ABI_VERSION 1
 
 enum aoq_dtype {
 	AOQ_FP32 = 0,
@@ -69,6 +85,14 @@ enum aoq_precision {
 	AOQ_STATE_BF16_ALL = 4, /* bf16 master, m, v: 6 bytes per parameter */
 };
 
+/* Which part of a tensor's optimizer state aoq_read_state() and
+ * aoq_load_state() move (values match the protocol's StateKind). */
+enum aoq_state_kind {
+	AOQ_MASTER = 0,     /* the fp32 (or bf16) master weights */
+	AOQ_EXP_AVG = 1,    /* Adam's first moment */
+	AOQ_EXP_AVG_SQ = 2, /* Adam's second moment */
+};
+
 /* Flags of aoq_push_grad(). */
 enum {
 	/* A non-final micro-batch: the daemon adds the gradient to an fp32
@@ -77,7 +101,9 @@ enum {
 	AOQ_PUSH_ACCUMULATE = 1u << 0,
 };
 
+/* Read by aoq_connect(); the strings are copied. */
 struct aoq_options {
+	uint32_t size;      /* sizeof(struct aoq_options) */
 	const char *socket; /* NULL: $AOQ_SOCKET, else /run/aoq/aoqd.sock when it
 	                     * exists, else $XDG_RUNTIME_DIR/aoq/aoqd.sock */
 	const char *job;    /* job name; the session key is (uid, job, rank) */
@@ -98,6 +124,7 @@ struct aoq_options {
 	 * is pushed; the model trains on parameters one step stale.
 	 * aoq_flush() applies the pending updates (before eval or saving). */
 	bool delayed_update;
+	/* Borrowed until aoq_close(): the caller keeps these alive. */
 	void *cuda_stream;  /* default stream for push/wait (cudaStream_t), or NULL */
 	void *ze_context;   /* Level Zero handles to use as given, or NULL */
 	void *ze_device;
@@ -112,9 +139,11 @@ struct aoq_options {
 #define AOQ_DEFAULT_TIMEOUT_MS 120000u
 #define AOQ_TIMEOUT_NONE UINT32_MAX
 
-#define AOQ_OPTIONS_INIT { .job = "default", .device = "cpu" }
+#define AOQ_OPTIONS_INIT { .size = sizeof(struct aoq_options), .job = "default", .device = "cpu" }
 
+/* Read by aoq_add_group() and aoq_set_hyperparams() (copied). */
 struct aoq_group {
+	uint32_t size;      /* sizeof(struct aoq_group) */
 	enum aoq_optimizer kind;
 	double lr;
 	double beta1;
@@ -123,28 +152,48 @@ struct aoq_group {
 	double weight_decay;
 };
 
+#define AOQ_GROUP_INIT { .size = sizeof(struct aoq_group) }
+
+/* Read by aoq_add_tensor(). */
 struct aoq_tensor {
-	const char *name;
+	uint32_t size;    /* sizeof(struct aoq_tensor) */
+	const char *name; /* copied */
 	uint64_t numel;
 	enum aoq_dtype param_dtype;
 	enum aoq_dtype grad_dtype;
 	uint32_t group;
-	void *param;      /* device (or host, for "cpu") parameter: the initial value
-	                   * is read from it at aoq_register(), updates land in it */
-	const void *grad; /* device gradient buffer pushed by aoq_push_grad(); may
-	                   * be NULL and given per push with aoq_push_grad_ptr() */
+	/* Device (or host, for "cpu") parameter, borrowed until aoq_close():
+	 * the initial value is read from it at aoq_register(), every update
+	 * lands in it. */
+	void *param;
+	/* Device gradient buffer, borrowed until aoq_close(): every
+	 * aoq_push_grad() copies from it.  May be NULL, the gradient then given
+	 * per push with aoq_push_grad_ptr(). */
+	const void *grad;
 	/* Initial master values in another dtype (e.g. the fp32 master of a bf16
-	 * model), or NULL to start from `param`.  Host memory. */
+	 * model), or NULL to start from `param`.  Host memory, read only by
+	 * aoq_register(): it may be freed once that returns. */
 	const void *init;
 	enum aoq_dtype init_dtype;
 };
+
+#define AOQ_TENSOR_INIT { .size = sizeof(struct aoq_tensor) }
 
 struct aoq_client;
 
 AOQ_API const char *aoq_last_error(void);
 AOQ_API const char *aoq_dtype_name(enum aoq_dtype t);
 
-/* Connects and performs the handshake. */
+/* This library's version (AOQ_VERSION_STRING when it matches the header). */
+AOQ_API const char *aoq_version(void);
+/* This library's AOQ_ABI_VERSION. */
+AOQ_API int aoq_abi_version(void);
+/* sizeof a public struct as this library knows it, by name ("aoq_options",
+ * "aoq_group", "aoq_tensor", "aoq_step_result"); 0 for another name. */
+AOQ_API size_t aoq_struct_size(const char *name);
+
+/* Connects and performs the handshake.  opts may be NULL (the defaults of
+ * AOQ_OPTIONS_INIT).  The client is the caller's until aoq_close(). */
 AOQ_API int aoq_connect(struct aoq_client **out, const struct aoq_options *opts);
 
 /* Describe before aoq_register().  Return the index of the group/tensor. */
@@ -166,6 +215,8 @@ AOQ_API uint64_t aoq_current_step(struct aoq_client *c);
  * device backend, the copy is ordered after the work already on `stream`
  * (NULL: the options' stream) and the call does not block on it. */
 AOQ_API int aoq_push_grad(struct aoq_client *c, uint32_t t, unsigned flags, void *stream);
+/* The same from `grad`, which must stay valid and unchanged until the copy
+ * finished (aoq_grad_copied(), or aoq_grad_pending() == 0). */
 AOQ_API int aoq_push_grad_ptr(struct aoq_client *c, uint32_t t, const void *grad,
                               unsigned flags, void *stream);
 
@@ -190,7 +241,9 @@ AOQ_API int aoq_set_hyperparams(struct aoq_client *c, uint32_t g, const struct a
  * once.  aoq_sync() waits for it. */
 AOQ_API int aoq_step_end(struct aoq_client *c);
 
+/* Written by aoq_sync(); the caller sets size (AOQ_STEP_RESULT_INIT). */
 struct aoq_step_result {
+	uint32_t size;           /* sizeof(struct aoq_step_result) */
 	uint64_t step;
 	double grad_sumsq;       /* sum of squares of the step's gradients (before clipping) */
 	bool nonfinite;          /* some gradient was inf or nan */
@@ -198,6 +251,8 @@ struct aoq_step_result {
 	double clip_scale;       /* factor applied to the gradients (1 = none) */
 	uint64_t tensors_updated;
 };
+
+#define AOQ_STEP_RESULT_INIT { .size = sizeof(struct aoq_step_result) }
 
 /* Waits for every pushed gradient's parameter and every ended step; the
  * result of the last ended step goes to *last when non-NULL. */
@@ -207,18 +262,24 @@ AOQ_API int aoq_sync(struct aoq_client *c, struct aoq_step_result *last);
  * now (host-blocking).  A no-op otherwise. */
 AOQ_API int aoq_flush(struct aoq_client *c);
 
-/* Optimizer state transfer (checkpoints).  `what`: 0 master, 1 exp_avg,
- * 2 exp_avg_sq.  Host buffers of `count` elements of `dtype`. */
-AOQ_API int aoq_read_state(struct aoq_client *c, uint32_t t, int what, enum aoq_dtype dtype,
+/* Optimizer state transfer (checkpoints): elements [offset, offset + count)
+ * of tensor t's state `what`, to or from a host buffer of `count` elements
+ * of `dtype` (used during the call only). */
+AOQ_API int aoq_read_state(struct aoq_client *c, uint32_t t, enum aoq_state_kind what, enum aoq_dtype dtype,
                            uint64_t offset, uint64_t count, void *dst);
-AOQ_API int aoq_load_state(struct aoq_client *c, uint32_t t, int what, enum aoq_dtype dtype,
+AOQ_API int aoq_load_state(struct aoq_client *c, uint32_t t, enum aoq_state_kind what, enum aoq_dtype dtype,
                            uint64_t offset, uint64_t count, const void *src);
 /* Per-tensor step counters (Adam bias correction). */
 AOQ_API int aoq_get_tensor_steps(struct aoq_client *c, uint32_t first, uint32_t n, uint64_t *steps);
 AOQ_API int aoq_set_tensor_steps(struct aoq_client *c, uint32_t first, uint32_t n, const uint64_t *steps);
 
-/* Ends the session cleanly and frees the client. */
+/* Ends the session cleanly and frees the client; the borrowed buffers
+ * (param, grad, streams) are the caller's again. */
 AOQ_API void aoq_close(struct aoq_client *c);
+
+/* Level Zero backend: the staging mode of the most recently registered
+ * arena ("none" before one; a diagnostic).  A static string. */
+AOQ_API const char *aoq_ze_staging_mode(void);
 
 #ifdef __cplusplus
 }

@@ -31,12 +31,25 @@ ADAMW, ADAM = 0, 1
 STATE_FP32, STATE_Q8, STATE_BF16, STATE_BF16_Q8, STATE_BF16_ALL = 0, 1, 2, 3, 4
 # push flags
 PUSH_ACCUMULATE = 1 << 0
-# read_state / load_state `what`
+# enum aoq_state_kind (read_state / load_state `what`)
 MASTER, EXP_AVG, EXP_AVG_SQ = 0, 1, 2
 
+# AOQ_ABI_VERSION of the <aoq/aoq.h> these layouts copy; check_library()
+# compares it and every struct's size with what the loaded library reports.
+ABI_VERSION = 1
 
-class Group(ctypes.Structure):
+
+class _Sized(ctypes.Structure):
+    """A public struct of <aoq/aoq.h>: its first field, `size`, is set to
+    the struct's size; the positional arguments fill the fields after it."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(ctypes.sizeof(type(self)), *args, **kw)
+
+
+class Group(_Sized):
     _fields_ = [
+        ("size", c_uint32),
         ("kind", c_int),
         ("lr", c_double),
         ("beta1", c_double),
@@ -46,8 +59,9 @@ class Group(ctypes.Structure):
     ]
 
 
-class Tensor(ctypes.Structure):
+class Tensor(_Sized):
     _fields_ = [
+        ("size", c_uint32),
         ("name", c_char_p),
         ("numel", c_uint64),
         ("param_dtype", c_int),
@@ -61,8 +75,9 @@ class Tensor(ctypes.Structure):
 
 
 # struct aoq_options and struct aoq_step_result of <aoq/aoq.h>.
-class Options(ctypes.Structure):
+class Options(_Sized):
     _fields_ = [
+        ("size", c_uint32),
         ("socket", c_char_p),
         ("job", c_char_p),
         ("rank", c_uint32),
@@ -81,8 +96,9 @@ class Options(ctypes.Structure):
     ]
 
 
-class StepResult(ctypes.Structure):
+class StepResult(_Sized):
     _fields_ = [
+        ("size", c_uint32),
         ("step", c_uint64),
         ("grad_sumsq", c_double),
         ("nonfinite", c_bool),
@@ -120,6 +136,9 @@ def _declare(lib):
     opts, res = Options, StepResult
     P = c_void_p
     sigs = {
+        "aoq_version": (c_char_p, []),
+        "aoq_abi_version": (c_int, []),
+        "aoq_struct_size": (ctypes.c_size_t, [c_char_p]),
         "aoq_last_error": (c_char_p, []),
         "aoq_dtype_name": (c_char_p, [c_int]),
         "aoq_connect": (c_int, [ctypes.POINTER(P), ctypes.POINTER(opts)]),
@@ -152,6 +171,31 @@ def _declare(lib):
     lib.StepResult = res
 
 
+_STRUCTS = {"aoq_options": Options, "aoq_group": Group, "aoq_tensor": Tensor, "aoq_step_result": StepResult}
+
+
+def _check(lib):
+    """Raises OSError(EPROTO) unless lib's ABI and struct sizes are the ones
+    this module's layouts copy."""
+    abi = lib.aoq_abi_version()
+    bad = [] if abi == ABI_VERSION else ["ABI %d (this binding speaks %d)" % (abi, ABI_VERSION)]
+    for name, cls in _STRUCTS.items():
+        n = lib.aoq_struct_size(name.encode())
+        if n != ctypes.sizeof(cls):
+            bad.append("struct %s is %d bytes there, %d here" % (name, n, ctypes.sizeof(cls)))
+    if bad:
+        raise OSError(_errno.EPROTO, "%s (libaoq %s) does not match the aoq package: %s"
+                      % (getattr(lib, "path", "libaoq"), lib.aoq_version().decode(), "; ".join(bad)))
+
+
+def check_library():
+    """Loads libaoq and checks that it is the library this binding was written
+    for (ABI version and the size of every public struct); returns its
+    version string.  load() does the same check: a library that fails it is
+    never used."""
+    return load().aoq_version().decode()
+
+
 def load():
     """The loaded libaoq (a ctypes.CDLL with prototypes set)."""
     global _lib
@@ -165,11 +209,12 @@ def load():
                 continue
             try:
                 lib = ctypes.CDLL(path)
-            except OSError as e:
+                _declare(lib)
+            except (OSError, AttributeError) as e:
                 tried.append("%s (%s)" % (path, e))
                 continue
-            _declare(lib)
             lib.path = path
+            _check(lib)
             _lib = lib
             return lib
         raise OSError(_errno.ENOENT, "libaoq.so not found; set AOQ_LIBRARY to its full path. Tried: "

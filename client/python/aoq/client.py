@@ -25,17 +25,37 @@ StepResult = namedtuple("StepResult", "step grad_sumsq nonfinite skipped clip_sc
 Hyperparams = namedtuple("Hyperparams", "kind lr betas eps weight_decay")
 
 
+def _choice(table, value, what, codes=()):
+    """table[value] for a name, or value itself when it is one of `codes`;
+    a ValueError naming the value and the allowed ones otherwise (never a
+    bare KeyError)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value in codes:
+        return value
+    if isinstance(value, str) and value.lower() in table:
+        return table[value.lower()]
+    raise ValueError("unknown %s %r; allowed: %s" % (what, value, ", ".join(repr(k) for k in table)))
+
+
+def check_device(device):
+    """A device string libaoq accepts: "cpu", "cuda[:N]", "xpu[:N]"."""
+    if isinstance(device, str):
+        kind, _, idx = device.partition(":")
+        if kind in ("cpu", "cuda", "xpu") and (idx == "" or (idx.isdigit() and kind != "cpu")):
+            return device
+    raise ValueError("unknown device %r; allowed: 'cpu', 'cuda', 'cuda:N', 'xpu', 'xpu:N'" % (device,))
+
+
 def dtype_code(d):
     """aoq dtype code of a name ("fp32", "bf16", "fp16"), a code, a numpy
     dtype (float32/float16) or a torch dtype."""
-    if isinstance(d, int):
+    if isinstance(d, int) and not isinstance(d, bool):
         if d not in _SIZE:
-            raise ValueError("unknown aoq dtype %r" % d)
+            raise ValueError("unknown aoq dtype code %r; allowed: %s (fp32, bf16, fp16)" % (d, sorted(_SIZE)))
         return d
     s = str(d).replace("torch.", "").lower()
     if s in DTYPES:
         return DTYPES[s]
-    raise ValueError("unsupported dtype %r (aoq has fp32, bf16, fp16)" % (d,))
+    raise ValueError("unsupported dtype %r; allowed: 'fp32', 'bf16', 'fp16' (or float32, bfloat16, float16)" % (d,))
 
 
 def _np_dtype_code(a):
@@ -83,10 +103,11 @@ class Client:
         self._tensors = []       # (name, numel, param_dtype, grad_dtype)
         self.registered = False
         o = self._lib.Options()
+        check_device(device)
         self._strings = [s.encode() if s is not None else None for s in (socket, job, device)]
         o.socket, o.job, o.device = self._strings
         o.rank = rank
-        o.precision = precision if isinstance(precision, int) else PRECISIONS[precision]
+        o.precision = _choice(PRECISIONS, precision, "state precision", codes=set(PRECISIONS.values()))
         o.window = window
         o.seed = seed
         o.cuda_stream = cuda_stream
@@ -104,7 +125,7 @@ class Client:
 
     # -- description -------------------------------------------------------
     def add_group(self, kind="adamw", lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
-        g = _lib.Group(KINDS[kind] if isinstance(kind, str) else kind, lr, betas[0], betas[1], eps, weight_decay)
+        g = _lib.Group(_choice(KINDS, kind, "optimizer kind", codes=set(KINDS.values())), lr, betas[0], betas[1], eps, weight_decay)
         r = check(self._lib.aoq_add_group(self._handle(), ctypes.byref(g)), "aoq_add_group")
         self._groups.append(Hyperparams(kind, lr, tuple(betas), eps, weight_decay))
         return r
@@ -192,7 +213,7 @@ class Client:
         hp = Hyperparams(old.kind if kind is None else kind, old.lr if lr is None else lr,
                          old.betas if betas is None else tuple(betas), old.eps if eps is None else eps,
                          old.weight_decay if weight_decay is None else weight_decay)
-        s = _lib.Group(KINDS[hp.kind] if isinstance(hp.kind, str) else hp.kind, hp.lr, hp.betas[0], hp.betas[1],
+        s = _lib.Group(_choice(KINDS, hp.kind, "optimizer kind", codes=set(KINDS.values())), hp.lr, hp.betas[0], hp.betas[1],
                        hp.eps, hp.weight_decay)
         check(self._lib.aoq_set_hyperparams(self._handle(), g, ctypes.byref(s)), "aoq_set_hyperparams")
         self._groups[g] = hp
@@ -220,7 +241,7 @@ class Client:
         """State `what` (0/"master", 1/"exp_avg", 2/"exp_avg_sq") of tensor t
         as a numpy array (float32; uint16 bf16 bits for dtype "bf16")."""
         import numpy as np
-        what = WHAT[what] if isinstance(what, str) else what
+        what = _choice(WHAT, what, "state", codes=set(WHAT.values()))
         dt = dtype_code(dtype)
         if count is None:
             count = self._tensors[t][1] - offset
@@ -234,7 +255,7 @@ class Client:
 
     def load_state(self, t, what, data, dtype=None, offset=0):
         """Loads state `what` of tensor t from `data` (numpy array)."""
-        what = WHAT[what] if isinstance(what, str) else what
+        what = _choice(WHAT, what, "state", codes=set(WHAT.values()))
         a, n, d, keep = _addr(data, "data")
         dt = dtype_code(dtype) if dtype is not None else d
         if dt is None:

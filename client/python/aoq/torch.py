@@ -21,6 +21,7 @@ Gradient pushes (README-python.md has the full story):
 import collections
 import os
 import warnings
+import weakref
 
 import torch
 
@@ -30,6 +31,17 @@ from .client import Client
 __all__ = ["OffloadOptimizer"]
 
 _AOQ_DTYPE = {torch.float32: _lib.FP32, torch.bfloat16: _lib.BF16, torch.float16: _lib.FP16}
+
+# The optimizer classes aoqd runs: exact class -> (the daemon's kind, default
+# weight_decay).  Subclasses and every other torch.optim.Optimizer run on host
+# copies in this process (_HostFallback).  When the daemon runs SGD and Lion,
+# each is one entry here plus its hyperparameters in OffloadOptimizer._hp_of.
+_DAEMON_CLASSES = {
+    torch.optim.AdamW: ("adamw", 1e-2),
+    torch.optim.Adam: ("adam", 0.0),
+}
+_MASTER_DTYPES = (None, "fp32", "bf16", torch.float32, torch.bfloat16)
+_STATE_PRECISIONS = (None, "fp32", "q8", "bf16")
 # (moments, master) -> the daemon's state precision; moments None: the master's dtype
 _PRECISION = {("fp32", None): _lib.STATE_FP32, ("q8", None): _lib.STATE_Q8, (None, None): _lib.STATE_FP32,
               ("fp32", "bf16"): _lib.STATE_BF16, ("q8", "bf16"): _lib.STATE_BF16_Q8,
@@ -39,7 +51,7 @@ _PRECISION = {("fp32", None): _lib.STATE_FP32, ("q8", None): _lib.STATE_Q8, (Non
 class _Slot:
     """One parameter stepped by aoqd."""
     __slots__ = ("t", "p", "name", "group", "numel", "host_param", "host_grad", "count", "final", "held",
-                 "inflight", "wait", "covered")
+                 "inflight", "wait", "covered", "seen", "seen_ver", "fwd")
 
     def __init__(self, t, p, name, group):
         self.t, self.p, self.name, self.group = t, p, name, group
@@ -51,6 +63,125 @@ class _Slot:
         self.inflight = []      # device gradients whose copy may still run (CUDA)
         self.wait = False       # an update was pushed that the device has not waited for
         self.covered = False    # a forward pre-hook (attach) waits for it
+        self.seen = None        # p.grad at the last hook (or push) and its version counter: a change
+        self.seen_ver = -1      # after that is a user edit (clipping, GradScaler.unscale_, ...)
+        self.fwd = False        # the global forward pre-hook met it in a forward (outside compiled code)
+
+
+def _parse_params(params, start=0, taken=()):
+    """(param groups with plain tensors, {param: name}): params are tensors,
+    (name, tensor) pairs or groups of either; unnamed ones are named by
+    their position ("0", "1", ...)."""
+    names = {}
+    groups = list(params) if not isinstance(params, torch.Tensor) else [params]
+    if not groups:
+        raise ValueError("OffloadOptimizer got an empty parameter list")
+    if not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    clean, pos = [], start
+    for g in groups:
+        if not isinstance(g, dict) or "params" not in g:
+            raise ValueError("a parameter group must be a dict with 'params', got %r" % (type(g),))
+        g = dict(g)
+        ps = g["params"]
+        ps = [ps] if isinstance(ps, torch.Tensor) or (isinstance(ps, tuple) and len(ps) == 2
+                                                       and isinstance(ps[0], str)) else list(ps)
+        plist = []
+        for x in ps:
+            if isinstance(x, (tuple, list)) and len(x) == 2 and isinstance(x[0], str):
+                n, x = x
+            else:
+                n = str(pos)
+            if not isinstance(x, torch.Tensor):
+                raise ValueError("parameter %s: expected a torch.Tensor, got %r" % (n, type(x)))
+            if n in names.values() or n in taken:
+                raise ValueError("duplicate parameter name %r" % n)
+            names[x] = n
+            plist.append(x)
+            pos += 1
+        g["params"] = plist
+        if "betas" in g:
+            g["betas"] = tuple(g["betas"])
+        clean.append(g)
+    return clean, names
+
+
+class _HostFallback:
+    """An optimizer class aoqd does not run: optimizer_class steps host
+    copies of the parameters in this process, as torchao's
+    CPUOffloadOptimizer does (gradients copied to the host at step(), the
+    updated parameters copied back).  Synchronous; the state lives in
+    self.opt (positional torch state_dict)."""
+
+    def __init__(self, owner, optimizer_class, kwargs):
+        self.owner = owner
+        self.host = {}                               # device param -> host copy
+        host_groups = []
+        for g in owner.param_groups:
+            hg = {k: v for k, v in g.items() if k != "params"}
+            hg["params"] = [self._host_of(p) for p in g["params"]]
+            host_groups.append(hg)
+        self.opt = optimizer_class(host_groups, **kwargs)
+
+    def _host_of(self, p):
+        h = self.host.get(p)
+        if h is None:
+            pin = p.device.type == "cuda" and torch.cuda.is_available()
+            h = torch.empty(p.shape, dtype=p.dtype, pin_memory=pin)
+            with torch.no_grad():
+                h.copy_(p.detach())
+            h.requires_grad_(p.requires_grad)
+            self.host[p] = h
+        return h
+
+    def add_group(self, g):
+        hg = {k: v for k, v in g.items() if k != "params"}
+        hg["params"] = [self._host_of(p) for p in g["params"]]
+        self.opt.add_param_group(hg)
+
+    def step(self, loss):
+        for g, hg in zip(self.owner.param_groups, self.opt.param_groups):
+            for k, v in g.items():          # LR schedulers change the owner's groups
+                if k != "params":
+                    hg[k] = v
+            for p, h in zip(g["params"], hg["params"]):
+                if p.grad is None:
+                    h.grad = None
+                    continue
+                if h.grad is None:
+                    h.grad = torch.empty_like(h)
+                h.grad.copy_(p.grad)
+        self.opt.step()
+        for p, h in self.host.items():
+            if p.grad is not None:
+                p.copy_(h)
+        return loss
+
+    def zero_grad(self, set_to_none=True):
+        for g in self.owner.param_groups:
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_()
+                    p.grad.zero_()
+
+    def state_dict(self):
+        return self.opt.state_dict()
+
+    def load_state_dict(self, sd):
+        self.opt.load_state_dict(sd)
+        for g, hg in zip(self.owner.param_groups, self.opt.param_groups):
+            for k, v in hg.items():
+                if k != "params":
+                    g[k] = v
+
+
+def _is_compiling():
+    f = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(f and f())
 
 
 def _job_default():
@@ -84,56 +215,60 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def __init__(self, params, optimizer_class=torch.optim.AdamW, *, offload_gradients=False, minimal_size=4096,
                  device=None, socket=None, state_precision=None, master_dtype=None, max_grad_norm=None,
                  delayed_update=False, skip_nonfinite=False, grad_accumulation_steps=None, copy_mode=None,
-                 seed=0, job=None, rank=None, model=None, **kwargs):
-        if optimizer_class is torch.optim.AdamW or getattr(optimizer_class, "__name__", "") == "AdamW":
-            kind, wd_default = "adamw", 1e-2
-        elif optimizer_class is torch.optim.Adam or getattr(optimizer_class, "__name__", "") == "Adam":
-            kind, wd_default = "adam", 0.0
-        else:
-            raise ValueError("aoqd runs Adam and AdamW; optimizer_class %r is not supported" % (optimizer_class,))
+                 seed=0, job=None, rank=None, model=None, grad_edits=None, **kwargs):
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise ValueError("optimizer_class must be a torch.optim.Optimizer subclass, got %r" % (optimizer_class,))
+        if master_dtype not in _MASTER_DTYPES:
+            raise ValueError("unknown master_dtype %r; allowed: None, 'fp32', 'bf16' (or torch.float32, "
+                             "torch.bfloat16)" % (master_dtype,))
+        if state_precision not in _STATE_PRECISIONS:
+            raise ValueError("unknown state_precision %r; allowed: None, 'fp32', 'q8', 'bf16' (with master_dtype="
+                             "'bf16')" % (state_precision,))
+        master = "bf16" if master_dtype in ("bf16", torch.bfloat16) else None
+        if (state_precision, master) not in _PRECISION:
+            raise ValueError("state_precision %r needs master_dtype='bf16' (allowed with an fp32 master: None, "
+                             "'fp32', 'q8')" % (state_precision,))
+        if copy_mode not in (None, "native", "framework"):
+            raise ValueError("unknown copy_mode %r; allowed: None, 'native', 'framework'" % (copy_mode,))
+        if grad_edits not in (None, True, False):
+            raise ValueError("grad_edits must be None (detect), True or False, got %r" % (grad_edits,))
+        if device is not None:
+            from .client import check_device
+            check_device(device)
+        self._constructed = False
+        self._fallback = None
+        self._global_hook = None
+        self._slots = []
+        self._client = None
+        if optimizer_class not in _DAEMON_CLASSES:
+            self._init_fallback(params, optimizer_class, kwargs)
+            return
+        kind, wd_default = _DAEMON_CLASSES[optimizer_class]
         for k in ("amsgrad", "maximize", "capturable", "differentiable"):
             if kwargs.get(k):
                 raise ValueError("OffloadOptimizer: %s=True is not supported by aoqd" % k)
-        if master_dtype not in (None, "fp32", "bf16", torch.bfloat16, torch.float32):
-            raise ValueError("master_dtype must be None/'fp32' or 'bf16'")
-        master = "bf16" if master_dtype in ("bf16", torch.bfloat16) else None
-        if (state_precision, master) not in _PRECISION:
-            raise ValueError("state_precision must be None, 'fp32', 'q8', or 'bf16' with master_dtype='bf16'")
         self._kind = kind
         self._optimizer_class = optimizer_class
         self._dev_kwargs = dict(kwargs)
         defaults = dict(lr=kwargs.pop("lr", 1e-3), betas=tuple(kwargs.pop("betas", (0.9, 0.999))),
                         eps=kwargs.pop("eps", 1e-8), weight_decay=kwargs.pop("weight_decay", wd_default))
 
-        # Names: accept named_parameters() pairs anywhere.
-        names = {}
-        groups = list(params) if not isinstance(params, torch.Tensor) else [params]
-        if groups and not isinstance(groups[0], dict):
-            groups = [{"params": groups}]
-        clean, pos = [], 0
-        for g in groups:
-            g = dict(g)
-            ps = g["params"]
-            ps = [ps] if isinstance(ps, torch.Tensor) or (isinstance(ps, tuple) and len(ps) == 2
-                                                           and isinstance(ps[0], str)) else list(ps)
-            plist = []
-            for x in ps:
-                if isinstance(x, (tuple, list)) and len(x) == 2 and isinstance(x[0], str):
-                    n, x = x
-                else:
-                    n = str(pos)
-                if n in names.values():
-                    raise ValueError("duplicate parameter name %r" % n)
-                names[x] = n
-                plist.append(x)
-                pos += 1
-            g["params"] = plist
-            if "betas" in g:
-                g["betas"] = tuple(g["betas"])
-            clean.append(g)
+        clean, names = _parse_params(params)
         super().__init__(clean, defaults)
         self._names = names                       # param -> name
         self._by_name = {n: p for p, n in names.items()}
+        # Gradient edits between backward and step(): None learns them at the
+        # first step.  offload_gradients drops p.grad in the hook, so there is
+        # nothing to edit (clip with max_grad_norm= there).
+        if offload_gradients and grad_edits:
+            raise ValueError("grad_edits=True needs offload_gradients=False (offload_gradients drops p.grad in "
+                             "the hook; use max_grad_norm= for clipping)")
+        self._edits = False if offload_gradients else grad_edits
+        # GradScaler hands this optimizer grad_scale / found_inf instead of
+        # unscaling in place behind its back (its unscale kernel does not bump
+        # the gradients' version counters): step() unscales and skips.
+        self._step_supports_amp_scaling = True
+        self._edit_warned = False
 
         self.offload_gradients = bool(offload_gradients)
         self.grad_accumulation_steps = grad_accumulation_steps
@@ -157,6 +292,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             small_groups.append(sg)
         self._small_params = [p for g in small_groups for p in g["params"]]
         dev_kwargs = {k: v for k, v in self._dev_kwargs.items() if k not in ("lr", "betas", "eps", "weight_decay")}
+        self._dev_only_kwargs = dev_kwargs
         self._dev_opt = (optimizer_class([g for g in small_groups if g["params"]] or small_groups[:1], **dev_kwargs)
                          if self._small_params else None)
         self._dev_group_of = [i for i, g in enumerate(small_groups) if g["params"]]
@@ -223,6 +359,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self._slots.append(s)
                 self._slot_of[p] = s
             c.register()
+            # The state lives in aoqd (state_dict() reads it).  A non-empty
+            # self.state tells torch.distributed.checkpoint's
+            # get_optimizer_state_dict that the state exists, so it does not
+            # run a hidden zero-gradient step() to create it.
+            for s in self._slots:
+                self.state[s.p] = {}
             for s in self._slots:
                 s.p.register_post_accumulate_grad_hook(self._make_hook(s))
         self._step_started = False
@@ -231,6 +373,20 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._inflight_fifo = collections.deque()
         self.offload_window_bytes = 1 << 30 if self.offload_gradients else 0
         self.last_result = None
+        self._constructed = True
+        if self._slots:
+            # Import swap = attach: before any module runs, the current stream
+            # waits for that module's own parameters only (no host sync).
+            # (through a weak reference: the global registry must not keep the optimizer alive)
+            ref = weakref.ref(self)
+
+            def pre(mod, args):
+                if _is_compiling():
+                    return
+                opt = ref()
+                if opt is not None:
+                    opt._global_pre(mod, args)
+            self._global_hook = torch.nn.modules.module.register_module_forward_pre_hook(pre)
         if model is not None:
             self.attach(model)
 
@@ -249,14 +405,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self._step_started:
             return
         self._step_started = True
-        for gi, g in enumerate(self.param_groups):
-            hp = self._hp_of(g)
+        for gi in range(len(self._sent_hp)):      # groups added later (add_param_group) are on the device
+            hp = self._hp_of(self.param_groups[gi])
             if hp != self._sent_hp[gi]:
                 self._client.set_hyperparams(gi, lr=hp[0], betas=hp[1], eps=hp[2], weight_decay=hp[3])
                 self._sent_hp[gi] = hp
 
     def _push(self, s, grad, final):
         self._begin_step()
+        s.seen, s.seen_ver = grad, grad._version
         if grad.dtype != s.p.dtype or not grad.is_contiguous():
             grad = grad.to(s.p.dtype).contiguous()
         if self._framework:
@@ -343,7 +500,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if p.grad is None or self._client is None:
             return
         s.count += 1
-        k = self._learned
+        s.seen, s.seen_ver = p.grad, p.grad._version
+        # Final pushes from the hook only once the loop is known not to edit
+        # gradients between backward and step() (else step() pushes them).
+        k = self._learned if self._edits is False else None
         if s.final:
             raise RuntimeError(
                 "aoq: parameter %r got a gradient after its final push of this step (%d backward passes per "
@@ -361,6 +521,28 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     self._push(s, s.held, final=False)
                 s.held = p.grad
             p.grad = None
+
+    def _global_pre(self, mod, args):
+        """The global forward pre-hook (every module, installed by the
+        constructor): the current stream waits for the updates of the
+        module's own parameters.  Inside code that torch.compile traces it
+        does nothing (no graph break); the compiled module's own call, which
+        runs outside, waits for all of its parameters instead."""
+        if _is_compiling():
+            return
+        slot_of = self._slot_of
+        if type(mod).__name__ == "OptimizedModule":
+            params = mod.parameters()
+        else:
+            params = mod._parameters.values()
+        for p in params:
+            s = slot_of.get(p) if p is not None else None
+            if s is not None:
+                s.fwd = True
+                if s.wait:
+                    self._wait(s)
+        if self._inflight_fifo:
+            self._reap()
 
     # ------------------------------------------------------------------
     def attach(self, model):
@@ -391,12 +573,40 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._fallback is not None:
+            return self._fallback.step(loss)
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None:           # called by GradScaler.step
+            if self._edits is not True:
+                self._edits = True          # the gradients are unscaled (edited) every step
+                if any(s.final for s in self._slots):
+                    warnings.warn("aoq: GradScaler started after gradients had streamed; this step used the "
+                                  "scaled gradients. Pass grad_edits=True with GradScaler.", RuntimeWarning,
+                                  stacklevel=2)
+            if float(found_inf) != 0:       # GradScaler skips the step (GradScaler itself syncs here too)
+                for s in self._slots:
+                    if not s.final:
+                        s.count, s.held, s.seen = 0, None, None
+                return loss
+            scale = getattr(self, "grad_scale", None)
+            if scale is not None:           # not unscaled yet: unscale as GradScaler.unscale_ does
+                grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+                if grads:
+                    inv = scale.double().reciprocal().float()
+                    dummy = torch.zeros(1, device=inv.device)
+                    torch._amp_foreach_non_finite_check_and_unscale_(grads, dummy, inv)
         if self._slots:
             self._begin_step()
             counts = [s.count for s in self._slots]
+            edited, stale = False, []
             for s in self._slots:
+                g = s.p.grad
+                changed = g is not None and (g is not s.seen or g._version != s.seen_ver)
                 if s.final:
+                    if changed:
+                        stale.append(s.name)
                     continue
+                edited = edited or (changed and s.count > 0)
                 if self.offload_gradients:
                     if s.held is not None:
                         self._push(s, s.held, final=True)
@@ -408,6 +618,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     self._push(s, s.p.grad, final=True)
             if self._learned is None and max(counts) > 0:
                 self._learned = max(counts)
+            if self._edits is None and max(counts) > 0:
+                self._edits = edited      # an edit at the first step: final pushes wait for step() from now on
+            if stale:
+                self._edits = True
+                if not self._edit_warned:
+                    self._edit_warned = True
+                    warnings.warn("aoq: the gradient of %s was changed after backward (clipping, GradScaler, an "
+                                  "edit of p.grad) once its update had started, so this step used the gradient as "
+                                  "backward left it; from the next step on, gradients are pushed at step(). Pass "
+                                  "grad_edits=True when the training loop edits gradients (max_grad_norm= clips "
+                                  "in the daemon, overlapped)" % ", ".join(stale[:3]), RuntimeWarning, stacklevel=2)
         if self._dev_opt is not None:
             for dg, gi in zip(self._dev_opt.param_groups, self._dev_group_of):
                 g = self.param_groups[gi]
@@ -419,13 +640,20 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if self._inflight_fifo:
                 self._reap()
             for s in self._slots:
-                s.count, s.final, s.held = 0, False, None
-                if not s.covered:
+                s.count, s.final, s.held, s.seen = 0, False, None, None
+                if not (s.covered or s.fwd):
                     self._wait(s)
             self._step_started = False
         return loss
 
     def zero_grad(self, set_to_none=True):
+        if self._fallback is not None:
+            return self._fallback.zero_grad(set_to_none)
+        for s in self._slots:
+            # Backward passes since the last step() that no step() took (e.g.
+            # GradScaler skipped the step for an inf): forget them.
+            if s.count and not s.final:
+                s.count, s.held, s.seen = 0, None, None
         for g in self.param_groups:
             for p in g["params"]:
                 if p.grad is None:
@@ -471,6 +699,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def close(self):
         """Ends the daemon session (also done at exit)."""
+        if self._global_hook is not None:
+            self._global_hook.remove()
+            self._global_hook = None
         if self._client is not None:
             self.synchronize()
             self._client.close()
@@ -478,57 +709,197 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._slots = []
 
     # ------------------------------------------------------------------
+    def _init_fallback(self, params, optimizer_class, kwargs):
+        warnings.warn("aoq: %s is not offloaded to aoqd (aoqd runs %s); it steps host copies of the parameters in "
+                      "this process" % (optimizer_class.__name__, ", ".join(c.__name__ for c in _DAEMON_CLASSES)),
+                      stacklevel=3)
+        clean, names = _parse_params(params)
+        super().__init__(clean, {})
+        self._names = names
+        self._by_name = {n: p for p, n in names.items()}
+        self._slot_of = {}
+        self._kind = optimizer_class.__name__
+        self._optimizer_class = optimizer_class
+        self._fallback = _HostFallback(self, optimizer_class, kwargs)
+        self.defaults = dict(self._fallback.opt.defaults)
+        for g, hg in zip(self.param_groups, self._fallback.opt.param_groups):
+            for k, v in hg.items():
+                if k != "params":
+                    g[k] = v
+        self.device = next((p.device for g in clean for p in g["params"]), torch.device("cpu"))
+        self.last_result = None
+        self._constructed = True
+
+    def add_param_group(self, param_group):
+        """torch's add_param_group.  A group added after construction is not
+        offloaded: optimizer_class steps it on the device (aoqd's session
+        is registered already)."""
+        if not getattr(self, "_constructed", False):
+            return super().add_param_group(param_group)
+        clean, names = _parse_params([param_group], start=len(self._names), taken=set(self._names.values()))
+        for p in clean[0]["params"]:
+            if p in self._names:
+                raise ValueError("some parameters appear in more than one parameter group")
+        super().add_param_group(clean[0])
+        self._names.update(names)
+        self._by_name.update({n: p for p, n in names.items()})
+        g = self.param_groups[-1]
+        if self._fallback is not None:
+            self._fallback.add_group(g)
+            return
+        trainable = [p for p in g["params"] if p.requires_grad]
+        dg = {k: v for k, v in g.items() if k != "params"}
+        dg["params"] = trainable
+        if self._dev_opt is None:
+            self._dev_opt = self._optimizer_class([dg], **self._dev_only_kwargs)
+        else:
+            self._dev_opt.add_param_group(dg)
+        self._dev_group_of.append(len(self.param_groups) - 1)
+        self._small_params.extend(trainable)
+        if trainable and self._slots:
+            warnings.warn("aoq: a parameter group added after construction is stepped on the device by %s, not "
+                          "offloaded to aoqd" % self._optimizer_class.__name__, stacklevel=2)
+
+    def _positions(self):
+        """Every parameter of param_groups, in order (torch's positional ids)."""
+        return [p for g in self.param_groups for p in g["params"]]
+
     def state_dict(self):
-        """{"state": {name: {"step", "master", "exp_avg", "exp_avg_sq"}},
-        "param_groups": [... "params": [names]]}.  Daemon states are read
-        as fp32 (q8 and bf16 states converted by the daemon)."""
+        """torch's format: {"state": {position: {...}}, "param_groups": [...
+        "params": [positions]]} (positions over param_groups, as torch's
+        optimizers number them), plus "aoq": {"names": [name per position],
+        ...}.  A daemon-stepped parameter's state is {"step", "master",
+        "exp_avg", "exp_avg_sq"} as fp32 CPU tensors read from the daemon
+        (q8 and bf16 states converted); a device-stepped one's is
+        optimizer_class's own.  torch.optim.AdamW/Adam load it as it is."""
+        pos = self._positions()
+        index = {p: i for i, p in enumerate(pos)}
+        meta = {"kind": self._kind, "format": 2, "names": [self._names[p] for p in pos],
+                "seed": self._client.seed if self._client else 0}
+        if self._fallback is not None:
+            sd = self._fallback.state_dict()
+            sd["aoq"] = meta
+            return sd
         state = {}
         if self._slots:
             self.synchronize()
             steps = self._client.get_tensor_steps()
             for s in self._slots:
                 st = {"step": torch.tensor(float(steps[s.t]))}
-                for w in ("master", "exp_avg", "exp_avg_sq"):
+                for w in ("exp_avg", "exp_avg_sq", "master"):
                     a = self._client.read_state(s.t, w)
                     st[w] = torch.from_numpy(a).view(s.p.shape)
-                state[s.name] = st
+                state[index[s.p]] = st
         if self._dev_opt is not None:
             for p, st in self._dev_opt.state.items():
-                state[self._names[p]] = {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in st.items()}
+                state[index[p]] = {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in st.items()}
         groups = []
         for g in self.param_groups:
             d = {k: v for k, v in g.items() if k != "params"}
-            d["params"] = [self._names[p] for p in g["params"]]
+            d["params"] = [index[p] for p in g["params"]]
             groups.append(d)
-        return {"state": state, "param_groups": groups, "aoq": {"kind": self._kind, "format": 1,
-                                                                     "seed": self._client.seed if self._client else 0}}
+        return {"state": dict(sorted(state.items())), "param_groups": groups, "aoq": meta}
 
-    def load_state_dict(self, state_dict):
-        import numpy as np
+    def _entries(self, state_dict):
+        """[(param, its state or None)] and [loaded group hyperparameters]
+        from a state dict of aoq (formats 1 and 2), torch's Adam/AdamW
+        (positional ids) or torchao's CPUOffloadOptimizer ("offloaded")."""
+        if not isinstance(state_dict, dict):
+            raise ValueError("load_state_dict: expected a dict, got %r" % (type(state_dict),))
+        if "offloaded" in state_dict:
+            return self._entries_torchao(state_dict)
+        if "param_groups" not in state_dict or "state" not in state_dict:
+            raise ValueError("load_state_dict: not an optimizer state dict (keys %s; expected 'state' and "
+                             "'param_groups', or torchao's 'offloaded')" % sorted(state_dict))
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError("loaded state dict has %d parameter groups, this optimizer %d"
                              % (len(groups), len(self.param_groups)))
-        for g, lg in zip(self.param_groups, groups):
-            if [self._names[p] for p in g["params"]] != list(lg["params"]):
-                raise ValueError("loaded state dict's parameter names differ from this optimizer's")
-            for k, v in lg.items():
-                if k != "params":
-                    g[k] = tuple(v) if k == "betas" else v
+        out = []
         state = state_dict["state"]
+        for g, lg in zip(self.param_groups, groups):
+            ids = list(lg["params"])
+            if len(ids) != len(g["params"]):
+                raise ValueError("loaded state dict's group has %d parameters, this optimizer's %d"
+                                 % (len(ids), len(g["params"])))
+            if ids and all(isinstance(i, str) for i in ids) and ids != [self._names[p] for p in g["params"]]:
+                raise ValueError("loaded state dict's parameter names differ from this optimizer's")
+            for i, p in zip(ids, g["params"]):
+                out.append((p, state.get(i)))
+        return out, [{k: v for k, v in lg.items() if k != "params"} for lg in groups]
+
+    def _entries_torchao(self, sd, minimal_size=4096):
+        """torchao's CPUOffloadOptimizer.state_dict(): "offloaded", one
+        single-parameter optimizer state dict per offloaded parameter (the
+        trainable ones of at least minimal_size elements, in order), and
+        "on-device" (the others, positional)."""
+        off = list(sd["offloaded"])
+        dev = sd.get("on-device") or {"state": {}, "param_groups": []}
+        train = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        big = [p for p in train if p.numel() >= minimal_size]
+        small = [p for p in train if p.numel() < minimal_size]
+        if len(big) != len(off):
+            raise ValueError("torchao state dict has %d offloaded parameters; this optimizer has %d trainable "
+                             "parameters of at least %d elements" % (len(off), len(big), minimal_size))
+        out, hps = [], {}
+        for p, o in zip(big, off):
+            st = o["state"].get(0, o["state"].get("0")) if o.get("state") else None
+            if st is not None and tuple(st["exp_avg"].shape) != tuple(p.shape):
+                raise ValueError("torchao state dict: parameter %s has shape %s, the state %s"
+                                 % (self._names[p], tuple(p.shape), tuple(st["exp_avg"].shape)))
+            out.append((p, st))
+            if o.get("param_groups"):
+                hps.setdefault(id(p), {k: v for k, v in o["param_groups"][0].items() if k != "params"})
+        dev_ids = [i for g in dev["param_groups"] for i in g["params"]]
+        if dev_ids and len(dev_ids) != len(small):
+            raise ValueError("torchao state dict has %d on-device parameters, this optimizer %d below %d elements"
+                             % (len(dev_ids), len(small), minimal_size))
+        for i, p in zip(dev_ids, small):
+            out.append((p, dev["state"].get(i)))
+        groups = []
+        for g in self.param_groups:
+            hp = next((hps[id(p)] for p in g["params"] if id(p) in hps), None)
+            groups.append(hp or {k: v for k, v in g.items() if k != "params"})
+        return out, groups
+
+    def load_state_dict(self, state_dict):
+        """Loads aoq's state_dict(), torch.optim.AdamW/Adam's (positional; the
+        parameters' current values become the master) or torchao's
+        CPUOffloadOptimizer's.  Into a new process and daemon session: master,
+        moments, per-tensor step counts and hyperparameters; the device
+        parameters get the loaded master."""
+        import numpy as np
+        if self._fallback is not None:
+            sd = {k: v for k, v in state_dict.items() if k != "aoq"}
+            return self._fallback.load_state_dict(sd)
+        entries, groups = self._entries(state_dict)
+        for g, lg in zip(self.param_groups, groups):
+            for k, v in lg.items():
+                if k in g or k in ("lr", "betas", "eps", "weight_decay"):
+                    g[k] = tuple(v) if k == "betas" else v
+        for p, st in entries:
+            if st is not None and st.get("max_exp_avg_sq") is not None and p in self._slot_of:
+                raise ValueError("load_state_dict: parameter %s has amsgrad state (max_exp_avg_sq); aoqd runs "
+                                 "Adam/AdamW without amsgrad" % self._names[p])
         if self._slots:
             self.synchronize()
             steps = self._client.get_tensor_steps()
-            for s in self._slots:
-                st = state.get(s.name)
-                if st is None:
+            for p, st in entries:
+                s = self._slot_of.get(p)
+                if s is None or st is None:
                     continue
-                for w in ("master", "exp_avg", "exp_avg_sq"):
-                    a = np.ascontiguousarray(st[w].detach().to("cpu", torch.float32).reshape(-1).numpy())
+                master = st.get("master")
+                if master is None:          # torch / torchao: the parameter is the master
+                    master = p.detach()
+                for w, v in (("master", master), ("exp_avg", st["exp_avg"]), ("exp_avg_sq", st["exp_avg_sq"])):
+                    if v.numel() != s.numel:
+                        raise ValueError("load_state_dict: %s of parameter %s has %d elements, expected %d"
+                                         % (w, s.name, v.numel(), s.numel))
+                    a = np.ascontiguousarray(v.detach().to("cpu", torch.float32).reshape(-1).numpy())
                     self._client.load_state(s.t, w, a)
-                steps[s.t] = int(st["step"])
+                steps[s.t] = int(float(st["step"]))
                 with torch.no_grad():   # the device parameter follows the loaded master
-                    s.p.copy_(st["master"].to(s.p.device, s.p.dtype).view(s.p.shape))
+                    s.p.copy_(master.to(s.p.device, s.p.dtype).view(s.p.shape))
                     if self._framework:
                         s.host_param.copy_(s.p.reshape(-1))
             self._client.set_tensor_steps(steps)
@@ -536,16 +907,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._begin_step()      # the loaded hyperparameters
             self._step_started = False
         if self._dev_opt is not None:
-            for p in self._small_params:
-                st = state.get(self._names[p])
-                if st is not None:
+            small = set(self._small_params)
+            for p, st in entries:
+                if p in small and st is not None:
                     self._dev_opt.state[p] = {k: (v.to(p.device) if torch.is_tensor(v) and k != "step" else
-                                                  (v.clone() if torch.is_tensor(v) else v)) for k, v in st.items()}
+                                                  (v.clone() if torch.is_tensor(v) else v))
+                                              for k, v in st.items() if k != "master"}
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def __del__(self):
         try:
+            if getattr(self, "_global_hook", None) is not None:
+                self._global_hook.remove()
             if getattr(self, "_client", None) is not None:
                 self._client.close()
         except Exception:

@@ -3,14 +3,19 @@
 """aoq.torch.OffloadOptimizer on the CPU (host backend) against
 torch.optim.AdamW: the GPU test's cases at a smaller width, plus the
 save/load round trip through a new process and daemon.  Exit 77 (skip)
-without torch."""
+without torch, or 1 (fail) when the environment says torch must be there:
+CI or AOQ_REQUIRE_TORCH set to anything but "", "0", "false"."""
 import os
 import sys
 import traceback
 
 try:
     import torch  # noqa: F401
-except ImportError:
+except ImportError as e:
+    if any(os.environ.get(v, "").lower() not in ("", "0", "false", "no") for v in ("CI", "AOQ_REQUIRE_TORCH")):
+        print("FAIL: torch is required here (CI / AOQ_REQUIRE_TORCH is set) but %s: %s (python %s); make the venv "
+              "with deploy/python-venv.sh" % (type(e).__name__, e, sys.executable))
+        sys.exit(1)
     print("SKIP: torch is not installed")
     sys.exit(77)
 

@@ -95,7 +95,7 @@ def same(a, b, what, exact=False, **tol):
 
 
 def run_cases(device, width, socket, cases=None, steps=10):
-    """The issue's correctness cases on `device`; raises on the first failure."""
+    """The correctness cases on `device`; raises on the first failure."""
     want = set(cases or ["basic", "accum", "offload", "offload-explicit", "attach", "framework", "adam-groups",
                          "clip", "autocast", "compile"])
     ref = reference(width, device, steps)
@@ -204,9 +204,10 @@ def resume_case(width, device, steps, daemon_factory):
         m2 = make_model(width, device)
         m2.load_state_dict(ck["model"])
         # the optimizer state after load + 3 steps matches the uninterrupted one
-        for n, p in m.named_parameters():
+        for i, (n, p) in enumerate(m.named_parameters()):   # state_dict keys: positions, as torch's
             if p.requires_grad and p.numel() >= 4096:
-                st = ck["opt"]["state"][n]
+                assert ck["opt"]["aoq"]["names"][i] == n
+                st = ck["opt"]["state"][i]
                 torch.testing.assert_close(st["exp_avg"].to(p.device), opt.state[p]["exp_avg"])
                 torch.testing.assert_close(st["exp_avg_sq"].to(p.device), opt.state[p]["exp_avg_sq"])
                 torch.testing.assert_close(st["master"].to(p.device), p.detach())

@@ -1,6 +1,6 @@
 #!/bin/bash
 # SPDX-License-Identifier: MIT
-# The Python GPU tests of issue 6 on a CUDA machine:
+# The Python GPU tests (aoq.torch against torch on the GPU) on a CUDA machine:
 #   tests/gpu/python/run.sh [BUILD_DIR] [--device cuda:0]
 # Needs torch with CUDA; libaoq and aoqd from BUILD_DIR (default: build).
 # Prints one line per test and "N passed, M failed, K skipped"; exits 1 on a failure.

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: MIT
-"""Issue 6's GPU correctness tests of aoq.torch.OffloadOptimizer against
+"""GPU correctness tests of aoq.torch.OffloadOptimizer against
 torch.optim.AdamW on the GPU in fp32 (torch.testing.assert_close defaults):
 Linear(32->131072) -> Linear(131072->64, frozen) -> Linear(64->64) ->
 Linear(64->128), 10 steps with CosineAnnealingLR; with gradient accumulation

@@ -1,0 +1,202 @@
+/* SPDX-License-Identifier: MIT */
+/* The arena: layout, creation, sealing, doorbells.  Loop thread, except
+ * aoqd_arena_ring(). */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "arena.h"
+
+void aoqd_arena_init(struct aoqd_arena *a)
+{
+	memset(a, 0, sizeof(*a));
+	a->fd = a->doorbell_in = a->doorbell_out = -1;
+	pthread_mutex_init(&a->ring_lock, NULL);
+}
+
+static uint64_t biggest_tensor(const struct aoqd_state *st)
+{
+	uint64_t biggest = 0;
+	for (uint32_t i = 0; i < st->ntensors; i++)
+		if (st->tensors[i].numel > biggest)
+			biggest = st->tensors[i].numel;
+	return biggest;
+}
+
+int aoqd_arena_build(struct aoqd_arena *a, const struct aoqd_state *st, uint64_t session_id, uint64_t max_bytes)
+{
+	uint64_t off = aoq_align_up(sizeof(struct aoq_arena_header), AOQ_ARENA_ALIGN);
+	uint64_t tensor_table = off;
+	off = aoq_align_up(off + (uint64_t)st->ntensors * sizeof(struct aoq_arena_tensor), AOQ_ARENA_ALIGN);
+	uint64_t biggest = biggest_tensor(st);
+	if (st->window) {
+		/* Staging slots of up to 1 Mi elements, grad and param areas of
+		 * 4 bytes per element each (any dtype fits). */
+		a->slot_elems = aoq_align_up(biggest < (1u << 20) ? biggest : (1u << 20), AOQK_Q8_BLOCK);
+		uint64_t n = st->window / (8 * a->slot_elems);
+		if (n < 2)
+			n = 2;
+		if (n > 4096)
+			n = 4096;
+		a->nslots = (uint32_t)n;
+	} else {
+		a->nslots = st->ntensors;
+	}
+	uint64_t slot_table = off;
+	off = aoq_align_up(off + (uint64_t)a->nslots * sizeof(struct aoq_arena_slot), AOQ_ARENA_ALIGN);
+	/* Room for two steps' records: a tensor is pushed in pieces of
+	 * AOQ_PUSH_CHUNK_ELEMS, or one per slot with a window. */
+	uint64_t recs = 0;
+	for (uint32_t i = 0; !st->window && i < st->ntensors; i++)
+		recs += (st->tensors[i].numel + AOQ_PUSH_CHUNK_ELEMS - 1) / AOQ_PUSH_CHUNK_ELEMS;
+	uint64_t cap = 2 * (st->window ? a->nslots : recs);
+	a->ring_cap = (uint32_t)(cap < 256 ? 256 : cap > AOQ_RING_MAX_CAP ? AOQ_RING_MAX_CAP : cap);
+	uint64_t ring_bytes = sizeof(struct aoq_ring) + (uint64_t)a->ring_cap * sizeof(struct aoq_rec);
+	uint64_t to_daemon = off;
+	off = aoq_align_up(off + ring_bytes, AOQ_ARENA_ALIGN);
+	uint64_t to_client = off;
+	off = aoq_align_up(off + ring_bytes, AOQ_ARENA_ALIGN);
+	/* The transfer area holds 4 Mi fp32 values, or the largest tensor. */
+	a->xfer_off = off;
+	a->xfer_bytes = 4 * (biggest < AOQD_MAX_TRANSFER_ELEMS ? biggest : AOQD_MAX_TRANSFER_ELEMS);
+	off = aoq_align_up(off + a->xfer_bytes, AOQ_ARENA_ALIGN);
+	uint64_t data = off;
+	a->slots = calloc(a->nslots, sizeof(*a->slots));
+	if (!a->slots)
+		return -ENOMEM;
+	for (uint32_t i = 0; i < a->nslots; i++) {
+		struct aoq_arena_slot *sl = &a->slots[i];
+		uint64_t gb, pb;
+		if (st->window) {
+			gb = pb = a->slot_elems * 4;
+		} else {
+			gb = st->tensors[i].numel * aoqk_dtype_size(st->tensors[i].grad_dtype);
+			pb = st->tensors[i].numel * aoqk_dtype_size(st->tensors[i].param_dtype);
+		}
+		sl->grad_off = off;
+		sl->grad_bytes = gb;
+		off = aoq_align_up(off + gb, AOQ_ARENA_ALIGN);
+		sl->param_off = off;
+		sl->param_bytes = pb;
+		off = aoq_align_up(off + pb, AOQ_ARENA_ALIGN);
+		if (st->delayed) /* the second buffer */
+			off = aoq_align_up(off + pb, AOQ_ARENA_ALIGN);
+		if (off > max_bytes)
+			return -EFBIG;
+	}
+	a->size = off;
+
+	int fd = memfd_create("aoq-arena", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+	if (fd < 0)
+		return -errno;
+	a->fd = fd;
+	if (ftruncate(fd, (off_t)a->size) < 0)
+		return -errno;
+	void *p = mmap(NULL, a->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	if (p == MAP_FAILED)
+		return -errno;
+	a->base = p;
+	struct aoq_arena_header *h = p;
+	h->magic = AOQ_ARENA_MAGIC;
+	h->version = AOQ_ARENA_VERSION;
+	h->size = a->size;
+	h->tensors = st->ntensors;
+	h->slots = a->nslots;
+	h->window = st->window;
+	h->slot_elems = a->slot_elems;
+	h->ring_capacity = a->ring_cap;
+	h->rec_size = sizeof(struct aoq_rec);
+	h->tensor_table_off = tensor_table;
+	h->slot_table_off = slot_table;
+	h->to_daemon_off = to_daemon;
+	h->to_client_off = to_client;
+	h->data_off = data;
+	h->session_id = session_id;
+	h->xfer_off = a->xfer_off;
+	h->xfer_bytes = a->xfer_bytes;
+	h->flags = st->delayed ? AOQ_ARENA_DELAYED : 0;
+	struct aoq_arena_tensor *tt = (void *)(a->base + tensor_table);
+	for (uint32_t i = 0; i < st->ntensors; i++) {
+		tt[i].numel = st->tensors[i].numel;
+		tt[i].param_dtype = st->tensors[i].param_dtype;
+		tt[i].grad_dtype = st->tensors[i].grad_dtype;
+		tt[i].group = st->tensors[i].group;
+		tt[i].slot = st->window ? UINT32_MAX : i;
+	}
+	memcpy(a->base + slot_table, a->slots, (size_t)a->nslots * sizeof(*a->slots));
+	/* The layout keeps the rules every reader checks. */
+	if (aoq_arena_header_check(h, a->size) < 0)
+		return -EPROTO;
+	for (uint32_t i = 0; i < a->nslots; i++)
+		if (aoq_arena_slot_check(h, &a->slots[i], 0, 0) < 0)
+			return -EPROTO;
+	a->to_daemon = (struct aoq_ring_cons){ .ring = (void *)(a->base + to_daemon), .cap = a->ring_cap };
+	a->to_client = (struct aoq_ring_prod){ .ring = (void *)(a->base + to_client), .cap = a->ring_cap };
+	if (fcntl(fd, F_ADD_SEALS, F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL) < 0)
+		return -errno;
+	a->doorbell_in = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+	a->doorbell_out = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+	if (a->doorbell_in < 0 || a->doorbell_out < 0)
+		return -errno;
+	return 0;
+}
+
+int aoqd_arena_watch(struct aoqd_arena *a, uv_loop_t *loop, uv_poll_cb cb, void *data)
+{
+	int r = uv_poll_init(loop, &a->doorbell_poll, a->doorbell_in);
+	if (r < 0)
+		return r;
+	a->doorbell_poll.data = data;
+	a->poll_open = true;
+	return uv_poll_start(&a->doorbell_poll, UV_READABLE, cb);
+}
+
+void aoqd_arena_pause(struct aoqd_arena *a)
+{
+	if (a->poll_open)
+		uv_poll_stop(&a->doorbell_poll);
+}
+
+bool aoqd_arena_unwatch(struct aoqd_arena *a, uv_close_cb closed_cb)
+{
+	if (!a->poll_open)
+		return false;
+	a->poll_open = false;
+	uv_close((uv_handle_t *)&a->doorbell_poll, closed_cb);
+	return true;
+}
+
+void aoqd_arena_free(struct aoqd_arena *a)
+{
+	free(a->slots);
+	a->slots = NULL;
+	if (a->base)
+		munmap(a->base, a->size);
+	if (a->fd >= 0)
+		close(a->fd);
+	if (a->doorbell_in >= 0)
+		close(a->doorbell_in);
+	if (a->doorbell_out >= 0)
+		close(a->doorbell_out);
+	a->base = NULL;
+	a->fd = a->doorbell_in = a->doorbell_out = -1;
+	pthread_mutex_destroy(&a->ring_lock);
+}
+
+void aoqd_arena_ack(struct aoqd_arena *a)
+{
+	uint64_t v;
+	ssize_t r = read(a->doorbell_in, &v, sizeof(v));
+	(void)r;
+}
+
+void aoqd_arena_ring(struct aoqd_arena *a)
+{
+	uint64_t one = 1;
+	ssize_t r = write(a->doorbell_out, &one, sizeof(one));
+	(void)r; /* EAGAIN: the counter is saturated, the peer is woken anyway */
+}

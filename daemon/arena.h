@@ -1,0 +1,59 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * A session's arena (arena.c): the sealed memfd shared with the client,
+ * the daemon's private copy of its layout, the two rings and the two
+ * doorbells.  The layout is proto/aoq-arena.h's; the daemon never reads
+ * the shared header or tables back.
+ */
+#ifndef AOQD_ARENA_H
+#define AOQD_ARENA_H
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "aoq-arena.h"
+#include "state.h"
+
+/* Elements per Load/Read request: bounds the time one request holds a
+ * worker (about 16 ms of conversion) and sizes the transfer area. */
+#define AOQD_MAX_TRANSFER_ELEMS (4u << 20)
+
+struct aoqd_arena {
+	int fd;
+	uint8_t *base;
+	uint64_t size;
+	uint32_t nslots;
+	uint64_t slot_elems;
+	uint64_t xfer_off, xfer_bytes;
+	struct aoq_arena_slot *slots; /* private copy */
+	uint32_t ring_cap;
+	struct aoq_ring_cons to_daemon;   /* loop thread */
+	struct aoq_ring_prod to_client;   /* under ring_lock */
+	pthread_mutex_t ring_lock;
+	int doorbell_in;   /* eventfd the client rings */
+	int doorbell_out;  /* eventfd we ring */
+	uv_poll_t doorbell_poll;
+	bool poll_open;
+};
+
+void aoqd_arena_init(struct aoqd_arena *a);
+/* Lays out, creates, fills, checks and seals the arena for st's tensors;
+ * creates the doorbells.  0 or -errno (-EFBIG: larger than max_bytes). */
+int aoqd_arena_build(struct aoqd_arena *a, const struct aoqd_state *st, uint64_t session_id, uint64_t max_bytes);
+/* Watches the client's doorbell: cb(data) runs on the loop thread. */
+int aoqd_arena_watch(struct aoqd_arena *a, uv_loop_t *loop, uv_poll_cb cb, void *data);
+/* Stops watching (the handle stays until aoqd_arena_unwatch). */
+void aoqd_arena_pause(struct aoqd_arena *a);
+/* Closes the doorbell's handle; true when there was one (closed_cb will
+ * run). */
+bool aoqd_arena_unwatch(struct aoqd_arena *a, uv_close_cb closed_cb);
+/* Unmaps and closes everything (after the handle closed). */
+void aoqd_arena_free(struct aoqd_arena *a);
+/* Consumes the client's doorbell count. */
+void aoqd_arena_ack(struct aoqd_arena *a);
+/* Wakes the client (any thread). */
+void aoqd_arena_ring(struct aoqd_arena *a);
+
+#endif

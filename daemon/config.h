@@ -1,0 +1,63 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * aoqd's settings (config.c): defaults, the config file and the command
+ * line.  One table of keys is shared by the file and the flags, so both
+ * check a value the same way (type, range, the allowed words) and name the
+ * key or flag in every error.
+ */
+#ifndef AOQD_CONFIG_H
+#define AOQD_CONFIG_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+struct aoqd_config {
+	const char *socket_path;  /* --socket */
+	int listen_fd;            /* --listen-fd, or -1 */
+	unsigned threads;         /* 0: all cores but one */
+	const char *kernel;       /* NULL/"auto" or a variant name */
+	int lock_memory;          /* 0 no, 1 try (default), 2 required */
+	uint32_t max_sessions_per_uid;
+	uint32_t max_connections;
+	uint32_t max_tensors;
+	uint64_t max_tensor_elems;
+	uint64_t max_arena_bytes;
+	uint64_t max_state_bytes_per_uid; /* 0: unlimited */
+	uint32_t admin_gid;       /* sees every session; (gid_t)-1 none */
+};
+
+/* Upper bound of `threads` (worker threads; 0 = every allowed core but one). */
+#define AOQD_MAX_THREADS 1024u
+
+void aoqd_config_defaults(struct aoqd_config *c);
+
+/* Reads "key = value" lines (# comments); errors name file:line:key. */
+int aoqd_config_load(struct aoqd_config *c, const char *path);
+
+/*
+ * Sets one key from its text.  Returns 0; -ENOENT for an unknown key (err
+ * says so); -EINVAL or -ERANGE for a bad value, with err naming what the key
+ * accepts.  A string value is copied (the copy lives as long as the daemon).
+ */
+int aoqd_config_set(struct aoqd_config *c, const char *key, const char *value, char *err, size_t errlen);
+
+/*
+ * Whole-number parsing for settings: decimal or 0x hex, no sign, no
+ * fraction; with sizes, a K/M/G/T suffix (powers of 1024).  -EINVAL when it
+ * is not such a number, -ERANGE when it overflows 64 bits.
+ */
+int aoqd_parse_u64(const char *s, int allow_suffix, uint64_t *out);
+
+/*
+ * Checks what no single key can: the socket path fits sun_path, the kernel
+ * runs on this CPU, a --listen-fd is an open listening Unix stream socket.
+ * Returns 0 or a negative errno with err filled.
+ */
+int aoqd_config_check(const struct aoqd_config *c, char *err, size_t errlen);
+
+/* Prints the effective settings as config-file lines. */
+void aoqd_config_print(const struct aoqd_config *c, FILE *f);
+
+#endif

@@ -1,0 +1,22 @@
+/* SPDX-License-Identifier: MIT */
+/* The data plane (dataplane.c): ring records -> jobs of chunks on the
+ * worker pool -> param records. */
+#ifndef AOQD_DATAPLANE_H
+#define AOQD_DATAPLANE_H
+
+#include <stdbool.h>
+
+#include "error.h"
+
+struct aoqd_session;
+
+/* Takes records off the to-daemon ring (loop thread).  0, or -errno with
+ * err filled (a bad record, a corrupt ring, no memory). */
+int aoqd_drain(struct aoqd_session *s, struct aoqd_error *err);
+/* Deferred sessions: starts the ending step's updates once its norm is
+ * summed (loop thread).  True when the step was released now. */
+bool aoqd_release_step(struct aoqd_session *s);
+/* Drops the jobs of a closing session that wait in a deferred list. */
+void aoqd_drop_deferred(struct aoqd_session *s);
+
+#endif

@@ -1,0 +1,189 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Registration: Register frames (one, or several with `more`) describe the
+ * groups and tensors; the last one allocates the optimizer state, builds
+ * the arena and sends it with both doorbells.  SetHyperparams changes a
+ * group's hyperparameters between steps.  Loop thread.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "arena.h"
+#include "log.h"
+#include "register.h"
+#include "server.h"
+#include "session.h"
+#include "state.h"
+#include "wire.h"
+
+/* The first Register frame's session-wide options. */
+static int set_options(struct aoqd_session *s, const Aoq__Register *m, struct aoqd_error *err)
+{
+	struct aoqd_state *st = &s->st;
+	if (m->precision < 0 || m->precision > AOQ__STATE_PRECISION__STATE_BF16_ALL)
+		return AOQD_FAIL(err, INVALID, "unknown state precision %d", (int)m->precision);
+	st->precision = m->precision;
+	st->window = m->window;
+	st->seed = m->seed ? m->seed : ((uint64_t)aoqd_now_ns() * 0x9e3779b97f4a7c15ull) ^ s->id;
+	if (!isfinite(m->max_grad_norm) || m->max_grad_norm < 0)
+		return AOQD_FAIL(err, INVALID, "max_grad_norm %g", m->max_grad_norm);
+	if (m->delayed && m->window)
+		return AOQD_FAIL(err, INVALID, "the delayed update needs a slot per tensor (no window)");
+	st->max_grad_norm = m->max_grad_norm;
+	st->skip_nonfinite = m->skip_nonfinite;
+	st->defer = m->max_grad_norm > 0 || m->skip_nonfinite;
+	st->delayed = m->delayed;
+	st->options_set = true;
+	return 0;
+}
+
+/* Appends the frame's groups and tensors. */
+static int add_tensors(struct aoqd_session *s, const Aoq__Register *m, struct aoqd_error *err)
+{
+	const struct aoqd_config *cfg = &s->srv->cfg;
+	struct aoqd_state *st = &s->st;
+	char why[256];
+	if (m->n_groups > 65536 - st->ngroups)
+		return AOQD_FAIL(err, INVALID, "too many groups");
+	if (m->n_tensors > cfg->max_tensors - st->ntensors)
+		return AOQD_FAIL(err, INVALID, "more than %u tensors", cfg->max_tensors);
+	struct aoqd_group *g = aoq_grow(st->groups, &st->cap_groups, st->ngroups + (uint32_t)m->n_groups, sizeof(*g));
+	if (!g)
+		return AOQD_FAIL(err, NO_MEMORY, "out of memory");
+	st->groups = g;
+	for (size_t i = 0; i < m->n_groups; i++) {
+		const Aoq__Group *mg = m->groups[i];
+		if (mg->kind != AOQ__OPTIMIZER_KIND__ADAM && mg->kind != AOQ__OPTIMIZER_KIND__ADAMW)
+			return AOQD_FAIL(err, INVALID, "group %u: unknown optimizer %d", st->ngroups, (int)mg->kind);
+		if (!aoqd_hp_valid(mg->hp, why, sizeof(why)))
+			return AOQD_FAIL(err, INVALID, "group %u: %s", st->ngroups, why);
+		aoqd_group_set(&st->groups[st->ngroups++], mg->kind, mg->hp);
+	}
+	struct aoqd_tensor *t = aoq_grow(st->tensors, &st->cap_tensors, st->ntensors + (uint32_t)m->n_tensors, sizeof(*t));
+	if (!t)
+		return AOQD_FAIL(err, NO_MEMORY, "out of memory");
+	st->tensors = t;
+	for (size_t i = 0; i < m->n_tensors; i++) {
+		const Aoq__TensorDesc *d = m->tensors[i];
+		if (strlen(d->name) > 1024)
+			return AOQD_FAIL(err, INVALID, "tensor %u: name too long", st->ntensors);
+		if (d->numel == 0 || d->numel > cfg->max_tensor_elems)
+			return AOQD_FAIL(err, INVALID, "tensor %u: %" PRIu64 " elements (1 to %" PRIu64 ")",
+			                 st->ntensors, d->numel, cfg->max_tensor_elems);
+		if (!aoqd_dtype_valid(d->param_dtype) || !aoqd_dtype_valid(d->grad_dtype))
+			return AOQD_FAIL(err, INVALID, "tensor %u: unknown dtype", st->ntensors);
+		struct aoqd_tensor *x = &st->tensors[st->ntensors];
+		x->name = strdup(d->name);
+		if (!x->name)
+			return AOQD_FAIL(err, NO_MEMORY, "out of memory");
+		x->numel = d->numel;
+		x->param_dtype = (enum aoqk_dtype)d->param_dtype;
+		x->grad_dtype = (enum aoqk_dtype)d->grad_dtype;
+		x->group = d->group;
+		st->ntensors++; /* counted now so that aoqd_state_free frees the name */
+	}
+	return 0;
+}
+
+/* The last frame: state within the uid's quota, mapped. */
+static int make_state(struct aoqd_session *s, uint64_t uid_state_bytes, struct aoqd_error *err)
+{
+	const struct aoqd_config *cfg = &s->srv->cfg;
+	struct aoqd_state *st = &s->st;
+	if (st->ntensors == 0 || st->ngroups == 0)
+		return AOQD_FAIL(err, INVALID, "registration without tensors or groups");
+	for (uint32_t i = 0; i < st->ntensors; i++)
+		if (st->tensors[i].group >= st->ngroups)
+			return AOQD_FAIL(err, INVALID, "tensor %u: group %u of %u", i, st->tensors[i].group, st->ngroups);
+	enum aoqk_precision prec = (enum aoqk_precision)st->precision;
+	uint64_t total = 0;
+	for (uint32_t i = 0; i < st->ntensors; i++) {
+		uint64_t off[5];
+		uint64_t len = aoqd_state_len(prec, st->tensors[i].numel, off);
+		if (__builtin_add_overflow(total, len, &total))
+			return AOQD_FAIL(err, NO_MEMORY, "state too large");
+	}
+	if (cfg->max_state_bytes_per_uid) {
+		uint64_t used = uid_state_bytes;
+		if (used + total > cfg->max_state_bytes_per_uid)
+			return AOQD_FAIL(err, QUOTA, "uid %u would hold %" PRIu64 " bytes of state (limit %" PRIu64 ")",
+			                 (unsigned)s->conn.uid, used + total, cfg->max_state_bytes_per_uid);
+	}
+	uint64_t failed_len = 0;
+	int r = aoqd_state_alloc(st, cfg->lock_memory, &s->srv->locked_bytes, &failed_len);
+	if (r < 0)
+		return AOQD_FAIL(err, NO_MEMORY, "cannot %s %" PRIu64 " bytes of optimizer state: %s%s",
+		                 r == -ENOMEM || r == -EAGAIN || r == -EPERM ? "lock" : "allocate", failed_len,
+		                 strerror(-r), cfg->lock_memory == 2 ? " (raise LimitMEMLOCK or give CAP_IPC_LOCK)" : "");
+	st->state_bytes = total;
+	return 0;
+}
+
+int aoqd_register(struct aoqd_session *s, const Aoq__Register *m, uint64_t uid_state_bytes, uv_poll_cb on_doorbell,
+                  struct aoqd_error *err)
+{
+	struct aoqd_state *st = &s->st;
+	int r;
+	if (!st->options_set && (r = set_options(s, m, err)) < 0)
+		return r;
+	if ((r = add_tensors(s, m, err)) < 0)
+		return r;
+	if (m->more) {
+		Aoq__RegisterMore rm = AOQ__REGISTER_MORE__INIT;
+		rm.tensors_so_far = st->ntensors;
+		Aoq__Envelope reply = AOQ__ENVELOPE__INIT;
+		reply.msg_case = AOQ__ENVELOPE__MSG_REGISTER_MORE;
+		reply.register_more = &rm;
+		aoqd_conn_send(&s->conn, &reply);
+		return AOQD_REPLIED;
+	}
+	if ((r = make_state(s, uid_state_bytes, err)) < 0)
+		return r;
+	r = aoqd_arena_build(&s->arena, st, s->id, s->srv->cfg.max_arena_bytes);
+	if (r == 0)
+		r = aoqd_arena_watch(&s->arena, s->srv->loop, on_doorbell, s);
+	if (r < 0)
+		return AOQD_FAIL(err, NO_MEMORY, "cannot create the arena: %s", strerror(-r));
+	Aoq__Registered reg = AOQ__REGISTERED__INIT;
+	reg.arena_size = s->arena.size;
+	reg.tensors = st->ntensors;
+	reg.state_bytes = st->state_bytes;
+	reg.fds = 3;
+	reg.seed = st->seed;
+	Aoq__Envelope reply = AOQ__ENVELOPE__INIT;
+	reply.msg_case = AOQ__ENVELOPE__MSG_REGISTERED;
+	reply.registered = &reg;
+	int fds[3] = { s->arena.fd, s->arena.doorbell_in, s->arena.doorbell_out };
+	r = aoqd_conn_send_with_fds(&s->conn, &reply, fds, 3);
+	if (r < 0)
+		return AOQD_FAIL(err, INTERNAL, "cannot send the arena: %s", strerror(-r));
+	s->state = AOQD_READY;
+	aoqd_info("session", "session %" PRIu64 ": registered %u tensors in %u groups, %" PRIu64
+	          " bytes of state (%s), arena %" PRIu64 " bytes",
+	          s->id, st->ntensors, st->ngroups, st->state_bytes,
+	          protobuf_c_enum_descriptor_get_value(&aoq__state_precision__descriptor, st->precision)->name,
+	          s->arena.size);
+	return AOQD_REPLIED;
+}
+
+int aoqd_on_set_hyperparams(struct aoqd_session *s, const Aoq__Envelope *env, struct aoqd_error *err)
+{
+	const Aoq__SetHyperparams *m = env->set_hyperparams;
+	struct aoqd_state *st = &s->st;
+	char why[256];
+	if (m->group >= st->ngroups)
+		return AOQD_FAIL(err, INVALID, "SetHyperparams: group %u of %u", m->group, st->ngroups);
+	if (!aoqd_hp_valid(m->hp, why, sizeof(why)))
+		return AOQD_FAIL(err, INVALID, "SetHyperparams: %s", why);
+	uint64_t cur = s->steps.next_step;
+	if (m->step != cur || s->steps.accepted[cur & 1] != 0)
+		return AOQD_REFUSE(err, BUSY, "hyperparameters for step %" PRIu64 " cannot change now (current step %"
+		                   PRIu64 " has %s gradients)", m->step, cur, s->steps.accepted[cur & 1] ? "received" : "no");
+	struct aoqd_group *g = &st->groups[m->group];
+	aoqd_group_set(g, g->kind, m->hp);
+	aoqd_conn_send_done(&s->conn, 0);
+	return AOQD_REPLIED;
+}

@@ -1,0 +1,45 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The server (server.c): the libuv loop's listener, signals, watchdog, the
+ * worker pool, the kernel, the workers' wake-up.  Main thread only.
+ */
+#ifndef AOQD_SERVER_H
+#define AOQD_SERVER_H
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "aoq-kernel.h"
+#include "config.h"
+#include "pool.h"
+
+struct aoqd_session;
+
+struct aoqd_server {
+	struct aoqd_config cfg;
+	uv_loop_t *loop;
+	uv_pipe_t listener;
+	uv_async_t wake;          /* workers -> loop: a step may have finished */
+	uv_signal_t sigterm, sigint, sighup;
+	uv_timer_t watchdog;
+	bool watchdog_on;
+	struct aoqd_pool *pool;
+	const struct aoqk_kernel *kernel;
+	/* Sessions (session.c's list; nothing else walks it). */
+	struct aoqd_session *sessions;
+	uint64_t next_id;
+	uint32_t connections;
+	uint64_t start_ns;
+	_Atomic uint64_t locked_bytes;
+	bool stopping;
+	bool bound;               /* we created the socket file (unlinked at exit) */
+	int exit_code;
+};
+
+int aoqd_server_init(struct aoqd_server *srv, uv_loop_t *loop, const struct aoqd_config *cfg);
+void aoqd_server_stop(struct aoqd_server *srv);
+void aoqd_server_fini(struct aoqd_server *srv);
+
+#endif

@@ -1,0 +1,75 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * A session (session.c): one client's connection and what it trains.  Its
+ * parts each have one owner (docs/design.md, "Where things live"):
+ *
+ *   conn    the control connection                  conn.c
+ *   st      the optimizer state                     state.c (register.c fills it)
+ *   arena   the shared memory, rings, doorbells     arena.c
+ *   steps   steps and transfers in flight           steps.c, dataplane.c, transfer.c
+ *   stats   counters and histograms                 stats.c
+ *
+ * session.c owns the whole: creation, references, the session list,
+ * closing, the message table and the one place where an error fails the
+ * session.
+ */
+#ifndef AOQD_SESSION_H
+#define AOQD_SESSION_H
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "arena.h"
+#include "conn.h"
+#include "error.h"
+#include "pool.h"
+#include "state.h"
+#include "stats.h"
+#include "steps.h"
+
+enum aoqd_session_state {
+	AOQD_HELLO = 0,   /* waiting for Hello */
+	AOQD_REGISTERING, /* Hello done; Register frames may come */
+	AOQD_READY,       /* arena sent; training */
+	AOQD_OBSERVER,    /* aoqctl: queries only */
+	AOQD_CLOSING,
+};
+
+struct aoqd_server;
+
+struct aoqd_session {
+	struct aoqd_server *srv;
+	struct aoqd_session *prev, *next; /* the session list; loop thread only */
+	uint64_t id;
+	_Atomic int refs;
+	_Atomic bool dead;      /* set on close: workers skip its chunks */
+	enum aoqd_session_state state;
+
+	struct aoqd_conn conn;
+	struct aoqd_state st;
+	struct aoqd_arena arena;
+	struct aoqd_steps steps;
+	struct aoqd_stats stats;
+	struct aoqd_queue queue; /* pool queue; guarded by the pool */
+};
+
+/* A new connection on the server's listener: a session in state HELLO. */
+void aoqd_session_accept(struct aoqd_server *srv, uv_stream_t *listener);
+/*
+ * References: the session list holds one, and so does everything that may
+ * outlive a loop-thread call (a job or transfer on the pool, a write that
+ * closes, a closing handle).  The last unref frees the session, on
+ * whichever thread drops it: by then every handle is closed.
+ */
+void aoqd_session_ref(struct aoqd_session *s);
+void aoqd_session_unref(struct aoqd_session *s);
+/* The server's wake: every session looks at what its workers finished. */
+void aoqd_sessions_wake(struct aoqd_server *srv);
+/* Closes every session (the server stops). */
+void aoqd_sessions_close_all(struct aoqd_server *srv);
+/* The client's doorbell rang (a uv_poll_cb for aoqd_arena_watch). */
+void aoqd_session_on_doorbell(uv_poll_t *h, int status, int events);
+
+#endif

@@ -1,0 +1,192 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Optimizer state: hyperparameter rules, the state arrays of every tensor
+ * (one mapping each, locked in memory when asked), their conversion to and
+ * from fp32 for state transfer.  Loop thread, except aoqd_state_io(),
+ * which transfer tasks run on workers (each its own range).
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#include "aoq-arena.h"
+#include "convert.h"
+#include "log.h"
+#include "state.h"
+
+bool aoqd_hp_valid(const Aoq__Hyperparams *h, char *why, size_t len)
+{
+	if (!h) {
+		snprintf(why, len, "missing hyperparameters");
+		return false;
+	}
+	if (!isfinite(h->lr) || h->lr < 0 || !(h->beta1 >= 0 && h->beta1 < 1) ||
+	    !(h->beta2 >= 0 && h->beta2 < 1) || !(isfinite(h->eps) && h->eps > 0) ||
+	    !isfinite(h->weight_decay) || h->weight_decay < 0) {
+		snprintf(why, len, "hyperparameters out of range (lr %g betas %g %g eps %g wd %g)",
+		         h->lr, h->beta1, h->beta2, h->eps, h->weight_decay);
+		return false;
+	}
+	return true;
+}
+
+void aoqd_group_set(struct aoqd_group *g, Aoq__OptimizerKind kind, const Aoq__Hyperparams *h)
+{
+	g->kind = kind;
+	g->hp.lr = h->lr;
+	g->hp.beta1 = h->beta1;
+	g->hp.beta2 = h->beta2;
+	g->hp.eps = h->eps;
+	g->hp.weight_decay = h->weight_decay;
+	g->hp.decoupled = kind == AOQ__OPTIMIZER_KIND__ADAMW;
+	g->hp.grad_scale = 1.0f;
+}
+
+bool aoqd_dtype_valid(int d)
+{
+	return d == AOQ__DTYPE__FP32 || d == AOQ__DTYPE__BF16 || d == AOQ__DTYPE__FP16;
+}
+
+uint64_t aoqd_state_len(enum aoqk_precision p, uint64_t n, uint64_t off[5])
+{
+	uint64_t blocks = (n + AOQK_Q8_BLOCK - 1) / AOQK_Q8_BLOCK;
+	uint64_t master = n * aoqk_master_size(p);
+	uint64_t mom = n * aoqk_moment_size(p);
+	uint64_t scale = aoqk_precision_q8(p) ? blocks * 4 : 0;
+	uint64_t o = 0;
+	off[0] = o; o = aoq_align_up(o + master, 64);
+	off[1] = o; o = aoq_align_up(o + mom, 64);
+	off[2] = o; o = aoq_align_up(o + mom, 64);
+	off[3] = o; o = aoq_align_up(o + scale, 64);
+	off[4] = o; o = aoq_align_up(o + scale, 64);
+	return o;
+}
+
+static void *map_state(size_t len, int lock_memory, bool *locked, int *err)
+{
+	void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	if (p == MAP_FAILED) {
+		*err = -errno;
+		return NULL;
+	}
+	if (len >= (2u << 20))
+		madvise(p, len, MADV_HUGEPAGE);
+	*locked = false;
+	if (lock_memory) {
+		if (mlock(p, len) == 0) {
+			*locked = true;
+		} else if (lock_memory == 2) {
+			*err = -errno;
+			munmap(p, len);
+			return NULL;
+		} else {
+			static bool warned;
+			if (!warned)
+				aoqd_warn("session", "cannot lock optimizer state in memory (%s): running unlocked; "
+				          "raise LimitMEMLOCK (ulimit -l) or give CAP_IPC_LOCK", strerror(errno));
+			warned = true;
+		}
+	}
+	return p;
+}
+
+int aoqd_state_alloc(struct aoqd_state *st, int lock_memory, _Atomic uint64_t *locked_total, uint64_t *failed_len)
+{
+	enum aoqk_precision prec = (enum aoqk_precision)st->precision;
+	for (uint32_t i = 0; i < st->ntensors; i++) {
+		struct aoqd_tensor *x = &st->tensors[i];
+		uint64_t off[5];
+		uint64_t len = aoqd_state_len(prec, x->numel, off);
+		bool locked;
+		int err = 0;
+		uint8_t *p = map_state(len, lock_memory, &locked, &err);
+		if (!p) {
+			*failed_len = len;
+			return err;
+		}
+		x->state_mem = p;
+		x->state_len = len;
+		if (locked) {
+			st->locked_bytes += len;
+			atomic_fetch_add(locked_total, len);
+		}
+		x->st.precision = prec;
+		x->st.n = x->numel;
+		x->st.master = p + off[0];
+		x->st.m = p + off[1];
+		x->st.v = p + off[2];
+		x->st.m_scale = aoqk_precision_q8(prec) ? (float *)(p + off[3]) : NULL;
+		x->st.v_scale = aoqk_precision_q8(prec) ? (float *)(p + off[4]) : NULL;
+	}
+	return 0;
+}
+
+void aoqd_state_free(struct aoqd_state *st, _Atomic uint64_t *locked_total)
+{
+	for (uint32_t i = 0; i < st->ntensors; i++) {
+		struct aoqd_tensor *t = &st->tensors[i];
+		if (t->state_mem)
+			munmap(t->state_mem, t->state_len);
+		if (t->acc)
+			munmap(t->acc, t->numel * sizeof(float));
+		free(t->name);
+	}
+	if (st->locked_bytes)
+		atomic_fetch_sub(locked_total, st->locked_bytes);
+	st->locked_bytes = 0;
+	free(st->tensors);
+	free(st->groups);
+	st->tensors = NULL;
+	st->groups = NULL;
+	st->ntensors = st->ngroups = 0;
+}
+
+int aoqd_state_acc(struct aoqd_state *st, struct aoqd_tensor *t)
+{
+	if (t->acc)
+		return 0;
+	void *p = mmap(NULL, t->numel * sizeof(float), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	if (p == MAP_FAILED)
+		return -ENOMEM;
+	t->acc = p;
+	st->state_bytes += t->numel * sizeof(float);
+	return 0;
+}
+
+void aoqd_state_io(struct aoqd_tensor *t, int what, bool load, float *buf, uint64_t e, size_t n)
+{
+	if (what == AOQ__STATE_KIND__MASTER || what == AOQ__STATE_KIND__PARAM) {
+		if (aoqk_precision_bf16_master(t->st.precision)) {
+			if (load)
+				aoqd_from_f32((uint16_t *)t->st.master + e, AOQK_BF16, buf, n);
+			else
+				aoqd_to_f32(buf, (uint16_t *)t->st.master + e, AOQK_BF16, n);
+		} else if (load) {
+			memcpy((float *)t->st.master + e, buf, n * sizeof(float));
+		} else {
+			memcpy(buf, (float *)t->st.master + e, n * sizeof(float));
+		}
+		return;
+	}
+	bool second = what == AOQ__STATE_KIND__EXP_AVG_SQ;
+	void *mom = second ? t->st.v : t->st.m;
+	if (aoqk_precision_q8(t->st.precision)) {
+		float *scale = second ? t->st.v_scale : t->st.m_scale;
+		if (load)
+			aoqd_q8_encode(mom, scale, buf, second, e, n);
+		else
+			aoqd_q8_decode(buf, mom, scale, second, e, n);
+	} else if (aoqk_precision_bf16_moments(t->st.precision)) {
+		if (load)
+			aoqd_from_f32((uint16_t *)mom + e, AOQK_BF16, buf, n);
+		else
+			aoqd_to_f32(buf, (uint16_t *)mom + e, AOQK_BF16, n);
+	} else if (load) {
+		memcpy((float *)mom + e, buf, n * sizeof(float));
+	} else {
+		memcpy(buf, (float *)mom + e, n * sizeof(float));
+	}
+}

@@ -1,0 +1,78 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The optimizer state of a session (state.c): groups and their
+ * hyperparameters, tensors and their state arrays, the registration's
+ * choices.  It knows nothing of connections, arenas or steps in flight, so
+ * that it can outlive a connection or serve several (docs/design.md,
+ * "The daemon's parts").
+ */
+#ifndef AOQD_STATE_H
+#define AOQD_STATE_H
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "aoq-kernel.h"
+#include "aoq.pb-c.h"
+
+struct aoqd_group {
+	Aoq__OptimizerKind kind;
+	struct aoqk_hparams hp; /* step and grad_scale filled per job */
+};
+
+struct aoqd_tensor {
+	char *name;
+	uint64_t numel;
+	enum aoqk_dtype param_dtype, grad_dtype;
+	uint32_t group;
+	struct aoqk_state st;
+	void *state_mem;       /* one mapping holding master, m, v, scales */
+	size_t state_len;
+	float *acc;            /* fp32 micro-batch accumulator, allocated on first use */
+	uint64_t acc_step;     /* step whose micro-batches acc holds */
+	uint64_t steps;        /* updates applied (bias correction) */
+	uint64_t cur_step;     /* step of the update in progress */
+	uint64_t done_elems;   /* elements with a final gradient in cur_step */
+};
+
+struct aoqd_state {
+	Aoq__StatePrecision precision;
+	uint64_t window, seed;
+	double max_grad_norm;  /* > 0: clip the step's global norm */
+	bool skip_nonfinite;   /* skip a step with an inf/nan gradient */
+	bool defer;            /* either: updates wait for the step's norm */
+	bool delayed;          /* two param buffers, by step parity */
+	bool options_set;      /* the first Register frame set the above */
+	uint32_t ngroups, ntensors;
+	uint32_t cap_groups, cap_tensors;
+	struct aoqd_group *groups;
+	struct aoqd_tensor *tensors;
+	uint64_t state_bytes;  /* state arrays and accumulators */
+	uint64_t locked_bytes; /* of which locked in memory */
+};
+
+/* Hyperparameters the kernels accept; a message for the client when not. */
+bool aoqd_hp_valid(const Aoq__Hyperparams *h, char *why, size_t len);
+void aoqd_group_set(struct aoqd_group *g, Aoq__OptimizerKind kind, const Aoq__Hyperparams *h);
+bool aoqd_dtype_valid(int d);
+
+/* Bytes of one tensor's state arrays; off[] receives master, m, v,
+ * m_scale, v_scale offsets. */
+uint64_t aoqd_state_len(enum aoqk_precision p, uint64_t n, uint64_t off[5]);
+/* Maps every tensor's state.  lock_memory: 0 no, 1 try, 2 required;
+ * locked bytes are added to *locked_total.  0, or -errno with *failed_len
+ * the size that could not be had. */
+int aoqd_state_alloc(struct aoqd_state *st, int lock_memory, _Atomic uint64_t *locked_total, uint64_t *failed_len);
+/* Frees every tensor and array; gives the locked bytes back. */
+void aoqd_state_free(struct aoqd_state *st, _Atomic uint64_t *locked_total);
+/* The tensor's accumulator, mapped on first use.  0 or -ENOMEM. */
+int aoqd_state_acc(struct aoqd_state *st, struct aoqd_tensor *t);
+
+/* Elements [e, e + n) of state kind `what` (AOQ__STATE_KIND__*) to or from
+ * fp32 buf; q8 pieces start on a block and are whole blocks or end the
+ * tensor. */
+void aoqd_state_io(struct aoqd_tensor *t, int what, bool load, float *buf, uint64_t e, size_t n);
+
+#endif

@@ -1,0 +1,38 @@
+/* SPDX-License-Identifier: MIT */
+/* Counters and latency histograms of a session, the clock, and the Stats
+ * reply's per-session and daemon-wide parts (stats.c). */
+#ifndef AOQD_STATS_H
+#define AOQD_STATS_H
+
+#include <pthread.h>
+#include <stdint.h>
+
+#include "aoq.pb-c.h"
+
+uint64_t aoqd_now_ns(void);
+
+/* Latency histogram: log2 buckets with 8 steps per octave, in ns. */
+#define AOQD_HIST_BUCKETS 320
+struct aoqd_hist {
+	uint64_t n;
+	uint32_t b[AOQD_HIST_BUCKETS];
+};
+void aoqd_hist_add(struct aoqd_hist *h, uint64_t ns);
+double aoqd_hist_quantile_us(const struct aoqd_hist *h, double q);
+
+/* A session's counters; workers add to them under lock. */
+struct aoqd_stats {
+	pthread_mutex_t lock;
+	uint64_t bytes_in, bytes_out, chunks, cpu_ns, steps_done;
+	struct aoqd_hist chunk_hist, rec_hist;
+};
+
+void aoqd_stats_init(struct aoqd_stats *st);
+void aoqd_stats_fini(struct aoqd_stats *st);
+/* Copies the counters into x (under the lock). */
+void aoqd_stats_fill(struct aoqd_stats *st, Aoq__SessionStats *x);
+
+/* The process's resident set, in bytes. */
+uint64_t aoqd_rss_bytes(void);
+
+#endif

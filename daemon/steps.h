@@ -1,0 +1,59 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Steps of a session (steps.c): what is in flight, the per-step sums, the
+ * StepEnd reply.  Loop thread, except the atomics and what `lock`
+ * guards, which the data plane's workers update.
+ */
+#ifndef AOQD_STEPS_H
+#define AOQD_STEPS_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "aoq.pb-c.h"
+#include "error.h"
+
+struct aoqd_job;
+struct aoqd_session;
+
+struct aoqd_steps {
+	uint64_t next_step;       /* records must carry this step */
+	bool held;                /* a record of next_step + 1 waits for StepEnd */
+	bool space_wait;          /* waiting for the client to free param-ring space */
+	uint64_t ending_step;     /* StepEnd received, reply pending */
+	bool end_pending;
+	bool xfer_busy;                 /* a LoadState/ReadState runs on the pool */
+	_Atomic bool xfer_done;
+	uint64_t xfer_count;
+	_Atomic uint64_t inflight[2];   /* jobs per step parity */
+	_Atomic uint64_t outstanding;   /* jobs accepted, record not yet posted */
+	uint64_t accepted[2];           /* records accepted per step parity */
+	uint64_t arrivals;              /* records accepted, ever: the order of the pool keys */
+	pthread_mutex_t lock;           /* guards the per-step sums and lists below */
+	double sumsq[2];
+	bool nonfinite[2];
+	uint64_t updated[2];
+	struct aoqd_job *deferred[2];   /* deferred: jobs whose norm is summed */
+	_Atomic uint64_t norming[2];    /* deferred: norm jobs still running */
+	bool released[2];               /* deferred: the step's updates started */
+	double clip_scale[2];
+	bool skipped[2];
+};
+
+void aoqd_steps_init(struct aoqd_steps *st);
+void aoqd_steps_fini(struct aoqd_steps *st);
+/* Nothing in flight: no update accepted and unanswered, no StepEnd
+ * pending (state transfers need it). */
+bool aoqd_steps_idle(struct aoqd_steps *st);
+
+/* Handler of StepEnd (a deferred reply while updates run). */
+int aoqd_on_step_end(struct aoqd_session *s, const Aoq__Envelope *env, struct aoqd_error *err);
+/* After a wake, or a doorbell (doorbell: true): takes records, releases a
+ * deferred step,
+ * answers StepEnd when its step is done.  1 when it answered (the
+ * connection reads again), 0 when not, -errno with err filled. */
+int aoqd_steps_poll(struct aoqd_session *s, bool doorbell, struct aoqd_error *err);
+
+#endif

@@ -1,0 +1,177 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * State transfer: LoadState and ReadState move one range of one tensor's
+ * state between the arena's transfer area and the state arrays, converting
+ * on the way; TensorSteps reads or sets the tensors' step counts.
+ *
+ * Transfers run on the worker pool in pieces, not on the loop thread: a
+ * request converts up to 4 Mi elements, and a model's worth of them at
+ * registration would hold every other session's traffic.  The reply waits,
+ * like StepEnd's, and the connection reads nothing meanwhile.
+ */
+#include <inttypes.h>
+#include <stdlib.h>
+
+#include "arena.h"
+#include "convert.h"
+#include "server.h"
+#include "session.h"
+#include "state.h"
+#include "transfer.h"
+
+#define XFER_PIECE (1u << 16) /* elements per task; a multiple of the q8 block */
+
+struct xfer_task {
+	struct aoqd_task task;
+	struct xfer *x;
+	uint64_t begin, count;
+};
+
+struct xfer {
+	struct aoqd_session *s;
+	struct aoqd_tensor *t;
+	bool load;
+	int what;
+	enum aoqk_dtype dtype;
+	uint8_t *data;
+	uint64_t offset;
+	_Atomic uint32_t remaining;
+	struct xfer_task tasks[];
+};
+
+static int transfer_valid(struct aoqd_session *s, uint32_t tensor, int what, int dtype, uint64_t offset,
+                          uint64_t count, bool load, struct aoqd_error *err)
+{
+	if (!aoqd_steps_idle(&s->steps))
+		return AOQD_REFUSE(err, BUSY, "state transfer while updates are in flight");
+	if (tensor >= s->st.ntensors || !aoqd_dtype_valid(dtype) || what < 0 || what > AOQ__STATE_KIND__PARAM ||
+	    (what == AOQ__STATE_KIND__PARAM && !load))
+		return AOQD_FAIL(err, INVALID, "state transfer: tensor %u what %d dtype %d", tensor, what, dtype);
+	const struct aoqd_tensor *t = &s->st.tensors[tensor];
+	uint64_t bytes;
+	if (count == 0 || !aoq_range_ok(offset, count, t->numel) ||
+	    !aoq_mul_ok(count, aoqk_dtype_size((enum aoqk_dtype)dtype), &bytes) || bytes > s->arena.xfer_bytes)
+		return AOQD_FAIL(err, INVALID, "state transfer: tensor %u elements %" PRIu64 "+%" PRIu64 " (at most %" PRIu64
+		                 " bytes per request)", tensor, offset, count, s->arena.xfer_bytes);
+	if (load && (what == AOQ__STATE_KIND__EXP_AVG || what == AOQ__STATE_KIND__EXP_AVG_SQ) &&
+	    aoqk_precision_q8((enum aoqk_precision)s->st.precision) &&
+	    (offset % AOQK_Q8_BLOCK || (count % AOQK_Q8_BLOCK && offset + count != t->numel)))
+		return AOQD_REFUSE(err, INVALID, "q8 moments load in whole blocks of %u elements", AOQK_Q8_BLOCK);
+	return 0;
+}
+
+static void xfer_run(struct aoqd_task *task, unsigned worker)
+{
+	struct xfer_task *k = (struct xfer_task *)task;
+	struct xfer *x = k->x;
+	struct aoqd_session *s = x->s;
+	size_t dsize = aoqk_dtype_size(x->dtype);
+	float buf[4096];
+	(void)worker;
+	for (uint64_t i = 0; i < k->count && !atomic_load_explicit(&s->dead, memory_order_relaxed); i += 4096) {
+		size_t n = k->count - i < 4096 ? k->count - i : 4096;
+		uint8_t *d = x->data + (k->begin + i) * dsize;
+		uint64_t e = x->offset + k->begin + i;
+		if (x->load) {
+			aoqd_to_f32(buf, d, x->dtype, n);
+			aoqd_state_io(x->t, x->what, true, buf, e, n);
+		} else {
+			aoqd_state_io(x->t, x->what, false, buf, e, n);
+			aoqd_from_f32(d, x->dtype, buf, n);
+		}
+	}
+	if (atomic_fetch_sub_explicit(&x->remaining, 1, memory_order_acq_rel) == 1) {
+		atomic_store(&s->steps.xfer_done, true);
+		uv_async_send(&s->srv->wake);
+		free(x);
+		aoqd_session_unref(s);
+	}
+}
+
+static int start_transfer(struct aoqd_session *s, bool load, uint32_t tensor, int what, int dtype,
+                          uint64_t offset, uint64_t count, struct aoqd_error *err)
+{
+	int r = transfer_valid(s, tensor, what, dtype, offset, count, load, err);
+	if (r < 0)
+		return r;
+	uint32_t n = (uint32_t)((count + XFER_PIECE - 1) / XFER_PIECE);
+	struct xfer *x = calloc(1, sizeof(*x) + (size_t)n * sizeof(struct xfer_task));
+	if (!x)
+		return AOQD_REFUSE(err, NO_MEMORY, "out of memory");
+	x->s = s;
+	x->t = &s->st.tensors[tensor];
+	x->load = load;
+	x->what = what;
+	x->dtype = (enum aoqk_dtype)dtype;
+	x->data = s->arena.base + s->arena.xfer_off;
+	x->offset = offset;
+	atomic_init(&x->remaining, n);
+	for (uint32_t i = 0; i < n; i++) {
+		x->tasks[i].task.run = xfer_run;
+		x->tasks[i].task.next = i + 1 < n ? &x->tasks[i + 1].task : NULL;
+		x->tasks[i].x = x;
+		x->tasks[i].begin = (uint64_t)i * XFER_PIECE;
+		x->tasks[i].count = i + 1 < n ? XFER_PIECE : count - x->tasks[i].begin;
+	}
+	s->steps.xfer_busy = true;
+	s->steps.xfer_count = count;
+	atomic_store(&s->steps.xfer_done, false);
+	aoqd_session_ref(s);
+	/* A transfer runs alone (no steps meanwhile): any key will do. */
+	aoqd_pool_submit(s->srv->pool, &s->queue, (struct aoqd_key){ 0, 0 }, &x->tasks[0].task,
+	                 &x->tasks[n - 1].task, n);
+	return AOQD_DEFERRED;
+}
+
+int aoqd_on_load_state(struct aoqd_session *s, const Aoq__Envelope *env, struct aoqd_error *err)
+{
+	const Aoq__LoadState *m = env->load_state;
+	return start_transfer(s, true, m->tensor, m->what, m->dtype, m->offset, m->count, err);
+}
+
+int aoqd_on_read_state(struct aoqd_session *s, const Aoq__Envelope *env, struct aoqd_error *err)
+{
+	const Aoq__ReadState *m = env->read_state;
+	return start_transfer(s, false, m->tensor, m->what, m->dtype, m->offset, m->count, err);
+}
+
+bool aoqd_transfer_poll(struct aoqd_session *s)
+{
+	if (!s->steps.xfer_busy || !atomic_load(&s->steps.xfer_done))
+		return false;
+	s->steps.xfer_busy = false;
+	aoqd_conn_send_done(&s->conn, s->steps.xfer_count);
+	return true;
+}
+
+int aoqd_on_tensor_steps(struct aoqd_session *s, const Aoq__Envelope *env, struct aoqd_error *err)
+{
+	const Aoq__TensorSteps *m = env->tensor_steps;
+	uint64_t n = m->set ? m->n_steps : m->count;
+	if (!aoq_range_ok(m->first, n, s->st.ntensors) || n > 65536)
+		return AOQD_FAIL(err, INVALID, "TensorSteps: tensors %u+%" PRIu64 " of %u", m->first, n, s->st.ntensors);
+	if (m->set && !aoqd_steps_idle(&s->steps))
+		return AOQD_REFUSE(err, BUSY, "TensorSteps while updates are in flight");
+	uint64_t *steps = calloc(n ? n : 1, sizeof(uint64_t));
+	if (!steps)
+		return AOQD_REFUSE(err, NO_MEMORY, "out of memory");
+	for (uint64_t i = 0; i < n; i++) {
+		struct aoqd_tensor *t = &s->st.tensors[m->first + i];
+		if (m->set) {
+			t->steps = m->steps[i];
+			t->cur_step = 0;
+		}
+		steps[i] = t->steps;
+	}
+	Aoq__TensorSteps r = AOQ__TENSOR_STEPS__INIT;
+	r.first = m->first;
+	r.n_steps = n;
+	r.steps = steps;
+	r.count = (uint32_t)n;
+	Aoq__Envelope reply = AOQ__ENVELOPE__INIT;
+	reply.msg_case = AOQ__ENVELOPE__MSG_TENSOR_STEPS;
+	reply.tensor_steps = &r;
+	aoqd_conn_send(&s->conn, &reply);
+	free(steps);
+	return AOQD_REPLIED;
+}

@@ -1,0 +1,136 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Number conversions, defined once: fp32 <-> bf16/fp16 (scalar, bit-exact
+ * with the F16C and integer SIMD paths of the CPU kernels) and the q8
+ * moment codebook (kernels/README.md, "q8 moments").
+ *
+ * Used by the kernels (kernel-common.h includes this header), by the
+ * daemon's state transfer (daemon/convert.c) and by the tests, which check
+ * these functions against the harness's independent double reference.
+ * Plain C, header only: the SIMD variants include it and use it only
+ * outside their inner loops.
+ */
+#ifndef AOQ_CONVERT_H
+#define AOQ_CONVERT_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* q8 codebooks:
+ *   m = sign(q) * q^2 / 127^2 * m_scale        q in [-127, 127]
+ *   sqrt(v) = q^2 / 255^2 * v_scale            q in [0, 255]
+ * m_scale is the block's max |m|, v_scale the block's max sqrt(v). */
+#define AOQK_Q8_M_MAX 127.0f
+#define AOQK_Q8_U_MAX 255.0f
+#define AOQK_Q8_M_DIV 16129.0f /* 127^2 */
+#define AOQK_Q8_U_DIV 65025.0f /* 255^2 */
+
+static inline uint32_t aoqk_f2u(float f)
+{
+	uint32_t u;
+	memcpy(&u, &f, 4);
+	return u;
+}
+
+static inline float aoqk_u2f(uint32_t u)
+{
+	float f;
+	memcpy(&f, &u, 4);
+	return f;
+}
+
+/* fp32 -> bf16, round to nearest even; NaN -> quiet NaN keeping the sign and
+ * the top payload bits.  Same as the SIMD integer path. */
+static inline uint16_t aoqk_f32_to_bf16(float f)
+{
+	uint32_t b = aoqk_f2u(f);
+	if ((b & 0x7fffffffu) > 0x7f800000u)
+		return (uint16_t)((b >> 16) | 0x40u);
+	return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
+static inline float aoqk_bf16_to_f32(uint16_t h)
+{
+	return aoqk_u2f((uint32_t)h << 16);
+}
+
+/* fp32 -> fp16, round to nearest even, overflow -> inf, NaN -> quiet NaN
+ * keeping the top payload bits: bit-exact with F16C vcvtps2ph (imm RNE).
+ * Needs the default rounding mode and no FTZ/DAZ. */
+static inline uint16_t aoqk_f32_to_f16(float f)
+{
+	uint32_t x = aoqk_f2u(f);
+	uint32_t sign = (x >> 16) & 0x8000u;
+	uint32_t a = x & 0x7fffffffu;
+	uint32_t o;
+
+	if (a > 0x7f800000u) {
+		o = 0x7e00u | ((a >> 13) & 0x3ffu);
+	} else if (a >= 0x47800000u) { /* >= 65536: inf (65520..65536 round up below) */
+		o = 0x7c00u;
+	} else if (a < 0x38800000u) { /* fp16 subnormal or zero */
+		/* aligning the 10 fp16 mantissa bits at the bottom of a float
+		 * whose exponent is 2^-1: the float add rounds to nearest even */
+		float t = aoqk_u2f(a) + aoqk_u2f(126u << 23);
+		o = aoqk_f2u(t) - (126u << 23);
+	} else {
+		uint32_t odd = (a >> 13) & 1u;
+		a += ((uint32_t)(15 - 127) << 23) + 0xfffu + odd;
+		o = a >> 13;
+	}
+	return (uint16_t)(o | sign);
+}
+
+/* fp16 -> fp32, exact; NaN is quieted like F16C vcvtph2ps. */
+static inline float aoqk_f16_to_f32(uint16_t h)
+{
+	uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+	uint32_t e = (h >> 10) & 0x1fu;
+	uint32_t mant = h & 0x3ffu;
+	uint32_t o;
+
+	if (e == 0x1f) {
+		o = 0x7f800000u | (mant << 13) | (mant ? 0x400000u : 0);
+	} else if (e == 0) {
+		/* subnormal or zero: mant * 2^-24, exact */
+		float t = (float)mant * aoqk_u2f(103u << 23);
+		o = aoqk_f2u(t);
+	} else {
+		o = ((e + 112u) << 23) | (mant << 13);
+	}
+	return aoqk_u2f(o | sign);
+}
+
+/* One q8 code to its moment value, given the block's scale. */
+static inline float aoqk_q8_m_decode(int8_t code, float m_scale)
+{
+	float q = (float)code;
+	return q * fabsf(q) * (m_scale / AOQK_Q8_M_DIV);
+}
+
+static inline float aoqk_q8_v_decode(uint8_t code, float v_scale)
+{
+	float q = (float)code;
+	float u = q * q * (v_scale / AOQK_Q8_U_DIV);
+	return u * u;
+}
+
+/* Round to nearest in code space (the kernels round stochastically; loads
+ * of saved state round to nearest).  inv is 1 / the block's scale, or 0. */
+static inline int8_t aoqk_q8_m_encode(float m, float inv)
+{
+	float x = nearbyintf(sqrtf(fabsf(m) * inv) * AOQK_Q8_M_MAX);
+	return (int8_t)(m < 0 ? -x : x);
+}
+
+static inline uint8_t aoqk_q8_v_encode(float v, float inv)
+{
+	float u = sqrtf(fmaxf(v, 0.0f));
+	float y = nearbyintf(sqrtf(u * inv) * AOQK_Q8_U_MAX);
+	if (y == 0 && u > 0)
+		y = 1; /* a non-zero v keeps a non-zero code */
+	return (uint8_t)y;
+}
+
+#endif
