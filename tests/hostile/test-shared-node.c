@@ -113,9 +113,9 @@ struct victim {
 static struct aoq_group vhp(uint32_t g, uint64_t k)
 {
 	struct aoq_group h = g == 0
-		? (struct aoq_group){ .kind = AOQ_ADAMW, .lr = 2e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
+		? (struct aoq_group){ .size = sizeof(struct aoq_group), .kind = AOQ_ADAMW, .lr = 2e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
 		                      .weight_decay = 0.02 }
-		: (struct aoq_group){ .kind = AOQ_ADAM, .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.98, .eps = 1e-6,
+		: (struct aoq_group){ .size = sizeof(struct aoq_group), .kind = AOQ_ADAM, .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.98, .eps = 1e-6,
 		                      .weight_decay = 0.01 };
 	h.lr *= 1.0 + 0.5 * sin(0.3 * (double)k);
 	return h;
@@ -154,7 +154,7 @@ static void *victim_run(void *arg)
 		}
 		char name[16];
 		snprintf(name, sizeof(name), "w%d", t);
-		struct aoq_tensor td = { .name = name, .numel = d->n, .param_dtype = d->pd, .grad_dtype = d->gd,
+		struct aoq_tensor td = { .size = sizeof(struct aoq_tensor), .name = name, .numel = d->n, .param_dtype = d->pd, .grad_dtype = d->gd,
 		                         .group = d->group, .param = v->param[t], .grad = grad[t] };
 		idx[t] = aoq_add_tensor(c, &td);
 		CHECK_OK(idx[t]);
@@ -182,7 +182,7 @@ static void *victim_run(void *arg)
 			CHECK_OK(aoq_push_grad(c, (uint32_t)idx[t], 0, NULL));
 		}
 		CHECK_OK(aoq_step_end(c));
-		struct aoq_step_result res = { 0 };
+		struct aoq_step_result res = AOQ_STEP_RESULT_INIT;
 		CHECK_OK(aoq_sync(c, &res));
 		v->lat_ms[k] = (aoqt_now() - t0) * 1e3;
 		CHECK(res.step == k && res.tensors_updated == TT, "victim %s: step result %" PRIu64 " with %" PRIu64

@@ -91,7 +91,7 @@ static void *session_main(void *arg)
 	o.seed = 0x1234 + (uint64_t)s->id;
 	o.window = s->window;
 	CHECK_OK(aoq_connect(&s->c, &o));
-	struct aoq_group g = { .kind = AOQ_ADAMW, .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.99, .eps = 1e-8,
+	struct aoq_group g = { .size = sizeof(struct aoq_group), .kind = AOQ_ADAMW, .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.99, .eps = 1e-8,
 	                       .weight_decay = 0.01 };
 	CHECK_OK(aoq_add_group(s->c, &g));
 	for (int t = 0; t < NT; t++) {
@@ -102,7 +102,7 @@ static void *session_main(void *arg)
 			aoqt_store(s->param[t], i, AOQ_BF16, aoqt_uniform(&rng));
 		char name[16];
 		snprintf(name, sizeof(name), "p%d", t);
-		struct aoq_tensor td = { .name = name, .numel = s->numel[t], .param_dtype = AOQ_BF16,
+		struct aoq_tensor td = { .size = sizeof(struct aoq_tensor), .name = name, .numel = s->numel[t], .param_dtype = AOQ_BF16,
 		                         .grad_dtype = AOQ_BF16, .param = s->param[t], .grad = s->grad[t] };
 		CHECK_OK(aoq_add_tensor(s->c, &td));
 	}
@@ -130,7 +130,7 @@ static void *session_main(void *arg)
 			}
 		}
 		CHECK_OK(aoq_step_end(s->c));
-		struct aoq_step_result res;
+		struct aoq_step_result res = AOQ_STEP_RESULT_INIT;
 		CHECK_OK(aoq_sync(s->c, &res));
 		CHECK(res.step == k && res.tensors_updated == NT, "session %d: step %" PRIu64 " updated %" PRIu64
 		      " tensors", s->id, res.step, res.tensors_updated);
