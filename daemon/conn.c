@@ -88,6 +88,28 @@ void aoqd_conn_send_error(struct aoqd_conn *c, Aoq__ErrorCode code, const char *
 		c->ops->close(c->owner);
 }
 
+void aoqd_conn_refuse(struct aoqd_conn *c, Aoq__ErrorCode code, const char *msg)
+{
+	if (!c->open)
+		return;
+	Aoq__Error e = AOQ__ERROR__INIT;
+	e.code = code;
+	e.message = (char *)msg;
+	Aoq__Envelope env = AOQ__ENVELOPE__INIT;
+	env.msg_case = AOQ__ENVELOPE__MSG_ERROR;
+	env.error = &e;
+	uint8_t *buf;
+	size_t len;
+	if (aoq_frame_encode(&env, &buf, &len) < 0)
+		return;
+	uv_os_fd_t fd;
+	if (uv_fileno((uv_handle_t *)&c->pipe, &fd) == 0) {
+		ssize_t n = send(fd, buf, len, MSG_DONTWAIT | MSG_NOSIGNAL);
+		(void)n; /* a client that is gone reads nothing anyway */
+	}
+	free(buf);
+}
+
 int aoqd_conn_send_done(struct aoqd_conn *c, uint64_t value)
 {
 	Aoq__Done d = AOQ__DONE__INIT;

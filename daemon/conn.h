@@ -84,6 +84,10 @@ int aoqd_conn_send(struct aoqd_conn *c, const Aoq__Envelope *env);
 /* Sends Error{code, msg}; with close_after, the connection closes once it
  * is written. */
 void aoqd_conn_send_error(struct aoqd_conn *c, Aoq__ErrorCode code, const char *msg, bool close_after);
+/* A connection refused at accept: Error{code, msg} written at once, from
+ * the socket's empty buffer (never queued), so the caller closes it right
+ * away and the client still reads why. */
+void aoqd_conn_refuse(struct aoqd_conn *c, Aoq__ErrorCode code, const char *msg);
 /* Sends Done{value}. */
 int aoqd_conn_send_done(struct aoqd_conn *c, uint64_t value);
 /* Sends a frame with fds (SCM_RIGHTS).  Only with nothing queued before

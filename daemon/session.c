@@ -461,24 +461,25 @@ void aoqd_session_accept(struct aoqd_server *srv, uv_stream_t *listener)
 		session_close(s);
 		return;
 	}
-	/* Refusals go out as an Error the client reads before the close
-	 * (written at once: the socket's buffer is empty). */
+	/* Refusals go out as an Error the client reads before the close,
+	 * written at once (the socket's buffer is empty), and the connection
+	 * closes now: a burst of refused connections never counts against
+	 * the caps of the others. */
 	struct aoqd_error err;
 	s->account = aoqd_account_get(&srv->accounts, s->conn.uid);
-	if (!s->account) {
-		AOQD_FAIL(&err, NO_MEMORY, "out of memory");
-		session_fail(s, &err);
-		return;
-	}
-	if (srv->connections > srv->cfg.max_connections) {
-		AOQD_FAIL(&err, QUOTA, "too many connections (%u, max_connections)", srv->cfg.max_connections);
-		session_fail(s, &err);
-		return;
-	}
-	if (s->account->connections >= srv->cfg.max_connections_per_uid) {
-		AOQD_FAIL(&err, QUOTA, "uid %u has %u connections (max_connections_per_uid)", (unsigned)s->conn.uid,
-		          s->account->connections);
-		session_fail(s, &err);
+	int r = 0;
+	if (!s->account)
+		r = AOQD_FAIL(&err, NO_MEMORY, "out of memory");
+	else if (srv->connections > srv->cfg.max_connections)
+		r = AOQD_FAIL(&err, QUOTA, "too many connections (%u, max_connections)", srv->cfg.max_connections);
+	else if (s->account->connections >= srv->cfg.max_connections_per_uid)
+		r = AOQD_FAIL(&err, QUOTA, "uid %u has %u connections (max_connections_per_uid)", (unsigned)s->conn.uid,
+		              s->account->connections);
+	if (r < 0) {
+		aoqd_info("session", "connection %" PRIu64 " from uid %u pid %d refused: %s: %s", s->id,
+		          (unsigned)s->conn.uid, (int)s->conn.peer_pid, aoq_error_name(err.code), err.msg);
+		aoqd_conn_refuse(&s->conn, err.code, err.msg);
+		session_close(s);
 		return;
 	}
 	s->account->connections++;
