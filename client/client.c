@@ -15,6 +15,7 @@
 #include <string.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -154,10 +155,14 @@ static void wait_daemon(struct aoq_client *c, struct deadline *dl)
 		             "aoq_options.timeout_ms sets the deadline)", c->o.timeout_ms);
 }
 
+/* Rings a doorbell: aoqd's are sockets (send: no SIGPIPE when the daemon
+ * is gone, never blocking); our own wake_fd is an eventfd. */
 static void ring(int fd)
 {
 	uint64_t one = 1;
-	ssize_t r = write(fd, &one, sizeof(one));
+	ssize_t r = send(fd, &one, sizeof(one), MSG_NOSIGNAL | MSG_DONTWAIT);
+	if (r < 0 && errno == ENOTSOCK)
+		r = write(fd, &one, sizeof(one));
 	(void)r;
 }
 
@@ -257,6 +262,13 @@ static int ctl_call(struct aoq_client *c, const Aoq__Envelope *env, int want, Ao
 		fail_session(c, -ETIMEDOUT, "aoqd did not take a request within %u ms", c->o.timeout_ms);
 		pthread_mutex_unlock(&c->lock);
 		return aoq_set_error(-ETIMEDOUT, "aoqd did not take a request within %u ms", c->o.timeout_ms);
+	}
+	if (r == -EPIPE || r == -ECONNRESET) {
+		/* The daemon closed the connection, perhaps after saying why
+		 * (a QUOTA refusal): an Error waiting to be read wins. */
+		int e = ctl_recv(c, want, out, NULL, NULL);
+		if (e < 0 && e != -EPIPE && e != -ECONNRESET)
+			return e;
 	}
 	if (r < 0)
 		return aoq_set_error(r, "aoqd: send: %s", strerror(-r));
@@ -670,10 +682,17 @@ static void *progress_main(void *arg)
 		}
 		if (p[1].revents)
 			break;
-		uint64_t v;
-		if (p[0].revents & POLLIN) {
-			ssize_t r = read(c->bell_in, &v, sizeof(v));
-			(void)r;
+		if (p[0].revents & (POLLIN | POLLHUP)) {
+			/* An eventfd or a socket: take every pending ring. */
+			uint8_t v[256];
+			ssize_t r = read(c->bell_in, v, sizeof(v));
+			if (r == 0) {
+				drain_params(c);
+				pthread_mutex_lock(&c->lock);
+				fail_session(c, -ECONNRESET, "aoqd closed the doorbell (see its log)");
+				pthread_mutex_unlock(&c->lock);
+				break;
+			}
 			/* The daemon also rings when it freed space in our ring. */
 			pthread_mutex_lock(&c->lock);
 			pthread_cond_broadcast(&c->cond);
@@ -1240,6 +1259,32 @@ int aoq_set_tensor_steps(struct aoq_client *c, uint32_t first, uint32_t n, const
 	return tensor_steps(c, first, n, (uint64_t *)steps, true);
 }
 
+/* Waits, within the deadline, until every gradient copy has completed. */
+static bool copies_done(struct aoq_client *c)
+{
+	struct timespec at;
+	clock_gettime(CLOCK_MONOTONIC, &at);
+	uint32_t ms = c->o.timeout_ms == AOQ_TIMEOUT_NONE ? AOQ_DEFAULT_TIMEOUT_MS : c->o.timeout_ms;
+	at.tv_sec += ms / 1000;
+	at.tv_nsec += (long)(ms % 1000) * 1000000L;
+	if (at.tv_nsec >= 1000000000L) {
+		at.tv_sec++;
+		at.tv_nsec -= 1000000000L;
+	}
+	pthread_mutex_lock(&c->lock);
+	bool done = false;
+	for (;;) {
+		done = true;
+		for (uint32_t i = 0; i < c->ntensors; i++)
+			if (c->tensors[i].copied < c->tensors[i].copies)
+				done = false;
+		if (done || pthread_cond_timedwait(&c->cond, &c->lock, &at) == ETIMEDOUT)
+			break;
+	}
+	pthread_mutex_unlock(&c->lock);
+	return done;
+}
+
 void aoq_close(struct aoq_client *c)
 {
 	if (!c)
@@ -1256,6 +1301,15 @@ void aoq_close(struct aoq_client *c)
 	if (c->progress_running) {
 		ring(c->wake_fd);
 		pthread_join(c->progress, NULL);
+	}
+	/* A gradient copy still in flight (a device's, after an error skipped
+	 * the sync above) lands in the arena and pushes its record when it
+	 * completes: wait for it before unmapping, or it writes into whatever
+	 * is mapped there next (another session's ring).  Past the deadline
+	 * the arena and the client are left mapped and allocated. */
+	if (c->arena && !copies_done(c)) {
+		aoq_set_error(-ETIMEDOUT, "aoq_close: gradient copies did not complete; the session's memory is left");
+		return;
 	}
 	for (uint32_t i = 0; i < c->ntensors; i++) {
 		evref_put(c, c->tensors[i].h2d);

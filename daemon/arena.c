@@ -5,8 +5,8 @@
 #include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/eventfd.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "arena.h"
@@ -14,7 +14,7 @@
 void aoqd_arena_init(struct aoqd_arena *a)
 {
 	memset(a, 0, sizeof(*a));
-	a->fd = a->doorbell_in = a->doorbell_out = -1;
+	a->fd = a->doorbell_in = a->doorbell_out = a->peer_in = a->peer_out = -1;
 	pthread_mutex_init(&a->ring_lock, NULL);
 }
 
@@ -138,10 +138,18 @@ int aoqd_arena_build(struct aoqd_arena *a, const struct aoqd_state *st, uint64_t
 	a->to_client = (struct aoq_ring_prod){ .ring = (void *)(a->base + to_client), .cap = a->ring_cap };
 	if (fcntl(fd, F_ADD_SEALS, F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL) < 0)
 		return -errno;
-	a->doorbell_in = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-	a->doorbell_out = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-	if (a->doorbell_in < 0 || a->doorbell_out < 0)
+	int in[2], out[2];
+	if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0, in) < 0)
 		return -errno;
+	a->doorbell_in = in[0];
+	a->peer_in = in[1];
+	if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0, out) < 0)
+		return -errno;
+	a->doorbell_out = out[0];
+	a->peer_out = out[1];
+	/* Each end is one-way. */
+	shutdown(a->doorbell_in, SHUT_WR);
+	shutdown(a->doorbell_out, SHUT_RD);
 	return 0;
 }
 
@@ -182,21 +190,39 @@ void aoqd_arena_free(struct aoqd_arena *a)
 		close(a->doorbell_in);
 	if (a->doorbell_out >= 0)
 		close(a->doorbell_out);
+	aoqd_arena_sent(a);
 	a->base = NULL;
 	a->fd = a->doorbell_in = a->doorbell_out = -1;
 	pthread_mutex_destroy(&a->ring_lock);
 }
 
-void aoqd_arena_ack(struct aoqd_arena *a)
+void aoqd_arena_sent(struct aoqd_arena *a)
 {
-	uint64_t v;
-	ssize_t r = read(a->doorbell_in, &v, sizeof(v));
-	(void)r;
+	if (a->peer_in >= 0)
+		close(a->peer_in);
+	if (a->peer_out >= 0)
+		close(a->peer_out);
+	a->peer_in = a->peer_out = -1;
+}
+
+int aoqd_arena_ack(struct aoqd_arena *a)
+{
+	uint8_t buf[256];
+	for (int i = 0; i < 64; i++) {
+		ssize_t r = recv(a->doorbell_in, buf, sizeof(buf), MSG_DONTWAIT);
+		if (r == 0)
+			return -ECONNRESET;
+		if (r < 0)
+			return errno == ECONNRESET ? -ECONNRESET : 0;
+		if ((size_t)r < sizeof(buf))
+			return 0;
+	}
+	return 0; /* the rest at the next wake */
 }
 
 void aoqd_arena_ring(struct aoqd_arena *a)
 {
-	uint64_t one = 1;
-	ssize_t r = write(a->doorbell_out, &one, sizeof(one));
-	(void)r; /* EAGAIN: the counter is saturated, the peer is woken anyway */
+	uint8_t one = 1;
+	ssize_t r = send(a->doorbell_out, &one, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+	(void)r; /* EAGAIN: the client has wake-ups to read; EPIPE: it is gone */
 }

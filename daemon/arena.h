@@ -32,8 +32,13 @@ struct aoqd_arena {
 	struct aoq_ring_cons to_daemon;   /* loop thread */
 	struct aoq_ring_prod to_client;   /* under ring_lock */
 	pthread_mutex_t ring_lock;
-	int doorbell_in;   /* eventfd the client rings */
-	int doorbell_out;  /* eventfd we ring */
+	/* Doorbells: a socket pair per direction.  The client gets its own
+	 * ends, never a file description the daemon uses, so it cannot make
+	 * the daemon's reads or writes block (O_NONBLOCK lives in the
+	 * description); the daemon reads and writes with MSG_DONTWAIT. */
+	int doorbell_in;   /* the client rings: we read */
+	int doorbell_out;  /* we ring */
+	int peer_in, peer_out; /* the client's ends, until sent */
 	uv_poll_t doorbell_poll;
 	bool poll_open;
 };
@@ -51,9 +56,13 @@ void aoqd_arena_pause(struct aoqd_arena *a);
 bool aoqd_arena_unwatch(struct aoqd_arena *a, uv_close_cb closed_cb);
 /* Unmaps and closes everything (after the handle closed). */
 void aoqd_arena_free(struct aoqd_arena *a);
-/* Consumes the client's doorbell count. */
-void aoqd_arena_ack(struct aoqd_arena *a);
-/* Wakes the client (any thread). */
+/* The client's ends of the doorbells are sent: closes the daemon's copies. */
+void aoqd_arena_sent(struct aoqd_arena *a);
+/* Consumes the client's rings: 0, or -ECONNRESET when the client closed
+ * its end. */
+int aoqd_arena_ack(struct aoqd_arena *a);
+/* Wakes the client (any thread); never blocks.  A full doorbell means the
+ * client has wake-ups it has not read yet: that is success too. */
 void aoqd_arena_ring(struct aoqd_arena *a);
 
 #endif

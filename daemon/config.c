@@ -37,9 +37,19 @@ void aoqd_config_defaults(struct aoqd_config *c)
 	c->max_tensor_elems = 1ull << 36;
 	c->max_arena_bytes = 1ull << 40;
 	c->admin_gid = (uint32_t)-1;
-	/* One uid cannot ask for more state than the machine has memory. */
+	c->max_connections_per_uid = 128;
+	c->handshake_timeout_ms = 30000;
+	c->max_buffered_bytes_per_uid = 16ull << 20;
+	/* One uid holds at most half the machine's memory. */
+	c->max_state_bytes_per_uid = aoqd_config_mem_fraction(50);
+}
+
+uint64_t aoqd_config_mem_fraction(unsigned percent)
+{
 	long pages = sysconf(_SC_PHYS_PAGES), psize = sysconf(_SC_PAGESIZE);
-	c->max_state_bytes_per_uid = pages > 0 && psize > 0 ? (uint64_t)pages * (uint64_t)psize : 0;
+	if (pages <= 0 || psize <= 0)
+		return 0;
+	return (uint64_t)pages / 100 * percent * (uint64_t)psize;
 }
 
 int aoqd_parse_u64(const char *s, int allow_suffix, uint64_t *out)
@@ -79,7 +89,7 @@ int aoqd_parse_u64(const char *s, int allow_suffix, uint64_t *out)
 	return 0;
 }
 
-enum key_kind { K_STRING, K_COUNT, K_SIZE, K_LOCK, K_LOG, K_KERNEL, K_GID };
+enum key_kind { K_STRING, K_COUNT, K_SIZE, K_MEMSIZE, K_LOCK, K_LOG, K_KERNEL, K_GID };
 
 struct key {
 	const char *name;
@@ -102,7 +112,11 @@ static const struct key keys[] = {
 	{ "max_tensors", K_COUNT, OFF(max_tensors), W(max_tensors), 1, UINT32_MAX },
 	{ "max_tensor_elems", K_SIZE, OFF(max_tensor_elems), W(max_tensor_elems), 1, 1ull << 48 },
 	{ "max_arena_bytes", K_SIZE, OFF(max_arena_bytes), W(max_arena_bytes), 1ull << 16, 1ull << 52 },
-	{ "max_state_bytes_per_uid", K_SIZE, OFF(max_state_bytes_per_uid), W(max_state_bytes_per_uid), 0, UINT64_MAX },
+	{ "max_state_bytes_per_uid", K_MEMSIZE, OFF(max_state_bytes_per_uid), W(max_state_bytes_per_uid), 0, UINT64_MAX },
+	{ "max_connections_per_uid", K_COUNT, OFF(max_connections_per_uid), W(max_connections_per_uid), 1, 1u << 20 },
+	{ "handshake_timeout_ms", K_COUNT, OFF(handshake_timeout_ms), W(handshake_timeout_ms), 100, 3600000 },
+	{ "max_buffered_bytes_per_uid", K_SIZE, OFF(max_buffered_bytes_per_uid), W(max_buffered_bytes_per_uid),
+	  1ull << 20, 1ull << 40 },
 	{ "admin_gid", K_GID, OFF(admin_gid), W(admin_gid), 0, UINT32_MAX - 1 },
 };
 
@@ -127,10 +141,12 @@ static int word_index(const char *v, const char *const *words, size_t n)
 static int set_number(struct aoqd_config *c, const struct key *k, const char *v, char *err, size_t errlen)
 {
 	uint64_t x;
-	int r = aoqd_parse_u64(v, k->kind == K_SIZE, &x);
+	bool size = k->kind == K_SIZE || k->kind == K_MEMSIZE;
+	int r = aoqd_parse_u64(v, size, &x);
 	if (r == -EINVAL) {
 		snprintf(err, errlen, "'%s' is not a whole number%s", v,
-		         k->kind == K_SIZE ? " (optionally with a K, M, G or T suffix)" : "");
+		         size ? (k->kind == K_MEMSIZE ? " (optionally with a K, M, G or T suffix), or N% of the memory"
+		                                      : " (optionally with a K, M, G or T suffix)") : "");
 		return r;
 	}
 	if (r == -ERANGE || x < k->lo || x > k->hi) {
@@ -176,6 +192,28 @@ int aoqd_config_set(struct aoqd_config *c, const char *key, const char *v, char 
 	char words[128];
 	int i;
 	switch (k->kind) {
+	case K_MEMSIZE: {
+		/* A size, or "N%" of the machine's memory (1..100). */
+		size_t n = strlen(v);
+		if (n > 1 && v[n - 1] == '%') {
+			char num[16];
+			uint64_t pct;
+			if (n - 1 >= sizeof(num)) {
+				snprintf(err, errlen, "'%s' is not a share of memory (1%%..100%%)", v);
+				return -EINVAL;
+			}
+			memcpy(num, v, n - 1);
+			num[n - 1] = '\0';
+			if (aoqd_parse_u64(num, 0, &pct) < 0 || pct < 1 || pct > 100) {
+				snprintf(err, errlen, "'%s' is not a share of memory (1%%..100%%)", v);
+				return -ERANGE;
+			}
+			uint64_t x = aoqd_config_mem_fraction((unsigned)pct);
+			memcpy((char *)c + k->off, &x, 8);
+			return 0;
+		}
+		return set_number(c, k, v, err, errlen);
+	}
 	case K_COUNT:
 	case K_SIZE:
 		if (k->kind == K_COUNT && strcmp(k->name, "threads") == 0 && strcmp(v, "auto") == 0) {
@@ -374,6 +412,9 @@ void aoqd_config_print(const struct aoqd_config *c, FILE *f)
 	fprintf(f, "max_tensor_elems = %" PRIu64 "\n", c->max_tensor_elems);
 	fprintf(f, "max_arena_bytes = %" PRIu64 "\n", c->max_arena_bytes);
 	fprintf(f, "max_state_bytes_per_uid = %" PRIu64 "\n", c->max_state_bytes_per_uid);
+	fprintf(f, "max_connections_per_uid = %" PRIu32 "\n", c->max_connections_per_uid);
+	fprintf(f, "handshake_timeout_ms = %" PRIu32 "\n", c->handshake_timeout_ms);
+	fprintf(f, "max_buffered_bytes_per_uid = %" PRIu64 "\n", c->max_buffered_bytes_per_uid);
 	if (c->admin_gid == (uint32_t)-1)
 		fprintf(f, "admin_gid = none\n");
 	else

@@ -24,7 +24,10 @@ struct aoqd_config {
 	uint32_t max_tensors;
 	uint64_t max_tensor_elems;
 	uint64_t max_arena_bytes;
-	uint64_t max_state_bytes_per_uid; /* 0: unlimited */
+	uint64_t max_state_bytes_per_uid; /* memory one uid's sessions hold; 0: unlimited */
+	uint32_t max_connections_per_uid;
+	uint32_t handshake_timeout_ms;   /* accept to Welcome (observer) or Registered */
+	uint64_t max_buffered_bytes_per_uid; /* partial frames held beyond 64 KiB a connection */
 	uint32_t admin_gid;       /* sees every session; (gid_t)-1 none */
 };
 
@@ -32,6 +35,9 @@ struct aoqd_config {
 #define AOQD_MAX_THREADS 1024u
 
 void aoqd_config_defaults(struct aoqd_config *c);
+
+/* percent of the machine's memory, in bytes (0 when unknown). */
+uint64_t aoqd_config_mem_fraction(unsigned percent);
 
 /* Reads "key = value" lines (# comments); errors name file:line:key. */
 int aoqd_config_load(struct aoqd_config *c, const char *path);

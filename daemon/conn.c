@@ -88,6 +88,28 @@ void aoqd_conn_send_error(struct aoqd_conn *c, Aoq__ErrorCode code, const char *
 		c->ops->close(c->owner);
 }
 
+void aoqd_conn_refuse(struct aoqd_conn *c, Aoq__ErrorCode code, const char *msg)
+{
+	if (!c->open)
+		return;
+	Aoq__Error e = AOQ__ERROR__INIT;
+	e.code = code;
+	e.message = (char *)msg;
+	Aoq__Envelope env = AOQ__ENVELOPE__INIT;
+	env.msg_case = AOQ__ENVELOPE__MSG_ERROR;
+	env.error = &e;
+	uint8_t *buf;
+	size_t len;
+	if (aoq_frame_encode(&env, &buf, &len) < 0)
+		return;
+	uv_os_fd_t fd;
+	if (uv_fileno((uv_handle_t *)&c->pipe, &fd) == 0) {
+		ssize_t n = send(fd, buf, len, MSG_DONTWAIT | MSG_NOSIGNAL);
+		(void)n; /* a client that is gone reads nothing anyway */
+	}
+	free(buf);
+}
+
 int aoqd_conn_send_done(struct aoqd_conn *c, uint64_t value)
 {
 	Aoq__Done d = AOQ__DONE__INIT;
@@ -176,10 +198,26 @@ static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
 	if (want > 4 + AOQ_MAX_FRAME)
 		want = 4 + AOQ_MAX_FRAME;
 	if (c->rcap < want) {
+		/* Beyond the base, the uid's budget pays (half-sent frames
+		 * must not hold the daemon's memory). */
+		uint64_t charge = want > AOQD_CONN_BASE_BUFFER ? want - AOQD_CONN_BASE_BUFFER : 0;
+		if (c->buffered && charge > c->buffer_charged) {
+			uint64_t more = charge - c->buffer_charged;
+			if (c->buffer_limit && *c->buffered + more > c->buffer_limit) {
+				c->over_budget = true;
+				buf->base = NULL;
+				buf->len = 0; /* on_read gets UV_ENOBUFS */
+				return;
+			}
+		}
 		uint8_t *n = realloc(c->rbuf, want);
 		if (n) {
 			c->rbuf = n;
 			c->rcap = want;
+			if (c->buffered && charge > c->buffer_charged) {
+				*c->buffered += charge - c->buffer_charged;
+				c->buffer_charged = charge;
+			}
 		}
 	}
 	buf->base = (char *)c->rbuf + c->rlen;
@@ -194,6 +232,8 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf)
 		return;
 	if (nread > 0)
 		c->rlen += (size_t)nread;
+	if (nread == UV_ENOBUFS && !c->over_budget)
+		return; /* out of memory for a moment: libuv tries again */
 	c->ops->read(c->owner, nread);
 }
 
@@ -224,6 +264,21 @@ int aoqd_conn_frame(struct aoqd_conn *c, size_t *off, Aoq__Envelope **env, struc
 	return 1;
 }
 
+/* Gives a large read buffer back once what it holds fits the base. */
+static void shrink(struct aoqd_conn *c)
+{
+	if (c->rcap <= AOQD_CONN_BASE_BUFFER || c->rlen > AOQD_CONN_BASE_BUFFER / 2)
+		return;
+	uint8_t *n = realloc(c->rbuf, AOQD_CONN_BASE_BUFFER);
+	if (!n)
+		return;
+	c->rbuf = n;
+	c->rcap = AOQD_CONN_BASE_BUFFER;
+	if (c->buffered)
+		*c->buffered -= c->buffer_charged;
+	c->buffer_charged = 0;
+}
+
 void aoqd_conn_consume(struct aoqd_conn *c, size_t n)
 {
 	if (n == 0)
@@ -231,6 +286,23 @@ void aoqd_conn_consume(struct aoqd_conn *c, size_t n)
 	if (n < c->rlen)
 		memmove(c->rbuf, c->rbuf + n, c->rlen - n);
 	c->rlen -= n;
+	shrink(c);
+}
+
+void aoqd_conn_budget(struct aoqd_conn *c, uint64_t *buffered, uint64_t limit)
+{
+	c->buffered = buffered;
+	c->buffer_limit = limit;
+}
+
+bool aoqd_conn_in_group(const struct aoqd_conn *c, gid_t gid)
+{
+	if (c->gid == gid)
+		return true;
+	for (int i = 0; i < c->ngroups; i++)
+		if (c->groups[i] == gid)
+			return true;
+	return false;
 }
 
 static void on_closed(uv_handle_t *h)
@@ -264,12 +336,26 @@ int aoqd_conn_accept(struct aoqd_conn *c, uv_loop_t *loop, uv_stream_t *listener
 		c->gid = cred.gid;
 		c->peer_pid = cred.pid;
 	}
+	/* Supplementary groups count for admin_gid (Linux 4.13+). */
+	gid_t groups[256];
+	socklen_t gl = sizeof(groups);
+	if (c->uid != (uid_t)-1 && getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups, &gl) == 0 && gl > 0) {
+		c->groups = malloc(gl);
+		if (c->groups) {
+			memcpy(c->groups, groups, gl);
+			c->ngroups = (int)(gl / sizeof(gid_t));
+		}
+	}
 	return 0;
 }
 
 bool aoqd_conn_close(struct aoqd_conn *c)
 {
 	bool was_open = c->open;
+	if (c->buffered)
+		*c->buffered -= c->buffer_charged;
+	c->buffer_charged = 0;
+	c->buffered = NULL;
 	c->open = false;
 	c->reading = false;
 	if (c->handle_live) {
@@ -285,6 +371,8 @@ void aoqd_conn_free(struct aoqd_conn *c)
 	free(c->rbuf);
 	free(c->job);
 	free(c->device);
+	free(c->groups);
+	c->groups = NULL;
 	c->rbuf = NULL;
 	c->job = c->device = NULL;
 }

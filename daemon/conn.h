@@ -6,7 +6,8 @@
  *
  * A connection calls nothing above it: what it has to tell its owner (bytes
  * came, the connection must close, a write finished, a handle holds or
- * drops the owner) goes through the owner's aoqd_conn_ops.
+ * drops the owner) goes through the owner's aoqd_conn_ops.  A read buffer
+ * that would pass its budget (aoqd_conn_budget) reports UV_ENOBUFS.
  */
 #ifndef AOQD_CONN_H
 #define AOQD_CONN_H
@@ -22,6 +23,8 @@
 /* A client that does not read its replies stops being read once this much
  * waits to be written to it. */
 #define AOQD_MAX_QUEUED_REPLY_BYTES (4u << 20)
+/* Read buffer a connection has without charge. */
+#define AOQD_CONN_BASE_BUFFER 65536u
 
 struct aoqd_conn_ops {
 	void (*hold)(void *owner);     /* a write or a closing handle keeps the owner */
@@ -42,6 +45,15 @@ struct aoqd_conn {
 	pid_t peer_pid;
 	uid_t uid;         /* (uid_t)-1: no credentials */
 	gid_t gid;
+	gid_t *groups;     /* supplementary groups (SO_PEERGROUPS) */
+	int ngroups;
+	/* Read buffer beyond AOQD_CONN_BASE_BUFFER, charged to *buffered
+	 * (the uid's) up to buffer_limit; past it reading fails with
+	 * UV_ENOBUFS. */
+	uint64_t *buffered;
+	uint64_t buffer_limit;
+	uint64_t buffer_charged;
+	bool over_budget;
 	/* Hello */
 	char *job;
 	uint32_t rank;
@@ -56,6 +68,11 @@ struct aoqd_conn {
  * still be closed with aoqd_conn_close(). */
 int aoqd_conn_accept(struct aoqd_conn *c, uv_loop_t *loop, uv_stream_t *listener, uint64_t id,
                      const struct aoqd_conn_ops *ops, void *owner);
+/* Charges the read buffer beyond its base to *buffered, up to limit (0:
+ * none). */
+void aoqd_conn_budget(struct aoqd_conn *c, uint64_t *buffered, uint64_t limit);
+/* True when gid is the peer's group or one of its supplementary groups. */
+bool aoqd_conn_in_group(const struct aoqd_conn *c, gid_t gid);
 /* Closes the handle; true when the connection was open. */
 bool aoqd_conn_close(struct aoqd_conn *c);
 /* Frees the buffers and names (after the handle closed). */
@@ -67,6 +84,10 @@ int aoqd_conn_send(struct aoqd_conn *c, const Aoq__Envelope *env);
 /* Sends Error{code, msg}; with close_after, the connection closes once it
  * is written. */
 void aoqd_conn_send_error(struct aoqd_conn *c, Aoq__ErrorCode code, const char *msg, bool close_after);
+/* A connection refused at accept: Error{code, msg} written at once, from
+ * the socket's empty buffer (never queued), so the caller closes it right
+ * away and the client still reads why. */
+void aoqd_conn_refuse(struct aoqd_conn *c, Aoq__ErrorCode code, const char *msg);
 /* Sends Done{value}. */
 int aoqd_conn_send_done(struct aoqd_conn *c, uint64_t value);
 /* Sends a frame with fds (SCM_RIGHTS).  Only with nothing queued before

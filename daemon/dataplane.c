@@ -280,7 +280,12 @@ static int accept_record(struct aoqd_session *s, const struct aoq_rec *r, struct
 	enum job_phase phase = (r->flags & AOQ_REC_ACCUMULATE) ? PHASE_ACCUMULATE : s->st.defer ? PHASE_NORM : PHASE_UPDATE;
 	bool acc_first = false, use_acc = false, opens_step = false, ends_tensor = false;
 	if (phase == PHASE_ACCUMULATE) {
-		if (aoqd_state_acc(&s->st, t) < 0)
+		int a = aoqd_state_acc(&s->st, t);
+		if (a == -EDQUOT)
+			return AOQD_FAIL(err, QUOTA, "tensor %u: the gradient accumulator (%" PRIu64 " bytes) would pass uid "
+			                 "%u's quota of %" PRIu64 " bytes", r->tensor, t->numel * 4, (unsigned)s->conn.uid,
+			                 s->st.quota);
+		if (a < 0)
 			return AOQD_FAIL(err, NO_MEMORY, "tensor %u: no memory for the gradient accumulator", r->tensor);
 		if (t->acc_step != r->step) {
 			t->acc_step = r->step;
@@ -291,14 +296,16 @@ static int accept_record(struct aoqd_session *s, const struct aoq_rec *r, struct
 		if (t->cur_step != r->step) {
 			t->cur_step = r->step;
 			t->steps++;
-			t->done_elems = 0;
+			t->ndone = 0;
 			opens_step = true;
 		}
-		t->done_elems += r->count;
-		if (t->done_elems > t->numel)
-			return AOQD_FAIL(err, BAD_RECORD, "tensor %u: more than one final gradient in step %" PRIu64,
-			                 r->tensor, r->step);
-		ends_tensor = t->done_elems == t->numel;
+		int d = aoqd_tensor_mark_done(t, r->offset, r->count);
+		if (d == -EEXIST)
+			return AOQD_FAIL(err, BAD_RECORD, "tensor %u: elements %" PRIu64 "+%" PRIu64 " had a final gradient "
+			                 "in step %" PRIu64 " already", r->tensor, r->offset, r->count, r->step);
+		if (d < 0)
+			return AOQD_FAIL(err, NO_MEMORY, "out of memory");
+		ends_tensor = d == 1;
 	}
 	uint64_t ce = chunk_elems(s, r->count);
 	uint32_t n = (uint32_t)((r->count + ce - 1) / ce);

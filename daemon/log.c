@@ -14,11 +14,21 @@ void aoqd_log(enum aoqd_log_level lvl, const char *subsys, const char *fmt, ...)
 	static const int sd_prio[] = { 3, 4, 6, 7 };
 	if (lvl > aoqd_log_level)
 		return;
-	char line[1024];
+	char raw[1024], line[4 * sizeof(raw)];
 	va_list ap;
 	va_start(ap, fmt);
-	vsnprintf(line, sizeof(line), fmt, ap);
+	vsnprintf(raw, sizeof(raw), fmt, ap);
 	va_end(ap);
+	/* Lines carry names clients chose: a control byte (a newline that
+	 * would forge a line, a terminal escape) is written as \xNN. */
+	size_t o = 0;
+	for (const unsigned char *p = (const unsigned char *)raw; *p; p++) {
+		if (*p < 0x20 || *p == 0x7f || *p == '\\')
+			o += (size_t)snprintf(line + o, sizeof(line) - o, "\\x%02x", *p);
+		else
+			line[o++] = (char)*p;
+	}
+	line[o] = '\0';
 	/* Under journald, the "<N>" prefix carries the priority. */
 	if (getenv("JOURNAL_STREAM"))
 		fprintf(stderr, "<%d>%s: %s\n", sd_prio[lvl], subsys, line);

@@ -50,10 +50,28 @@ static int add_tensors(struct aoqd_session *s, const Aoq__Register *m, struct ao
 		return AOQD_FAIL(err, INVALID, "too many groups");
 	if (m->n_tensors > cfg->max_tensors - st->ntensors)
 		return AOQD_FAIL(err, INVALID, "more than %u tensors", cfg->max_tensors);
-	struct aoqd_group *g = aoq_grow(st->groups, &st->cap_groups, st->ngroups + (uint32_t)m->n_groups, sizeof(*g));
-	if (!g)
-		return AOQD_FAIL(err, NO_MEMORY, "out of memory");
-	st->groups = g;
+	/* A frame's tensors are handled in one turn of the loop: a few ms. */
+	if (m->n_tensors > AOQD_MAX_TENSORS_PER_FRAME || m->n_groups > AOQD_MAX_TENSORS_PER_FRAME)
+		return AOQD_FAIL(err, INVALID, "%zu tensors and %zu groups in one Register frame (at most %u each; send "
+		                 "more frames)", m->n_tensors, m->n_groups, AOQD_MAX_TENSORS_PER_FRAME);
+	/* The tables and names this frame adds, charged before they are
+	 * built (an unfinished registration holds them too). */
+	uint32_t ng = aoq_grow_cap(st->cap_groups, st->ngroups + (uint32_t)m->n_groups);
+	uint32_t nt = aoq_grow_cap(st->cap_tensors, st->ntensors + (uint32_t)m->n_tensors);
+	uint64_t bytes = (uint64_t)(ng - st->cap_groups) * sizeof(struct aoqd_group) +
+	                 (uint64_t)(nt - st->cap_tensors) * sizeof(struct aoqd_tensor);
+	for (size_t i = 0; i < m->n_tensors; i++)
+		bytes += strlen(m->tensors[i]->name) + 1 + 16; /* and malloc's header */
+	if (aoqd_state_charge(st, bytes) < 0)
+		return AOQD_FAIL(err, QUOTA, "uid %u: the registration's tables (%" PRIu64 " bytes more) would pass its quota "
+		                 "of %" PRIu64 " bytes", (unsigned)s->conn.uid, bytes, st->quota);
+	if (m->n_groups) {
+		struct aoqd_group *g = aoq_grow(st->groups, &st->cap_groups, st->ngroups + (uint32_t)m->n_groups,
+		                                 sizeof(*g));
+		if (!g)
+			return AOQD_FAIL(err, NO_MEMORY, "out of memory");
+		st->groups = g;
+	}
 	for (size_t i = 0; i < m->n_groups; i++) {
 		const Aoq__Group *mg = m->groups[i];
 		if (mg->kind != AOQ__OPTIMIZER_KIND__ADAM && mg->kind != AOQ__OPTIMIZER_KIND__ADAMW)
@@ -62,10 +80,13 @@ static int add_tensors(struct aoqd_session *s, const Aoq__Register *m, struct ao
 			return AOQD_FAIL(err, INVALID, "group %u: %s", st->ngroups, why);
 		aoqd_group_set(&st->groups[st->ngroups++], mg->kind, mg->hp);
 	}
-	struct aoqd_tensor *t = aoq_grow(st->tensors, &st->cap_tensors, st->ntensors + (uint32_t)m->n_tensors, sizeof(*t));
-	if (!t)
-		return AOQD_FAIL(err, NO_MEMORY, "out of memory");
-	st->tensors = t;
+	if (m->n_tensors) {
+		struct aoqd_tensor *t = aoq_grow(st->tensors, &st->cap_tensors, st->ntensors + (uint32_t)m->n_tensors,
+		                                  sizeof(*t));
+		if (!t)
+			return AOQD_FAIL(err, NO_MEMORY, "out of memory");
+		st->tensors = t;
+	}
 	for (size_t i = 0; i < m->n_tensors; i++) {
 		const Aoq__TensorDesc *d = m->tensors[i];
 		if (strlen(d->name) > 1024)
@@ -83,13 +104,14 @@ static int add_tensors(struct aoqd_session *s, const Aoq__Register *m, struct ao
 		x->param_dtype = (enum aoqk_dtype)d->param_dtype;
 		x->grad_dtype = (enum aoqk_dtype)d->grad_dtype;
 		x->group = d->group;
+		st->parameters += d->numel;
 		st->ntensors++; /* counted now so that aoqd_state_free frees the name */
 	}
 	return 0;
 }
 
 /* The last frame: state within the uid's quota, mapped. */
-static int make_state(struct aoqd_session *s, uint64_t uid_state_bytes, struct aoqd_error *err)
+static int make_state(struct aoqd_session *s, struct aoqd_error *err)
 {
 	const struct aoqd_config *cfg = &s->srv->cfg;
 	struct aoqd_state *st = &s->st;
@@ -99,19 +121,19 @@ static int make_state(struct aoqd_session *s, uint64_t uid_state_bytes, struct a
 		if (st->tensors[i].group >= st->ngroups)
 			return AOQD_FAIL(err, INVALID, "tensor %u: group %u of %u", i, st->tensors[i].group, st->ngroups);
 	enum aoqk_precision prec = (enum aoqk_precision)st->precision;
-	uint64_t total = 0;
+	uint64_t total = 0, mapped = 0;
 	for (uint32_t i = 0; i < st->ntensors; i++) {
 		uint64_t off[5];
 		uint64_t len = aoqd_state_len(prec, st->tensors[i].numel, off);
-		if (__builtin_add_overflow(total, len, &total))
+		if (__builtin_add_overflow(total, len, &total) ||
+		    __builtin_add_overflow(mapped, aoqd_page_round(len), &mapped))
 			return AOQD_FAIL(err, NO_MEMORY, "state too large");
 	}
-	if (cfg->max_state_bytes_per_uid) {
-		uint64_t used = uid_state_bytes;
-		if (used + total > cfg->max_state_bytes_per_uid)
-			return AOQD_FAIL(err, QUOTA, "uid %u would hold %" PRIu64 " bytes of state (limit %" PRIu64 ")",
-			                 (unsigned)s->conn.uid, used + total, cfg->max_state_bytes_per_uid);
-	}
+	/* One mapping per tensor: what is locked is whole pages. */
+	if (aoqd_state_charge(st, mapped) < 0)
+		return AOQD_FAIL(err, QUOTA, "uid %u: %" PRIu64 " bytes of state (%" PRIu64 " in whole pages) would pass its "
+		                 "quota of %" PRIu64 " bytes (max_state_bytes_per_uid)", (unsigned)s->conn.uid, total, mapped,
+		                 st->quota);
 	uint64_t failed_len = 0;
 	int r = aoqd_state_alloc(st, cfg->lock_memory, &s->srv->locked_bytes, &failed_len);
 	if (r < 0)
@@ -122,8 +144,7 @@ static int make_state(struct aoqd_session *s, uint64_t uid_state_bytes, struct a
 	return 0;
 }
 
-int aoqd_register(struct aoqd_session *s, const Aoq__Register *m, uint64_t uid_state_bytes, uv_poll_cb on_doorbell,
-                  struct aoqd_error *err)
+int aoqd_register(struct aoqd_session *s, const Aoq__Register *m, uv_poll_cb on_doorbell, struct aoqd_error *err)
 {
 	struct aoqd_state *st = &s->st;
 	int r;
@@ -140,9 +161,13 @@ int aoqd_register(struct aoqd_session *s, const Aoq__Register *m, uint64_t uid_s
 		aoqd_conn_send(&s->conn, &reply);
 		return AOQD_REPLIED;
 	}
-	if ((r = make_state(s, uid_state_bytes, err)) < 0)
+	if ((r = make_state(s, err)) < 0)
 		return r;
 	r = aoqd_arena_build(&s->arena, st, s->id, s->srv->cfg.max_arena_bytes);
+	/* The memfd's pages are taken as the client fills it: charged now. */
+	if (r == 0 && aoqd_state_charge(st, aoqd_page_round(s->arena.size)) < 0)
+		return AOQD_FAIL(err, QUOTA, "uid %u: the arena (%" PRIu64 " bytes) would pass its quota of %" PRIu64
+		                 " bytes", (unsigned)s->conn.uid, s->arena.size, st->quota);
 	if (r == 0)
 		r = aoqd_arena_watch(&s->arena, s->srv->loop, on_doorbell, s);
 	if (r < 0)
@@ -156,8 +181,9 @@ int aoqd_register(struct aoqd_session *s, const Aoq__Register *m, uint64_t uid_s
 	Aoq__Envelope reply = AOQ__ENVELOPE__INIT;
 	reply.msg_case = AOQ__ENVELOPE__MSG_REGISTERED;
 	reply.registered = &reg;
-	int fds[3] = { s->arena.fd, s->arena.doorbell_in, s->arena.doorbell_out };
+	int fds[3] = { s->arena.fd, s->arena.peer_in, s->arena.peer_out };
 	r = aoqd_conn_send_with_fds(&s->conn, &reply, fds, 3);
+	aoqd_arena_sent(&s->arena);
 	if (r < 0)
 		return AOQD_FAIL(err, INTERNAL, "cannot send the arena: %s", strerror(-r));
 	s->state = AOQD_READY;

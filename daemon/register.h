@@ -12,11 +12,14 @@
 
 struct aoqd_session;
 
-/* One Register frame.  uid_state_bytes: the state the client's uid holds
- * in its other sessions (the quota counts it); on_doorbell: what runs when
- * the client rings (its data is the session). */
-int aoqd_register(struct aoqd_session *s, const Aoq__Register *m, uint64_t uid_state_bytes, uv_poll_cb on_doorbell,
-                  struct aoqd_error *err);
+/* Tensors (and groups) one Register frame may carry: its work fits in a
+ * few ms of the loop.  libaoq sends 256 per frame. */
+#define AOQD_MAX_TENSORS_PER_FRAME 4096u
+
+/* One Register frame.  What it allocates is charged to the uid's account
+ * (s->st.account) first; on_doorbell: what runs when the client rings (its
+ * data is the session). */
+int aoqd_register(struct aoqd_session *s, const Aoq__Register *m, uv_poll_cb on_doorbell, struct aoqd_error *err);
 int aoqd_on_set_hyperparams(struct aoqd_session *s, const Aoq__Envelope *env, struct aoqd_error *err);
 
 #endif

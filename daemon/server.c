@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -40,6 +41,37 @@ static void on_connection(uv_stream_t *listener, int status)
 static void on_wake(uv_async_t *a)
 {
 	aoqd_sessions_wake(a->data);
+}
+
+static void on_sweep(uv_timer_t *t)
+{
+	aoqd_sessions_sweep(t->data);
+}
+
+/*
+ * Every connection may hold four descriptors (the socket, the arena and two
+ * doorbells): the soft RLIMIT_NOFILE goes up to what max_connections needs
+ * (a service's default of 1024 made accept fail with EMFILE), or
+ * max_connections comes down to what the hard limit allows.
+ */
+static void fit_fd_limit(struct aoqd_config *cfg)
+{
+	struct rlimit rl;
+	if (getrlimit(RLIMIT_NOFILE, &rl) < 0)
+		return;
+	rlim_t need = (rlim_t)cfg->max_connections * 4 + 64;
+	if (rl.rlim_cur < need) {
+		rlim_t old = rl.rlim_cur;
+		rl.rlim_cur = rl.rlim_max == RLIM_INFINITY || rl.rlim_max >= need ? need : rl.rlim_max;
+		if (setrlimit(RLIMIT_NOFILE, &rl) < 0)
+			rl.rlim_cur = old;
+	}
+	if (rl.rlim_cur < need) {
+		uint32_t fit = rl.rlim_cur > 64 + 4 ? (uint32_t)((rl.rlim_cur - 64) / 4) : 1;
+		aoqd_warn("server", "RLIMIT_NOFILE is %llu: max_connections %u lowered to %u (raise LimitNOFILE)",
+		          (unsigned long long)rl.rlim_cur, cfg->max_connections, fit);
+		cfg->max_connections = fit;
+	}
 }
 
 static void on_signal(uv_signal_t *h, int signum)
@@ -181,8 +213,13 @@ int aoqd_server_init(struct aoqd_server *srv, uv_loop_t *loop, const struct aoqd
 	if (!srv->pool)
 		return -errno;
 	aoqd_info("server", "%u workers%s (%ld cpus), kernel %s", n, pin ? " pinned" : "", ncpu, srv->kernel->name);
+	fit_fd_limit(&srv->cfg);
 	uv_async_init(loop, &srv->wake, on_wake);
 	srv->wake.data = srv;
+	uv_timer_init(loop, &srv->sweep);
+	srv->sweep.data = srv;
+	uint64_t every = cfg->handshake_timeout_ms / 4 + 1;
+	uv_timer_start(&srv->sweep, on_sweep, every, every);
 	uv_signal_init(loop, &srv->sigterm);
 	uv_signal_init(loop, &srv->sigint);
 	uv_signal_init(loop, &srv->sighup);
@@ -222,6 +259,7 @@ void aoqd_server_stop(struct aoqd_server *srv)
 	if (uv_is_active((uv_handle_t *)&srv->listener) || srv->listener.loop)
 		uv_close((uv_handle_t *)&srv->listener, NULL);
 	uv_close((uv_handle_t *)&srv->wake, NULL);
+	uv_close((uv_handle_t *)&srv->sweep, NULL);
 	uv_close((uv_handle_t *)&srv->sigterm, NULL);
 	uv_close((uv_handle_t *)&srv->sigint, NULL);
 	uv_close((uv_handle_t *)&srv->sighup, NULL);
@@ -231,6 +269,7 @@ void aoqd_server_fini(struct aoqd_server *srv)
 {
 	aoqd_pool_free(srv->pool);
 	srv->pool = NULL;
+	aoqd_account_free_all(&srv->accounts);
 	/* Only our own socket: a failed bind may have met a live daemon's. */
 	if (srv->bound)
 		unlink(srv->cfg.socket_path);

@@ -11,6 +11,7 @@
 #include <stdint.h>
 #include <uv.h>
 
+#include "account.h"
 #include "aoq-kernel.h"
 #include "config.h"
 #include "pool.h"
@@ -25,12 +26,14 @@ struct aoqd_server {
 	uv_signal_t sigterm, sigint, sighup;
 	uv_timer_t watchdog;
 	bool watchdog_on;
+	uv_timer_t sweep;         /* handshake deadlines */
 	struct aoqd_pool *pool;
 	const struct aoqk_kernel *kernel;
 	/* Sessions (session.c's list; nothing else walks it). */
 	struct aoqd_session *sessions;
 	uint64_t next_id;
 	uint32_t connections;
+	struct aoqd_account *accounts; /* one per uid seen (session.c charges them) */
 	uint64_t start_ns;
 	_Atomic uint64_t locked_bytes;
 	bool stopping;

@@ -22,6 +22,12 @@
 #include "transfer.h"
 #include "wire.h"
 
+/* Frames one connection may have handled per turn of the loop, and bytes
+ * of frames (at least one frame): a Register frame of 1 MiB is some 50,000
+ * tensors of work. */
+#define FRAMES_PER_TURN 16
+#define FRAME_BYTES_PER_TURN (128u << 10)
+
 static void session_close(struct aoqd_session *s);
 static void process_frames(struct aoqd_session *s);
 
@@ -82,6 +88,10 @@ static void session_close(struct aoqd_session *s)
 	aoqd_drop_deferred(s);
 	if (aoqd_conn_close(&s->conn))
 		s->srv->connections--;
+	if (s->counted) {
+		s->counted = false;
+		s->account->connections--;
+	}
 	aoqd_session_ref(s);
 	if (!aoqd_arena_unwatch(&s->arena, on_handle_closed))
 		aoqd_session_unref(s);
@@ -176,14 +186,9 @@ static int on_hello(struct aoqd_session *s, const Aoq__Envelope *env, struct aoq
 	return AOQD_REPLIED;
 }
 
-/* Registration, with the state the uid holds elsewhere (the quota). */
 static int on_register(struct aoqd_session *s, const Aoq__Envelope *env, struct aoqd_error *err)
 {
-	uint64_t used = 0;
-	for (struct aoqd_session *o = s->srv->sessions; o; o = o->next)
-		if (o->conn.uid == s->conn.uid && o != s)
-			used += o->st.state_bytes;
-	return aoqd_register(s, env->register_, used, aoqd_session_on_doorbell, err);
+	return aoqd_register(s, env->register_, aoqd_session_on_doorbell, err);
 }
 
 static const char *state_name(enum aoqd_session_state st)
@@ -197,11 +202,17 @@ static const char *state_name(enum aoqd_session_state st)
 	}
 }
 
-static bool may_see(const struct aoqd_session *who, const struct aoqd_session *s)
+/* Root, or a member of admin_gid (primary or supplementary group). */
+static bool is_admin(const struct aoqd_session *who)
 {
 	const struct aoqd_config *cfg = &who->srv->cfg;
-	return who->conn.uid == 0 || who->conn.uid == s->conn.uid ||
-	       (cfg->admin_gid != (uint32_t)-1 && who->conn.gid == cfg->admin_gid);
+	return who->conn.uid == 0 ||
+	       (cfg->admin_gid != (uint32_t)-1 && aoqd_conn_in_group(&who->conn, (gid_t)cfg->admin_gid));
+}
+
+static bool may_see(const struct aoqd_session *who, const struct aoqd_session *s)
+{
+	return is_admin(who) || who->conn.uid == s->conn.uid;
 }
 
 /* Stats: the sessions the asker may see, and the daemon's totals. */
@@ -232,11 +243,10 @@ static int on_stats(struct aoqd_session *who, const Aoq__Envelope *env, struct a
 		x->job = s->conn.job ? s->conn.job : "";
 		x->rank = s->conn.rank;
 		x->uid = (uint32_t)s->conn.uid;
-		x->pid = s->conn.pid ? s->conn.pid : (uint32_t)s->conn.peer_pid;
+		x->pid = (uint32_t)s->conn.peer_pid; /* SO_PEERCRED's, not what Hello claims */
 		x->device = s->conn.device ? s->conn.device : "";
 		x->tensors = s->st.ntensors;
-		for (uint32_t i = 0; i < s->st.ntensors; i++)
-			x->parameters += s->st.tensors[i].numel;
+		x->parameters = s->st.parameters; /* no walk over the tensors: Stats costs O(sessions) */
 		x->state = (char *)state_name(s->state);
 		x->precision = s->st.precision;
 		x->arena_bytes = s->arena.size;
@@ -248,8 +258,16 @@ static int on_stats(struct aoqd_session *who, const Aoq__Envelope *env, struct a
 	Aoq__Stats st = AOQ__STATS__INIT;
 	st.threads = aoqd_pool_threads(srv->pool);
 	st.kernel = (char *)srv->kernel->name;
-	st.locked_bytes = atomic_load(&srv->locked_bytes);
-	st.rss_bytes = aoqd_rss_bytes();
+	if (is_admin(who)) {
+		st.locked_bytes = atomic_load(&srv->locked_bytes);
+		st.rss_bytes = aoqd_rss_bytes();
+	} else {
+		/* Others' figures are not a plain user's business: only what
+		 * its own sessions lock. */
+		for (struct aoqd_session *s = srv->sessions; s; s = s->next)
+			if (s->conn.uid == who->conn.uid)
+				st.locked_bytes += s->st.locked_bytes;
+	}
 	st.uptime_seconds = (double)(aoqd_now_ns() - srv->start_ns) / 1e9;
 	st.n_sessions = k;
 	st.sessions = sp;
@@ -324,11 +342,24 @@ static void process_frames(struct aoqd_session *s)
 {
 	struct aoqd_conn *c = &s->conn;
 	size_t off = 0;
+	unsigned handled = 0;
+	s->backlog = false;
 	while (s->state != AOQD_CLOSING && !s->steps.end_pending && !s->steps.xfer_busy &&
 	       aoqd_conn_queued(c) < AOQD_MAX_QUEUED_REPLY_BYTES) {
 		struct aoqd_error err;
 		Aoq__Envelope *env = NULL;
+		if (handled == FRAMES_PER_TURN || (handled > 0 && off >= FRAME_BYTES_PER_TURN)) {
+			/* The rest waits for the next turn of the loop, after
+			 * everyone else's events: one client's pipelined
+			 * requests do not hold the others' records. */
+			if (c->rlen - off >= 4) {
+				s->backlog = true;
+				uv_async_send(&s->srv->wake);
+			}
+			break;
+		}
 		int r = aoqd_conn_frame(c, &off, &env, &err);
+		handled++;
 		if (r == 0)
 			break;
 		if (r < 0) {
@@ -376,6 +407,13 @@ static void conn_writable(void *owner)
 static void conn_read(void *owner, ssize_t nread)
 {
 	struct aoqd_session *s = owner;
+	if (nread == UV_ENOBUFS) {
+		struct aoqd_error err;
+		AOQD_FAIL(&err, QUOTA, "uid %u holds more than %" PRIu64 " bytes of unfinished frames "
+		          "(max_buffered_bytes_per_uid)", (unsigned)s->conn.uid, s->srv->cfg.max_buffered_bytes_per_uid);
+		session_fail(s, &err);
+		return;
+	}
 	if (nread < 0) {
 		if (nread != UV_EOF)
 			aoqd_info("session", "session %" PRIu64 ": read: %s", s->id, uv_strerror((int)nread));
@@ -417,17 +455,38 @@ void aoqd_session_accept(struct aoqd_server *srv, uv_stream_t *listener)
 	s->id = ++srv->next_id;
 	s->conn.id = s->id;
 	s->state = AOQD_HELLO;
+	s->accepted_ns = aoqd_now_ns();
 	link_session(s);
 	if (s->conn.uid == (uid_t)-1) {
 		session_close(s);
 		return;
 	}
-	if (srv->connections > srv->cfg.max_connections) {
-		struct aoqd_error err;
-		AOQD_FAIL(&err, QUOTA, "too many connections");
-		session_fail(s, &err);
+	/* Refusals go out as an Error the client reads before the close,
+	 * written at once (the socket's buffer is empty), and the connection
+	 * closes now: a burst of refused connections never counts against
+	 * the caps of the others. */
+	struct aoqd_error err;
+	s->account = aoqd_account_get(&srv->accounts, s->conn.uid);
+	int r = 0;
+	if (!s->account)
+		r = AOQD_FAIL(&err, NO_MEMORY, "out of memory");
+	else if (srv->connections > srv->cfg.max_connections)
+		r = AOQD_FAIL(&err, QUOTA, "too many connections (%u, max_connections)", srv->cfg.max_connections);
+	else if (s->account->connections >= srv->cfg.max_connections_per_uid)
+		r = AOQD_FAIL(&err, QUOTA, "uid %u has %u connections (max_connections_per_uid)", (unsigned)s->conn.uid,
+		              s->account->connections);
+	if (r < 0) {
+		aoqd_info("session", "connection %" PRIu64 " from uid %u pid %d refused: %s: %s", s->id,
+		          (unsigned)s->conn.uid, (int)s->conn.peer_pid, aoq_error_name(err.code), err.msg);
+		aoqd_conn_refuse(&s->conn, err.code, err.msg);
+		session_close(s);
 		return;
 	}
+	s->account->connections++;
+	s->counted = true;
+	s->st.account = s->account;
+	s->st.quota = srv->cfg.max_state_bytes_per_uid;
+	aoqd_conn_budget(&s->conn, &s->account->buffered, srv->cfg.max_buffered_bytes_per_uid);
 	aoqd_debug("server", "connection %" PRIu64 " from pid %d uid %u", s->id, (int)s->conn.peer_pid,
 	           (unsigned)s->conn.uid);
 	aoqd_conn_want_read(&s->conn, true);
@@ -440,13 +499,28 @@ void aoqd_session_on_doorbell(uv_poll_t *h, int status, int events)
 	struct aoqd_session *s = h->data;
 	struct aoqd_error err;
 	(void)events;
-	aoqd_arena_ack(&s->arena);
 	int r = status < 0 ? AOQD_FAIL(&err, INTERNAL, "doorbell: %s", uv_strerror(status))
-	                   : aoqd_steps_poll(s, true, &err);
+	        : aoqd_arena_ack(&s->arena) < 0 ? AOQD_FAIL(&err, PROTOCOL, "the client closed its doorbell")
+	                                        : aoqd_steps_poll(s, true, &err);
 	if (r < 0)
 		session_fail(s, &err);
 	else if (r == 1)
 		process_frames(s); /* frames that waited behind StepEnd */
+}
+
+void aoqd_sessions_sweep(struct aoqd_server *srv)
+{
+	uint64_t now = aoqd_now_ns(), limit = (uint64_t)srv->cfg.handshake_timeout_ms * 1000000u;
+	struct aoqd_session *next;
+	for (struct aoqd_session *s = srv->sessions; s; s = next) {
+		next = s->next;
+		if ((s->state != AOQD_HELLO && s->state != AOQD_REGISTERING) || now - s->accepted_ns <= limit)
+			continue;
+		struct aoqd_error err;
+		AOQD_FAIL(&err, PROTOCOL, "%s not done within %u ms (handshake_timeout_ms)",
+		          s->state == AOQD_HELLO ? "Hello" : "registration", srv->cfg.handshake_timeout_ms);
+		session_fail(s, &err);
+	}
 }
 
 void aoqd_sessions_wake(struct aoqd_server *srv)
@@ -454,6 +528,14 @@ void aoqd_sessions_wake(struct aoqd_server *srv)
 	struct aoqd_session *next;
 	for (struct aoqd_session *s = srv->sessions; s; s = next) {
 		next = s->next;
+		if (s->backlog && s->state != AOQD_CLOSING) {
+			aoqd_session_ref(s);
+			process_frames(s);
+			bool gone = s->state == AOQD_CLOSING;
+			aoqd_session_unref(s);
+			if (gone)
+				continue;
+		}
 		if (s->state != AOQD_READY)
 			continue;
 		struct aoqd_error err;

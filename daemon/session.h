@@ -47,6 +47,11 @@ struct aoqd_session {
 	_Atomic bool dead;      /* set on close: workers skip its chunks */
 	enum aoqd_session_state state;
 
+	struct aoqd_account *account; /* the uid's (account.c) */
+	bool counted;           /* in account->connections */
+	bool backlog;           /* whole frames wait for the next turn */
+	uint64_t accepted_ns;   /* the handshake's deadline counts from here */
+
 	struct aoqd_conn conn;
 	struct aoqd_state st;
 	struct aoqd_arena arena;
@@ -67,6 +72,9 @@ void aoqd_session_ref(struct aoqd_session *s);
 void aoqd_session_unref(struct aoqd_session *s);
 /* The server's wake: every session looks at what its workers finished. */
 void aoqd_sessions_wake(struct aoqd_server *srv);
+/* Fails sessions whose handshake (Hello, then Register or observer) is
+ * past the deadline; the server's timer calls it. */
+void aoqd_sessions_sweep(struct aoqd_server *srv);
 /* Closes every session (the server stops). */
 void aoqd_sessions_close_all(struct aoqd_server *srv);
 /* The client's doorbell rang (a uv_poll_cb for aoqd_arena_watch). */

@@ -16,6 +16,7 @@
 #include "convert.h"
 #include "log.h"
 #include "state.h"
+#include "wire.h"
 
 bool aoqd_hp_valid(const Aoq__Hyperparams *h, char *why, size_t len)
 {
@@ -124,6 +125,46 @@ int aoqd_state_alloc(struct aoqd_state *st, int lock_memory, _Atomic uint64_t *l
 	return 0;
 }
 
+int aoqd_state_charge(struct aoqd_state *st, uint64_t n)
+{
+	if (!st->account)
+		return 0;
+	int r = aoqd_account_charge(st->account, n, st->quota);
+	if (r == 0)
+		st->charged += n;
+	return r;
+}
+
+int aoqd_tensor_mark_done(struct aoqd_tensor *t, uint64_t b, uint64_t n)
+{
+	uint64_t e = b + n; /* validated: within the tensor */
+	uint32_t i = 0;
+	/* Sorted and merged: every range before i ends before b. */
+	while (i < t->ndone && t->done[i].e < b)
+		i++;
+	if (i < t->ndone && t->done[i].b < e && b < t->done[i].e)
+		return -EEXIST;
+	if (i < t->ndone && t->done[i].e == b) {
+		t->done[i].e = e;
+		if (i + 1 < t->ndone && t->done[i + 1].b == e) {
+			t->done[i].e = t->done[i + 1].e;
+			memmove(&t->done[i + 1], &t->done[i + 2], (t->ndone - i - 2) * sizeof(t->done[0]));
+			t->ndone--;
+		}
+	} else if (i < t->ndone && t->done[i].b == e) {
+		t->done[i].b = b;
+	} else {
+		struct aoqd_range *d = aoq_grow(t->done, &t->cap_done, t->ndone + 1, sizeof(*d));
+		if (!d)
+			return -ENOMEM;
+		t->done = d;
+		memmove(&t->done[i + 1], &t->done[i], (t->ndone - i) * sizeof(t->done[0]));
+		t->done[i] = (struct aoqd_range){ b, e };
+		t->ndone++;
+	}
+	return t->ndone == 1 && t->done[0].b == 0 && t->done[0].e == t->numel;
+}
+
 void aoqd_state_free(struct aoqd_state *st, _Atomic uint64_t *locked_total)
 {
 	for (uint32_t i = 0; i < st->ntensors; i++) {
@@ -133,7 +174,11 @@ void aoqd_state_free(struct aoqd_state *st, _Atomic uint64_t *locked_total)
 		if (t->acc)
 			munmap(t->acc, t->numel * sizeof(float));
 		free(t->name);
+		free(t->done);
 	}
+	if (st->account && st->charged)
+		aoqd_account_uncharge(st->account, st->charged);
+	st->charged = 0;
 	if (st->locked_bytes)
 		atomic_fetch_sub(locked_total, st->locked_bytes);
 	st->locked_bytes = 0;
@@ -148,9 +193,16 @@ int aoqd_state_acc(struct aoqd_state *st, struct aoqd_tensor *t)
 {
 	if (t->acc)
 		return 0;
+	if (aoqd_state_charge(st, aoqd_page_round(t->numel * sizeof(float))) < 0)
+		return -EDQUOT;
 	void *p = mmap(NULL, t->numel * sizeof(float), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-	if (p == MAP_FAILED)
+	if (p == MAP_FAILED) {
+		uint64_t n = aoqd_page_round(t->numel * sizeof(float));
+		if (st->account)
+			aoqd_account_uncharge(st->account, n);
+		st->charged -= n;
 		return -ENOMEM;
+	}
 	t->acc = p;
 	st->state_bytes += t->numel * sizeof(float);
 	return 0;

@@ -14,6 +14,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "account.h"
 #include "aoq-kernel.h"
 #include "aoq.pb-c.h"
 
@@ -34,7 +35,10 @@ struct aoqd_tensor {
 	uint64_t acc_step;     /* step whose micro-batches acc holds */
 	uint64_t steps;        /* updates applied (bias correction) */
 	uint64_t cur_step;     /* step of the update in progress */
-	uint64_t done_elems;   /* elements with a final gradient in cur_step */
+	/* Ranges [b, e) with a final gradient in cur_step, sorted, merged:
+	 * two final records of the same elements are refused. */
+	struct aoqd_range { uint64_t b, e; } *done;
+	uint32_t ndone, cap_done;
 };
 
 struct aoqd_state {
@@ -51,12 +55,29 @@ struct aoqd_state {
 	struct aoqd_tensor *tensors;
 	uint64_t state_bytes;  /* state arrays and accumulators */
 	uint64_t locked_bytes; /* of which locked in memory */
+	uint64_t parameters;   /* elements of every tensor */
+	/* Everything the session holds (tables and names, page-rounded state
+	 * mappings and accumulators, the arena) is charged to its uid's
+	 * account before it is taken; quota is the uid's limit (0: none). */
+	struct aoqd_account *account;
+	uint64_t quota;
+	uint64_t charged;
 };
+
+/* Tensor steps the daemon takes: a step counter never wraps. */
+#define AOQD_MAX_TENSOR_STEPS (1ull << 62)
 
 /* Hyperparameters the kernels accept; a message for the client when not. */
 bool aoqd_hp_valid(const Aoq__Hyperparams *h, char *why, size_t len);
 void aoqd_group_set(struct aoqd_group *g, Aoq__OptimizerKind kind, const Aoq__Hyperparams *h);
 bool aoqd_dtype_valid(int d);
+
+/* Charges n bytes to the session's uid: 0, or -EDQUOT past its quota. */
+int aoqd_state_charge(struct aoqd_state *st, uint64_t n);
+/* Marks elements [b, b + n) of tensor t final in its current step: 1 when
+ * the whole tensor is then final, 0 when not yet, -EEXIST when some of
+ * them already were, -ENOMEM. */
+int aoqd_tensor_mark_done(struct aoqd_tensor *t, uint64_t b, uint64_t n);
 
 /* Bytes of one tensor's state arrays; off[] receives master, m, v,
  * m_scale, v_scale offsets. */
@@ -67,7 +88,8 @@ uint64_t aoqd_state_len(enum aoqk_precision p, uint64_t n, uint64_t off[5]);
 int aoqd_state_alloc(struct aoqd_state *st, int lock_memory, _Atomic uint64_t *locked_total, uint64_t *failed_len);
 /* Frees every tensor and array; gives the locked bytes back. */
 void aoqd_state_free(struct aoqd_state *st, _Atomic uint64_t *locked_total);
-/* The tensor's accumulator, mapped on first use.  0 or -ENOMEM. */
+/* The tensor's accumulator, mapped on first use.  0, -EDQUOT (past the
+ * uid's quota) or -ENOMEM. */
 int aoqd_state_acc(struct aoqd_state *st, struct aoqd_tensor *t);
 
 /* Elements [e, e + n) of state kind `what` (AOQ__STATE_KIND__*) to or from

@@ -152,6 +152,10 @@ int aoqd_on_tensor_steps(struct aoqd_session *s, const Aoq__Envelope *env, struc
 		return AOQD_FAIL(err, INVALID, "TensorSteps: tensors %u+%" PRIu64 " of %u", m->first, n, s->st.ntensors);
 	if (m->set && !aoqd_steps_idle(&s->steps))
 		return AOQD_REFUSE(err, BUSY, "TensorSteps while updates are in flight");
+	for (uint64_t i = 0; m->set && i < n; i++)
+		if (m->steps[i] > AOQD_MAX_TENSOR_STEPS)
+			return AOQD_REFUSE(err, INVALID, "TensorSteps: tensor %" PRIu64 ": %" PRIu64 " steps (at most %" PRIu64
+			                   ")", m->first + i, m->steps[i], (uint64_t)AOQD_MAX_TENSOR_STEPS);
 	uint64_t *steps = calloc(n ? n : 1, sizeof(uint64_t));
 	if (!steps)
 		return AOQD_REFUSE(err, NO_MEMORY, "out of memory");

@@ -272,13 +272,21 @@ int aoq_socket_connect(const char *path)
 	return aoq_socket_connect_timeout(path, 0);
 }
 
+uint32_t aoq_grow_cap(uint32_t cap, uint32_t need)
+{
+	if (need <= cap)
+		return cap;
+	uint32_t n = cap ? cap : 16;
+	while (n < need)
+		n = n > UINT32_MAX / 2 ? need : n * 2;
+	return n;
+}
+
 void *aoq_grow(void *p, uint32_t *cap, uint32_t need, size_t elem)
 {
 	if (need <= *cap)
 		return p;
-	uint32_t n = *cap ? *cap : 16;
-	while (n < need)
-		n = n > UINT32_MAX / 2 ? need : n * 2;
+	uint32_t n = aoq_grow_cap(*cap, need);
 	void *q = realloc(p, (size_t)n * elem);
 	if (!q)
 		return NULL;

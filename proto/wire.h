@@ -57,5 +57,7 @@ int aoq_socket_connect_timeout(const char *path, uint32_t timeout_ms);
 /* Grows an array of elem-sized entries to hold need (new entries zeroed),
  * doubling from 16; NULL when out of memory (the array is unchanged). */
 void *aoq_grow(void *p, uint32_t *cap, uint32_t need, size_t elem);
+/* The capacity aoq_grow() gives for need (what a caller charges first). */
+uint32_t aoq_grow_cap(uint32_t cap, uint32_t need);
 
 #endif
