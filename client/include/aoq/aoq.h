@@ -92,8 +92,8 @@ enum aoq_precision {
  * aoq_load_state() move (values match the protocol's StateKind). */
 enum aoq_state_kind {
 	AOQ_MASTER = 0,     /* the fp32 (or bf16) master weights */
-	AOQ_EXP_AVG = 1,    /* Adam's first moment */
-	AOQ_EXP_AVG_SQ = 2, /* Adam's second moment */
+	AOQ_EXP_AVG = 1,    /* Adam's first moment; SGD's momentum buffer, Lion's m */
+	AOQ_EXP_AVG_SQ = 2, /* Adam's second moment (SGD, Lion: none, -EINVAL) */
 };
 
 /* Flags of aoq_push_grad(). */
