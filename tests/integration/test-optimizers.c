@@ -15,6 +15,7 @@
 
 #define NT 3
 #define STEPS 6
+static const double base_clip = 2.0;
 static const uint64_t sizes[NT] = { 3, 4097, (1u << 18) + 13 };
 
 struct run {
@@ -23,9 +24,11 @@ struct run {
 	struct aoqt_ref ref[NT];
 };
 
+static struct aoq_options base_opts = AOQ_OPTIONS_INIT; /* the modes case sets clipping and skipping */
+
 static int open_run(struct run *r, const char *sock, enum aoq_precision prec, const struct aoq_group *hp, uint64_t seed)
 {
-	struct aoq_options o = AOQ_OPTIONS_INIT;
+	struct aoq_options o = base_opts;
 	o.socket = sock;
 	o.job = "optimizers";
 	o.device = "cpu";
@@ -166,6 +169,68 @@ static void run_case(const char *sock, enum aoq_precision prec, struct aoq_group
 	printf("%s: ok\n", what);
 }
 
+/* Clipping (max_grad_norm), skip_nonfinite and two micro-batches per step
+ * (the fp32 accumulator) with the new kinds; the first step is skipped, so
+ * that SGD's first update is the next one (its buffer starts there). */
+static void run_modes(const char *sock, struct aoq_group hp, uint64_t seed)
+{
+	struct run r;
+	char what[160];
+	snprintf(what, sizeof(what), "%s modes momentum %g nesterov %d", kind_name(&hp), hp.momentum, (int)hp.nesterov);
+	base_opts.max_grad_norm = 2.0;
+	base_opts.skip_nonfinite = true;
+	CHECK_OK(open_run(&r, sock, AOQ_STATE_FP32, &hp, seed));
+	base_opts = (struct aoq_options)AOQ_OPTIONS_INIT;
+	size_t nmax = sizes[NT - 1];
+	float *ga = aoqt_xmalloc(nmax * 4), *sum = aoqt_xmalloc(nmax * 4 * NT), *before = aoqt_xmalloc(nmax * 4);
+	for (uint64_t step = 1; step <= STEPS; step++) {
+		bool skip = step == 1;
+		double sumsq = 0;
+		for (int t = NT - 1; t >= 0; t--) {
+			struct aoqt_rng g = aoqt_rng_for(seed, t, 2 * step);
+			for (size_t i = 0; i < sizes[t]; i++)
+				r.grad[t][i] = (float)(0.1 * aoqt_uniform(&g));
+			memcpy(ga, r.grad[t], sizes[t] * 4);
+			CHECK_OK(aoq_push_grad(r.c, (uint32_t)t, AOQ_PUSH_ACCUMULATE, NULL));
+			CHECK_OK(aoq_grad_copied(r.c, (uint32_t)t)); /* the buffer is refilled next */
+			g = aoqt_rng_for(seed, t, 2 * step + 1);
+			for (size_t i = 0; i < sizes[t]; i++) {
+				r.grad[t][i] = (float)(0.1 * aoqt_uniform(&g));
+				sum[t * nmax + i] = ga[i] + r.grad[t][i]; /* fp32, as the accumulator */
+			}
+			if (skip && t == 1)
+				r.grad[t][7] = NAN;
+			sumsq += aoqt_sumsq(sum + t * nmax, sizes[t]);
+			CHECK_OK(aoq_push_grad(r.c, (uint32_t)t, 0, NULL));
+		}
+		memcpy(before, r.param[NT - 1], nmax * 4);
+		CHECK_OK(aoq_step_end(r.c));
+		struct aoq_step_result res = AOQ_STEP_RESULT_INIT;
+		CHECK_OK(aoq_sync(r.c, &res));
+		CHECK(res.skipped == skip, "%s step %lu: skipped %d", what, (unsigned long)step, (int)res.skipped);
+		if (skip) {
+			CHECK(memcmp(before, r.param[NT - 1], nmax * 4) == 0, "%s: a skipped step changed parameters", what);
+			continue;
+		}
+		double scale = fmin(1.0, base_clip / (sqrt(sumsq) + 1e-6));
+		CHECK(scale < 1 && fabs(res.clip_scale - scale) <= 1e-5 * scale, "%s step %lu: clip %g, expected %g", what,
+		      (unsigned long)step, res.clip_scale, scale);
+		for (int t = 0; t < NT; t++) {
+			float *gs = sum + t * nmax;
+			for (size_t i = 0; i < sizes[t]; i++)
+				gs[i] = gs[i] * (float)res.clip_scale; /* as the kernel: (acc + grad) * grad_scale in fp32 */
+			aoqt_ref_step(&r.ref[t], &hp, gs);
+			CHECK(aoqt_check_param(what, &r.ref[t], r.param[t], AOQ_FP32) == 0, "%s: step %lu tensor %d", what,
+			      (unsigned long)step, t);
+		}
+	}
+	free(ga);
+	free(sum);
+	free(before);
+	close_run(&r);
+	printf("%s: ok\n", what);
+}
+
 static void refused(const char *sock, enum aoq_precision prec, struct aoq_group hp, const char *needle)
 {
 	struct run r;
@@ -205,6 +270,12 @@ int main(int argc, char **argv)
 		run_case(d.socket, p, h, 30 + pi);
 		run_case(d.socket, p, lion, 40 + pi);
 	}
+	struct aoq_group m = sgd;
+	m.momentum = 0.9;
+	m.nesterov = true;
+	m.weight_decay = 0.01;
+	run_modes(d.socket, m, 50);
+	run_modes(d.socket, lion, 51);
 	refused(d.socket, AOQ_STATE_Q8, sgd, "STATE_Q8");
 	refused(d.socket, AOQ_STATE_BF16_Q8, lion, "STATE_BF16_Q8");
 	struct aoq_group bad = sgd;
