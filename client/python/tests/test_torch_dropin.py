@@ -7,7 +7,7 @@ CPU against torch's own optimizers with the same user code:
     step), a loop that starts editing late (warning, then torch semantics),
   * the import swap (no attach): per-module waits through the global
     forward pre-hook, and torch.compile without graph breaks,
-  * optimizer classes aoqd does not run (SGD with momentum/nesterov,
+  * optimizer classes aoqd does not run (SGD with maximize=True,
     RMSprop): host copies in this process, with a warning,
   * checkpoints: torch AdamW and torchao CPUOffloadOptimizer state dicts
     loaded, aoq's loaded into torch's AdamW, DCP's get_optimizer_state_dict
@@ -191,79 +191,26 @@ def loop_compiled(c, m, opt, steps):
         opt.zero_grad()
 
 
-class RefLion(torch.optim.Optimizer):
-    """Lion written out from the paper's Algorithm 2 / lion-pytorch, in
-    double, rounded to the parameter's dtype once per step: the reference
-    of aoq.torch.Lion."""
-
-    def __init__(self, params, lr, betas, weight_decay):
-        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def step(self):
-        for g in self.param_groups:
-            lr, (b1, b2), wd = g["lr"], g["betas"], g["weight_decay"]
-            for p in g["params"]:
-                if p.grad is None:
-                    continue
-                m = self.state[p].setdefault("m", torch.zeros_like(p, dtype=torch.float64))
-                x, gr = p.double(), p.grad.double()
-                x = x * (1 - lr * wd) - lr * torch.sign(b1 * m + (1 - b1) * gr)
-                m.copy_(b2 * m + (1 - b2) * gr)
-                p.copy_(x)
-
-
 def case_other_classes():
-    from aoq.torch import Lion
-    # SGD and Lion run in aoqd (no fallback warning); SGD with maximize and
-    # RMSprop step host copies with a one-line warning.
-    for cls, kw, daemon in ((torch.optim.SGD, dict(lr=1e-2), True),
-                            (torch.optim.SGD, dict(lr=1e-2, momentum=0.9), True),
-                            (torch.optim.SGD, dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01), True),
-                            (torch.optim.SGD, dict(lr=1e-2, momentum=0.5, dampening=0.3, weight_decay=0.01), True),
-                            (Lion, dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1), True),
-                            (torch.optim.SGD, dict(lr=1e-2, momentum=0.9, maximize=True), False),
-                            (torch.optim.RMSprop, dict(lr=1e-3), False)):
+    # (SGD and Lion run in aoqd: test_torch_optimizers.py; maximize=True is not aoqd's)
+    for cls, kw in ((torch.optim.SGD, dict(lr=1e-2, momentum=0.9, maximize=True)),
+                    (torch.optim.RMSprop, dict(lr=1e-3))):
         m1 = make_model(W, "cpu")
         o1 = cls(trainable(m1), **kw)
         sched1 = torch.optim.lr_scheduler.StepLR(o1, 3, 0.5)
         m2 = make_model(W, "cpu")
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
-            o2 = OffloadOptimizer(m2.named_parameters(), cls, socket=SOCKET, minimal_size=0, **kw)
-        fell_back = any("not offloaded to aoqd" in str(x.message) for x in w)
-        assert fell_back != daemon, (cls.__name__, kw, [str(x.message) for x in w])
-        assert (o2._client is not None) == daemon, (cls.__name__, kw)
+            o2 = OffloadOptimizer(m2.named_parameters(), cls, socket=SOCKET, **kw)
+        assert any("not offloaded to aoqd" in str(x.message) for x in w), [str(x.message) for x in w]
         sched2 = torch.optim.lr_scheduler.StepLR(o2, 3, 0.5)
         for i in range(STEPS):
             loop(m1, o1, 1, clip, start=i)
             sched1.step()
             loop(m2, o2, 1, clip, start=i)
             sched2.step()
-        o2.synchronize()   # the daemon's last update lands (otherwise at the next forward)
-        same(m2, m1, "%s %s (%s, user clipping, StepLR)" % (cls.__name__, kw, "aoqd" if daemon else "host copies"))
-        if daemon:   # the state dict holds torch's keys: momentum_buffer (SGD), exp_avg (Lion)
-            sd = o2.state_dict()
-            p1 = dict(m1.named_parameters())
-            assert len(sd["state"]) == len(trainable(m1))
-            for i, ps in sd["state"].items():
-                ref = o1.state[p1[sd["aoq"]["names"][i]]]
-                if cls is Lion:
-                    torch.testing.assert_close(ps["exp_avg"], ref["exp_avg"])
-                elif kw.get("momentum"):
-                    torch.testing.assert_close(ps["momentum_buffer"], ref["momentum_buffer"])
-                    assert "exp_avg_sq" not in ps
-                else:
-                    assert ps.get("momentum_buffer") is None
+        same(m2, m1, "%s %s (host copies, user clipping, StepLR)" % (cls.__name__, kw))
         o2.close()
-    # aoq.torch.Lion against the reference written out above
-    m1, m2 = make_model(W, "cpu"), make_model(W, "cpu")
-    o1 = RefLion(trainable(m1), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
-    o2 = Lion(trainable(m2), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
-    for i in range(STEPS):
-        loop(m1, o1, 1, start=i)
-        loop(m2, o2, 1, start=i)
-    same(m2, m1, "aoq.torch.Lion == reference Lion")
     print("ok: other optimizer classes")
 
 
