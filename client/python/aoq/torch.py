@@ -957,7 +957,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                                          % (w, s.name, v.numel(), s.numel))
                     a = np.ascontiguousarray(v.detach().to("cpu", torch.float32).reshape(-1).numpy())
                     self._client.load_state(s.t, w, a)
-                steps[s.t] = int(float(st["step"]))
+                steps[s.t] = int(float(st.get("step", 1)))   # torch's SGD keeps no step: a buffer means >= 1
                 with torch.no_grad():   # the device parameter follows the loaded master
                     s.p.copy_(master.to(s.p.device, s.p.dtype).view(s.p.shape))
                     if self._framework:

@@ -128,6 +128,21 @@ def case_daemon_classes():
                 else:
                     assert ps.get("momentum_buffer") is None
         o2.close()
+    # torch.optim.SGD's state dict (momentum_buffer, no step) loaded, then
+    # continued: equals torch continued
+    kw = dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01)
+    m1, m2 = make_model(W, "cpu"), make_model(W, "cpu")
+    o1 = torch.optim.SGD(trainable(m1), **kw)
+    loop(m1, o1, 3)
+    m2.load_state_dict(m1.state_dict())
+    o2 = OffloadOptimizer([(n, p) for n, p in m2.named_parameters() if p.requires_grad], torch.optim.SGD,
+                          socket=SOCKET, minimal_size=0, **kw)
+    o2.load_state_dict(o1.state_dict())
+    loop(m1, o1, 3, start=3)
+    loop(m2, o2, 3, start=3)
+    o2.synchronize()
+    same(m2, m1, "torch SGD state dict loaded and continued")
+    o2.close()
     # aoq.torch.Lion against the reference written out above
     m1, m2 = make_model(W, "cpu"), make_model(W, "cpu")
     o1 = RefLion(trainable(m1), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
