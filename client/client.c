@@ -394,6 +394,8 @@ int aoq_add_group(struct aoq_client *c, const struct aoq_group *g)
 		return r;
 	if (c->registered)
 		return aoq_set_error(-EBUSY, "groups must be added before aoq_register()");
+	if (g->kind != AOQ_ADAMW && g->kind != AOQ_ADAM && g->kind != AOQ_SGD && g->kind != AOQ_LION)
+		return aoq_set_error(-EINVAL, "unknown optimizer kind %d", (int)g->kind);
 	struct aoq_group *n = aoq_grow(c->groups, &c->cap_groups, c->ngroups + 1, sizeof(*n));
 	if (!n)
 		return -ENOMEM;
@@ -443,7 +445,21 @@ static Aoq__Hyperparams hp_of(const struct aoq_group *g)
 	h.beta2 = g->beta2;
 	h.eps = g->eps;
 	h.weight_decay = g->weight_decay;
+	h.momentum = g->momentum;
+	h.dampening = g->dampening;
+	h.nesterov = g->nesterov;
 	return h;
+}
+
+static Aoq__OptimizerKind kind_of(enum aoq_optimizer k)
+{
+	switch (k) {
+	case AOQ_ADAM: return AOQ__OPTIMIZER_KIND__ADAM;
+	case AOQ_SGD: return AOQ__OPTIMIZER_KIND__SGD;
+	case AOQ_LION: return AOQ__OPTIMIZER_KIND__LION;
+	case AOQ_ADAMW: return AOQ__OPTIMIZER_KIND__ADAMW;
+	}
+	return (Aoq__OptimizerKind)-1; /* checked by aoq_add_group() */
 }
 
 /* Sends the groups and tensors in frames of TENSORS_PER_FRAME. */
@@ -460,7 +476,7 @@ static int send_registration(struct aoq_client *c, int *fds, int *nfds, Aoq__Env
 	for (uint32_t i = 0; i < c->ngroups; i++) {
 		hps[i] = hp_of(&c->groups[i]);
 		aoq__group__init(&gs[i]);
-		gs[i].kind = c->groups[i].kind == AOQ_ADAM ? AOQ__OPTIMIZER_KIND__ADAM : AOQ__OPTIMIZER_KIND__ADAMW;
+		gs[i].kind = kind_of(c->groups[i].kind);
 		gs[i].hp = &hps[i];
 		gp[i] = &gs[i];
 	}

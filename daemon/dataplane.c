@@ -47,6 +47,7 @@ struct aoqd_job {
 	struct aoqd_tensor *t;
 	struct aoq_rec rec;
 	struct aoqk_hparams hp;
+	Aoq__OptimizerKind kind; /* the group's: which kernel entry updates */
 	enum job_phase phase;
 	bool acc_first;  /* first micro-batch of the step: acc starts from zero */
 	bool opens_step; /* this record counted the tensor's step (a tensor may come in pieces) */
@@ -177,7 +178,10 @@ static void chunk_run(struct aoqd_task *task, unsigned worker)
 				.param_dtype = t->param_dtype,
 				.seed = j->seed,
 			};
-			if (k->adam(&j->hp, &t->st, &ch, &c->rep) < 0)
+			int (*update)(const struct aoqk_hparams *, const struct aoqk_state *, const struct aoqk_chunk *,
+			              struct aoqk_report *) =
+				j->kind == AOQ__OPTIMIZER_KIND__SGD ? k->sgd : j->kind == AOQ__OPTIMIZER_KIND__LION ? k->lion : k->adam;
+			if (update(&j->hp, &t->st, &ch, &c->rep) < 0)
 				c->rep.nonfinite = true; /* validated before: cannot happen */
 			break;
 		}
@@ -316,6 +320,7 @@ static int accept_record(struct aoqd_session *s, const struct aoq_rec *r, struct
 	j->t = t;
 	j->rec = *r;
 	j->hp = s->st.groups[t->group].hp;
+	j->kind = s->st.groups[t->group].kind;
 	j->hp.step = t->steps;
 	j->phase = phase;
 	j->acc_first = acc_first;

@@ -74,11 +74,19 @@ static int add_tensors(struct aoqd_session *s, const Aoq__Register *m, struct ao
 	}
 	for (size_t i = 0; i < m->n_groups; i++) {
 		const Aoq__Group *mg = m->groups[i];
-		if (mg->kind != AOQ__OPTIMIZER_KIND__ADAM && mg->kind != AOQ__OPTIMIZER_KIND__ADAMW)
+		if (!aoqd_kind_valid(mg->kind))
 			return AOQD_FAIL(err, INVALID, "group %u: unknown optimizer %d", st->ngroups, (int)mg->kind);
-		if (!aoqd_hp_valid(mg->hp, why, sizeof(why)))
+		if (!aoqd_kind_precision_ok(mg->kind, st->precision))
+			return AOQD_FAIL(err, INVALID, "group %u: %s does not run in state precision %s (q8 moments are "
+			                 "Adam's; use STATE_FP32, STATE_BF16 or STATE_BF16_ALL)", st->ngroups,
+			                 protobuf_c_enum_descriptor_get_value(&aoq__optimizer_kind__descriptor, mg->kind)->name,
+			                 protobuf_c_enum_descriptor_get_value(&aoq__state_precision__descriptor,
+			                                                      st->precision)->name);
+		if (!aoqd_hp_valid(mg->kind, mg->hp, why, sizeof(why)))
 			return AOQD_FAIL(err, INVALID, "group %u: %s", st->ngroups, why);
-		aoqd_group_set(&st->groups[st->ngroups++], mg->kind, mg->hp);
+		struct aoqd_group *g = &st->groups[st->ngroups++];
+		aoqd_group_set(g, mg->kind, mg->hp);
+		g->moments = aoqd_group_moments(g);
 	}
 	if (m->n_tensors) {
 		struct aoqd_tensor *t = aoq_grow(st->tensors, &st->cap_tensors, st->ntensors + (uint32_t)m->n_tensors,
@@ -124,7 +132,8 @@ static int make_state(struct aoqd_session *s, struct aoqd_error *err)
 	uint64_t total = 0, mapped = 0;
 	for (uint32_t i = 0; i < st->ntensors; i++) {
 		uint64_t off[5];
-		uint64_t len = aoqd_state_len(prec, st->tensors[i].numel, off);
+		uint64_t len = aoqd_state_len(prec, st->tensors[i].numel,
+		                              st->groups[st->tensors[i].group].moments, off);
 		if (__builtin_add_overflow(total, len, &total) ||
 		    __builtin_add_overflow(mapped, aoqd_page_round(len), &mapped))
 			return AOQD_FAIL(err, NO_MEMORY, "state too large");
@@ -202,13 +211,16 @@ int aoqd_on_set_hyperparams(struct aoqd_session *s, const Aoq__Envelope *env, st
 	char why[256];
 	if (m->group >= st->ngroups)
 		return AOQD_FAIL(err, INVALID, "SetHyperparams: group %u of %u", m->group, st->ngroups);
-	if (!aoqd_hp_valid(m->hp, why, sizeof(why)))
-		return AOQD_FAIL(err, INVALID, "SetHyperparams: %s", why);
+	struct aoqd_group *g = &st->groups[m->group];
+	if (!aoqd_hp_valid(g->kind, m->hp, why, sizeof(why)))
+		return AOQD_FAIL(err, INVALID, "SetHyperparams: group %u: %s", m->group, why);
+	if (g->kind == AOQ__OPTIMIZER_KIND__SGD && g->moments == 0 && m->hp->momentum != 0)
+		return AOQD_FAIL(err, INVALID, "SetHyperparams: group %u: SGD registered without momentum has no "
+		                 "momentum buffer (register the group with momentum > 0)", m->group);
 	uint64_t cur = s->steps.next_step;
 	if (m->step != cur || s->steps.accepted[cur & 1] != 0)
 		return AOQD_REFUSE(err, BUSY, "hyperparameters for step %" PRIu64 " cannot change now (current step %"
 		                   PRIu64 " has %s gradients)", m->step, cur, s->steps.accepted[cur & 1] ? "received" : "no");
-	struct aoqd_group *g = &st->groups[m->group];
 	aoqd_group_set(g, g->kind, m->hp);
 	aoqd_conn_send_done(&s->conn, 0);
 	return AOQD_REPLIED;

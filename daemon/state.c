@@ -18,20 +18,70 @@
 #include "state.h"
 #include "wire.h"
 
-bool aoqd_hp_valid(const Aoq__Hyperparams *h, char *why, size_t len)
+bool aoqd_kind_valid(int kind)
+{
+	return kind == AOQ__OPTIMIZER_KIND__ADAMW || kind == AOQ__OPTIMIZER_KIND__ADAM ||
+	       kind == AOQ__OPTIMIZER_KIND__SGD || kind == AOQ__OPTIMIZER_KIND__LION;
+}
+
+static const char *kind_name(int kind)
+{
+	const ProtobufCEnumValue *v = protobuf_c_enum_descriptor_get_value(&aoq__optimizer_kind__descriptor, kind);
+	return v ? v->name : "?";
+}
+
+bool aoqd_hp_valid(int kind, const Aoq__Hyperparams *h, char *why, size_t len)
 {
 	if (!h) {
 		snprintf(why, len, "missing hyperparameters");
 		return false;
 	}
-	if (!isfinite(h->lr) || h->lr < 0 || !(h->beta1 >= 0 && h->beta1 < 1) ||
-	    !(h->beta2 >= 0 && h->beta2 < 1) || !(isfinite(h->eps) && h->eps > 0) ||
-	    !isfinite(h->weight_decay) || h->weight_decay < 0) {
-		snprintf(why, len, "hyperparameters out of range (lr %g betas %g %g eps %g wd %g)",
-		         h->lr, h->beta1, h->beta2, h->eps, h->weight_decay);
+	bool ok = isfinite(h->lr) && h->lr >= 0 && isfinite(h->weight_decay) && h->weight_decay >= 0;
+	switch (kind) {
+	case AOQ__OPTIMIZER_KIND__SGD:
+		/* torch.optim.SGD; the nesterov rule is torch's (and the kernel's) */
+		ok = ok && h->momentum >= 0 && h->momentum < 1 && h->dampening >= 0 && h->dampening <= 1 &&
+		     (!h->nesterov || (h->momentum > 0 && h->dampening == 0));
+		if (!ok) {
+			snprintf(why, len, "SGD hyperparameters out of range (lr %g momentum %g dampening %g nesterov %d wd %g; "
+			         "nesterov needs momentum > 0 and dampening 0)",
+			         h->lr, h->momentum, h->dampening, (int)h->nesterov, h->weight_decay);
+			return false;
+		}
+		return true;
+	case AOQ__OPTIMIZER_KIND__LION:
+		ok = ok && h->beta1 >= 0 && h->beta1 < 1 && h->beta2 >= 0 && h->beta2 < 1;
+		break;
+	default:
+		ok = ok && h->beta1 >= 0 && h->beta1 < 1 && h->beta2 >= 0 && h->beta2 < 1 && isfinite(h->eps) && h->eps > 0;
+		break;
+	}
+	if (!ok) {
+		snprintf(why, len, "%s hyperparameters out of range (lr %g betas %g %g eps %g wd %g)",
+		         kind_name(kind), h->lr, h->beta1, h->beta2, h->eps, h->weight_decay);
 		return false;
 	}
 	return true;
+}
+
+bool aoqd_kind_precision_ok(int kind, Aoq__StatePrecision p)
+{
+	/* kernels/README.md, "SGD and Lion": no q8 moment for SGD and Lion */
+	if (kind == AOQ__OPTIMIZER_KIND__SGD || kind == AOQ__OPTIMIZER_KIND__LION)
+		return !aoqk_precision_q8((enum aoqk_precision)p);
+	return true;
+}
+
+unsigned aoqd_group_moments(const struct aoqd_group *g)
+{
+	switch (g->kind) {
+	case AOQ__OPTIMIZER_KIND__SGD:
+		return g->hp.momentum != 0 ? 1 : 0;
+	case AOQ__OPTIMIZER_KIND__LION:
+		return 1;
+	default:
+		return 2;
+	}
 }
 
 void aoqd_group_set(struct aoqd_group *g, Aoq__OptimizerKind kind, const Aoq__Hyperparams *h)
@@ -43,6 +93,9 @@ void aoqd_group_set(struct aoqd_group *g, Aoq__OptimizerKind kind, const Aoq__Hy
 	g->hp.eps = h->eps;
 	g->hp.weight_decay = h->weight_decay;
 	g->hp.decoupled = kind == AOQ__OPTIMIZER_KIND__ADAMW;
+	g->hp.momentum = kind == AOQ__OPTIMIZER_KIND__SGD ? h->momentum : 0;
+	g->hp.dampening = kind == AOQ__OPTIMIZER_KIND__SGD ? h->dampening : 0;
+	g->hp.nesterov = kind == AOQ__OPTIMIZER_KIND__SGD && h->nesterov;
 	g->hp.grad_scale = 1.0f;
 }
 
@@ -51,7 +104,7 @@ bool aoqd_dtype_valid(int d)
 	return d == AOQ__DTYPE__FP32 || d == AOQ__DTYPE__BF16 || d == AOQ__DTYPE__FP16;
 }
 
-uint64_t aoqd_state_len(enum aoqk_precision p, uint64_t n, uint64_t off[5])
+uint64_t aoqd_state_len(enum aoqk_precision p, uint64_t n, unsigned moments, uint64_t off[5])
 {
 	uint64_t blocks = (n + AOQK_Q8_BLOCK - 1) / AOQK_Q8_BLOCK;
 	uint64_t master = n * aoqk_master_size(p);
@@ -59,8 +112,8 @@ uint64_t aoqd_state_len(enum aoqk_precision p, uint64_t n, uint64_t off[5])
 	uint64_t scale = aoqk_precision_q8(p) ? blocks * 4 : 0;
 	uint64_t o = 0;
 	off[0] = o; o = aoq_align_up(o + master, 64);
-	off[1] = o; o = aoq_align_up(o + mom, 64);
-	off[2] = o; o = aoq_align_up(o + mom, 64);
+	off[1] = o; o = aoq_align_up(o + (moments >= 1 ? mom : 0), 64);
+	off[2] = o; o = aoq_align_up(o + (moments >= 2 ? mom : 0), 64);
 	off[3] = o; o = aoq_align_up(o + scale, 64);
 	off[4] = o; o = aoq_align_up(o + scale, 64);
 	return o;
@@ -100,7 +153,8 @@ int aoqd_state_alloc(struct aoqd_state *st, int lock_memory, _Atomic uint64_t *l
 	for (uint32_t i = 0; i < st->ntensors; i++) {
 		struct aoqd_tensor *x = &st->tensors[i];
 		uint64_t off[5];
-		uint64_t len = aoqd_state_len(prec, x->numel, off);
+		unsigned moments = st->groups[x->group].moments;
+		uint64_t len = aoqd_state_len(prec, x->numel, moments, off);
 		bool locked;
 		int err = 0;
 		uint8_t *p = map_state(len, lock_memory, &locked, &err);
@@ -117,8 +171,8 @@ int aoqd_state_alloc(struct aoqd_state *st, int lock_memory, _Atomic uint64_t *l
 		x->st.precision = prec;
 		x->st.n = x->numel;
 		x->st.master = p + off[0];
-		x->st.m = p + off[1];
-		x->st.v = p + off[2];
+		x->st.m = moments >= 1 ? p + off[1] : NULL; /* SGD without momentum: none */
+		x->st.v = moments >= 2 ? p + off[2] : NULL; /* SGD and Lion: none */
 		x->st.m_scale = aoqk_precision_q8(prec) ? (float *)(p + off[3]) : NULL;
 		x->st.v_scale = aoqk_precision_q8(prec) ? (float *)(p + off[4]) : NULL;
 	}

@@ -21,6 +21,7 @@
 struct aoqd_group {
 	Aoq__OptimizerKind kind;
 	struct aoqk_hparams hp; /* step and grad_scale filled per job */
+	unsigned moments;       /* moments allocated, aoqd_group_moments() at registration */
 };
 
 struct aoqd_tensor {
@@ -67,8 +68,17 @@ struct aoqd_state {
 /* Tensor steps the daemon takes: a step counter never wraps. */
 #define AOQD_MAX_TENSOR_STEPS (1ull << 62)
 
-/* Hyperparameters the kernels accept; a message for the client when not. */
-bool aoqd_hp_valid(const Aoq__Hyperparams *h, char *why, size_t len);
+/* Optimizer kinds the daemon runs: Adam, AdamW, SGD, Lion. */
+bool aoqd_kind_valid(int kind);
+/* Hyperparameters the kernels accept for `kind`; a message for the client
+ * when not. */
+bool aoqd_hp_valid(int kind, const Aoq__Hyperparams *h, char *why, size_t len);
+/* Whether the kernels run `kind` in state precision p (SGD and Lion: no q8). */
+bool aoqd_kind_precision_ok(int kind, Aoq__StatePrecision p);
+/* Moments a group's tensors need: Adam/AdamW 2 (m, v), Lion and SGD with
+ * momentum 1 (m), SGD without momentum 0.  Registration stores it in
+ * g->moments; SetHyperparams may not raise it. */
+unsigned aoqd_group_moments(const struct aoqd_group *g);
 void aoqd_group_set(struct aoqd_group *g, Aoq__OptimizerKind kind, const Aoq__Hyperparams *h);
 bool aoqd_dtype_valid(int d);
 
@@ -79,9 +89,10 @@ int aoqd_state_charge(struct aoqd_state *st, uint64_t n);
  * them already were, -ENOMEM. */
 int aoqd_tensor_mark_done(struct aoqd_tensor *t, uint64_t b, uint64_t n);
 
-/* Bytes of one tensor's state arrays; off[] receives master, m, v,
- * m_scale, v_scale offsets. */
-uint64_t aoqd_state_len(enum aoqk_precision p, uint64_t n, uint64_t off[5]);
+/* Bytes of one tensor's state arrays with `moments` moments (0: master
+ * only, 1: m, 2: m and v); off[] receives master, m, v, m_scale, v_scale
+ * offsets. */
+uint64_t aoqd_state_len(enum aoqk_precision p, uint64_t n, unsigned moments, uint64_t off[5]);
 /* Maps every tensor's state.  lock_memory: 0 no, 1 try, 2 required;
  * locked bytes are added to *locked_total.  0, or -errno with *failed_len
  * the size that could not be had. */

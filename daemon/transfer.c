@@ -48,6 +48,12 @@ static int transfer_valid(struct aoqd_session *s, uint32_t tensor, int what, int
 	    (what == AOQ__STATE_KIND__PARAM && !load))
 		return AOQD_FAIL(err, INVALID, "state transfer: tensor %u what %d dtype %d", tensor, what, dtype);
 	const struct aoqd_tensor *t = &s->st.tensors[tensor];
+	if ((what == AOQ__STATE_KIND__EXP_AVG && !t->st.m) || (what == AOQ__STATE_KIND__EXP_AVG_SQ && !t->st.v))
+		return AOQD_FAIL(err, INVALID, "state transfer: tensor %u (group %u, %s) has no %s", tensor, t->group,
+		                 protobuf_c_enum_descriptor_get_value(&aoq__optimizer_kind__descriptor,
+		                                                      s->st.groups[t->group].kind)->name,
+		                 what == AOQ__STATE_KIND__EXP_AVG ? "exp_avg (SGD without momentum keeps no buffer)"
+		                                                  : "exp_avg_sq (SGD and Lion keep one moment, exp_avg)");
 	uint64_t bytes;
 	if (count == 0 || !aoq_range_ok(offset, count, t->numel) ||
 	    !aoq_mul_ok(count, aoqk_dtype_size((enum aoqk_dtype)dtype), &bytes) || bytes > s->arena.xfer_bytes)

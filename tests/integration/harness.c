@@ -569,11 +569,79 @@ void aoqt_ref_free(struct aoqt_ref *r)
 	memset(r, 0, sizeof(*r));
 }
 
+/* torch.optim.SGD: L2 decay, the buffer starts as the first gradient,
+ * buf = momentum * buf + (1 - dampening) * g, nesterov g + momentum * buf.
+ * em bounds the buffer's fp32 error as for Adam's m. */
+static void ref_sgd(struct aoqt_ref *r, const struct aoq_group *hp, const float *g)
+{
+	const double lr = hp->lr, wd = hp->weight_decay, mu = hp->momentum, damp = hp->dampening;
+	const double u32 = 0x1p-23;
+	for (size_t i = 0; i < r->n; i++) {
+		double p = r->p[i], gi = g[i] + wd * p;
+		double eg = u32 * (fabs((double)g[i]) + 2 * fabs(wd * p));
+		double d = gi, ed = eg;
+		if (mu != 0) {
+			double b0 = r->m[i], b, eb;
+			if (r->k == 1) {
+				b = gi;
+				eb = eg;
+			} else {
+				b = mu * b0 + (1.0 - damp) * gi;
+				eb = mu * r->em[i] + (1.0 - damp) * eg + u32 * (fabs(mu * b0) + fabs((1.0 - damp) * gi) + fabs(b));
+			}
+			r->m[i] = b;
+			r->em[i] = eb;
+			if (hp->nesterov) {
+				d = gi + mu * b;
+				ed = eg + mu * eb + u32 * (fabs(gi) + fabs(mu * b) + fabs(d));
+			} else {
+				d = b;
+				ed = eb;
+			}
+		}
+		double u = lr * d;
+		p -= u;
+		r->p[i] = p;
+		r->err[i] += AOQT_RTOL * fabs(p) + AOQT_UTOL * fabs(u) + 2 * lr * ed;
+	}
+}
+
+/* Lion (lion-pytorch): decoupled decay, p -= lr * sign(beta1 m + (1 - beta1) g),
+ * m = beta2 m + (1 - beta2) g.  Where the interpolation is within its fp32
+ * error of zero, the sign is free: the error bound takes 2 lr. */
+static void ref_lion(struct aoqt_ref *r, const struct aoq_group *hp, const float *g)
+{
+	const double lr = hp->lr, wd = hp->weight_decay, b1 = hp->beta1, b2 = hp->beta2;
+	const double u32 = 0x1p-23;
+	for (size_t i = 0; i < r->n; i++) {
+		double p = r->p[i], m0 = r->m[i], gi = g[i];
+		double dec = p * lr * wd;
+		p -= dec;
+		double c = b1 * m0 + (1.0 - b1) * gi;
+		double ec = b1 * r->em[i] + u32 * (fabs(b1 * m0) + fabs((1.0 - b1) * gi) + fabs(c));
+		double sg = c > 0 ? 1.0 : c < 0 ? -1.0 : 0.0;
+		p -= lr * sg;
+		double m = b2 * m0 + (1.0 - b2) * gi;
+		r->em[i] = b2 * r->em[i] + u32 * (fabs(b2 * m0) + fabs((1.0 - b2) * gi) + fabs(m));
+		r->m[i] = m;
+		r->p[i] = p;
+		r->err[i] += AOQT_RTOL * fabs(p) + AOQT_UTOL * (fabs(dec) + lr) + (fabs(c) <= 2 * ec ? 2 * lr : 0);
+	}
+}
+
 void aoqt_ref_step(struct aoqt_ref *r, const struct aoq_group *hp, const float *g)
 {
 	const double lr = hp->lr, b1 = hp->beta1, b2 = hp->beta2;
 	const double eps = hp->eps, wd = hp->weight_decay;
 	r->k++;
+	if (hp->kind == AOQ_SGD) {
+		ref_sgd(r, hp, g);
+		return;
+	}
+	if (hp->kind == AOQ_LION) {
+		ref_lion(r, hp, g);
+		return;
+	}
 	const double bc1 = 1.0 - pow(b1, (double)r->k);
 	const double bc2 = 1.0 - pow(b2, (double)r->k);
 	const double u32 = 0x1p-23; /* two half-ulps of fp32 per rounding */

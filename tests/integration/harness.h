@@ -162,7 +162,8 @@ struct aoqt_ref {
 
 void aoqt_ref_init(struct aoqt_ref *r, size_t n);
 void aoqt_ref_free(struct aoqt_ref *r);
-/* One step with gradient g (exact float values of whatever dtype). */
+/* One step with gradient g (exact float values of whatever dtype), of
+ * hp->kind: Adam, AdamW, SGD (m is the momentum buffer) or Lion (m). */
 void aoqt_ref_step(struct aoqt_ref *r, const struct aoq_group *hp, const float *g);
 /* Sets p to the daemon's fp32 values (its master, for an fp32 param) and
  * err to 0, so the next step is checked from where the daemon is: the fp32

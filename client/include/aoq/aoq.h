@@ -63,7 +63,7 @@ extern "C" {
 
 #define AOQ_VERSION_STRING "0.1.0"
 /* The ABI: the soname is libaoq.so.AOQ_ABI_VERSION. */
-#define AOQ_ABI_VERSION 1
+#define AOQ_ABI_VERSION 2 /* 2: struct aoq_group gained momentum, dampening, nesterov */
 
 enum aoq_dtype {
 	AOQ_FP32 = 0,
@@ -72,8 +72,11 @@ enum aoq_dtype {
 };
 
 enum aoq_optimizer {
-	AOQ_ADAMW = 0,
-	AOQ_ADAM = 1,
+	AOQ_ADAMW = 0, /* lr, beta1, beta2, eps, weight_decay (decoupled) */
+	AOQ_ADAM = 1,  /* the same, weight_decay as L2 into the gradient */
+	AOQ_SGD = 2,   /* torch.optim.SGD: lr, momentum, dampening, nesterov, weight_decay
+	                * (L2); state precisions FP32, BF16, BF16_ALL only */
+	AOQ_LION = 3,  /* Lion: lr, beta1, beta2, weight_decay (decoupled); same precisions */
 };
 
 /* Optimizer state precision of the session (see kernels/README.md). */
@@ -89,8 +92,8 @@ enum aoq_precision {
  * aoq_load_state() move (values match the protocol's StateKind). */
 enum aoq_state_kind {
 	AOQ_MASTER = 0,     /* the fp32 (or bf16) master weights */
-	AOQ_EXP_AVG = 1,    /* Adam's first moment */
-	AOQ_EXP_AVG_SQ = 2, /* Adam's second moment */
+	AOQ_EXP_AVG = 1,    /* Adam's first moment; SGD's momentum buffer, Lion's m */
+	AOQ_EXP_AVG_SQ = 2, /* Adam's second moment (SGD, Lion: none, -EINVAL) */
 };
 
 /* Flags of aoq_push_grad(). */
@@ -150,6 +153,13 @@ struct aoq_group {
 	double beta2;
 	double eps;
 	double weight_decay;
+	/* AOQ_SGD only (torch.optim.SGD's arguments; ignored otherwise).
+	 * nesterov needs momentum > 0 and dampening 0.  A group registered
+	 * with momentum 0 keeps no momentum buffer: aoq_set_hyperparams() may
+	 * not give it one later.  ABI 2. */
+	double momentum;  /* [0, 1) */
+	double dampening; /* [0, 1] */
+	bool nesterov;
 };
 
 #define AOQ_GROUP_INIT { .size = sizeof(struct aoq_group) }

@@ -28,7 +28,7 @@ c_bool = ctypes.c_bool
 # enum aoq_dtype
 FP32, BF16, FP16 = 0, 1, 2
 # enum aoq_optimizer
-ADAMW, ADAM = 0, 1
+ADAMW, ADAM, SGD, LION = 0, 1, 2, 3
 # enum aoq_precision
 STATE_FP32, STATE_Q8, STATE_BF16, STATE_BF16_Q8, STATE_BF16_ALL = 0, 1, 2, 3, 4
 # push flags
@@ -38,7 +38,7 @@ MASTER, EXP_AVG, EXP_AVG_SQ = 0, 1, 2
 
 # AOQ_ABI_VERSION of the <aoq/aoq.h> these layouts copy; check_library()
 # compares it and every struct's size with what the loaded library reports.
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 
 class _Sized(ctypes.Structure):
@@ -58,6 +58,9 @@ class Group(_Sized):
         ("beta2", c_double),
         ("eps", c_double),
         ("weight_decay", c_double),
+        ("momentum", c_double),
+        ("dampening", c_double),
+        ("nesterov", c_bool),
     ]
 
 

@@ -17,12 +17,13 @@ DTYPES = {"fp32": _lib.FP32, "float32": _lib.FP32, "bf16": _lib.BF16, "bfloat16"
 PRECISIONS = {"fp32": _lib.STATE_FP32, "q8": _lib.STATE_Q8, "bf16": _lib.STATE_BF16,
               "bf16-q8": _lib.STATE_BF16_Q8, "bf16_q8": _lib.STATE_BF16_Q8,
               "bf16-all": _lib.STATE_BF16_ALL, "bf16_all": _lib.STATE_BF16_ALL}
-KINDS = {"adamw": _lib.ADAMW, "adam": _lib.ADAM}
+KINDS = {"adamw": _lib.ADAMW, "adam": _lib.ADAM, "sgd": _lib.SGD, "lion": _lib.LION}
 WHAT = {"master": _lib.MASTER, "param": _lib.MASTER, "exp_avg": _lib.EXP_AVG, "exp_avg_sq": _lib.EXP_AVG_SQ}
 _SIZE = {_lib.FP32: 4, _lib.BF16: 2, _lib.FP16: 2}
 
 StepResult = namedtuple("StepResult", "step grad_sumsq nonfinite skipped clip_scale tensors_updated")
-Hyperparams = namedtuple("Hyperparams", "kind lr betas eps weight_decay")
+Hyperparams = namedtuple("Hyperparams", "kind lr betas eps weight_decay momentum dampening nesterov",
+                         defaults=(0.0, 0.0, False))
 
 
 def _choice(table, value, what, codes=()):
@@ -124,10 +125,15 @@ class Client:
         self._h = h
 
     # -- description -------------------------------------------------------
-    def add_group(self, kind="adamw", lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
-        g = _lib.Group(_choice(KINDS, kind, "optimizer kind", codes=set(KINDS.values())), lr, betas[0], betas[1], eps, weight_decay)
+    def add_group(self, kind="adamw", lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                  momentum=0.0, dampening=0.0, nesterov=False):
+        """kind: "adamw", "adam", "sgd" (momentum, dampening, nesterov,
+        weight_decay as torch.optim.SGD's) or "lion" (betas, decoupled
+        weight_decay).  SGD and Lion run in fp32, bf16 and bf16-all state."""
+        hp = Hyperparams(kind, lr, tuple(betas), eps, weight_decay, momentum, dampening, bool(nesterov))
+        g = self._group_struct(hp)
         r = check(self._lib.aoq_add_group(self._handle(), ctypes.byref(g)), "aoq_add_group")
-        self._groups.append(Hyperparams(kind, lr, tuple(betas), eps, weight_decay))
+        self._groups.append(hp)
         return r
 
     def add_tensor(self, name, param, grad=None, *, numel=None, param_dtype=None, grad_dtype=None, group=0,
@@ -206,15 +212,23 @@ class Client:
     def sync_param(self, t):
         check(self._lib.aoq_sync_param(self._handle(), t), "aoq_sync_param")
 
-    def set_hyperparams(self, g, kind=None, lr=None, betas=None, eps=None, weight_decay=None):
+    @staticmethod
+    def _group_struct(hp):
+        return _lib.Group(_choice(KINDS, hp.kind, "optimizer kind", codes=set(KINDS.values())), hp.lr, hp.betas[0],
+                          hp.betas[1], hp.eps, hp.weight_decay, hp.momentum, hp.dampening, bool(hp.nesterov))
+
+    def set_hyperparams(self, g, kind=None, lr=None, betas=None, eps=None, weight_decay=None,
+                        momentum=None, dampening=None, nesterov=None):
         """Changes group g from the next step on (call between step_end() and
         the next step's first push).  Unnamed values stay."""
         old = self._groups[g]
         hp = Hyperparams(old.kind if kind is None else kind, old.lr if lr is None else lr,
                          old.betas if betas is None else tuple(betas), old.eps if eps is None else eps,
-                         old.weight_decay if weight_decay is None else weight_decay)
-        s = _lib.Group(_choice(KINDS, hp.kind, "optimizer kind", codes=set(KINDS.values())), hp.lr, hp.betas[0], hp.betas[1],
-                       hp.eps, hp.weight_decay)
+                         old.weight_decay if weight_decay is None else weight_decay,
+                         old.momentum if momentum is None else momentum,
+                         old.dampening if dampening is None else dampening,
+                         old.nesterov if nesterov is None else bool(nesterov))
+        s = self._group_struct(hp)
         check(self._lib.aoq_set_hyperparams(self._handle(), g, ctypes.byref(s)), "aoq_set_hyperparams")
         self._groups[g] = hp
 

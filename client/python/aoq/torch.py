@@ -28,18 +28,59 @@ import torch
 from . import _lib
 from .client import Client
 
-__all__ = ["OffloadOptimizer"]
+__all__ = ["OffloadOptimizer", "Lion"]
 
 _AOQ_DTYPE = {torch.float32: _lib.FP32, torch.bfloat16: _lib.BF16, torch.float16: _lib.FP16}
 
+
+
+class Lion(torch.optim.Optimizer):
+    """Lion (Chen et al. 2023), as the lion-pytorch package computes it:
+    decoupled weight decay, the sign of an interpolation of the momentum and
+    the gradient, then the momentum update.  Runs anywhere torch does, and in
+    aoqd through OffloadOptimizer(params, aoq.torch.Lion, ...)."""
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
+        if not lr >= 0 or not all(0 <= b < 1 for b in betas) or not weight_decay >= 0:
+            raise ValueError("Lion: lr %r betas %r weight_decay %r out of range" % (lr, betas, weight_decay))
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for g in self.param_groups:
+            lr, (b1, b2), wd = g["lr"], g["betas"], g["weight_decay"]
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["exp_avg"] = torch.zeros_like(p)
+                m = st["exp_avg"]
+                p.mul_(1 - lr * wd)
+                p.add_(m.mul(b1).add_(p.grad, alpha=1 - b1).sign_(), alpha=-lr)
+                m.mul_(b2).add_(p.grad, alpha=1 - b2)
+        return loss
+
+
 # The optimizer classes aoqd runs: exact class -> (the daemon's kind, default
 # weight_decay).  Subclasses and every other torch.optim.Optimizer run on host
-# copies in this process (_HostFallback).  When the daemon runs SGD and Lion,
-# each is one entry here plus its hyperparameters in OffloadOptimizer._hp_of.
+# copies in this process (_HostFallback).  Each is one entry here plus its
+# hyperparameters in OffloadOptimizer._hp_of.  SGD with maximize=True falls
+# back (aoqd does not implement it).
 _DAEMON_CLASSES = {
     torch.optim.AdamW: ("adamw", 1e-2),
     torch.optim.Adam: ("adam", 0.0),
+    torch.optim.SGD: ("sgd", 0.0),
+    Lion: ("lion", 0.0),
 }
+# Per kind: (torch state key, the daemon's state kind) of the moments kept.
+_STATE_KEYS = {"adamw": (("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")),
+               "adam": (("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")),
+               "sgd": (("momentum_buffer", "exp_avg"),), "lion": (("exp_avg", "exp_avg"),)}
 _MASTER_DTYPES = (None, "fp32", "bf16", torch.float32, torch.bfloat16)
 _STATE_PRECISIONS = (None, "fp32", "q8", "bf16")
 # (moments, master) -> the daemon's state precision; moments None: the master's dtype
@@ -281,7 +322,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._global_hook = None
         self._slots = []
         self._client = None
-        if optimizer_class not in _DAEMON_CLASSES:
+        if optimizer_class not in _DAEMON_CLASSES or (optimizer_class is torch.optim.SGD and kwargs.get("maximize")):
             self._init_fallback(params, optimizer_class, kwargs)
             return
         kind, wd_default = _DAEMON_CLASSES[optimizer_class]
@@ -291,8 +332,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._kind = kind
         self._optimizer_class = optimizer_class
         self._dev_kwargs = dict(kwargs)
-        defaults = dict(lr=kwargs.pop("lr", 1e-3), betas=tuple(kwargs.pop("betas", (0.9, 0.999))),
+        defaults = dict(lr=kwargs.pop("lr", 1e-4 if kind == "lion" else 1e-3),
+                        betas=tuple(kwargs.pop("betas", (0.9, 0.99) if kind == "lion" else (0.9, 0.999))),
                         eps=kwargs.pop("eps", 1e-8), weight_decay=kwargs.pop("weight_decay", wd_default))
+        if kind == "sgd":
+            defaults.update(momentum=kwargs.pop("momentum", 0.0), dampening=kwargs.pop("dampening", 0.0),
+                            nesterov=bool(kwargs.pop("nesterov", False)))
 
         clean, names = _parse_params(params)
         super().__init__(clean, defaults)
@@ -332,7 +377,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     sg["params"].append(p)
             small_groups.append(sg)
         self._small_params = [p for g in small_groups for p in g["params"]]
-        dev_kwargs = {k: v for k, v in self._dev_kwargs.items() if k not in ("lr", "betas", "eps", "weight_decay")}
+        dev_kwargs = {k: v for k, v in self._dev_kwargs.items()
+                      if k not in ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov")}
         self._dev_only_kwargs = dev_kwargs
         self._dev_opt = (optimizer_class([g for g in small_groups if g["params"]] or small_groups[:1], **dev_kwargs)
                          if self._small_params else None)
@@ -379,7 +425,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             c = self._client
             for g in self.param_groups:
                 hp = self._hp_of(g)
-                c.add_group(kind, lr=hp[0], betas=hp[1], eps=hp[2], weight_decay=hp[3])
+                c.add_group(kind, lr=hp[0], betas=hp[1], eps=hp[2], weight_decay=hp[3], momentum=hp[4],
+                            dampening=hp[5], nesterov=hp[6])
                 self._sent_hp.append(hp)
             for gi, p in big:
                 if p.dtype not in _AOQ_DTYPE:
@@ -437,8 +484,18 @@ class OffloadOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------
     @staticmethod
     def _hp_of(g):
-        return (float(g["lr"]), (float(g["betas"][0]), float(g["betas"][1])), float(g["eps"]),
-                float(g["weight_decay"]))
+        """(lr, betas, eps, weight_decay, momentum, dampening, nesterov); the
+        keys a kind lacks (SGD: betas, eps; the others: SGD's) as defaults."""
+        b = g.get("betas", (0.9, 0.999))
+        return (float(g["lr"]), (float(b[0]), float(b[1])), float(g.get("eps", 1e-8)), float(g["weight_decay"]),
+                float(g.get("momentum", 0.0)), float(g.get("dampening", 0.0)), bool(g.get("nesterov", False)))
+
+    def _state_keys(self, s):
+        """(torch state key, daemon state kind) of the moments slot s keeps
+        (SGD registered with momentum 0 keeps none)."""
+        if self._kind == "sgd" and self._sent_hp[s.group][4] == 0:
+            return ()
+        return _STATE_KEYS[self._kind]
 
     def _stream(self):
         return torch.cuda.current_stream(self.device).cuda_stream if self._cuda else None
@@ -453,7 +510,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for gi in range(len(self._sent_hp)):      # groups added later (add_param_group) are on the device
             hp = self._hp_of(self.param_groups[gi])
             if hp != self._sent_hp[gi]:
-                self._client.set_hyperparams(gi, lr=hp[0], betas=hp[1], eps=hp[2], weight_decay=hp[3])
+                self._client.set_hyperparams(gi, lr=hp[0], betas=hp[1], eps=hp[2], weight_decay=hp[3],
+                                             momentum=hp[4], dampening=hp[5], nesterov=hp[6])
                 self._sent_hp[gi] = hp
 
     def _push(self, s, grad, final):
@@ -898,9 +956,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
             steps = self._client.get_tensor_steps()
             for s in self._slots:
                 st = {"step": torch.tensor(float(steps[s.t]))}
-                for w in ("exp_avg", "exp_avg_sq", "master"):
+                for key, w in self._state_keys(s) + (("master", "master"),):
                     a = self._client.read_state(s.t, w)
-                    st[w] = torch.from_numpy(a).view(s.p.shape)
+                    st[key] = torch.from_numpy(a).view(s.p.shape)
+                if self._kind == "sgd" and not self._state_keys(s):
+                    st["momentum_buffer"] = None
                 state[index[s.p]] = st
         if self._dev_opt is not None:
             for p, st in self._dev_opt.state.items():
@@ -1003,13 +1063,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 master = st.get("master")
                 if master is None:          # torch / torchao: the parameter is the master
                     master = p.detach()
-                for w, v in (("master", master), ("exp_avg", st["exp_avg"]), ("exp_avg_sq", st["exp_avg_sq"])):
+                for w, v in (("master", master),) + tuple((w, st[key]) for key, w in self._state_keys(s)):
                     if v.numel() != s.numel:
                         raise ValueError("load_state_dict: %s of parameter %s has %d elements, expected %d"
                                          % (w, s.name, v.numel(), s.numel))
                     a = np.ascontiguousarray(v.detach().to("cpu", torch.float32).reshape(-1).numpy())
                     self._client.load_state(s.t, w, a)
-                steps[s.t] = int(float(st["step"]))
+                steps[s.t] = int(float(st.get("step", 1)))   # torch's SGD keeps no step: a buffer means >= 1
                 with torch.no_grad():   # the device parameter follows the loaded master
                     s.p.copy_(master.to(s.p.device, s.p.dtype).view(s.p.shape))
                     if self._framework:
