@@ -185,7 +185,11 @@ static void test_kernels(void)
 		}
 	}
 	CHECK(bad == 0, "%zu int8 results differ from the reference", bad);
-	CHECK(worst <= 0.5 / 127 * (1 + 1e-6), "int8 error %.3g of the row's absmax exceeds half a step", worst);
+	/* half a step of the exact scale m / 127, plus what fp32 rounding of the
+	 * scale adds: |q| * |sw - m / 127| <= 127 * (m / 127) * 2^-24 = m * 2^-24
+	 * (a bound of half a step times (1 + 1e-6) failed one seed on the H200) */
+	CHECK(worst <= 0.5 / 127 * (1 + 0x1p-23) + 0x1p-24, "int8 error %.9g of the row's absmax exceeds half a step",
+	      worst);
 	printf("ok: kernels: casts (%zu elements, aligned and not), widening, pull to fp32/bf16/fp16, int8 %zux%zu "
 	       "(max error %.4f of absmax) bit for bit\n",
 	       n, rows, cols, worst);
