@@ -94,8 +94,10 @@ static void job_answer(struct aoqd_job *j, int32_t status)
 	post_record(s, j, status);
 	pthread_mutex_lock(&s->stats.lock);
 	s->stats.bytes_in += j->rec.count * aoqk_dtype_size(j->t->grad_dtype);
-	if (status == AOQ_REC_UPDATED)
+	if (status == AOQ_REC_UPDATED) {
 		s->stats.bytes_out += j->rec.count * aoqk_dtype_size(j->t->param_dtype);
+		s->stats.elements += j->rec.count;
+	}
 	aoqd_hist_add(&s->stats.rec_hist, aoqd_now_ns() - j->t0);
 	pthread_mutex_unlock(&s->stats.lock);
 	atomic_fetch_sub(&s->steps.outstanding, 1);

@@ -54,6 +54,11 @@ static void on_signal(uv_signal_t *h, int signum)
 	aoqd_server_stop(srv);
 }
 
+static void on_rates(uv_timer_t *t)
+{
+	aoqd_sessions_sample(t->data);
+}
+
 #if AOQ_HAVE_SYSTEMD
 static void on_watchdog(uv_timer_t *t)
 {
@@ -190,6 +195,9 @@ int aoqd_server_init(struct aoqd_server *srv, uv_loop_t *loop, const struct aoqd
 	uv_signal_start(&srv->sigterm, on_signal, SIGTERM);
 	uv_signal_start(&srv->sigint, on_signal, SIGINT);
 	uv_signal_start(&srv->sighup, on_signal, SIGHUP);
+	uv_timer_init(loop, &srv->rates);
+	srv->rates.data = srv;
+	uv_timer_start(&srv->rates, on_rates, AOQD_RATE_INTERVAL_MS, AOQD_RATE_INTERVAL_MS);
 	int r = open_listener(srv);
 	if (r < 0) {
 		aoqd_server_stop(srv);
@@ -222,6 +230,7 @@ void aoqd_server_stop(struct aoqd_server *srv)
 	if (uv_is_active((uv_handle_t *)&srv->listener) || srv->listener.loop)
 		uv_close((uv_handle_t *)&srv->listener, NULL);
 	uv_close((uv_handle_t *)&srv->wake, NULL);
+	uv_close((uv_handle_t *)&srv->rates, NULL);
 	uv_close((uv_handle_t *)&srv->sigterm, NULL);
 	uv_close((uv_handle_t *)&srv->sigint, NULL);
 	uv_close((uv_handle_t *)&srv->sighup, NULL);

@@ -24,6 +24,7 @@ struct aoqd_server {
 	uv_async_t wake;          /* workers -> loop: a step may have finished */
 	uv_signal_t sigterm, sigint, sighup;
 	uv_timer_t watchdog;
+	uv_timer_t rates;         /* ends each session's rate interval */
 	bool watchdog_on;
 	struct aoqd_pool *pool;
 	const struct aoqk_kernel *kernel;

@@ -77,6 +77,9 @@ static void on_handle_closed(uv_handle_t *h)
  * goes with the last reference (running jobs hold one). */
 static void session_close(struct aoqd_session *s)
 {
+	/* observers (aoqctl) come and go every second: their lines are debug */
+	bool quiet = s->state == AOQD_OBSERVER || s->state == AOQD_HELLO ||
+	             (s->conn.job && strcmp(s->conn.job, "aoqctl") == 0);
 	atomic_store(&s->dead, true);
 	s->state = AOQD_CLOSING;
 	aoqd_drop_deferred(s);
@@ -87,11 +90,19 @@ static void session_close(struct aoqd_session *s)
 		aoqd_session_unref(s);
 	if (unlink_session(s)) {
 		const char *job = s->conn.job ? s->conn.job : "";
-		aoqd_log(strcmp(job, "aoqctl") == 0 ? AOQD_LOG_DEBUG : AOQD_LOG_INFO, "session",
+		aoqd_log(quiet ? AOQD_LOG_DEBUG : AOQD_LOG_INFO, "session",
 		         "session %" PRIu64 " closed (job '%s' rank %u, %" PRIu64 " steps)",
 		         s->id, job, s->conn.rank, s->stats.steps_done);
 		aoqd_session_unref(s); /* the list's reference */
 	}
+}
+
+void aoqd_sessions_sample(struct aoqd_server *srv)
+{
+	uint64_t now = aoqd_now_ns();
+	for (struct aoqd_session *s = srv->sessions; s; s = s->next)
+		if (s->state == AOQD_READY || s->state == AOQD_REGISTERING)
+			aoqd_stats_sample(&s->stats, now);
 }
 
 void aoqd_sessions_close_all(struct aoqd_server *srv)
@@ -169,9 +180,9 @@ static int on_hello(struct aoqd_session *s, const Aoq__Envelope *env, struct aoq
 	Aoq__Envelope r = AOQ__ENVELOPE__INIT;
 	r.msg_case = AOQ__ENVELOPE__MSG_WELCOME;
 	r.welcome = &w;
-	if (!h->observer)
-		aoqd_info("session", "session %" PRIu64 ": hello from pid %d uid %u job '%s' rank %u device '%s'",
-		          s->id, (int)c->peer_pid, (unsigned)c->uid, c->job, c->rank, c->device);
+	aoqd_log(h->observer ? AOQD_LOG_DEBUG : AOQD_LOG_INFO, "session",
+	         "session %" PRIu64 ": hello from pid %d uid %u job '%s' rank %u device '%s'%s", s->id,
+	         (int)c->peer_pid, (unsigned)c->uid, c->job, c->rank, c->device, h->observer ? " (observer)" : "");
 	aoqd_conn_send(c, &r);
 	return AOQD_REPLIED;
 }
@@ -255,6 +266,7 @@ static int on_stats(struct aoqd_session *who, const Aoq__Envelope *env, struct a
 	st.sessions = sp;
 	st.version = AOQ_VERSION;
 	st.pid = (uint32_t)getpid();
+	st.timestamp_unix_ns = aoqd_wall_ns();
 	Aoq__Envelope reply = AOQ__ENVELOPE__INIT;
 	reply.msg_case = AOQ__ENVELOPE__MSG_STATS;
 	reply.stats = &st;
@@ -268,7 +280,8 @@ static int on_bye(struct aoqd_session *s, const Aoq__Envelope *env, struct aoqd_
 {
 	(void)env;
 	(void)err;
-	aoqd_info("session", "session %" PRIu64 ": bye", s->id);
+	aoqd_log(s->state == AOQD_OBSERVER ? AOQD_LOG_DEBUG : AOQD_LOG_INFO, "session", "session %" PRIu64 ": bye",
+	         s->id);
 	session_close(s);
 	return AOQD_REPLIED;
 }

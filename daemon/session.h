@@ -67,6 +67,10 @@ void aoqd_session_ref(struct aoqd_session *s);
 void aoqd_session_unref(struct aoqd_session *s);
 /* The server's wake: every session looks at what its workers finished. */
 void aoqd_sessions_wake(struct aoqd_server *srv);
+/* Ends every session's rate interval (the server's timer, every
+ * AOQD_RATE_INTERVAL_MS). */
+#define AOQD_RATE_INTERVAL_MS 1000
+void aoqd_sessions_sample(struct aoqd_server *srv);
 /* Closes every session (the server stops). */
 void aoqd_sessions_close_all(struct aoqd_server *srv);
 /* The client's doorbell rang (a uv_poll_cb for aoqd_arena_watch). */

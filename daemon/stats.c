@@ -14,6 +14,13 @@ uint64_t aoqd_now_ns(void)
 	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
+uint64_t aoqd_wall_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_REALTIME, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
 /* Bucket i covers [2^(i/8), 2^((i+1)/8)) ns: 9% wide, up to ~1e12 ns. */
 void aoqd_hist_add(struct aoqd_hist *h, uint64_t ns)
 {
@@ -54,6 +61,26 @@ double aoqd_hist_quantile_us(const struct aoqd_hist *h, double q)
 void aoqd_stats_init(struct aoqd_stats *st)
 {
 	pthread_mutex_init(&st->lock, NULL);
+	st->snap_ns = aoqd_now_ns();
+}
+
+void aoqd_stats_sample(struct aoqd_stats *st, uint64_t now_ns)
+{
+	pthread_mutex_lock(&st->lock);
+	if (now_ns > st->snap_ns) {
+		double dt = (double)(now_ns - st->snap_ns) / 1e9;
+		st->rate_interval_s = dt;
+		st->steps_ps = (double)(st->steps_done - st->snap_steps) / dt;
+		st->params_ps = (double)(st->elements - st->snap_elements) / dt;
+		st->in_ps = (double)(st->bytes_in - st->snap_in) / dt;
+		st->out_ps = (double)(st->bytes_out - st->snap_out) / dt;
+		st->snap_ns = now_ns;
+		st->snap_steps = st->steps_done;
+		st->snap_elements = st->elements;
+		st->snap_in = st->bytes_in;
+		st->snap_out = st->bytes_out;
+	}
+	pthread_mutex_unlock(&st->lock);
 }
 
 void aoqd_stats_fini(struct aoqd_stats *st)
@@ -73,6 +100,11 @@ void aoqd_stats_fill(struct aoqd_stats *st, Aoq__SessionStats *x)
 	x->chunk_p99_us = aoqd_hist_quantile_us(&st->chunk_hist, 0.99);
 	x->record_p50_us = aoqd_hist_quantile_us(&st->rec_hist, 0.5);
 	x->record_p99_us = aoqd_hist_quantile_us(&st->rec_hist, 0.99);
+	x->rate_interval_seconds = st->rate_interval_s;
+	x->steps_per_second = st->steps_ps;
+	x->params_per_second = st->params_ps;
+	x->bytes_in_per_second = st->in_ps;
+	x->bytes_out_per_second = st->out_ps;
 	pthread_mutex_unlock(&st->lock);
 }
 

@@ -10,6 +10,8 @@
 #include "aoq.pb-c.h"
 
 uint64_t aoqd_now_ns(void);
+/* CLOCK_REALTIME, ns since the epoch. */
+uint64_t aoqd_wall_ns(void);
 
 /* Latency histogram: log2 buckets with 8 steps per octave, in ns. */
 #define AOQD_HIST_BUCKETS 320
@@ -24,11 +26,19 @@ double aoqd_hist_quantile_us(const struct aoqd_hist *h, double q);
 struct aoqd_stats {
 	pthread_mutex_t lock;
 	uint64_t bytes_in, bytes_out, chunks, cpu_ns, steps_done;
+	uint64_t elements; /* parameters updated (records answered UPDATED) */
 	struct aoqd_hist chunk_hist, rec_hist;
+	/* Rates over the last sampling interval (aoqd_stats_sample, loop
+	 * thread); rate_interval_s == 0: none yet. */
+	uint64_t snap_ns, snap_steps, snap_elements, snap_in, snap_out;
+	double rate_interval_s, steps_ps, params_ps, in_ps, out_ps;
 };
 
 void aoqd_stats_init(struct aoqd_stats *st);
 void aoqd_stats_fini(struct aoqd_stats *st);
+/* Ends a sampling interval at now_ns: the rates become the counters' change
+ * since the last call (or since aoqd_stats_init) over the time between. */
+void aoqd_stats_sample(struct aoqd_stats *st, uint64_t now_ns);
 /* Copies the counters into x (under the lock). */
 void aoqd_stats_fill(struct aoqd_stats *st, Aoq__SessionStats *x);
 

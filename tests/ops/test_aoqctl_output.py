@@ -157,6 +157,31 @@ def main():
               f"one uid row with 3 sessions in 2 jobs: {uids}")
         check(uids[0]["parameters"] == sum(s["parameters"] for s in ss), "uid parameters are the sum")
 
+        # ---- rates: the daemon's last interval (1 s); wait for one to end
+        for _ in range(100):
+            st = json.loads(aoqctl(sock, "stats", "--json").stdout)
+            if all(s["rates"] and s["rates"]["steps_per_second"] > 0 for s in st["sessions"]):
+                break
+            time.sleep(0.1)
+        check(abs(st["timestamp_unix"] - time.time()) < 5, "the daemon's timestamp is now")
+        for s in st["sessions"]:
+            r = s["rates"]
+            check(r is not None, f"session {s['id']} has rates")
+            if not r:
+                continue
+            check(0.5 <= r.get("interval_seconds", 0) <= 3, f"rate interval {r.get('interval_seconds')}")
+            sps = r["steps_per_second"]
+            check(sps > 0, f"steps_per_second {sps} > 0")
+            if sps > 0:
+                # each step updates every parameter: params/s = parameters x steps/s
+                # (the interval's edges cut steps, hence the factor)
+                ratio = r["params_per_second"] / (s["parameters"] * sps)
+                check(0.5 <= ratio <= 2, f"params_per_second {r['params_per_second']} vs parameters "
+                      f"{s['parameters']} x steps/s {sps}: ratio {ratio}")
+                check(r["bytes_in_per_second"] >= r["params_per_second"] * 2 * 0.99,
+                      f"bytes_in/s {r['bytes_in_per_second']} covers 2+ bytes a parameter")
+                check(r["bytes_out_per_second"] > 0, f"bytes_out/s {r['bytes_out_per_second']}")
+
         # ---- table
         t = aoqctl(sock, "stats").stdout
         check("JOBS" in t and "UIDS" in t and "alpha" in t, "the table has job and uid sections")
