@@ -26,6 +26,7 @@ struct aoqd_config {
 	uint64_t max_arena_bytes;
 	uint64_t max_state_bytes_per_uid; /* 0: unlimited */
 	uint32_t admin_gid;       /* sees every session; (gid_t)-1 none */
+	int log_level;            /* enum aoqd_log_level; the caller applies it */
 };
 
 /* Upper bound of `threads` (worker threads; 0 = every allowed core but one). */
