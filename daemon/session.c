@@ -78,7 +78,7 @@ static void on_handle_closed(uv_handle_t *h)
 static void session_close(struct aoqd_session *s)
 {
 	/* observers (aoqctl) come and go every second: their lines are debug */
-	bool quiet = s->state == AOQD_OBSERVER || s->state == AOQD_HELLO ||
+	bool quiet = s->state == AOQD_OBSERVER ||
 	             (s->conn.job && strcmp(s->conn.job, "aoqctl") == 0);
 	atomic_store(&s->dead, true);
 	s->state = AOQD_CLOSING;
