@@ -53,6 +53,10 @@ struct aoqd_session {
 	struct aoqd_steps steps;
 	struct aoqd_stats stats;
 	struct aoqd_queue queue; /* pool queue; guarded by the pool */
+	/* aoqctl trace: who asked (a reference) and the steps_done count at
+	 * which the traced steps have all ended.  Loop thread. */
+	struct aoqd_session *trace_to;
+	uint64_t trace_done_at;
 };
 
 /* A new connection on the server's listener: a session in state HELLO. */

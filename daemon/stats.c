@@ -1,6 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /* Latency histograms, the clock, and a session's counters. */
+#include <errno.h>
 #include <math.h>
+#include <stdlib.h>
 #include <stdio.h>
 #include <time.h>
 #include <unistd.h>
@@ -64,6 +66,56 @@ void aoqd_stats_init(struct aoqd_stats *st)
 	st->snap_ns = aoqd_now_ns();
 }
 
+int aoqd_trace_start(struct aoqd_stats *st, uint64_t first, uint64_t last)
+{
+	int r = -EBUSY;
+	pthread_mutex_lock(&st->lock);
+	if (!st->trace.on) {
+		free(st->trace.spans);
+		st->trace = (struct aoqd_trace){ .on = true, .first = first, .last = last };
+		r = 0;
+	}
+	pthread_mutex_unlock(&st->lock);
+	return r;
+}
+
+void aoqd_trace_add(struct aoqd_stats *st, const struct aoqd_span *sp)
+{
+	struct aoqd_trace *t = &st->trace;
+	if (!t->on || t->full || sp->step < t->first || sp->step > t->last)
+		return;
+	if (t->n == t->cap) {
+		size_t cap = t->cap ? t->cap * 2 : 1024;
+		if (cap > AOQD_TRACE_MAX_SPANS)
+			cap = AOQD_TRACE_MAX_SPANS;
+		struct aoqd_span *p = t->n < cap ? realloc(t->spans, cap * sizeof(*p)) : NULL;
+		if (!p) {
+			t->full = true;
+			return;
+		}
+		t->spans = p;
+		t->cap = cap;
+	}
+	t->spans[t->n++] = *sp;
+}
+
+static int span_cmp(const void *a, const void *b)
+{
+	const struct aoqd_span *x = a, *y = b;
+	return x->start_ns < y->start_ns ? -1 : x->start_ns > y->start_ns;
+}
+
+struct aoqd_trace aoqd_trace_take(struct aoqd_stats *st)
+{
+	pthread_mutex_lock(&st->lock);
+	struct aoqd_trace t = st->trace;
+	st->trace = (struct aoqd_trace){ 0 };
+	pthread_mutex_unlock(&st->lock);
+	if (t.n)
+		qsort(t.spans, t.n, sizeof(*t.spans), span_cmp);
+	return t;
+}
+
 void aoqd_stats_sample(struct aoqd_stats *st, uint64_t now_ns)
 {
 	pthread_mutex_lock(&st->lock);
@@ -85,6 +137,7 @@ void aoqd_stats_sample(struct aoqd_stats *st, uint64_t now_ns)
 
 void aoqd_stats_fini(struct aoqd_stats *st)
 {
+	free(st->trace.spans);
 	pthread_mutex_destroy(&st->lock);
 }
 

@@ -230,11 +230,33 @@ def main():
                 check(False, f"--watch line is not a stats object: {e}")
         check(ts == sorted(ts) and len(set(ts)) == len(ts), "--watch timestamps advance")
 
-        # ---- trace: this daemon does not record traces yet; the error says so
-        sid = str(ss[0]["id"])
-        p = aoqctl(sock, "trace", sid, "--steps", "3", "-o", os.path.join(tmp, "t.json"), ok=False)
-        check(p.returncode == 1 and "cannot record traces" in p.stderr, f"trace error: {p.stderr!r}")
-        check(not os.path.exists(os.path.join(tmp, "t.json")), "no trace file after the error")
+        # ---- trace: 3 steps of a training session, the daemon's spans
+        s0 = ss[0]
+        tfile = os.path.join(tmp, "t.json")
+        aoqctl(sock, "trace", str(s0["id"]), "--steps", "3", "-o", tfile)
+        with open(tfile) as f:
+            tr = json.load(f)
+        spans = [e for e in tr["traceEvents"] if e.get("ph") in ("X", "b", "e")]
+        steps = sorted({e["args"]["step"] for e in spans if "args" in e})
+        check(len(steps) == 3 and steps == list(range(steps[0], steps[0] + 3)),
+              f"the trace holds 3 consecutive steps: {steps}")
+        for step in steps:
+            cpu = [e for e in spans if e["ph"] == "X" and e["args"]["step"] == step]
+            queue = [e for e in spans if e["ph"] == "b" and e["args"]["step"] == step]
+            tensors = {e["args"]["tensor"] for e in cpu}
+            check(len(tensors) == s0["tensors"], f"step {step}: CPU updates of {len(tensors)} tensors, "
+                  f"want {s0['tensors']}")
+            check(sum(e["args"]["count"] for e in cpu) == s0["parameters"],
+                  f"step {step}: the CPU spans cover every parameter once")
+            check(len(queue) == len({(e["args"]["tensor"], e["args"]["offset"]) for e in cpu}) and queue,
+                  f"step {step}: a queue-wait span per record ({len(queue)})")
+            check(all(e["dur"] >= 0 for e in cpu), "durations are not negative")
+        names = {e["args"]["name"] for e in tr["traceEvents"] if e.get("ph") == "M"}
+        check("worker 0" in " ".join(names) or any("worker" in n for n in names), f"a worker lane: {names}")
+        # a session nobody may trace: refused, no file
+        p = aoqctl(sock, "trace", "999999", "--steps", "3", "-o", os.path.join(tmp, "t2.json"), ok=False)
+        check(p.returncode != 0 and not os.path.exists(os.path.join(tmp, "t2.json")),
+              f"trace of no session fails: {p.returncode} {p.stderr!r}")
 
         # ---- usage errors (exit 2, naming the option)
         for args, want in ((["stats", "--json", "--prometheus"], "--json and --prometheus"),
