@@ -37,6 +37,7 @@ void aoqd_config_defaults(struct aoqd_config *c)
 	c->max_tensor_elems = 1ull << 36;
 	c->max_arena_bytes = 1ull << 40;
 	c->admin_gid = (uint32_t)-1;
+	c->log_level = AOQD_LOG_INFO;
 	c->max_connections_per_uid = 128;
 	c->handshake_timeout_ms = 30000;
 	c->max_buffered_bytes_per_uid = 16ull << 20;
@@ -249,7 +250,7 @@ int aoqd_config_set(struct aoqd_config *c, const char *key, const char *v, char 
 			snprintf(err, errlen, "'%s' is not one of error, warn, info or debug", v);
 			return -EINVAL;
 		}
-		aoqd_log_level = (enum aoqd_log_level)i;
+		c->log_level = i;
 		return 0;
 	case K_KERNEL:
 		if (word_index(v, kernel_words, 5) < 0) {
@@ -405,7 +406,7 @@ void aoqd_config_print(const struct aoqd_config *c, FILE *f)
 		fprintf(f, "threads = auto\n");
 	fprintf(f, "kernel = %s\n", c->kernel && *c->kernel ? c->kernel : "auto");
 	fprintf(f, "lock_memory = %s\n", c->lock_memory == 0 ? "no" : c->lock_memory == 2 ? "yes" : "try");
-	fprintf(f, "log_level = %s\n", levels[aoqd_log_level]);
+	fprintf(f, "log_level = %s\n", levels[c->log_level >= 0 && c->log_level <= AOQD_LOG_DEBUG ? c->log_level : AOQD_LOG_INFO]);
 	fprintf(f, "max_connections = %" PRIu32 "\n", c->max_connections);
 	fprintf(f, "max_sessions_per_uid = %" PRIu32 "\n", c->max_sessions_per_uid);
 	fprintf(f, "max_tensors = %" PRIu32 "\n", c->max_tensors);

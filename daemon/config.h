@@ -29,6 +29,7 @@ struct aoqd_config {
 	uint32_t handshake_timeout_ms;   /* accept to Welcome (observer) or Registered */
 	uint64_t max_buffered_bytes_per_uid; /* partial frames held beyond 64 KiB a connection */
 	uint32_t admin_gid;       /* sees every session; (gid_t)-1 none */
+	int log_level;            /* enum aoqd_log_level; the caller applies it */
 };
 
 /* Upper bound of `threads` (worker threads; 0 = every allowed core but one). */

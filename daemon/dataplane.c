@@ -58,6 +58,7 @@ struct aoqd_job {
 	uint8_t *param;
 	uint64_t seed;
 	uint64_t t0;
+	_Atomic uint64_t started; /* a worker's first start on it (trace) */
 	_Atomic uint32_t remaining;
 	uint32_t nchunks;
 	struct chunk chunks[];
@@ -95,9 +96,18 @@ static void job_answer(struct aoqd_job *j, int32_t status)
 	post_record(s, j, status);
 	pthread_mutex_lock(&s->stats.lock);
 	s->stats.bytes_in += j->rec.count * aoqk_dtype_size(j->t->grad_dtype);
-	if (status == AOQ_REC_UPDATED)
+	if (status == AOQ_REC_UPDATED) {
 		s->stats.bytes_out += j->rec.count * aoqk_dtype_size(j->t->param_dtype);
+		s->stats.elements += j->rec.count;
+	}
 	aoqd_hist_add(&s->stats.rec_hist, aoqd_now_ns() - j->t0);
+	uint64_t started = atomic_load(&j->started);
+	if (s->stats.trace.on && started >= j->t0) {
+		struct aoqd_span sp = { .step = j->rec.step, .start_ns = j->t0, .dur_ns = started - j->t0,
+		                        .offset = j->rec.offset, .count = j->rec.count, .tensor = j->rec.tensor,
+		                        .kind = AOQD_SPAN_QUEUE_WAIT };
+		aoqd_trace_add(&s->stats, &sp);
+	}
 	pthread_mutex_unlock(&s->stats.lock);
 	atomic_fetch_sub(&s->steps.outstanding, 1);
 	if (atomic_fetch_sub(&s->steps.inflight[p], 1) == 1)
@@ -158,6 +168,8 @@ static void chunk_run(struct aoqd_task *task, unsigned worker)
 		const uint8_t *grad = j->grad + c->begin * aoqk_dtype_size(t->grad_dtype);
 		float *acc = j->use_acc ? t->acc + begin : NULL;
 		uint64_t c0 = thread_cpu_ns(), w0 = aoqd_now_ns();
+		uint64_t none = 0;
+		atomic_compare_exchange_strong(&j->started, &none, w0);
 		switch (j->phase) {
 		case PHASE_ACCUMULATE:
 			if (j->acc_first)
@@ -191,6 +203,12 @@ static void chunk_run(struct aoqd_task *task, unsigned worker)
 		s->stats.cpu_ns += c1 - c0;
 		s->stats.chunks++;
 		aoqd_hist_add(&s->stats.chunk_hist, w1 - w0);
+		if (s->stats.trace.on) {
+			struct aoqd_span sp = { .step = j->rec.step, .start_ns = w0, .dur_ns = w1 - w0, .offset = begin,
+			                        .count = c->count, .tensor = j->rec.tensor, .kind = AOQD_SPAN_CPU,
+			                        .worker = worker };
+			aoqd_trace_add(&s->stats, &sp);
+		}
 		pthread_mutex_unlock(&s->stats.lock);
 	}
 	if (atomic_fetch_sub_explicit(&j->remaining, 1, memory_order_acq_rel) == 1)

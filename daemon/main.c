@@ -84,10 +84,91 @@ static const char *flag_name(int c)
 	return "?";
 }
 
+/* The settings: defaults, $AOQ_KERNEL, the config file, then the flags (the
+ * command line wins), then the default socket.  At start and on SIGHUP.
+ * Returns 0; 2 for a bad flag or environment (err says which); 1 when the
+ * config file is bad (config.c logged why). */
+static char default_socket[108];
+
+static int build_config(struct aoqd_config *cfg, int argc, char **argv, const char *config_path, char *err,
+                        size_t errlen)
+{
+	char why[192];
+	int c;
+	aoqd_config_defaults(cfg);
+	const char *env_kernel = getenv("AOQ_KERNEL");
+	if (env_kernel && *env_kernel && aoqd_config_set(cfg, "kernel", env_kernel, why, sizeof(why)) < 0) {
+		snprintf(err, errlen, "AOQ_KERNEL: %s", why);
+		return 2;
+	}
+	if (config_path && aoqd_config_load(cfg, config_path) < 0) {
+		snprintf(err, errlen, "%s is not valid", config_path);
+		return 1;
+	}
+	optind = 0;
+	opterr = 0;
+	while ((c = getopt_long(argc, argv, ":hV", opts, NULL)) != -1) {
+		const char *key = flag_key(c);
+		if (key) {
+			if (aoqd_config_set(cfg, key, optarg, why, sizeof(why)) < 0) {
+				snprintf(err, errlen, "--%s: %s", flag_name(c), why);
+				return 2;
+			}
+		} else if (c == O_LISTEN_FD) {
+			uint64_t fd;
+			int r = aoqd_parse_u64(optarg, 0, &fd);
+			if (r < 0 || fd > INT_MAX) {
+				snprintf(err, errlen, "--listen-fd: '%s' is not a file descriptor number (0..%d)", optarg,
+				         INT_MAX);
+				return 2;
+			}
+			cfg->listen_fd = (int)fd;
+		}
+	}
+	if (!cfg->socket_path && cfg->listen_fd < 0) {
+		/* By hand: the per-user default (a client tries /run/aoq first). */
+		const char *xdg = getenv("XDG_RUNTIME_DIR");
+		int n = xdg && *xdg ? snprintf(default_socket, sizeof(default_socket), "%s/aoq/aoqd.sock", xdg)
+		                    : snprintf(default_socket, sizeof(default_socket), "/tmp/aoq-%u/aoqd.sock",
+		                               (unsigned)getuid());
+		if (n < 0 || (size_t)n >= sizeof(default_socket)) {
+			snprintf(err, errlen, "the default socket path under $XDG_RUNTIME_DIR is longer than %zu bytes; "
+			         "give --socket", sizeof(default_socket) - 1);
+			return 2;
+		}
+		cfg->socket_path = default_socket;
+	}
+	return 0;
+}
+
+/* What SIGHUP re-reads. */
+static struct {
+	int argc;
+	char **argv;
+	const char *config_path;
+} cmdline;
+
+/* SIGHUP (the server's reload callback): the settings again, from the saved
+ * config path and the same command line; a bad file keeps the old ones. */
+static void reload(struct aoqd_server *srv)
+{
+	struct aoqd_config cfg;
+	char err[256];
+	if (!cmdline.config_path)
+		aoqd_info("main", "reload: no --config file; the command line is read again");
+	int r = build_config(&cfg, cmdline.argc, cmdline.argv, cmdline.config_path, err, sizeof(err));
+	if (r == 0)
+		r = aoqd_config_check(&cfg, err, sizeof(err));
+	if (r != 0) {
+		aoqd_err("main", "reload: %s; keeping the settings in use", err);
+		return;
+	}
+	aoqd_server_apply(srv, &cfg);
+}
+
 int main(int argc, char **argv)
 {
 	struct aoqd_config cfg;
-	aoqd_config_defaults(&cfg);
 	const char *config_path = NULL;
 	bool check = false;
 	char err[256];
@@ -118,43 +199,17 @@ int main(int argc, char **argv)
 	if (optind < argc)
 		return usage_error("unexpected argument '%s' (aoqd takes no positional arguments)", argv[optind]);
 
-	const char *env_kernel = getenv("AOQ_KERNEL");
-	if (env_kernel && *env_kernel && aoqd_config_set(&cfg, "kernel", env_kernel, err, sizeof(err)) < 0) {
-		fprintf(stderr, "aoqd: AOQ_KERNEL: %s\n", err);
+	/* Pass 2: the settings. */
+	int r = build_config(&cfg, argc, argv, config_path, err, sizeof(err));
+	if (r == 1)
+		return 2;
+	if (r != 0) {
+		if (strncmp(err, "--", 2) == 0)
+			return usage_error("%s", err);
+		fprintf(stderr, "aoqd: %s\n", err);
 		return 2;
 	}
-	if (config_path && aoqd_config_load(&cfg, config_path) < 0)
-		return 2;
-
-	/* Pass 2: apply the flags. */
-	optind = 0;
-	while ((c = getopt_long(argc, argv, ":hV", opts, NULL)) != -1) {
-		const char *key = flag_key(c);
-		if (key) {
-			if (aoqd_config_set(&cfg, key, optarg, err, sizeof(err)) < 0)
-				return usage_error("--%s: %s", flag_name(c), err);
-		} else if (c == O_LISTEN_FD) {
-			uint64_t fd;
-			int r = aoqd_parse_u64(optarg, 0, &fd);
-			if (r < 0 || fd > INT_MAX)
-				return usage_error("--listen-fd: '%s' is not a file descriptor number (0..%d)", optarg, INT_MAX);
-			cfg.listen_fd = (int)fd;
-		}
-	}
-
-	char path[108];
-	if (!cfg.socket_path && cfg.listen_fd < 0) {
-		/* By hand: the per-user default (a client tries /run/aoq first). */
-		const char *xdg = getenv("XDG_RUNTIME_DIR");
-		int n = xdg && *xdg ? snprintf(path, sizeof(path), "%s/aoq/aoqd.sock", xdg)
-		                    : snprintf(path, sizeof(path), "/tmp/aoq-%u/aoqd.sock", (unsigned)getuid());
-		if (n < 0 || (size_t)n >= sizeof(path)) {
-			fprintf(stderr, "aoqd: the default socket path under $XDG_RUNTIME_DIR is longer than %zu bytes; "
-			        "give --socket\n", sizeof(path) - 1);
-			return 2;
-		}
-		cfg.socket_path = path;
-	}
+	aoqd_log_level = (enum aoqd_log_level)cfg.log_level;
 	if (aoqd_config_check(&cfg, err, sizeof(err)) < 0) {
 		fprintf(stderr, "aoqd: %s\n", err);
 		return 2;
@@ -164,18 +219,22 @@ int main(int argc, char **argv)
 		fprintf(stderr, "aoqd: configuration ok\n");
 		return fflush(stdout) == 0 ? 0 : 1;
 	}
+	cmdline.argc = argc;
+	cmdline.argv = argv;
+	cmdline.config_path = config_path;
 
 	signal(SIGPIPE, SIG_IGN);
 	uv_loop_t loop;
 	uv_loop_init(&loop);
 	struct aoqd_server srv;
-	int r = aoqd_server_init(&srv, &loop, &cfg);
+	r = aoqd_server_init(&srv, &loop, &cfg);
 	if (r < 0) {
 		uv_run(&loop, UV_RUN_DEFAULT); /* closes what init opened */
 		aoqd_server_fini(&srv);
 		uv_loop_close(&loop);
 		return 1;
 	}
+	srv.reload = reload; /* SIGHUP is handled only once the loop runs */
 	uv_run(&loop, UV_RUN_DEFAULT);
 	aoqd_server_fini(&srv);
 	r = uv_loop_close(&loop);

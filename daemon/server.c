@@ -78,12 +78,27 @@ static void on_signal(uv_signal_t *h, int signum)
 {
 	struct aoqd_server *srv = h->data;
 	if (signum == SIGHUP) {
-		/* Nothing is reread: limits and the log level take a restart. */
-		aoqd_info("server", "SIGHUP: nothing to reload");
+		if (!srv->reload) {
+			aoqd_info("server", "SIGHUP: nothing to reload");
+			return;
+		}
+		aoqd_info("server", "SIGHUP: reloading the settings");
+#if AOQ_HAVE_SYSTEMD
+		sd_notifyf(0, "RELOADING=1\nMONOTONIC_USEC=%" PRIu64, aoqd_now_ns() / 1000);
+#endif
+		srv->reload(srv);
+#if AOQ_HAVE_SYSTEMD
+		sd_notify(0, "READY=1");
+#endif
 		return;
 	}
 	aoqd_info("server", "signal %d: stopping", signum);
 	aoqd_server_stop(srv);
+}
+
+static void on_rates(uv_timer_t *t)
+{
+	aoqd_sessions_sample(t->data);
 }
 
 #if AOQ_HAVE_SYSTEMD
@@ -227,6 +242,9 @@ int aoqd_server_init(struct aoqd_server *srv, uv_loop_t *loop, const struct aoqd
 	uv_signal_start(&srv->sigterm, on_signal, SIGTERM);
 	uv_signal_start(&srv->sigint, on_signal, SIGINT);
 	uv_signal_start(&srv->sighup, on_signal, SIGHUP);
+	uv_timer_init(loop, &srv->rates);
+	srv->rates.data = srv;
+	uv_timer_start(&srv->rates, on_rates, AOQD_RATE_INTERVAL_MS, AOQD_RATE_INTERVAL_MS);
 	int r = open_listener(srv);
 	if (r < 0) {
 		aoqd_server_stop(srv);
@@ -242,6 +260,77 @@ int aoqd_server_init(struct aoqd_server *srv, uv_loop_t *loop, const struct aoqd
 	sd_notifyf(0, "READY=1\nSTATUS=serving, %u workers, kernel %s\nMAINPID=%d", n, srv->kernel->name, (int)getpid());
 #endif
 	return 0;
+}
+
+static const char *level_name(int l)
+{
+	static const char *const names[] = { "error", "warn", "info", "debug" };
+	return l >= 0 && l <= AOQD_LOG_DEBUG ? names[l] : "?";
+}
+
+static bool same_str(const char *a, const char *b)
+{
+	return (!a && !b) || (a && b && strcmp(a, b) == 0);
+}
+
+void aoqd_server_apply(struct aoqd_server *srv, const struct aoqd_config *n)
+{
+	struct aoqd_config *o = &srv->cfg;
+	unsigned changed = 0, restart = 0;
+	if (n->log_level != (int)aoqd_log_level) {
+		aoqd_info("server", "reload: log_level %s -> %s", level_name((int)aoqd_log_level), level_name(n->log_level));
+		aoqd_log_level = (enum aoqd_log_level)n->log_level;
+		o->log_level = n->log_level;
+		changed++;
+	}
+#define LIVE(f, fmt)                                                                                        \
+	do {                                                                                                \
+		if (o->f != n->f) {                                                                         \
+			aoqd_info("server", "reload: " #f " %" fmt " -> %" fmt, o->f, n->f);                \
+			o->f = n->f;                                                                        \
+			changed++;                                                                          \
+		}                                                                                           \
+	} while (0)
+	LIVE(max_connections, PRIu32);
+	LIVE(max_sessions_per_uid, PRIu32);
+	LIVE(max_tensors, PRIu32);
+	LIVE(max_tensor_elems, PRIu64);
+	LIVE(max_arena_bytes, PRIu64);
+	LIVE(max_state_bytes_per_uid, PRIu64);
+#undef LIVE
+	if (o->admin_gid != n->admin_gid) {
+		char a[16] = "none", b[16] = "none";
+		if (o->admin_gid != (uint32_t)-1)
+			snprintf(a, sizeof(a), "%" PRIu32, o->admin_gid);
+		if (n->admin_gid != (uint32_t)-1)
+			snprintf(b, sizeof(b), "%" PRIu32, n->admin_gid);
+		aoqd_info("server", "reload: admin_gid %s -> %s", a, b);
+		o->admin_gid = n->admin_gid;
+		changed++;
+	}
+	/* The rest is built once at start. */
+	if (!same_str(o->socket_path, n->socket_path) || o->listen_fd != n->listen_fd) {
+		aoqd_warn("server", "reload: socket changed (%s -> %s): takes a restart; still listening on the old one",
+		          o->socket_path ? o->socket_path : "a given fd", n->socket_path ? n->socket_path : "a given fd");
+		restart++;
+	}
+	if (o->threads != n->threads) {
+		aoqd_warn("server", "reload: threads %u -> %u takes a restart (the pool is not resized while running)",
+		          o->threads, n->threads);
+		restart++;
+	}
+	if (!same_str(o->kernel && strcmp(o->kernel, "auto") ? o->kernel : NULL,
+	              n->kernel && strcmp(n->kernel, "auto") ? n->kernel : NULL)) {
+		aoqd_warn("server", "reload: kernel %s -> %s takes a restart", o->kernel ? o->kernel : "auto",
+		          n->kernel ? n->kernel : "auto");
+		restart++;
+	}
+	if (o->lock_memory != n->lock_memory) {
+		aoqd_warn("server", "reload: lock_memory takes a restart");
+		restart++;
+	}
+	aoqd_info("server", "reload: %u setting%s changed%s", changed, changed == 1 ? "" : "s",
+	          restart ? "; some take a restart (above)" : "");
 }
 
 /* Closes every handle; uv_run returns once they are gone. */
@@ -260,6 +349,7 @@ void aoqd_server_stop(struct aoqd_server *srv)
 		uv_close((uv_handle_t *)&srv->listener, NULL);
 	uv_close((uv_handle_t *)&srv->wake, NULL);
 	uv_close((uv_handle_t *)&srv->sweep, NULL);
+	uv_close((uv_handle_t *)&srv->rates, NULL);
 	uv_close((uv_handle_t *)&srv->sigterm, NULL);
 	uv_close((uv_handle_t *)&srv->sigint, NULL);
 	uv_close((uv_handle_t *)&srv->sighup, NULL);

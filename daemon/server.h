@@ -25,6 +25,7 @@ struct aoqd_server {
 	uv_async_t wake;          /* workers -> loop: a step may have finished */
 	uv_signal_t sigterm, sigint, sighup;
 	uv_timer_t watchdog;
+	uv_timer_t rates;         /* ends each session's rate interval */
 	bool watchdog_on;
 	uv_timer_t sweep;         /* handshake deadlines */
 	struct aoqd_pool *pool;
@@ -36,6 +37,9 @@ struct aoqd_server {
 	struct aoqd_account *accounts; /* one per uid seen (session.c charges them) */
 	uint64_t start_ns;
 	_Atomic uint64_t locked_bytes;
+	/* SIGHUP: builds the settings again and hands them to
+	 * aoqd_server_apply (main.c's; NULL: SIGHUP is only logged). */
+	void (*reload)(struct aoqd_server *srv);
 	bool stopping;
 	bool bound;               /* we created the socket file (unlinked at exit) */
 	int exit_code;
@@ -43,6 +47,14 @@ struct aoqd_server {
 
 int aoqd_server_init(struct aoqd_server *srv, uv_loop_t *loop, const struct aoqd_config *cfg);
 void aoqd_server_stop(struct aoqd_server *srv);
+/*
+ * Applies new settings while running: the log level, the limits and quotas
+ * (each checked at the next request that meets it; sessions keep what they
+ * were given) and admin_gid.  Logs every change, and each setting that
+ * differs but takes a restart (socket, listen fd, threads, kernel,
+ * lock_memory), which keeps its old value.
+ */
+void aoqd_server_apply(struct aoqd_server *srv, const struct aoqd_config *cfg);
 void aoqd_server_fini(struct aoqd_server *srv);
 
 #endif

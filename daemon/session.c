@@ -29,6 +29,8 @@
 #define FRAME_BYTES_PER_TURN (128u << 10)
 
 static void session_close(struct aoqd_session *s);
+static void trace_finish(struct aoqd_session *s);
+static void trace_check(struct aoqd_session *s);
 static void process_frames(struct aoqd_session *s);
 
 /* ---- references and the list ---- */
@@ -83,8 +85,12 @@ static void on_handle_closed(uv_handle_t *h)
  * goes with the last reference (running jobs hold one). */
 static void session_close(struct aoqd_session *s)
 {
+	/* observers (aoqctl) come and go every second: their lines are debug */
+	bool quiet = s->state == AOQD_OBSERVER ||
+	             (s->conn.job && strcmp(s->conn.job, "aoqctl") == 0);
 	atomic_store(&s->dead, true);
 	s->state = AOQD_CLOSING;
+	trace_finish(s); /* what was recorded goes out */
 	aoqd_drop_deferred(s);
 	if (aoqd_conn_close(&s->conn))
 		s->srv->connections--;
@@ -97,10 +103,20 @@ static void session_close(struct aoqd_session *s)
 		aoqd_session_unref(s);
 	if (unlink_session(s)) {
 		const char *job = s->conn.job ? s->conn.job : "";
-		aoqd_log(strcmp(job, "aoqctl") == 0 ? AOQD_LOG_DEBUG : AOQD_LOG_INFO, "session",
+		aoqd_log(quiet ? AOQD_LOG_DEBUG : AOQD_LOG_INFO, "session",
 		         "session %" PRIu64 " closed (job '%s' rank %u, %" PRIu64 " steps)",
 		         s->id, job, s->conn.rank, s->stats.steps_done);
 		aoqd_session_unref(s); /* the list's reference */
+	}
+}
+
+void aoqd_sessions_sample(struct aoqd_server *srv)
+{
+	uint64_t now = aoqd_now_ns();
+	for (struct aoqd_session *s = srv->sessions; s; s = s->next) {
+		if (s->state == AOQD_READY || s->state == AOQD_REGISTERING)
+			aoqd_stats_sample(&s->stats, now);
+		trace_check(s);
 	}
 }
 
@@ -179,9 +195,9 @@ static int on_hello(struct aoqd_session *s, const Aoq__Envelope *env, struct aoq
 	Aoq__Envelope r = AOQ__ENVELOPE__INIT;
 	r.msg_case = AOQ__ENVELOPE__MSG_WELCOME;
 	r.welcome = &w;
-	if (!h->observer)
-		aoqd_info("session", "session %" PRIu64 ": hello from pid %d uid %u job '%s' rank %u device '%s'",
-		          s->id, (int)c->peer_pid, (unsigned)c->uid, c->job, c->rank, c->device);
+	aoqd_log(h->observer ? AOQD_LOG_DEBUG : AOQD_LOG_INFO, "session",
+	         "session %" PRIu64 ": hello from pid %d uid %u job '%s' rank %u device '%s'%s", s->id,
+	         (int)c->peer_pid, (unsigned)c->uid, c->job, c->rank, c->device, h->observer ? " (observer)" : "");
 	aoqd_conn_send(c, &r);
 	return AOQD_REPLIED;
 }
@@ -273,6 +289,7 @@ static int on_stats(struct aoqd_session *who, const Aoq__Envelope *env, struct a
 	st.sessions = sp;
 	st.version = AOQ_VERSION;
 	st.pid = (uint32_t)getpid();
+	st.timestamp_unix_ns = aoqd_wall_ns();
 	Aoq__Envelope reply = AOQ__ENVELOPE__INIT;
 	reply.msg_case = AOQ__ENVELOPE__MSG_STATS;
 	reply.stats = &st;
@@ -282,11 +299,134 @@ static int on_stats(struct aoqd_session *who, const Aoq__Envelope *env, struct a
 	return AOQD_REPLIED;
 }
 
+/* ---- traces ---- */
+
+#define TRACE_MAX_STEPS 1000000 /* aoqctl's bound; memory is bounded by spans */
+#define TRACE_SPANS_PER_FRAME 8192 /* a span packs to < 100 bytes */
+#define TRACE_NAMES_BYTES (512u << 10)
+
+/* Sends the trace's spans to whoever asked (frames of at most 1 MiB, more on
+ * all but the last) and ends the trace.  Names only the tensors it uses. */
+static void trace_finish(struct aoqd_session *s)
+{
+	struct aoqd_session *to = s->trace_to;
+	if (!to)
+		return;
+	s->trace_to = NULL;
+	struct aoqd_trace t = aoqd_trace_take(&s->stats);
+	if (t.full)
+		aoqd_warn("session", "session %" PRIu64 ": trace cut at %zu spans", s->id, t.n);
+	uint32_t nt = s->st.ntensors;
+	uint32_t *map = calloc(nt ? nt : 1, sizeof(*map));
+	char **names = calloc(nt ? nt : 1, sizeof(*names));
+	Aoq__TraceSpan *sp = calloc(TRACE_SPANS_PER_FRAME, sizeof(*sp));
+	Aoq__TraceSpan **spp = calloc(TRACE_SPANS_PER_FRAME, sizeof(*spp));
+	if (!map || !names || !sp || !spp) {
+		if (to->state != AOQD_CLOSING)
+			aoqd_conn_send_error(&to->conn, AOQ__ERROR_CODE__NO_MEMORY, "out of memory for the trace", false);
+		goto out;
+	}
+	uint32_t nnames = 0;
+	size_t name_bytes = 0;
+	for (size_t i = 0; i < t.n; i++) {
+		uint32_t k = t.spans[i].tensor;
+		if (k >= nt)
+			continue;
+		if (!map[k]) {
+			const char *nm = s->st.tensors[k].name ? s->st.tensors[k].name : "";
+			size_t len = strlen(nm) + 8;
+			names[nnames] = (char *)(name_bytes + len <= TRACE_NAMES_BYTES ? nm : "?");
+			name_bytes += len;
+			map[k] = ++nnames;
+		}
+	}
+	size_t i = 0;
+	do {
+		Aoq__Trace tr = AOQ__TRACE__INIT;
+		tr.session = s->id;
+		tr.job = s->conn.job ? s->conn.job : "";
+		tr.rank = s->conn.rank;
+		if (i == 0) {
+			tr.n_tensor_names = nnames;
+			tr.tensor_names = names;
+		}
+		size_t n = 0;
+		for (; i < t.n && n < TRACE_SPANS_PER_FRAME; i++) {
+			const struct aoqd_span *x = &t.spans[i];
+			Aoq__TraceSpan *y = &sp[n];
+			aoq__trace_span__init(y);
+			y->step = x->step;
+			y->tensor = x->tensor < nt ? map[x->tensor] - 1 : UINT32_MAX;
+			y->kind = (Aoq__TraceSpanKind)x->kind;
+			y->start_ns = x->start_ns;
+			y->duration_ns = x->dur_ns;
+			y->worker = x->worker;
+			y->offset = x->offset;
+			y->count = x->count;
+			spp[n++] = y;
+		}
+		tr.n_spans = n;
+		tr.spans = spp;
+		tr.more = i < t.n;
+		Aoq__Envelope env = AOQ__ENVELOPE__INIT;
+		env.msg_case = AOQ__ENVELOPE__MSG_TRACE;
+		env.trace = &tr;
+		if (to->state == AOQD_CLOSING || aoqd_conn_send(&to->conn, &env) < 0)
+			break;
+	} while (i < t.n);
+	aoqd_debug("session", "session %" PRIu64 ": trace of %zu spans sent to session %" PRIu64, s->id, t.n, to->id);
+out:
+	free(map);
+	free(names);
+	free(sp);
+	free(spp);
+	free(t.spans);
+	aoqd_session_unref(to);
+}
+
+/* The traced steps have all ended (loop thread). */
+static void trace_check(struct aoqd_session *s)
+{
+	if (s->trace_to && (s->stats.steps_done >= s->trace_done_at || s->trace_to->state == AOQD_CLOSING))
+		trace_finish(s);
+}
+
+/* TraceRequest: record the next `steps` steps of a session the asker may
+ * see; the Trace frames go out once they have ended. */
+static int on_trace(struct aoqd_session *who, const Aoq__Envelope *env, struct aoqd_error *err)
+{
+	const Aoq__TraceRequest *m = env->trace_request;
+	if (m->steps == 0 || m->steps > TRACE_MAX_STEPS)
+		return AOQD_REFUSE(err, INVALID, "trace: steps %u is not in 1..%u", m->steps, TRACE_MAX_STEPS);
+	struct aoqd_session *s = who->srv->sessions;
+	while (s && s->id != m->session)
+		s = s->next;
+	if (!s || s->state == AOQD_OBSERVER || s->state == AOQD_HELLO || s->state == AOQD_CLOSING || !may_see(who, s))
+		return AOQD_REFUSE(err, NOT_FOUND, "no session %" PRIu64 " that you may trace", m->session);
+	if (s == who)
+		return AOQD_REFUSE(err, INVALID, "a session cannot trace itself");
+	if (s->trace_to)
+		return AOQD_REFUSE(err, BUSY, "session %" PRIu64 " is being traced already", m->session);
+	/* Step next_step may be under way: the trace starts at the one after. */
+	uint64_t first = s->steps.next_step + 1;
+	if (aoqd_trace_start(&s->stats, first, first + m->steps - 1) < 0)
+		return AOQD_REFUSE(err, BUSY, "session %" PRIu64 " is being traced already", m->session);
+	/* steps_done counts StepEnded replies: the step before next_step may
+	 * still be ending (end_pending), then next_step, then the traced ones */
+	s->trace_done_at = s->stats.steps_done + (s->steps.end_pending ? 1 : 0) + 1 + m->steps;
+	aoqd_session_ref(who);
+	s->trace_to = who;
+	aoqd_info("session", "session %" PRIu64 ": tracing steps %" PRIu64 "..%" PRIu64 " for session %" PRIu64, s->id,
+	          first, first + m->steps - 1, who->id);
+	return AOQD_REPLIED;
+}
+
 static int on_bye(struct aoqd_session *s, const Aoq__Envelope *env, struct aoqd_error *err)
 {
 	(void)env;
 	(void)err;
-	aoqd_info("session", "session %" PRIu64 ": bye", s->id);
+	aoqd_log(s->state == AOQD_OBSERVER ? AOQD_LOG_DEBUG : AOQD_LOG_INFO, "session", "session %" PRIu64 ": bye",
+	         s->id);
 	session_close(s);
 	return AOQD_REPLIED;
 }
@@ -312,6 +452,8 @@ static const struct handler handlers[] = {
 	{ AOQ__ENVELOPE__MSG_TENSOR_STEPS, IN(READY), "TensorSteps before registration", aoqd_on_tensor_steps },
 	{ AOQ__ENVELOPE__MSG_STATS_REQUEST, IN(REGISTERING) | IN(READY) | IN(OBSERVER), "StatsRequest before Hello",
 	  on_stats },
+	{ AOQ__ENVELOPE__MSG_TRACE_REQUEST, IN(REGISTERING) | IN(READY) | IN(OBSERVER), "TraceRequest before Hello",
+	  on_trace },
 	{ AOQ__ENVELOPE__MSG_BYE, IN(HELLO) | IN(REGISTERING) | IN(READY) | IN(OBSERVER), "Bye while closing", on_bye },
 };
 
@@ -333,6 +475,7 @@ static void dispatch(struct aoqd_session *s, const Aoq__Envelope *env)
 		r = h->fn(s, env, &err);
 	if (r < 0)
 		session_error(s, &err);
+	trace_check(s); /* a StepEnd may have ended the last traced step */
 }
 
 /* Decodes and handles every whole frame in the buffer, unless a deferred
@@ -548,5 +691,6 @@ void aoqd_sessions_wake(struct aoqd_server *srv)
 			process_frames(s);
 		if (s->state == AOQD_READY && aoqd_transfer_poll(s))
 			process_frames(s);
+		trace_check(s);
 	}
 }

@@ -58,6 +58,10 @@ struct aoqd_session {
 	struct aoqd_steps steps;
 	struct aoqd_stats stats;
 	struct aoqd_queue queue; /* pool queue; guarded by the pool */
+	/* aoqctl trace: who asked (a reference) and the steps_done count at
+	 * which the traced steps have all ended.  Loop thread. */
+	struct aoqd_session *trace_to;
+	uint64_t trace_done_at;
 };
 
 /* A new connection on the server's listener: a session in state HELLO. */
@@ -75,6 +79,10 @@ void aoqd_sessions_wake(struct aoqd_server *srv);
 /* Fails sessions whose handshake (Hello, then Register or observer) is
  * past the deadline; the server's timer calls it. */
 void aoqd_sessions_sweep(struct aoqd_server *srv);
+/* Ends every session's rate interval (the server's timer, every
+ * AOQD_RATE_INTERVAL_MS). */
+#define AOQD_RATE_INTERVAL_MS 1000
+void aoqd_sessions_sample(struct aoqd_server *srv);
 /* Closes every session (the server stops). */
 void aoqd_sessions_close_all(struct aoqd_server *srv);
 /* The client's doorbell rang (a uv_poll_cb for aoqd_arena_watch). */

@@ -157,6 +157,31 @@ def main():
               f"one uid row with 3 sessions in 2 jobs: {uids}")
         check(uids[0]["parameters"] == sum(s["parameters"] for s in ss), "uid parameters are the sum")
 
+        # ---- rates: the daemon's last interval (1 s); wait for one to end
+        for _ in range(100):
+            st = json.loads(aoqctl(sock, "stats", "--json").stdout)
+            if all(s["rates"] and s["rates"]["steps_per_second"] > 0 for s in st["sessions"]):
+                break
+            time.sleep(0.1)
+        check(abs(st["timestamp_unix"] - time.time()) < 5, "the daemon's timestamp is now")
+        for s in st["sessions"]:
+            r = s["rates"]
+            check(r is not None, f"session {s['id']} has rates")
+            if not r:
+                continue
+            check(0.5 <= r.get("interval_seconds", 0) <= 3, f"rate interval {r.get('interval_seconds')}")
+            sps = r["steps_per_second"]
+            check(sps > 0, f"steps_per_second {sps} > 0")
+            if sps > 0:
+                # each step updates every parameter: params/s = parameters x steps/s
+                # (the interval's edges cut steps, hence the factor)
+                ratio = r["params_per_second"] / (s["parameters"] * sps)
+                check(0.5 <= ratio <= 2, f"params_per_second {r['params_per_second']} vs parameters "
+                      f"{s['parameters']} x steps/s {sps}: ratio {ratio}")
+                check(r["bytes_in_per_second"] >= r["params_per_second"] * 2 * 0.99,
+                      f"bytes_in/s {r['bytes_in_per_second']} covers 2+ bytes a parameter")
+                check(r["bytes_out_per_second"] > 0, f"bytes_out/s {r['bytes_out_per_second']}")
+
         # ---- table
         t = aoqctl(sock, "stats").stdout
         check("JOBS" in t and "UIDS" in t and "alpha" in t, "the table has job and uid sections")
@@ -205,11 +230,33 @@ def main():
                 check(False, f"--watch line is not a stats object: {e}")
         check(ts == sorted(ts) and len(set(ts)) == len(ts), "--watch timestamps advance")
 
-        # ---- trace: this daemon does not record traces yet; the error says so
-        sid = str(ss[0]["id"])
-        p = aoqctl(sock, "trace", sid, "--steps", "3", "-o", os.path.join(tmp, "t.json"), ok=False)
-        check(p.returncode == 1 and "cannot record traces" in p.stderr, f"trace error: {p.stderr!r}")
-        check(not os.path.exists(os.path.join(tmp, "t.json")), "no trace file after the error")
+        # ---- trace: 3 steps of a training session, the daemon's spans
+        s0 = ss[0]
+        tfile = os.path.join(tmp, "t.json")
+        aoqctl(sock, "trace", str(s0["id"]), "--steps", "3", "-o", tfile)
+        with open(tfile) as f:
+            tr = json.load(f)
+        spans = [e for e in tr["traceEvents"] if e.get("ph") in ("X", "b", "e")]
+        steps = sorted({e["args"]["step"] for e in spans if "args" in e})
+        check(len(steps) == 3 and steps == list(range(steps[0], steps[0] + 3)),
+              f"the trace holds 3 consecutive steps: {steps}")
+        for step in steps:
+            cpu = [e for e in spans if e["ph"] == "X" and e["args"]["step"] == step]
+            queue = [e for e in spans if e["ph"] == "b" and e["args"]["step"] == step]
+            tensors = {e["args"]["tensor"] for e in cpu}
+            check(len(tensors) == s0["tensors"], f"step {step}: CPU updates of {len(tensors)} tensors, "
+                  f"want {s0['tensors']}")
+            check(sum(e["args"]["count"] for e in cpu) == s0["parameters"],
+                  f"step {step}: the CPU spans cover every parameter once")
+            check(len(queue) == len({(e["args"]["tensor"], e["args"]["offset"]) for e in cpu}) and queue,
+                  f"step {step}: a queue-wait span per record ({len(queue)})")
+            check(all(e["dur"] >= 0 for e in cpu), "durations are not negative")
+        names = {e["args"]["name"] for e in tr["traceEvents"] if e.get("ph") == "M"}
+        check("worker 0" in " ".join(names) or any("worker" in n for n in names), f"a worker lane: {names}")
+        # a session nobody may trace: refused, no file
+        p = aoqctl(sock, "trace", "999999", "--steps", "3", "-o", os.path.join(tmp, "t2.json"), ok=False)
+        check(p.returncode != 0 and not os.path.exists(os.path.join(tmp, "t2.json")),
+              f"trace of no session fails: {p.returncode} {p.stderr!r}")
 
         # ---- usage errors (exit 2, naming the option)
         for args, want in ((["stats", "--json", "--prometheus"], "--json and --prometheus"),
