@@ -19,6 +19,7 @@ Gradient pushes (README-python.md has the full story):
     before its final push (fewer passes than counted) pushes zeros as final.
 """
 import collections
+import itertools
 import os
 import warnings
 import weakref
@@ -92,7 +93,7 @@ _PRECISION = {("fp32", None): _lib.STATE_FP32, ("q8", None): _lib.STATE_Q8, (Non
 class _Slot:
     """One parameter stepped by aoqd."""
     __slots__ = ("t", "p", "name", "group", "numel", "host_param", "host_grad", "count", "final", "held",
-                 "inflight", "wait", "covered", "seen", "seen_ver", "fwd", "ver")
+                 "inflight", "wait", "covered", "seen", "seen_ver", "fwd", "ver", "in_graph")
 
     def __init__(self, t, p, name, group):
         self.t, self.p, self.name, self.group = t, p, name, group
@@ -108,6 +109,7 @@ class _Slot:
         self.seen_ver = -1      # after that is a user edit (clipping, GradScaler.unscale_, ...)
         self.fwd = False        # the global forward pre-hook met it in a forward (outside compiled code)
         self.ver = p._version   # p's version counter after our last write: another value is a user write
+        self.in_graph = False   # the in-graph wait (aoq::wait_params) reached it since the last probe
 
 
 def _parse_params(params, start=0, taken=()):
@@ -264,6 +266,68 @@ def _copied_state_dict(sd):
 def _is_compiling():
     f = getattr(getattr(torch, "compiler", None), "is_compiling", None)
     return bool(f and f())
+
+
+# Waits inside torch.compile'd code.  The global forward pre-hook is traced
+# into compiled graphs; there it calls this op on the module's own
+# parameters.  The op "mutates" them (to torch's eyes), so inductor keeps
+# it before every kernel that reads them, and calls it in place, no copy;
+# at run time it is the same per-module wait as in eager mode.  The int
+# names the optimizer in _OPTIMIZERS (weak references).
+_OPTIMIZERS = {}
+_MODULES = {}               # _module_key -> weak reference to the module
+_optimizer_ids = itertools.count(1)
+
+
+def _next_optimizer_id():
+    return next(_optimizer_ids)
+
+
+def _wait_params_impl(params: "list[torch.Tensor]", opt: int, module: int) -> None:
+    ref = _OPTIMIZERS.get(opt)
+    o = ref() if ref is not None else None
+    mref = _MODULES.get(module)
+    mod = mref() if mref is not None else None
+    if o is not None and mod is not None:
+        o._wait_in_graph(mod, params)
+
+
+def _wait_params_fake(params, opt, module):
+    return None
+
+
+def _module_key(mod):
+    """A number for mod that compiled graphs carry to aoq::wait_params (an
+    attribute, so dynamo reads it as a constant)."""
+    key = mod.__dict__.get("_aoq_module_key")
+    if key is None:
+        key = next(_optimizer_ids)
+        mod.__dict__["_aoq_module_key"] = key
+        _MODULES[key] = weakref.ref(mod, lambda r, k=key: _MODULES.pop(k, None))
+    return key
+
+
+def _define_wait_op():
+    """torch.ops.aoq.wait_params, or None where torch cannot define it (no
+    torch.library.custom_op): compiled modules then wait for all their
+    parameters before they run."""
+    if hasattr(getattr(torch.ops, "aoq", None), "wait_params"):
+        return None          # this module imported twice (importlib.reload): the op calls the first copy
+    custom_op = getattr(torch.library, "custom_op", None)
+    if custom_op is None:
+        return None
+    try:
+        op = custom_op("aoq::wait_params", _wait_params_impl, mutates_args=("params",),
+                       schema="(Tensor(a!)[] params, int opt, int module) -> ()")
+        op.register_fake(_wait_params_fake)
+    except Exception as e:   # noqa: BLE001 -- any failure only costs the in-graph waits
+        warnings.warn("aoq: cannot define the in-graph wait op (%s); compiled modules wait for all their "
+                      "parameters before they run" % (e,), RuntimeWarning)
+        return None
+    return torch.ops.aoq.wait_params.default
+
+
+_WAIT_OP = _define_wait_op()
 
 
 def _job_default():
@@ -464,6 +528,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._any_wait = False          # some slot may have s.wait set (module state_dict hooks check it)
         self._hooked = weakref.WeakSet()    # modules with our state_dict / load_state_dict pre-hooks
         self._mod_handles = []
+        self._graph_waits = weakref.WeakSet()   # compiled modules whose graphs wait per module (aoq::wait_params)
         self._constructed = True
         if self._slots:
             # Import swap = attach: before any module runs, the current stream
@@ -471,8 +536,20 @@ class OffloadOptimizer(torch.optim.Optimizer):
             # (through a weak reference: the global registry must not keep the optimizer alive)
             ref = weakref.ref(self)
 
+            oid = _next_optimizer_id()
+            _OPTIMIZERS[oid] = ref
+            self._oid = oid
+            wait_op = _WAIT_OP
+
             def pre(mod, args):
                 if _is_compiling():
+                    # traced into the graph: an opaque op that waits at run time
+                    key = mod.__dict__.get("_aoq_module_key")
+                    if wait_op is not None and key is not None:
+                        ps = [p for p in mod._parameters.values() if p is not None]
+                        if ps:
+                            with torch.no_grad():
+                                wait_op(ps, oid, key)
                     return
                 opt = ref()
                 if opt is not None:
@@ -683,12 +760,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def _global_pre(self, mod, args):
         """The global forward pre-hook (every module, installed by the
-        constructor): the current stream waits for the updates of the
-        module's own parameters.  Inside code that torch.compile traces it
-        does nothing (no graph break); the compiled module's own call, which
-        runs outside, waits for all of its parameters instead."""
-        if _is_compiling():
-            return
+        constructor), outside compiled code: the current stream waits for the
+        updates of the module's own parameters.
+
+        A torch.compile'd module (OptimizedModule) runs the hooks of the
+        modules inside it as the in-graph op aoq::wait_params, which waits
+        per module as eager code does.  Its first call (and any call after
+        one where that op did not reach all its parameters, e.g. a torch
+        that does not trace global hooks) waits for every parameter before
+        it runs; the forward post-hook then checks that the op reached them
+        all, and from the next call on the compiled graph waits alone."""
         slot_of = self._slot_of
         if mod not in self._hooked:
             self._hook_module(mod)
@@ -696,7 +777,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if isinstance(orig, torch.nn.Module):     # torch.compile: the user holds the original module
                 for m in orig.modules():
                     self._hook_module(m)
+                    _module_key(m)                  # before dynamo traces the global hook in m
+                if _WAIT_OP is not None:
+                    self._mod_handles.append(mod.register_forward_hook(self._compiled_post))
         if type(mod).__name__ == "OptimizedModule":
+            if mod in self._graph_waits:
+                return
+            for p in mod.parameters():
+                s = slot_of.get(p)
+                if s is not None:
+                    s.in_graph = False
             params = mod.parameters()
         else:
             params = mod._parameters.values()
@@ -706,6 +796,40 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 s.fwd = True
                 if s.wait:
                     self._wait(s)
+        if self._inflight_fifo:
+            self._reap()
+
+    def _compiled_post(self, mod, args, out):
+        """Forward post-hook of a compiled module in probation: trust its
+        in-graph waits once they reached every one of its parameters."""
+        if mod in self._graph_waits:
+            return
+        slots = [self._slot_of[p] for p in mod.parameters() if p in self._slot_of]
+        if all(s.in_graph for s in slots):
+            self._graph_waits.add(mod)
+
+    def _wait_in_graph(self, mod, params):
+        """aoq::wait_params at run time (compiled code): the per-module wait.
+
+        params are what the graph holds for mod's parameters: the
+        parameters themselves, or, where AOTAutograd functionalized the op's
+        declared mutation without putting it back in place, copies taken
+        before it.  The op must leave the updated values in what it was
+        given, so a copy gets them from the parameter (stream-ordered after
+        the wait)."""
+        slot_of = self._slot_of
+        real = [p for p in mod._parameters.values() if p is not None]
+        for p, t in zip(real, params):
+            s = slot_of.get(p)
+            if s is None:
+                continue
+            s.fwd = True
+            s.in_graph = True
+            if s.wait:
+                self._wait(s)
+            if t.data_ptr() != p.data_ptr():
+                t.copy_(p)
+            s.ver = p._version        # the op's own version bump is no user write
         if self._inflight_fifo:
             self._reap()
 
@@ -869,6 +993,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self._global_hook is not None:
             self._global_hook.remove()
             self._global_hook = None
+        _OPTIMIZERS.pop(getattr(self, "_oid", None), None)
         for h in getattr(self, "_mod_handles", ()):
             h.remove()
         self._mod_handles = []
@@ -1093,6 +1218,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         try:
             if getattr(self, "_global_hook", None) is not None:
                 self._global_hook.remove()
+            _OPTIMIZERS.pop(getattr(self, "_oid", None), None)
             if getattr(self, "_client", None) is not None:
                 self._client.close()
         except Exception:

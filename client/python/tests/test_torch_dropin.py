@@ -188,8 +188,52 @@ def case_import_swap():
     same(m2, m1, "torch.compile, import swap")
     assert counter.frame_count == frames_ref, ("graph breaks under compile", counter.frame_count, frames_ref)
     assert all(s.fwd for s in opt._slots), "the compiled module did not wait for its parameters"
+    assert c2 in opt._graph_waits, "the compiled graph's own waits (aoq::wait_params) were not trusted"
     opt.close()
+    compiled_waits_per_module("aot_eager")
     print("ok: import swap (per-module waits, compile with %d frame(s))" % frames_ref)
+
+
+def compiled_waits_per_module(backend):
+    """Inside a compiled graph each module waits for its own parameters, in
+    forward order (aoq::wait_params), not all of them before the graph
+    runs; through AOTAutograd (backend aot_eager: functionalization of the
+    op's declared mutation) the result still equals eager AdamW."""
+    torch._dynamo.reset()
+    m1 = make_model(W, DEV)
+    loop(m1, torch.optim.AdamW(trainable(m1), lr=1e-2), 4)
+    torch._dynamo.reset()
+    m2 = make_model(W, DEV)
+    opt = aoq_opt(m2)
+    c2 = torch.compile(m2, backend=backend)
+    loop_compiled(c2, m2, opt, 3)
+    assert c2 in opt._graph_waits, "compiled module not trusted after its first call"
+    order = []
+    real_wait = opt._wait
+
+    def recording_wait(s):
+        if s.wait:
+            order.append(s.name)
+        real_wait(s)
+    opt._wait = recording_wait
+    data = batches(8, DEV)
+    x, y = data[3 % len(data)]
+    pending = [s.name for s in opt._slots if s.wait]
+    assert pending, "step() waited for every update"
+    out = c2(x)
+    # per module, in the order the forward meets the modules
+    mods = [mod for mod in m2.modules() if any(p.requires_grad for p in mod.parameters(recurse=False))]
+    names = {id(p): s.name for s in opt._slots for p in (s.p,)}
+    expect = [names[id(p)] for mod in mods for p in mod.parameters(recurse=False) if names.get(id(p)) in pending]
+    assert order == expect, ("in-graph waits", order, expect)
+    opt._wait = real_wait
+    torch.nn.functional.mse_loss(out, y).backward()
+    opt.step()
+    opt.zero_grad()
+    opt.synchronize()
+    del opt._wait
+    same(m2, m1, "torch.compile (%s): in-graph waits" % backend)
+    opt.close()
 
 
 def cloned(sd):
