@@ -191,6 +191,8 @@ def case_import_swap():
     assert c2 in opt._graph_waits, "the compiled graph's own waits (aoq::wait_params) were not trusted"
     opt.close()
     compiled_waits_per_module("aot_eager")
+    if torch.device(DEV).type == "cuda":
+        compiled_waits_per_module("inductor")      # CPU inductor needs a C++ toolchain and minutes: GPU only
     print("ok: import swap (per-module waits, compile with %d frame(s))" % frames_ref)
 
 
