@@ -275,7 +275,6 @@ def _is_compiling():
 # at run time it is the same per-module wait as in eager mode.  The int
 # names the optimizer in _OPTIMIZERS (weak references).
 _OPTIMIZERS = {}
-_MODULES = {}               # _module_key -> weak reference to the module
 _optimizer_ids = itertools.count(1)
 
 
@@ -283,28 +282,15 @@ def _next_optimizer_id():
     return next(_optimizer_ids)
 
 
-def _wait_params_impl(params: "list[torch.Tensor]", opt: int, module: int) -> None:
+def _wait_params_impl(params: "list[torch.Tensor]", originals: "list[torch.Tensor]", opt: int) -> None:
     ref = _OPTIMIZERS.get(opt)
     o = ref() if ref is not None else None
-    mref = _MODULES.get(module)
-    mod = mref() if mref is not None else None
-    if o is not None and mod is not None:
-        o._wait_in_graph(mod, params)
+    if o is not None:
+        o._wait_in_graph(params, originals)
 
 
-def _wait_params_fake(params, opt, module):
+def _wait_params_fake(params, originals, opt):
     return None
-
-
-def _module_key(mod):
-    """A number for mod that compiled graphs carry to aoq::wait_params (an
-    attribute, so dynamo reads it as a constant)."""
-    key = mod.__dict__.get("_aoq_module_key")
-    if key is None:
-        key = next(_optimizer_ids)
-        mod.__dict__["_aoq_module_key"] = key
-        _MODULES[key] = weakref.ref(mod, lambda r, k=key: _MODULES.pop(k, None))
-    return key
 
 
 def _define_wait_op():
@@ -318,7 +304,7 @@ def _define_wait_op():
         return None
     try:
         op = custom_op("aoq::wait_params", _wait_params_impl, mutates_args=("params",),
-                       schema="(Tensor(a!)[] params, int opt, int module) -> ()")
+                       schema="(Tensor(a!)[] params, Tensor[] originals, int opt) -> ()")
         op.register_fake(_wait_params_fake)
     except Exception as e:   # noqa: BLE001 -- any failure only costs the in-graph waits
         warnings.warn("aoq: cannot define the in-graph wait op (%s); compiled modules wait for all their "
@@ -528,6 +514,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._any_wait = False          # some slot may have s.wait set (module state_dict hooks check it)
         self._hooked = weakref.WeakSet()    # modules with our state_dict / load_state_dict pre-hooks
         self._mod_handles = []
+        self._slot_by_addr = {}           # data_ptr -> slot, for the in-graph waits
+        self._not_slots = set()           # data_ptrs of parameters in compiled graphs that are not ours
         self._graph_waits = weakref.WeakSet()   # compiled modules whose graphs wait per module (aoq::wait_params)
         self._constructed = True
         if self._slots:
@@ -544,17 +532,23 @@ class OffloadOptimizer(torch.optim.Optimizer):
             def pre(mod, args):
                 if _is_compiling():
                     # traced into the graph: an opaque op that waits at run time
-                    key = mod.__dict__.get("_aoq_module_key")
-                    if wait_op is not None and key is not None:
+                    # (the parameters twice: AOTAutograd may hand the mutated list over as
+                    # copies, the read-only one stays the parameters themselves)
+                    if wait_op is not None:
                         ps = [p for p in mod._parameters.values() if p is not None]
                         if ps:
                             with torch.no_grad():
-                                wait_op(ps, oid, key)
+                                wait_op(ps, ps, oid)
                     return
                 opt = ref()
                 if opt is not None:
                     opt._global_pre(mod, args)
             self._global_hook = torch.nn.modules.module.register_module_forward_pre_hook(pre)
+            # torch warns at every compiled module's call that a global hook
+            # fires for the OptimizedModule too: ours is meant to (it waits
+            # there on the first call, then leaves the waits to the graph).
+            warnings.filterwarnings("ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks",
+                                    category=UserWarning)
         if model is not None:
             self.attach(model)
 
@@ -777,7 +771,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if isinstance(orig, torch.nn.Module):     # torch.compile: the user holds the original module
                 for m in orig.modules():
                     self._hook_module(m)
-                    _module_key(m)                  # before dynamo traces the global hook in m
                 if _WAIT_OP is not None:
                     self._mod_handles.append(mod.register_forward_hook(self._compiled_post))
         if type(mod).__name__ == "OptimizedModule":
@@ -808,28 +801,36 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if all(s.in_graph for s in slots):
             self._graph_waits.add(mod)
 
-    def _wait_in_graph(self, mod, params):
+    def _wait_in_graph(self, params, originals):
         """aoq::wait_params at run time (compiled code): the per-module wait.
 
-        params are what the graph holds for mod's parameters: the
-        parameters themselves, or, where AOTAutograd functionalized the op's
-        declared mutation without putting it back in place, copies taken
-        before it.  The op must leave the updated values in what it was
-        given, so a copy gets them from the parameter (stream-ordered after
-        the wait)."""
-        slot_of = self._slot_of
-        real = [p for p in mod._parameters.values() if p is not None]
-        for p, t in zip(real, params):
-            s = slot_of.get(p)
-            if s is None:
-                continue
+        originals are the module's parameters (or aliases of them: found by
+        data address); params are what the graph holds for them: the same
+        tensors, or, where AOTAutograd functionalized the op's declared
+        mutation without putting it back in place, copies taken before it.
+        The op must leave the updated values in what it was given, so a copy
+        gets them from the parameter (stream-ordered after the wait)."""
+        by_addr = self._slot_by_addr
+        for t, p in zip(params, originals):
+            addr = p.data_ptr()
+            s = by_addr.get(addr)
+            if s is None or s.p.data_ptr() != addr:
+                if s is None and addr in self._not_slots:
+                    continue                  # a parameter this optimizer does not step
+                # first use, or a parameter's storage was replaced (p.data = ...)
+                by_addr = self._slot_by_addr = {x.p.data_ptr(): x for x in self._slots}
+                self._not_slots = set()
+                s = by_addr.get(addr)
+                if s is None:
+                    self._not_slots.add(addr)
+                    continue
             s.fwd = True
             s.in_graph = True
             if s.wait:
                 self._wait(s)
-            if t.data_ptr() != p.data_ptr():
+            if t.data_ptr() != addr:
                 t.copy_(p)
-            s.ver = p._version        # the op's own version bump is no user write
+            s.ver = s.p._version      # the op's own version bump is no user write
         if self._inflight_fifo:
             self._reap()
 

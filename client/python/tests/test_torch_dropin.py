@@ -191,9 +191,43 @@ def case_import_swap():
     assert c2 in opt._graph_waits, "the compiled graph's own waits (aoq::wait_params) were not trusted"
     opt.close()
     compiled_waits_per_module("aot_eager")
+    regional_compile()
     if torch.device(DEV).type == "cuda":
         compiled_waits_per_module("inductor")      # CPU inductor needs a C++ toolchain and minutes: GPU only
     print("ok: import swap (per-module waits, compile with %d frame(s))" % frames_ref)
+
+
+def regional_compile():
+    """Blocks compiled one by one (torch's regional compilation): identical
+    blocks share one compiled frame with the in-graph waits as without aoq
+    (nothing in the graph is specific to one block), and training equals
+    AdamW."""
+    from torch._dynamo.testing import CompileCounter
+
+    def blocks(seed):
+        torch.manual_seed(seed)
+        m = torch.nn.Sequential(torch.nn.Linear(32, 32), *[torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU())
+                                                             for _ in range(4)], torch.nn.Linear(32, 128))
+        return m.to(DEV)
+
+    def compiled(m, counter):
+        for i in range(1, 5):
+            m[i] = torch.compile(m[i], backend=counter)
+        return m
+    torch._dynamo.reset()
+    c1 = CompileCounter()
+    m1 = compiled(blocks(3), c1)
+    loop(m1, torch.optim.AdamW(m1.parameters(), lr=1e-2), 4)
+    torch._dynamo.reset()
+    c2 = CompileCounter()
+    m2 = compiled(blocks(3), c2)
+    opt = aoq_opt(m2)
+    loop(m2, opt, 4)
+    opt.synchronize()
+    same(m2, m1, "regional compilation")
+    assert c2.frame_count == c1.frame_count, ("recompiles with aoq's in-graph waits", c2.frame_count, c1.frame_count)
+    assert all(m2[i] in opt._graph_waits for i in range(1, 5)), "compiled blocks not trusted"
+    opt.close()
 
 
 def compiled_waits_per_module(backend):
