@@ -157,6 +157,8 @@ def make_optimizer(mode, model, args, socket):
         kw["master_dtype"] = "bf16"
     if mode.startswith("aoq-delayed"):
         kw["delayed_update"] = True
+    if args.gpu_state_budget:
+        kw["gpu_state_budget"] = int(args.gpu_state_budget * 2 ** 30)
     opt = OffloadOptimizer(model.named_parameters(), torch.optim.AdamW, **kw)
     if attach:
         opt.attach(model)
@@ -271,6 +273,8 @@ def main():
     ap.add_argument("--compile", action="store_true", help="torch.compile the model")
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--offload-gradients", action="store_true")
+    ap.add_argument("--gpu-state-budget", type=float, default=0.0, metavar="GIB",
+                    help="aoq modes: GiB of optimizer state kept on the device (gpu_state_budget=)")
     ap.add_argument("--attach", action="store_true", default=True, help="per-module waits (default)")
     ap.add_argument("--no-attach", dest="attach", action="store_false")
     ap.add_argument("--d-model", type=int, default=2048)

@@ -320,6 +320,95 @@ def _job_default():
     return "torch-%d" % os.getpid()
 
 
+def _share_bytes(p, kind, master):
+    """Device bytes of p's optimizer state in the GPU share: the moments
+    (two for Adam/AdamW, one for SGD with momentum and Lion, as fp32) and an
+    fp32 master where p is not fp32 and the state's master is."""
+    moments = 2 if kind in ("adam", "adamw") else 1
+    b = moments * 4 * p.numel()
+    if master is None and p.dtype != torch.float32:
+        b += 4 * p.numel()
+    return b
+
+
+class _DeviceShare:
+    """The GPU share (gpu_state_budget=): parameters whose optimizer state
+    stays on the device, stepped there at step() by optimizer_class (fused
+    on CUDA where torch has it), on an fp32 master where the parameter is not
+    fp32 and aoq's master would be, so the numerics are those of the
+    offloaded part.  They are the first parameters in order: the last
+    gradients of backward, whose update would otherwise end after it."""
+
+    def __init__(self, share, groups, optimizer_class, kwargs, kind, fp32_master):
+        self.params = [p for _, p in share]
+        self.master = {}
+        per_group = {}
+        for gi, p in share:
+            t = p
+            if fp32_master and p.dtype != torch.float32:
+                t = p.detach().to(torch.float32).clone()
+                self.master[p] = t
+            per_group.setdefault(gi, []).append(t)
+        self.group_of = sorted(per_group)
+        opt_groups = []
+        for gi in self.group_of:
+            g = {k: v for k, v in groups[gi].items() if k != "params"}
+            g["params"] = per_group[gi]
+            opt_groups.append(g)
+        kw = {k: v for k, v in kwargs.items()
+              if k not in ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov")}
+        dev = self.params[0].device
+        if (dev.type == "cuda" and kind in ("adam", "adamw") and "fused" not in kw and "foreach" not in kw):
+            kw["fused"] = True
+        self.opt = optimizer_class(opt_groups, **kw)
+
+    def step(self, groups):
+        for og, gi in zip(self.opt.param_groups, self.group_of):
+            g = groups[gi]
+            for k in ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov"):
+                if k in g and k in og:
+                    og[k] = g[k]
+        for p, m in self.master.items():
+            m.grad = None if p.grad is None else p.grad.detach().to(torch.float32)
+        self.opt.step()
+        with torch.no_grad():
+            for p, m in self.master.items():
+                if m.grad is not None:
+                    p.copy_(m)
+                m.grad = None
+
+    def state_items(self):
+        """(parameter, its state as torch's optimizer keeps it, plus
+        "master" where the share keeps one)."""
+        for p in self.params:
+            t = self.master.get(p, p)
+            st = self.opt.state.get(t)
+            if not st:
+                continue
+            d = {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in st.items()}
+            if t is not p:
+                d["master"] = t.detach().clone()
+            yield p, d
+
+    def load(self, entries):
+        mine = set(self.params)
+        for p, st in entries:
+            if p not in mine or st is None:
+                continue
+            t = self.master.get(p, p)
+            with torch.no_grad():
+                if t is not p:
+                    t.copy_(st["master"].to(t.device, t.dtype).view(t.shape) if st.get("master") is not None
+                            else p.detach().to(torch.float32))
+                    p.copy_(t)
+                elif st.get("master") is not None:
+                    p.copy_(st["master"].to(p.device, p.dtype).view(p.shape))
+            d = {k: _state_copy(t, k, v) for k, v in st.items() if k != "master"}
+            if torch.is_tensor(d.get("step")) and self.opt.defaults.get("fused"):
+                d["step"] = d["step"].to(device=t.device, dtype=torch.float32)   # fused keeps it there
+            self.opt.state[t] = d
+
+
 class OffloadOptimizer(torch.optim.Optimizer):
     """torchao's CPUOffloadOptimizer constructor plus aoq's options.
 
@@ -342,12 +431,18 @@ class OffloadOptimizer(torch.optim.Optimizer):
     daemon (every parameter is then offloaded, so the norm is global).
     delayed_update: ZeRO-Offload's DPU (parameters one step stale); call
     flush() before evaluating or saving the model.
+    gpu_state_budget: bytes of device memory for optimizer state kept on
+    the device (partial offload): the first parameters in order (the last
+    gradients of backward) whose state fits are stepped there by
+    optimizer_class (fused on CUDA), on an fp32 master where aoq's would be
+    one; 0 (default): everything in aoqd.  Not with max_grad_norm /
+    skip_nonfinite (they need every gradient in the daemon).
     """
 
     def __init__(self, params, optimizer_class=torch.optim.AdamW, *, offload_gradients=False, minimal_size=4096,
                  device=None, socket=None, state_precision=None, master_dtype=None, max_grad_norm=None,
                  delayed_update=False, skip_nonfinite=False, grad_accumulation_steps=None, copy_mode=None,
-                 seed=0, job=None, rank=None, model=None, grad_edits=None, **kwargs):
+                 seed=0, job=None, rank=None, model=None, grad_edits=None, gpu_state_budget=0, **kwargs):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise ValueError("optimizer_class must be a torch.optim.Optimizer subclass, got %r" % (optimizer_class,))
         if master_dtype not in _MASTER_DTYPES:
@@ -364,6 +459,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             raise ValueError("unknown copy_mode %r; allowed: None, 'native', 'framework'" % (copy_mode,))
         if grad_edits not in (None, True, False):
             raise ValueError("grad_edits must be None (detect), True or False, got %r" % (grad_edits,))
+        if isinstance(gpu_state_budget, bool) or not isinstance(gpu_state_budget, int) or gpu_state_budget < 0:
+            raise ValueError("gpu_state_budget must be a number of bytes >= 0 (0: everything in aoqd), got %r"
+                             % (gpu_state_budget,))
         if device is not None:
             from .client import check_device
             check_device(device)
@@ -371,6 +469,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._fallback = None
         self._global_hook = None
         self._slots = []
+        self._share = None
         self._client = None
         if optimizer_class not in _DAEMON_CLASSES or (optimizer_class is torch.optim.SGD and kwargs.get("maximize")):
             self._init_fallback(params, optimizer_class, kwargs)
@@ -413,8 +512,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._learned = None if grad_accumulation_steps is None else int(grad_accumulation_steps)
         offload_all = bool(max_grad_norm) or bool(skip_nonfinite)
 
-        # Split: aoqd steps the large trainable parameters, optimizer_class the rest on the device.
+        # Split: aoqd steps the large trainable parameters, optimizer_class the rest on the device,
+        # and the GPU share (gpu_state_budget) the first large ones on the device too.
         big, small_groups = [], []
+        share_left = 0 if offload_all else gpu_state_budget
+        share = []                                 # (group, parameter)
         for gi, g in enumerate(self.param_groups):
             sg = {k: v for k, v in g.items() if k != "params"}
             sg["params"] = []
@@ -422,10 +524,18 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 if not p.requires_grad:
                     continue
                 if offload_all or p.numel() >= minimal_size:
-                    big.append((gi, p))
+                    cost = _share_bytes(p, kind, master)
+                    if cost <= share_left:
+                        share_left -= cost
+                        share.append((gi, p))
+                    else:
+                        share_left = 0             # the share is the first parameters, without gaps
+                        big.append((gi, p))
                 else:
                     sg["params"].append(p)
             small_groups.append(sg)
+        self._share = _DeviceShare(share, self.param_groups, optimizer_class, self._dev_kwargs, kind,
+                                   fp32_master=master is None) if share else None
         self._small_params = [p for g in small_groups for p in g["params"]]
         dev_kwargs = {k: v for k, v in self._dev_kwargs.items()
                       if k not in ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov")}
@@ -926,6 +1036,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 for k in ("lr", "betas", "eps", "weight_decay"):
                     dg[k] = g[k]
             self._dev_opt.step()
+        if self._share is not None:
+            self._share.step(self.param_groups)
         if self._slots:
             self._client.step_end()
             if self._inflight_fifo:
@@ -1091,6 +1203,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self._dev_opt is not None:
             for p, st in self._dev_opt.state.items():
                 state[index[p]] = {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in st.items()}
+        if self._share is not None:
+            for p, st in self._share.state_items():
+                state[index[p]] = st
         groups = []
         for g in self.param_groups:
             d = {k: v for k, v in g.items() if k != "params"}
@@ -1205,6 +1320,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._step_started = False
             self._begin_step()      # the loaded hyperparameters
             self._step_started = False
+        if self._share is not None:
+            self._share.load(entries)
         if self._dev_opt is not None:
             small = set(self._small_params)
             for p, st in entries:

@@ -563,9 +563,72 @@ def case_errors():
     print("ok: errors")
 
 
+def case_gpu_share():
+    """gpu_state_budget: the first parameters' state stays on the device
+    (stepped there by torch's optimizer), the rest in aoqd; training equals
+    torch AdamW; state_dict() holds every parameter's state and loads into
+    torch's AdamW; bf16 parameters keep an fp32 master on the device."""
+    from aoq.torch import _share_bytes
+    m1 = make_model(W, DEV)
+    loop(m1, torch.optim.AdamW(trainable(m1), lr=1e-2), STEPS)
+    m2 = make_model(W, DEV)
+    big = [p for p in trainable(m2) if p.numel() >= 4096]
+    assert len(big) >= 2, [p.numel() for p in trainable(m2)]
+    budget = _share_bytes(big[0], "adamw", None)
+    opt = aoq_opt(m2, gpu_state_budget=budget)
+    assert opt._share is not None and opt._share.params == [big[0]], "the first parameter is not the device share"
+    assert big[0] not in opt._slot_of and big[1] in opt._slot_of, "the share/offload split is not by budget"
+    loop(m2, opt, STEPS)
+    opt.synchronize()
+    same(m2, m1, "gpu_state_budget: first parameter on the device")
+    sd = opt.state_dict()
+    trained = [i for i, p in enumerate(opt._positions()) if p.requires_grad]
+    assert sorted(sd["state"]) == trained, ("state_dict misses a parameter's state", sorted(sd["state"]), trained)
+    ref = torch.optim.AdamW(m1.parameters(), lr=1e-2)
+    ref.load_state_dict({"state": {k: {kk: vv for kk, vv in v.items() if kk != "master"} for k, v in sd["state"].items()},
+                         "param_groups": sd["param_groups"]})
+    ref2 = torch.optim.AdamW(m1.parameters(), lr=1e-2)
+    loop(m1, ref2, STEPS)     # (fills ref2's state: the loaded one must hold the same keys and shapes)
+    for k, st in ref.state_dict()["state"].items():
+        for kk, v in ref2.state_dict()["state"][k].items():
+            assert st[kk].shape == v.shape, (k, kk)
+    opt.close()
+    # bf16 parameters: the share keeps an fp32 master, as the daemon does: one step with and one
+    # without the share agree (the same gradients; the fp32 masters to fp32 rounding)
+    outs = []
+    for b in (0, None):
+        m = make_model(W, DEV).to(torch.bfloat16)
+        first = [p for p in trainable(m) if p.numel() >= 4096][0]
+        o = aoq_opt(m, gpu_state_budget=_share_bytes(first, "adamw", None) if b is None else 0)
+        assert (o._share is not None) == (b is None)
+        if o._share is not None:
+            assert o._share.master[first].dtype == torch.float32
+        x, y = batches(8, DEV)[0]
+        torch.nn.functional.mse_loss(m(x.to(torch.bfloat16)).float(), y).backward()
+        o.step()
+        o.synchronize()
+        sd = o.state_dict()
+        outs.append(([p.detach().float().clone() for p in m.parameters()],
+                     {k: v["master"] for k, v in sd["state"].items() if "master" in v}))
+        o.close()
+    (pa, ma), (pb, mb) = outs
+    assert sorted(ma) == sorted(mb), (sorted(ma), sorted(mb))
+    for k in ma:
+        torch.testing.assert_close(ma[k], mb[k], rtol=1e-5, atol=1e-7)
+    for a, b in zip(pa, pb):
+        torch.testing.assert_close(a, b, rtol=8e-3, atol=1e-5)     # one bf16 ulp
+    try:
+        aoq_opt(make_model(W, DEV), gpu_state_budget="lots")
+    except ValueError as e:
+        assert "gpu_state_budget" in str(e), e
+    else:
+        raise AssertionError("gpu_state_budget='lots' accepted")
+    print("ok: gpu_state_budget")
+
+
 CASES = {"grad-edits": case_grad_edits, "import-swap": case_import_swap, "other-classes": case_other_classes,
          "reads-after-step": case_reads_after_step, "checkpoints": case_checkpoints, "dcp": case_dcp, "add-param-group": case_add_param_group,
-         "errors": case_errors}
+         "errors": case_errors, "gpu-share": case_gpu_share}
 DEFAULT = list(CASES)
 
 
