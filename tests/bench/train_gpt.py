@@ -157,8 +157,10 @@ def make_optimizer(mode, model, args, socket):
         kw["master_dtype"] = "bf16"
     if mode.startswith("aoq-delayed"):
         kw["delayed_update"] = True
-    if args.gpu_state_budget:
-        kw["gpu_state_budget"] = int(args.gpu_state_budget * 2 ** 30)
+    if args.gpu_state_budget == "auto":
+        kw["gpu_state_budget"] = "auto"
+    elif float(args.gpu_state_budget):
+        kw["gpu_state_budget"] = int(float(args.gpu_state_budget) * 2 ** 30)
     opt = OffloadOptimizer(model.named_parameters(), torch.optim.AdamW, **kw)
     if attach:
         opt.attach(model)
@@ -234,6 +236,9 @@ def run_mode(mode, args, socket):
         for st in opt.state.values():
             state_bytes += sum(v.numel() * v.element_size() for v in st.values()
                                if torch.is_tensor(v) and v.device.type != "cpu")
+    split = getattr(opt, "auto_split", None)
+    if split:
+        print("# gpu_state_budget auto: %s" % split, file=sys.stderr, flush=True)
     if hasattr(opt, "close"):
         opt.close()
     del opt, model, fwd, data
@@ -273,8 +278,8 @@ def main():
     ap.add_argument("--compile", action="store_true", help="torch.compile the model")
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--offload-gradients", action="store_true")
-    ap.add_argument("--gpu-state-budget", type=float, default=0.0, metavar="GIB",
-                    help="aoq modes: GiB of optimizer state kept on the device (gpu_state_budget=)")
+    ap.add_argument("--gpu-state-budget", default="0", metavar="GIB|auto",
+                    help="aoq modes: GiB of optimizer state kept on the device, or auto (gpu_state_budget=)")
     ap.add_argument("--attach", action="store_true", default=True, help="per-module waits (default)")
     ap.add_argument("--no-attach", dest="attach", action="store_false")
     ap.add_argument("--d-model", type=int, default=2048)

@@ -20,7 +20,9 @@ Gradient pushes (README-python.md has the full story):
 """
 import collections
 import itertools
+import logging
 import os
+import time
 import warnings
 import weakref
 
@@ -93,7 +95,7 @@ _PRECISION = {("fp32", None): _lib.STATE_FP32, ("q8", None): _lib.STATE_Q8, (Non
 class _Slot:
     """One parameter stepped by aoqd."""
     __slots__ = ("t", "p", "name", "group", "numel", "host_param", "host_grad", "count", "final", "held",
-                 "inflight", "wait", "covered", "seen", "seen_ver", "fwd", "ver", "in_graph")
+                 "inflight", "wait", "covered", "seen", "seen_ver", "fwd", "ver", "in_graph", "moved")
 
     def __init__(self, t, p, name, group):
         self.t, self.p, self.name, self.group = t, p, name, group
@@ -110,6 +112,7 @@ class _Slot:
         self.fwd = False        # the global forward pre-hook met it in a forward (outside compiled code)
         self.ver = p._version   # p's version counter after our last write: another value is a user write
         self.in_graph = False   # the in-graph wait (aoq::wait_params) reached it since the last probe
+        self.moved = False      # gpu_state_budget="auto" moved its state to the device share
 
 
 def _parse_params(params, start=0, taken=()):
@@ -320,6 +323,29 @@ def _job_default():
     return "torch-%d" % os.getpid()
 
 
+_AUTO_PROBE_STEP = 3      # "auto" measures the third step: the first learns the pushes, the second streams
+_AUTO_LATE_S = 1e-3       # an update that lands this long after backward's end is on the step's tail
+
+
+def _auto_choice(numels, costs, landed, cap, margin=1.1, late_after=None):
+    """gpu_state_budget="auto": indices (into push order) of the parameters
+    to keep on the device, and the number of parameters that were late.
+    numels/costs/landed per parameter in push order; landed: seconds after
+    backward's end that its update landed; cap: device bytes allowed.  The
+    parameters pushed last go first, until they hold margin x the late
+    parameters or the next one does not fit."""
+    late_after = _AUTO_LATE_S if late_after is None else late_after
+    late = sum(n for n, t in zip(numels, landed) if t > late_after)
+    need, got, used, chosen = late * margin, 0, 0, []
+    for i in reversed(range(len(numels))):
+        if got >= need or used + costs[i] > cap:
+            break
+        chosen.append(i)
+        got += numels[i]
+        used += costs[i]
+    return chosen, late
+
+
 def _share_bytes(p, kind, master):
     """Device bytes of p's optimizer state in the GPU share: the moments
     (two for Adam/AdamW, one for SGD with momentum and Lion, as fp32) and an
@@ -340,6 +366,7 @@ class _DeviceShare:
     gradients of backward, whose update would otherwise end after it."""
 
     def __init__(self, share, groups, optimizer_class, kwargs, kind, fp32_master):
+        self.fp32_master = fp32_master
         self.params = [p for _, p in share]
         self.master = {}
         per_group = {}
@@ -361,6 +388,25 @@ class _DeviceShare:
         if (dev.type == "cuda" and kind in ("adam", "adamw") and "fused" not in kw and "foreach" not in kw):
             kw["fused"] = True
         self.opt = optimizer_class(opt_groups, **kw)
+
+    def add(self, share, groups):
+        """More parameters (gpu_state_budget="auto" moves them in)."""
+        per_group = {}
+        for gi, p in share:
+            t = p
+            if self.fp32_master and p.dtype != torch.float32:
+                t = p.detach().to(torch.float32).clone()
+                self.master[p] = t
+            self.params.append(p)
+            per_group.setdefault(gi, []).append(t)
+        for gi, ts in sorted(per_group.items()):
+            if gi in self.group_of:
+                self.opt.param_groups[self.group_of.index(gi)]["params"].extend(ts)
+            else:
+                g = {k: v for k, v in groups[gi].items() if k != "params"}
+                g["params"] = ts
+                self.opt.add_param_group(g)
+                self.group_of.append(gi)
 
     def step(self, groups):
         for og, gi in zip(self.opt.param_groups, self.group_of):
@@ -459,9 +505,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             raise ValueError("unknown copy_mode %r; allowed: None, 'native', 'framework'" % (copy_mode,))
         if grad_edits not in (None, True, False):
             raise ValueError("grad_edits must be None (detect), True or False, got %r" % (grad_edits,))
-        if isinstance(gpu_state_budget, bool) or not isinstance(gpu_state_budget, int) or gpu_state_budget < 0:
-            raise ValueError("gpu_state_budget must be a number of bytes >= 0 (0: everything in aoqd), got %r"
-                             % (gpu_state_budget,))
+        if gpu_state_budget != "auto" and (isinstance(gpu_state_budget, bool) or not isinstance(gpu_state_budget, int)
+                                           or gpu_state_budget < 0):
+            raise ValueError("gpu_state_budget must be a number of bytes >= 0 (0: everything in aoqd) or 'auto', "
+                             "got %r" % (gpu_state_budget,))
         if device is not None:
             from .client import check_device
             check_device(device)
@@ -515,7 +562,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # Split: aoqd steps the large trainable parameters, optimizer_class the rest on the device,
         # and the GPU share (gpu_state_budget) the first large ones on the device too.
         big, small_groups = [], []
-        share_left = 0 if offload_all else gpu_state_budget
+        self._auto = gpu_state_budget == "auto" and not offload_all
+        self._fp32_master = master is None
+        self._nstep = 0
+        self._push_log = None           # "auto": the slots in the order of their final push, on the probe step
+        self.auto_split = None          # "auto": what the probe measured and chose (a dict)
+        share_left = 0 if offload_all or gpu_state_budget == "auto" else gpu_state_budget
         share = []                                 # (group, parameter)
         for gi, g in enumerate(self.param_groups):
             sg = {k: v for k, v in g.items() if k != "params"}
@@ -716,6 +768,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             s.final = True
             s.wait = True
             self._any_wait = True
+            if self._push_log is not None:
+                self._push_log.append(s)
             if self._framework and self.delayed_update:
                 self._copy_in(s)
 
@@ -837,7 +891,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return hook
 
     def _on_grad(self, s, p):
-        if p.grad is None or self._client is None:
+        if p.grad is None or self._client is None or s.moved:
             return
         s.count += 1
         s.seen, s.seen_ver = p.grad, p.grad._version
@@ -976,6 +1030,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if self._fallback is not None:
             return self._fallback.step(loss)
+        t_backward = None
+        if self._push_log is not None:      # "auto": the probe step; when did backward end on the device?
+            if self._cuda or self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            t_backward = time.perf_counter()
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None:           # called by GradScaler.step
             if self._edits is not True:
@@ -1047,7 +1106,68 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 if not (s.covered or s.fwd):
                     self._wait(s)
             self._step_started = False
+            self._nstep += 1
+            if t_backward is not None:
+                self._auto_split(t_backward)
+            elif self._auto and self._nstep == _AUTO_PROBE_STEP - 1:
+                self._push_log = []
         return loss
+
+    def _auto_split(self, t_backward):
+        """gpu_state_budget="auto", at the end of the probe step: waits for
+        each update in the order the gradients were pushed and notes when it
+        landed.  The parameters whose update landed after backward had ended
+        are the step's tail: the parameters pushed last (the first layers),
+        as many as the tail holds plus 10%, move to the device share, within
+        the device's free memory less a margin."""
+        log, self._push_log = self._push_log, None
+        pushed = set(log)
+        order = [s for s in log if not s.moved] + [s for s in self._slots if s not in pushed]
+        landed = []
+        for s in order:
+            self._client.sync_param(s.t)
+            landed.append(time.perf_counter() - t_backward)
+        self.synchronize()
+        cap = float("inf")
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            cap = max(0, free - max(2 << 30, free // 10))
+        master = None if self._fp32_master else "bf16"
+        chosen, late = _auto_choice([s.numel for s in order], [_share_bytes(s.p, self._kind, master) for s in order],
+                                    landed, cap)
+        moved = [order[i] for i in chosen]
+        if moved:
+            self._move_to_share(moved)
+        total = sum(s.numel for s in order)
+        self.auto_split = dict(tail_seconds=max(landed) if landed else 0.0, late_params=late, params=total,
+                               device_params=sum(s.numel for s in moved),
+                               device_bytes=sum(_share_bytes(s.p, self._kind, master) for s in moved))
+        logging.getLogger("aoq").info(
+            "aoq: gpu_state_budget='auto': the update ended %.1f ms after backward (%d of %d parameters late); "
+            "%d parameters' state (%.2f GiB) moved to the device", 1e3 * self.auto_split["tail_seconds"], late, total,
+            self.auto_split["device_params"], self.auto_split["device_bytes"] / 2 ** 30)
+
+    def _move_to_share(self, slots):
+        """The state of slots (synchronized) leaves aoqd for the device share."""
+        steps = self._client.get_tensor_steps()
+        entries = []
+        for s in slots:
+            st = {"step": torch.tensor(float(steps[s.t]))}
+            for key, w in self._state_keys(s) + (("master", "master"),):
+                st[key] = torch.from_numpy(self._client.read_state(s.t, w)).view(s.p.shape)
+            entries.append((s.p, st))
+        if self._share is None:
+            self._share = _DeviceShare([(s.group, s.p) for s in slots], self.param_groups, self._optimizer_class,
+                                       self._dev_kwargs, self._kind, fp32_master=self._fp32_master)
+        else:
+            self._share.add([(s.group, s.p) for s in slots], self.param_groups)
+        self._share.load(entries)
+        gone = set(slots)
+        for s in slots:
+            s.moved = True
+            del self._slot_of[s.p]
+        self._slots = [s for s in self._slots if s not in gone]
+        self._slot_by_addr = {}
 
     def zero_grad(self, set_to_none=True):
         if self._fallback is not None:

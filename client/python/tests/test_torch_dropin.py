@@ -617,6 +617,34 @@ def case_gpu_share():
         torch.testing.assert_close(ma[k], mb[k], rtol=1e-5, atol=1e-7)
     for a, b in zip(pa, pb):
         torch.testing.assert_close(a, b, rtol=8e-3, atol=1e-5)     # one bf16 ulp
+    # "auto": the choice from measured landing times (pure function)...
+    import aoq.torch as at
+    assert at._auto_choice([10, 10, 10, 10], [80] * 4, [0, 0, 0.005, 0.01], float("inf")) == ([3, 2, 1], 20)
+    assert at._auto_choice([10, 10, 10, 10], [80] * 4, [0, 0, 0.005, 0.01], 200) == ([3, 2], 20)
+    assert at._auto_choice([10, 10, 10, 10], [80] * 4, [0, 0, 0, 0], float("inf")) == ([], 0)
+    # ...and the move of the chosen state out of aoqd at the probe step, training on equal to AdamW
+    m1 = make_model(W, DEV)
+    loop(m1, torch.optim.AdamW(trainable(m1), lr=1e-2), STEPS + 2)
+    m2 = make_model(W, DEV)
+    big = [p for p in trainable(m2) if p.numel() >= 4096]
+    opt = aoq_opt(m2, gpu_state_budget="auto")
+    assert opt._share is None
+    real = at._auto_choice
+    at._auto_choice = lambda numels, costs, landed, cap: ([len(numels) - 1], 0)    # the last pushed one
+    try:
+        loop(m2, opt, STEPS + 2)
+    finally:
+        at._auto_choice = real
+    opt.synchronize()
+    assert opt.auto_split is not None and opt._share is not None and len(opt._share.params) == 1, opt.auto_split
+    moved = opt._share.params[0]
+    assert moved not in opt._slot_of and len(opt._slots) == len(big) - 1
+    assert moved is big[0], "the last gradient pushed is the first parameter's"
+    same(m2, m1, "gpu_state_budget='auto': state moved to the device after the probe step")
+    sd = opt.state_dict()
+    assert sorted(sd["state"]) == trained, ("state_dict after the move", sorted(sd["state"]), trained)
+    assert float(sd["state"][opt._positions().index(moved)]["step"]) == STEPS + 2
+    opt.close()
     try:
         aoq_opt(make_model(W, DEV), gpu_state_budget="lots")
     except ValueError as e:
