@@ -266,9 +266,21 @@ static bool quiet(struct fz_client *c)
 	struct aoqd_session *s = c->s;
 	if (s->state == AOQD_CLOSING)
 		return atomic_load(&s->refs) == 1;
-	if (s->backlog || atomic_load(&s->steps.outstanding) != 0 || s->steps.xfer_busy ||
-	    aoqd_conn_queued(&s->conn) != 0)
+	if (s->backlog || s->steps.xfer_busy || aoqd_conn_queued(&s->conn) != 0)
 		return false;
+	/* Jobs out: running, or (clipping, step skipping) summed and waiting
+	 * in the deferred list for a StepEnd only the client can send.  From
+	 * outside the two look alike: call it quiet once the count has not
+	 * moved for a while. */
+	uint64_t out = atomic_load(&s->steps.outstanding);
+	if (out != c->last_out) {
+		c->last_out = out;
+		c->stable = 0;
+	}
+	if (out != 0 && c->stable++ < 200) {
+		usleep(20);
+		return false;
+	}
 	int fd = daemon_fd(c), unread = 0;
 	if (s->conn.reading && fd >= 0 && ioctl(fd, FIONREAD, &unread) == 0 && unread > 0)
 		return false;
@@ -285,6 +297,8 @@ void fz_settle(struct fz_client *c)
 			idle++;
 		} else {
 			idle = 0;
+			/* A session that keeps the loop busy this long is a hang
+			 * (a frame or a record handled again and again). */
 			if (now_s() - t0 > SETTLE_LIMIT_S) {
 				fprintf(stderr, "fuzz-daemon: the session does not settle (state %d, %llu jobs out)\n",
 				        (int)c->s->state, (unsigned long long)atomic_load(&c->s->steps.outstanding));

@@ -29,6 +29,8 @@ struct fz_client {
 	struct aoq_ring *to_client;
 	uint64_t head;              /* our producer counter */
 	uint64_t tail;              /* our consumer counter */
+	uint64_t last_out;          /* fz_settle: the daemon's jobs out, and */
+	unsigned stable;            /* for how many turns it has not moved */
 };
 
 /* Starts the daemon once (first call); a fresh connection, accepted.
