@@ -9,6 +9,7 @@
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -271,14 +272,16 @@ static bool quiet(struct fz_client *c)
 	/* Jobs out: running, or (clipping, step skipping) summed and waiting
 	 * in the deferred list for a StepEnd only the client can send.  From
 	 * outside the two look alike: call it quiet once the count has not
-	 * moved for a while. */
+	 * moved for 2 ms (a chunk takes well under that; on a loaded
+	 * machine the input may just settle less far, which is harmless). */
 	uint64_t out = atomic_load(&s->steps.outstanding);
+	double t = now_s();
 	if (out != c->last_out) {
 		c->last_out = out;
-		c->stable = 0;
+		c->out_since = t;
 	}
-	if (out != 0 && c->stable++ < 200) {
-		usleep(20);
+	if (out != 0 && t - c->out_since < 0.002) {
+		sched_yield();
 		return false;
 	}
 	int fd = daemon_fd(c), unread = 0;

@@ -30,7 +30,7 @@ struct fz_client {
 	uint64_t head;              /* our producer counter */
 	uint64_t tail;              /* our consumer counter */
 	uint64_t last_out;          /* fz_settle: the daemon's jobs out, and */
-	unsigned stable;            /* for how many turns it has not moved */
+	double out_since;           /* since when (CLOCK_MONOTONIC, s) */
 };
 
 /* Starts the daemon once (first call); a fresh connection, accepted.
