@@ -125,6 +125,27 @@ static int session_error(struct aoq_client *c)
 	return aoq_set_error(c->error, "aoq session ended: %s", c->errmsg);
 }
 
+/* The sticky error, for a thread that does not hold c->lock: the progress
+ * thread may be failing the session right now (the tsan phase of
+ * tests/run-all.sh found the unlocked read). */
+static int failed(struct aoq_client *c)
+{
+	pthread_mutex_lock(&c->lock);
+	int r = c->error;
+	pthread_mutex_unlock(&c->lock);
+	return r;
+}
+
+/* session_error() for a thread that does not hold c->lock; 0 when the
+ * session is fine. */
+static int session_error_locked(struct aoq_client *c)
+{
+	pthread_mutex_lock(&c->lock);
+	int r = c->error ? session_error(c) : 0;
+	pthread_mutex_unlock(&c->lock);
+	return r;
+}
+
 /* A deadline for the waits of one call, set at its first wait. */
 struct deadline {
 	bool set;
@@ -254,9 +275,10 @@ static int ctl_recv(struct aoq_client *c, int want, Aoq__Envelope **out, int *fd
 
 static int ctl_call(struct aoq_client *c, const Aoq__Envelope *env, int want, Aoq__Envelope **out)
 {
-	if (c->error)
-		return session_error(c);
-	int r = aoq_send_frame(c->sock, env, NULL, 0);
+	int r = session_error_locked(c);
+	if (r < 0)
+		return r;
+	r = aoq_send_frame(c->sock, env, NULL, 0);
 	if (r == -EAGAIN || r == -EWOULDBLOCK) {
 		pthread_mutex_lock(&c->lock);
 		fail_session(c, -ETIMEDOUT, "aoqd did not take a request within %u ms", c->o.timeout_ms);
@@ -1305,7 +1327,7 @@ void aoq_close(struct aoq_client *c)
 {
 	if (!c)
 		return;
-	if (c->sock >= 0 && !c->error) {
+	if (c->sock >= 0 && !failed(c)) {
 		if (c->registered)
 			aoq_sync(c, NULL);
 		Aoq__Bye b = AOQ__BYE__INIT;

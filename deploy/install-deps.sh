@@ -13,6 +13,10 @@ packages=(
 	libuv1-dev libprotobuf-c-dev protobuf-c-compiler
 	libsystemd-dev libze-dev libjson-c-dev
 	valgrind python3 python3-numpy python3-venv python3-prometheus-client
+	# tests/run-all.sh phase fuzz: clang with libFuzzer.  The fuzzer's
+	# runtime (libclang_rt.fuzzer) is in libclang-rt-14-dev, which clang
+	# only recommends: --no-install-recommends would leave it out.
+	clang libclang-rt-14-dev
 )
 
 sudo=()

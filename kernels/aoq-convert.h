@@ -121,6 +121,12 @@ static inline float aoqk_q8_v_decode(uint8_t code, float v_scale)
 static inline int8_t aoqk_q8_m_encode(float m, float inv)
 {
 	float x = nearbyintf(sqrtf(fabsf(m) * inv) * AOQK_Q8_M_MAX);
+	/* A non-finite value (a block with inf: inv 0, inf * 0; or NaN) has
+	 * no code: NaN is 0, and nothing passes the extreme code.  Casting
+	 * NaN or an out-of-range float to an integer is undefined (the fuzz
+	 * phase's UBSan found it through LoadState). */
+	if (!(x <= AOQK_Q8_M_MAX))
+		x = x > AOQK_Q8_M_MAX ? AOQK_Q8_M_MAX : 0.0f;
 	return (int8_t)(m < 0 ? -x : x);
 }
 
@@ -128,6 +134,8 @@ static inline uint8_t aoqk_q8_v_encode(float v, float inv)
 {
 	float u = sqrtf(fmaxf(v, 0.0f));
 	float y = nearbyintf(sqrtf(u * inv) * AOQK_Q8_U_MAX);
+	if (!(y <= AOQK_Q8_U_MAX))
+		y = y > AOQK_Q8_U_MAX ? AOQK_Q8_U_MAX : 0.0f; /* as in aoqk_q8_m_encode */
 	if (y == 0 && u > 0)
 		y = 1; /* a non-zero v keeps a non-zero code */
 	return (uint8_t)y;

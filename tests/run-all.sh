@@ -10,6 +10,12 @@
 #   build          again, `meson test --setup valgrind --suite unit`
 #   build-minimal  every optional feature off (cuda, level_zero, systemd),
 #                  every suite
+#   build-fuzz     clang, -Dfuzz=true, address+undefined: the libFuzzer
+#                  targets of tests/fuzz replay their seed corpus (suite
+#                  fuzz), then fuzz for a while, two at a time (a crash, a
+#                  leak or a hang fails the phase; the input is kept)
+#   build-tsan     ThreadSanitizer (gcc), CUDA off: the unit tests and the
+#                  concurrency-heavy integration tests
 #
 # The last line of output is "N passed, M failed" (", K skipped" when tests
 # were skipped); the exit status is non-zero when anything failed, a build
@@ -17,7 +23,13 @@
 # .ci/run (which installs them and then runs this script).
 #
 # Environment:
-#   AOQ_PHASES   which phases to run (default "main asan valgrind minimal")
+#   AOQ_PHASES   which phases to run (default "main asan valgrind minimal
+#                fuzz tsan")
+#   AOQ_FUZZ_SECONDS  how long the fuzz phase fuzzes (default 60): the
+#                session target for 1.5x that, the frame target for 0.5x
+#                and then the ring target for 1x, the two lines at once
+#   AOQ_FUZZ_KEEP     a directory: the fuzz phase leaves there the inputs it
+#                found (new corpus entries and crashes), else they go
 #   AOQ_WERROR   1 (default): warnings are errors in build and build-minimal
 #   AOQ_PYTHON   the interpreter of the python suite (meson -Dpython=); default
 #                $AOQ_VENV/bin/python (AOQ_VENV: /opt/aoq-venv, the venv with
@@ -28,7 +40,7 @@ set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-phases=${AOQ_PHASES:-main asan valgrind minimal}
+phases=${AOQ_PHASES:-main asan valgrind minimal fuzz tsan}
 werror=${AOQ_WERROR:-1}
 logdir=$(mktemp -d "${TMPDIR:-/tmp}/aoq-run-all.XXXXXX")
 trap 'rm -rf "$logdir"' EXIT
@@ -127,6 +139,33 @@ build_main() {
 	((main_state == 1))
 }
 
+# build_only LABEL DIR "TARGETS" MESON_ARGS...: configure, then build only
+# these targets; a failure counts as one failed test.
+build_only() {
+	local label=$1 dir=$2 targets=$3
+	shift 3
+	log "$label: configure $dir, build $targets"
+	# shellcheck disable=SC2086 # the targets are words
+	if configure "$dir" "$@" && ninja -C "$dir" $targets; then
+		return 0
+	fi
+	summary+=("$label: BUILD FAILED")
+	total_fail=$((total_fail + 1))
+	return 1
+}
+
+# fuzz_run NAME SECONDS: runs target NAME for SECONDS on a scratch copy of
+# its corpus; writes its verdict to $logdir/fuzz-NAME.rc.
+fuzz_run() {
+	local name=$1 secs=$2
+	local work=$logdir/corpus-$name art=$logdir/crash-$name
+	mkdir -p "$work" "$art"
+	nice -n 10 build-fuzz/tests/fuzz/fuzz-"$name" -max_total_time="$secs" -timeout=30 -rss_limit_mb=2048 \
+		-print_final_stats=1 -artifact_prefix="$art/" "$work" tests/fuzz/corpus/"$name" \
+		>"$logdir/fuzz-$name.log" 2>&1
+	echo $? >"$logdir/fuzz-$name.rc"
+}
+
 for phase in $phases; do
 	t0=$SECONDS
 	case $phase in
@@ -153,6 +192,68 @@ for phase in $phases; do
 		if build minimal build-minimal -Dcuda=disabled -Dlevel_zero=disabled \
 			-Dsystemd=disabled "${werror_arg[@]}" "${python_arg[@]}"; then
 			run_tests minimal build-minimal
+		fi
+		;;
+	fuzz)
+		fuzz_targets="tests/fuzz/fuzz-frame tests/fuzz/fuzz-session tests/fuzz/fuzz-ring"
+		if ! command -v clang >/dev/null; then
+			summary+=("fuzz: clang not found (deploy/install-deps.sh installs it)")
+			total_fail=$((total_fail + 1))
+		elif CC=clang build_only fuzz build-fuzz "$fuzz_targets" -Dfuzz=true \
+			-Db_lundef=false -Dcuda=disabled -Dlevel_zero=disabled \
+			-Dsystemd=disabled; then
+			# The seeds and the crashes found before must pass.
+			run_tests fuzz-corpus build-fuzz --no-rebuild --suite fuzz
+			secs=${AOQ_FUZZ_SECONDS:-60}
+			log "fuzz: fuzzing for about $((secs * 3 / 2)) s, two targets at a time"
+			fuzz_run session $((secs * 3 / 2)) &
+			pid_session=$!
+			fuzz_run frame $((secs / 2))
+			fuzz_run ring "$secs"
+			wait "$pid_session"
+			p=0 f=0
+			for name in frame session ring; do
+				rc=$(cat "$logdir/fuzz-$name.rc" 2>/dev/null || echo 1)
+				grep -E '^(stat::number_of_executed_units|stat::peak_rss_mb|#[0-9]+ +DONE)' \
+					"$logdir/fuzz-$name.log" | sed "s/^/  fuzz-$name: /"
+				if [[ $rc == 0 ]]; then
+					p=$((p + 1))
+				else
+					f=$((f + 1))
+					echo "fuzz-$name FAILED (status $rc): the end of its log, then the input:"
+					tail -n 60 "$logdir/fuzz-$name.log"
+					ls -l "$logdir/crash-$name"
+				fi
+			done
+			if [[ -n ${AOQ_FUZZ_KEEP:-} ]]; then
+				mkdir -p "$AOQ_FUZZ_KEEP" && cp -r "$logdir"/corpus-* "$logdir"/crash-* "$AOQ_FUZZ_KEEP"/
+			fi
+			total_pass=$((total_pass + p))
+			total_fail=$((total_fail + f))
+			summary+=("fuzz: $p passed, $f failed (targets fuzzed)")
+		fi
+		;;
+	tsan)
+		# The concurrency-heavy tests: the pool, the rings, libaoq's
+		# progress thread against the daemon's workers (both built with
+		# TSan; a report makes aoqd or the test exit 66).  integration-train
+		# and demo-deterministic add little beyond these and take minutes
+		# under TSan; push-stress runs 15 steps instead of 60.
+		tsan_tests="unit-ring unit-pool unit-wire unit-account integration-push-stress integration-accumulate
+			integration-modes integration-optimizers integration-timeout demo"
+		tsan_targets="daemon/aoqd client/examples/aoq-demo tests/unit/test-ring tests/unit/test-pool
+			tests/unit/test-wire tests/unit/test-account tests/integration/test-push-stress
+			tests/integration/test-accumulate tests/integration/test-modes tests/integration/test-optimizers
+			tests/integration/test-timeout"
+		# Not -Dwerror: gcc warns (-Wtsan) that TSan does not model
+		# atomic_thread_fence, which the rings use (proto/aoq-arena.h);
+		# the main build checks warnings.
+		if build_only tsan build-tsan "$tsan_targets" -Db_sanitize=thread -Db_lundef=false -Dcuda=disabled \
+			-Dlevel_zero=disabled -Dsystemd=disabled -Dwerror=false; then
+			# shellcheck disable=SC2086 # the tests are words
+			TSAN_OPTIONS="suppressions=$PWD/tests/tsan.supp second_deadlock_stack=1 ${TSAN_OPTIONS:-}" \
+				AOQ_STRESS_STEPS=${AOQ_STRESS_STEPS:-15} \
+				run_tests tsan build-tsan --no-rebuild --timeout-multiplier 3 $tsan_tests
 		fi
 		;;
 	*)

@@ -87,6 +87,15 @@ static void test_q8(void)
 	EXPECT(aoqk_q8_v_encode(1e-30f, 1.0f) == 1, "a non-zero v keeps a non-zero code");
 	EXPECT(aoqk_q8_v_encode(0.0f, 1.0f) == 0, "zero v is code 0");
 	EXPECT(aoqk_q8_m_encode(-3.0f, 1.0f / 3.0f) == -127, "the block's max is the extreme code");
+	/* Non-finite values (a LoadState of inf or NaN; found by fuzzing):
+	 * NaN is code 0, nothing passes the extreme code. */
+	EXPECT(aoqk_q8_m_encode(NAN, 1.0f) == 0 && aoqk_q8_m_encode(INFINITY, 0.0f) == 0,
+	       "NaN m (and inf * a zero inverse) is code 0");
+	EXPECT(aoqk_q8_m_encode(-INFINITY, 1.0f) == -127 && aoqk_q8_m_encode(1e30f, 1.0f) == 127,
+	       "an infinite or huge m is the extreme code");
+	EXPECT(aoqk_q8_v_encode(NAN, 1.0f) == 0, "NaN v is code 0");
+	EXPECT(aoqk_q8_v_encode(INFINITY, 1.0f) == 255 && aoqk_q8_v_encode(INFINITY, 0.0f) == 1,
+	       "an infinite v is the extreme code, or 1 with a zero inverse (non-zero v)");
 }
 
 int main(void)
