@@ -33,7 +33,7 @@
 #include "snapshot.h"
 
 #define NT 3
-static const uint64_t numel[NT] = { 1000, 777, 300 };
+static uint64_t numel[NT] = { 1000, 777, 300 };
 
 struct trainer {
 	struct aoq_client *c;
@@ -250,6 +250,46 @@ static int roundtrip(const char *aoqd)
 		}
 		trainer_close(&t);
 	}
+	/* Overlap: the snapshot is asked between steps and the trainer goes
+	 * on at once; its updates meet the capture (the writer's copies or
+	 * the workers' own, snapshot.h's guard).  The file is the state at
+	 * the boundary whichever copies each tensor. */
+	numel[0] = 3u << 20;
+	numel[1] = 1u << 20;
+	for (int round = 0; round < 3; round++) {
+		struct trainer t;
+		trainer_open(&t, d.socket, "snap-overlap", AOQ_STATE_FP32);
+		train(&t, 2);
+		float *want[NT][3];
+		for (int i = 0; i < NT; i++)
+			for (int k = 0; k < 3; k++) {
+				want[i][k] = aoqt_xmalloc(numel[i] * 4);
+				CHECK_OK(aoq_read_state(t.c, (uint32_t)i, (enum aoq_state_kind)k, AOQ_FP32, 0, numel[i], want[i][k]));
+			}
+		int fd = snapshot_ask(d.socket, t.id);
+		train(&t, 2);
+		CHECK(snapshot_wait(fd, path, sizeof(path), &step) == 0 && step == 2, "overlap: %s", path);
+		struct aoqd_state st;
+		struct aoqd_snap_key key;
+		char why[512];
+		CHECK(aoqd_snapshot_load(path, 0, &locked, &key, &step, &st, why, sizeof(why)) == 0, "overlap: %s", why);
+		float *b = aoqt_xmalloc(numel[0] * 4);
+		for (int i = 0; i < NT; i++) {
+			CHECK(st.tensors[i].steps == 2, "overlap: tensor %d at %" PRIu64 " steps", i, st.tensors[i].steps);
+			for (int k = 0; k < 3; k++) {
+				aoqd_state_io(&st.tensors[i], k, false, b, 0, numel[i]);
+				CHECK(memcmp(b, want[i][k], numel[i] * 4) == 0, "overlap round %d: tensor %d kind %d is not the "
+				      "state at the boundary", round, i, k);
+				free(want[i][k]);
+			}
+		}
+		free(b);
+		aoqd_state_free(&st, &locked);
+		trainer_close(&t);
+	}
+	numel[0] = 1000;
+	numel[1] = 777;
+
 	/* a session that is not there */
 	CHECK(snapshot(d.socket, 999999, path, sizeof(path), &step) < 0 && strstr(path, "no training session"),
 	      "snapshot of no session: %s", path);
