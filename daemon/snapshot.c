@@ -1001,7 +1001,7 @@ struct aoqd_capture {
 	uint32_t n;
 	uint8_t *ts;            /* per tensor: T_* */
 	void **copy;            /* per tensor: a copy of its state mapping */
-	bool copy_failed;
+	_Atomic bool copy_failed;
 	uint64_t *steps;        /* per tensor: steps at the boundary */
 	uint64_t boundary;
 	bool armed, ready;      /* loop thread */
@@ -1278,6 +1278,9 @@ static void capture_write(struct aoqd_capture *c)
 static void *writer_main(void *arg)
 {
 	struct aoqd_snapshotter *w = arg;
+	/* Not niced below the workers: a worker may wait for the tensor the
+	 * writer is copying, and a starved writer would hold it (priority
+	 * inversion: seen as 4 s steps on a loaded 2-core host). */
 	pthread_mutex_lock(&w->lock);
 	for (;;) {
 		while (!w->queue && !w->stop)
