@@ -93,8 +93,11 @@ int aoqd_snapshot_load(const char *path, int lock_memory, _Atomic uint64_t *lock
 
 /*
  * Restore on restart: loads every "*.safetensors" of dir and hands each
- * (key, step, state) to fn, which takes the state (returns 0) or refuses
- * it (< 0: the state is freed here).  A file that does not load is logged
+ * (key, step, state) to fn.  The state is malloc'ed and filled (arrays
+ * allocated, locked per lock_memory, counted in *locked_total, no account
+ * charged): fn takes it (returns 0; it frees it later with
+ * aoqd_state_free() and free()) or refuses it (< 0: freed here).  The
+ * coordinator wires fn to the lease code (aoqd_lease_adopt).  A file that does not load is logged
  * and skipped.  Returns the number of states taken, or -errno when dir
  * cannot be read (-ENOENT: no directory, nothing to restore).
  */

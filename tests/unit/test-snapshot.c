@@ -296,6 +296,53 @@ static void round_trip(int prec, bool dup)
 	aoqd_state_free(&st, &locked);
 }
 
+struct restored {
+	int n;
+	uint32_t ranks;
+};
+
+static int on_restore(const struct aoqd_snap_key *key, uint64_t step, struct aoqd_state *st, void *arg)
+{
+	struct restored *r = arg;
+	EXPECT(step == 4242 && key->uid == 1000 && st->ntensors > 0, "restored key/step/state");
+	r->n++;
+	r->ranks |= 1u << key->rank;
+	if (key->rank == 5)
+		return -EINVAL; /* refused: freed by the caller */
+	aoqd_state_free(st, &locked);
+	free(st);
+	return 0;
+}
+
+/* restore_all: every good file of a directory, damaged ones skipped. */
+static void restore(void)
+{
+	char rd[80], path[4096];
+	snprintf(rd, sizeof(rd), "%s/restore", dir);
+	mkdir(rd, 0700);
+	struct aoqd_error err;
+	for (uint32_t rank = 4; rank <= 6; rank++) {
+		struct aoqd_state st;
+		make_state(&st, (int)rank % 5, 3, false);
+		struct aoqd_snap_key key = { .uid = 1000, .rank = rank };
+		snprintf(key.job, sizeof(key.job), "r");
+		EXPECT(aoqd_snapshot_write(rd, &key, 4242, &st, path, sizeof(path), &err) == 0, "%s", err.msg);
+		aoqd_state_free(&st, &locked);
+	}
+	/* damage rank 6's file */
+	uint8_t *d;
+	size_t n;
+	copy_file(path, NULL, &d, &n);
+	d[n - 3] ^= 1;
+	put_file(path, d, n);
+	free(d);
+	struct restored r = { 0, 0 };
+	int got = aoqd_snapshot_restore_all(rd, 0, &locked, on_restore, &r);
+	EXPECT(got == 1 && r.n == 2 && r.ranks == ((1u << 4) | (1u << 5)), "restore_all: %d taken, %d offered, ranks 0x%x",
+	       got, r.n, r.ranks);
+	EXPECT(aoqd_snapshot_restore_all("/nonexistent-aoq", 0, &locked, on_restore, &r) == -ENOENT, "no dir");
+}
+
 int main(void)
 {
 	const char *seed = getenv("AOQ_TEST_SEED");
@@ -308,6 +355,7 @@ int main(void)
 		round_trip(prec, false);
 		round_trip(prec, true);
 	}
+	restore();
 	/* The atomic write leaves nothing behind but the files. */
 	char cmd[256];
 	snprintf(cmd, sizeof(cmd), "ls -A %s | grep -c '^\\.snapshot-' >/dev/null && exit 1; rm -rf %s", dir, dir);
