@@ -11,6 +11,10 @@
  * no StepEnd yet) is the state at the end of that step, and training goes
  * on after it.
  *
+ * Mode "periodic" (suite integration): snapshot_every_steps = 3 from the
+ * config file writes step 6's state; SIGHUP with snapshot_every_steps = 2
+ * and another state_dir writes step 8's there and leaves the old file.
+ *
  * Mode "disk" (suite faults): the state directory is a small tmpfs.  A
  * snapshot fits; the disk is then filled: the next snapshot fails with
  * ENOSPC in its Error, leaves no temp file, the previous snapshot still
@@ -21,6 +25,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -360,6 +365,113 @@ static int disk(const char *aoqd)
 	return 0;
 }
 
+/* The file at path, once it holds step `want` (the writer is
+ * asynchronous): true within timeout_s. */
+static bool wait_file_step(const char *path, uint64_t want, double timeout_s)
+{
+	double end = aoqt_now() + timeout_s;
+	while (aoqt_now() < end) {
+		struct aoqd_state st;
+		struct aoqd_snap_key key;
+		uint64_t step;
+		char why[512];
+		if (aoqd_snapshot_load(path, 0, &locked, &key, &step, &st, why, sizeof(why)) == 0) {
+			aoqd_state_free(&st, &locked);
+			if (step == want)
+				return true;
+			if (getenv("AOQ_TEST_DEBUG"))
+				fprintf(stderr, "%s: step %" PRIu64 "\n", path, step);
+		} else if (getenv("AOQ_TEST_DEBUG")) {
+			fprintf(stderr, "%s\n", why);
+		}
+		usleep(20000);
+	}
+	return false;
+}
+
+/* Stats says the session's last snapshot is at `want` (the daemon is done
+ * with it: a periodic one is never skipped for it). */
+static bool wait_stats_step(const char *sock, uint64_t id, uint64_t want, double timeout_s)
+{
+	double end = aoqt_now() + timeout_s;
+	while (aoqt_now() < end) {
+		Aoq__Envelope *env;
+		CHECK_OK(aoqt_stats(sock, &env));
+		bool ok = false;
+		for (size_t i = 0; i < env->stats->n_sessions; i++)
+			if (env->stats->sessions[i]->id == id)
+				ok = env->stats->sessions[i]->snapshot_step == want &&
+				     env->stats->sessions[i]->snapshot_unix_ns > 0;
+		aoq_envelope_free(env);
+		if (ok)
+			return true;
+		usleep(20000);
+	}
+	return false;
+}
+
+static void write_conf(const char *conf, const char *dir, unsigned every)
+{
+	FILE *f = fopen(conf, "w");
+	CHECK(f, "%s: %s", conf, strerror(errno));
+	fprintf(f, "state_dir = %s\nsnapshot_every_steps = %u\n", dir, every);
+	fclose(f);
+}
+
+/* Mode "periodic": snapshot_every_steps from the config file, and SIGHUP
+ * changing both the period and state_dir. */
+static int periodic(const char *aoqd)
+{
+	char base[] = "/tmp/aoq-snapper-XXXXXX";
+	CHECK(mkdtemp(base), "mkdtemp");
+	char d1[100], d2[100], conf[100], p1[300], p2[300];
+	snprintf(d1, sizeof(d1), "%s/a", base);
+	snprintf(d2, sizeof(d2), "%s/b", base);
+	snprintf(conf, sizeof(conf), "%s/aoqd.conf", base);
+	mkdir(d1, 0700);
+	mkdir(d2, 0700);
+	write_conf(conf, d1, 3);
+	struct aoqt_daemon d;
+	const char *args[] = { "--threads", "1", "--config", conf, NULL };
+	CHECK_OK(aoqt_daemon_start(&d, aoqd, args));
+	struct trainer t;
+	trainer_open(&t, d.socket, "periodic", AOQ_STATE_FP32);
+	struct aoqd_snap_key key = { .uid = (uint32_t)getuid(), .rank = 2 };
+	snprintf(key.job, sizeof(key.job), "periodic");
+	aoqd_snapshot_path(d1, &key, p1, sizeof(p1));
+	aoqd_snapshot_path(d2, &key, p2, sizeof(p2));
+	/* a periodic snapshot still being written when the next is due is
+	 * skipped: wait for each */
+	train(&t, 3);
+	CHECK(wait_stats_step(d.socket, t.id, 3, 20), "Stats shows no snapshot of step 3");
+	CHECK(wait_file_step(p1, 3, 1), "no periodic snapshot of step 3 in %s", p1);
+	train(&t, 3);
+	CHECK(wait_file_step(p1, 6, 20), "no periodic snapshot of step 6 in %s", p1);
+	check_file(&t, p1, 6, "periodic");
+	/* SIGHUP: every 2 steps, into another directory */
+	write_conf(conf, d2, 2);
+	size_t sz = aoqt_daemon_log_size(&d);
+	CHECK(kill(d.pid, SIGHUP) == 0, "kill");
+	bool reloaded = false;
+	for (int i = 0; i < 100 && !reloaded; i++) {
+		aoqt_wait_log_growth(&d, sz, 200);
+		char *log = aoqt_daemon_log(&d);
+		reloaded = strstr(log, "reload: snapshot_every_steps 3 -> 2") && strstr(log, "reload: state_dir");
+		free(log);
+	}
+	CHECK(reloaded, "SIGHUP did not change snapshot_every_steps and state_dir");
+	train(&t, 2);
+	CHECK(wait_file_step(p2, 8, 20), "no periodic snapshot of step 8 in %s after SIGHUP", p2);
+	check_file(&t, p2, 8, "periodic after SIGHUP");
+	CHECK(wait_file_step(p1, 6, 1), "the old directory's file changed");
+	trainer_close(&t);
+	CHECK(aoqt_daemon_stop(&d, 10000, true) == 0, "aoqd did not stop cleanly");
+	char cmd[200];
+	snprintf(cmd, sizeof(cmd), "rm -rf %s", base);
+	CHECK(system(cmd) == 0, "rm");
+	return 0;
+}
+
 int main(int argc, char **argv)
 {
 	aoqt_init("snapshot");
@@ -367,5 +479,7 @@ int main(int argc, char **argv)
 	const char *mode = argc > 2 ? argv[2] : "roundtrip";
 	if (strcmp(mode, "disk") == 0)
 		return disk(aoqd);
+	if (strcmp(mode, "periodic") == 0)
+		return periodic(aoqd);
 	return roundtrip(aoqd);
 }
