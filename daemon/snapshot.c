@@ -1032,7 +1032,7 @@ static void copy_tensor(struct aoqd_capture *c, uint32_t i)
 	const struct aoqd_tensor *t = &c->st->tensors[i];
 	void *p = mmap(NULL, t->state_len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
 	if (p == MAP_FAILED) {
-		c->copy_failed = true; /* under no lock: only ever set to true, read after every copy is done */
+		c->copy_failed = true; /* only ever set to true, read after every copy is done */
 		return;
 	}
 	memcpy(p, t->state_mem, t->state_len);
@@ -1219,14 +1219,18 @@ void aoqd_snapshot_state_free(struct aoqd_state *st)
 
 /* ---- the writer thread ---- */
 
-/* Writer thread: copies every tensor (in the order the next step's
- * gradients come: backward, last tensor first), lets updates go, then
- * writes the copies. */
+/* Writer thread: copies every tensor, lets updates go, then writes the
+ * copies.  It copies in registration order, the reverse of the order the
+ * next step's gradients come (backward, last tensor first): the workers
+ * copy the first tensors they need themselves and the writer works from
+ * the other end, so neither waits for the other until they meet (in the
+ * same order, a worker would keep waiting for the tensor the writer holds,
+ * and a starved writer stalls the step). */
 static void capture_write(struct aoqd_capture *c)
 {
 	struct aoqd_error err;
 	struct aoqd_state *st = c->st;
-	for (uint32_t k = c->n; k-- > 0;) {
+	for (uint32_t k = 0; k < c->n; k++) {
 		pthread_mutex_lock(&c->lock);
 		while (c->ts[k] == T_COPYING)
 			pthread_cond_wait(&c->cond, &c->lock);

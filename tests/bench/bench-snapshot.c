@@ -14,7 +14,11 @@
  * added time (mean during - mean baseline), the snapshot's seconds and
  * bytes.  Step = every tensor's push (backward order), StepEnd, sync.
  *
- *   bench-snapshot [--elems N] [--tensors T] [--steps N] [--threads N]
+ * --gap MS sleeps that long before each step's first push: the GPU's forward
+ * pass, during which the workers are idle and the writer copies (0: the
+ * worst case, every copy on the step path).
+ *
+ *   bench-snapshot [--elems N] [--tensors T] [--steps N] [--threads N] [--gap MS]
  *                  [--precision fp32|q8|bf16_all] [--dir DIR] [--aoqd PATH]
  */
 #include <errno.h>
@@ -65,13 +69,14 @@ static double mean(const double *t, int n)
 int main(int argc, char **argv)
 {
 	uint64_t elems = 1ull << 27;
-	unsigned tensors = 64, steps = 10, threads = 0;
+	unsigned tensors = 64, steps = 10, threads = 0, gap_ms = 0;
 	const char *aoqd = AOQD_PATH, *dir = NULL, *prec_name = "fp32";
 	static const struct option opts[] = {
 		{ "elems", required_argument, NULL, 'e' }, { "tensors", required_argument, NULL, 't' },
 		{ "steps", required_argument, NULL, 'n' }, { "threads", required_argument, NULL, 'j' },
 		{ "precision", required_argument, NULL, 'p' }, { "dir", required_argument, NULL, 'd' },
-		{ "aoqd", required_argument, NULL, 'a' }, { NULL, 0, NULL, 0 },
+		{ "aoqd", required_argument, NULL, 'a' }, { "gap", required_argument, NULL, 'g' },
+		{ NULL, 0, NULL, 0 },
 	};
 	int c;
 	while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
@@ -83,6 +88,7 @@ int main(int argc, char **argv)
 		case 'p': prec_name = optarg; break;
 		case 'd': dir = optarg; break;
 		case 'a': aoqd = optarg; break;
+		case 'g': gap_ms = (unsigned)strtoul(optarg, NULL, 0); break;
 		default: fprintf(stderr, "usage: see the comment at the top of bench-snapshot.c\n"); return 2;
 		}
 	}
@@ -138,8 +144,9 @@ int main(int argc, char **argv)
 	CHECK_OK(aoqt_stats(d.socket, &env));
 	uint64_t id = env->stats->sessions[0]->id, state_bytes = env->stats->sessions[0]->state_bytes;
 	aoq_envelope_free(env);
-	printf("aoqd %s, %" PRIu64 " parameters in %u tensors, %s state (%.2f GiB), state dir %s\n", aoqd, per * tensors,
-	       tensors, prec_name, (double)state_bytes / (1u << 30), dir);
+	printf("aoqd %s, %" PRIu64 " parameters in %u tensors, %s state (%.2f GiB), state dir %s, gap %u ms "
+	       "(not in the step times)\n", aoqd, per * tensors, tensors, prec_name, (double)state_bytes / (1u << 30), dir,
+	       gap_ms);
 
 	int cap = 10000;
 	double *base = aoqt_xmalloc(sizeof(double) * cap), *during = aoqt_xmalloc(sizeof(double) * cap),
@@ -147,6 +154,8 @@ int main(int argc, char **argv)
 	int nb = 0, nd = 0, na = 0;
 	double first = 0;
 	for (unsigned s = 0; s < steps + 2; s++) {
+		if (gap_ms)
+			usleep(gap_ms * 1000u);
 		double t0 = aoqt_now();
 		for (unsigned i = tensors; i-- > 0;)
 			CHECK_OK(aoq_push_grad(cl, i, 0, NULL));
@@ -166,6 +175,8 @@ int main(int argc, char **argv)
 	double snap_s = 0;
 	Aoq__Envelope *rep = NULL;
 	while (na < (int)steps && nd + na < cap) {
+		if (gap_ms)
+			usleep(gap_ms * 1000u);
 		double t0 = aoqt_now();
 		for (unsigned i = tensors; i-- > 0;)
 			CHECK_OK(aoq_push_grad(cl, i, 0, NULL));
