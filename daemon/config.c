@@ -43,6 +43,16 @@ void aoqd_config_defaults(struct aoqd_config *c)
 	c->max_buffered_bytes_per_uid = 16ull << 20;
 	/* One uid holds at most half the machine's memory. */
 	c->max_state_bytes_per_uid = aoqd_config_mem_fraction(50);
+	/* systemd's StateDirectory= (a list: the first) */
+	static char sd[3001];
+	const char *e = getenv("STATE_DIRECTORY");
+	if (e && e[0] == '/' && strcspn(e, ":") < sizeof(sd)) {
+		memcpy(sd, e, strcspn(e, ":"));
+		sd[strcspn(e, ":")] = 0;
+		c->state_dir = sd;
+	} else {
+		c->state_dir = "/var/lib/aoq";
+	}
 }
 
 uint64_t aoqd_config_mem_fraction(unsigned percent)
@@ -90,7 +100,7 @@ int aoqd_parse_u64(const char *s, int allow_suffix, uint64_t *out)
 	return 0;
 }
 
-enum key_kind { K_STRING, K_COUNT, K_SIZE, K_MEMSIZE, K_LOCK, K_LOG, K_KERNEL, K_GID };
+enum key_kind { K_STRING, K_PATH, K_COUNT, K_SIZE, K_MEMSIZE, K_LOCK, K_LOG, K_KERNEL, K_GID };
 
 struct key {
 	const char *name;
@@ -119,6 +129,9 @@ static const struct key keys[] = {
 	{ "max_buffered_bytes_per_uid", K_SIZE, OFF(max_buffered_bytes_per_uid), W(max_buffered_bytes_per_uid),
 	  1ull << 20, 1ull << 40 },
 	{ "admin_gid", K_GID, OFF(admin_gid), W(admin_gid), 0, UINT32_MAX - 1 },
+	{ "state_dir", K_PATH, OFF(state_dir), 0, 0, 0 },
+	{ "snapshot_every_steps", K_COUNT, OFF(snapshot_every_steps), W(snapshot_every_steps), 0, 1ull << 62 },
+	{ "snapshot_every_seconds", K_COUNT, OFF(snapshot_every_seconds), W(snapshot_every_seconds), 0, 1ull << 40 },
 };
 
 /* Every string value ever set. */
@@ -256,6 +269,12 @@ int aoqd_config_set(struct aoqd_config *c, const char *key, const char *v, char 
 		if (word_index(v, kernel_words, 5) < 0) {
 			list_words(words, sizeof(words), kernel_words, 5);
 			snprintf(err, errlen, "'%s' is not one of %s", v, words);
+			return -EINVAL;
+		}
+		break;
+	case K_PATH:
+		if (v[0] != '/' || strlen(v) > 3000) {
+			snprintf(err, errlen, "'%s' is not an absolute path of at most 3000 bytes", v);
 			return -EINVAL;
 		}
 		break;
@@ -420,4 +439,7 @@ void aoqd_config_print(const struct aoqd_config *c, FILE *f)
 		fprintf(f, "admin_gid = none\n");
 	else
 		fprintf(f, "admin_gid = %" PRIu32 "\n", c->admin_gid);
+	fprintf(f, "state_dir = %s\n", c->state_dir ? c->state_dir : "");
+	fprintf(f, "snapshot_every_steps = %" PRIu64 "\n", c->snapshot_every_steps);
+	fprintf(f, "snapshot_every_seconds = %" PRIu64 "\n", c->snapshot_every_seconds);
 }

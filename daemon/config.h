@@ -30,6 +30,10 @@ struct aoqd_config {
 	uint64_t max_buffered_bytes_per_uid; /* partial frames held beyond 64 KiB a connection */
 	uint32_t admin_gid;       /* sees every session; (gid_t)-1 none */
 	int log_level;            /* enum aoqd_log_level; the caller applies it */
+	/* Snapshots (docs/snapshots.md): where, and how often (0: never). */
+	const char *state_dir;    /* default $STATE_DIRECTORY (systemd), else /var/lib/aoq */
+	uint64_t snapshot_every_steps;
+	uint64_t snapshot_every_seconds;
 };
 
 /* Upper bound of `threads` (worker threads; 0 = every allowed core but one). */

@@ -31,6 +31,7 @@
 #include "log.h"
 #include "server.h"
 #include "session.h"
+#include "snapshot.h"
 
 enum job_phase { PHASE_UPDATE, PHASE_ACCUMULATE, PHASE_NORM };
 
@@ -180,6 +181,9 @@ static void chunk_run(struct aoqd_task *task, unsigned worker)
 			k->sumsq(grad, t->grad_dtype, acc, 1.0f, c->count, &c->rep);
 			break;
 		case PHASE_UPDATE: {
+			/* a snapshot's capture takes the tensor before its
+			 * first update after the boundary (snapshot.h) */
+			aoqd_snapshot_guard(&s->st, j->rec.tensor, j->rec.step);
 			struct aoqk_chunk ch = {
 				.begin = begin,
 				.count = c->count,

@@ -29,6 +29,7 @@ static void usage(FILE *f)
 	        "  --config FILE       read key = value settings (see aoqd.conf(5));\n"
 	        "                      flags given on the command line win\n"
 	        "  --log-level L       error|warn|info|debug\n"
+	        "  --state-dir DIR     where snapshots go (default $STATE_DIRECTORY or /var/lib/aoq)\n"
 	        "  --check-config      check the settings, print the effective ones, exit\n"
 	        "  -h, --help          this text\n"
 	        "  -V, --version       the version\n"
@@ -47,7 +48,7 @@ static int usage_error(const char *fmt, ...)
 	return 2;
 }
 
-enum { O_SOCKET = 256, O_LISTEN_FD, O_THREADS, O_KERNEL, O_LOCK, O_CONFIG, O_LOG, O_CHECK };
+enum { O_SOCKET = 256, O_LISTEN_FD, O_THREADS, O_KERNEL, O_LOCK, O_CONFIG, O_LOG, O_CHECK, O_STATE_DIR };
 
 static const struct option opts[] = {
 	{ "socket", required_argument, NULL, O_SOCKET },
@@ -58,6 +59,7 @@ static const struct option opts[] = {
 	{ "config", required_argument, NULL, O_CONFIG },
 	{ "log-level", required_argument, NULL, O_LOG },
 	{ "check-config", no_argument, NULL, O_CHECK },
+	{ "state-dir", required_argument, NULL, O_STATE_DIR },
 	{ "version", no_argument, NULL, 'V' },
 	{ "help", no_argument, NULL, 'h' },
 	{ 0 },
@@ -72,6 +74,7 @@ static const char *flag_key(int c)
 	case O_KERNEL: return "kernel";
 	case O_LOCK: return "lock_memory";
 	case O_LOG: return "log_level";
+	case O_STATE_DIR: return "state_dir";
 	default: return NULL;
 	}
 }

@@ -22,6 +22,7 @@
 #include "log.h"
 #include "server.h"
 #include "session.h"
+#include "snapshot.h"
 #include "wire.h"
 
 #if AOQ_HAVE_SYSTEMD
@@ -229,6 +230,11 @@ int aoqd_server_init(struct aoqd_server *srv, uv_loop_t *loop, const struct aoqd
 		return -errno;
 	aoqd_info("server", "%u workers%s (%ld cpus), kernel %s", n, pin ? " pinned" : "", ncpu, srv->kernel->name);
 	fit_fd_limit(&srv->cfg);
+	srv->snapshotter = aoqd_snapshotter_new(loop);
+	if (!srv->snapshotter) {
+		aoqd_err("server", "cannot start the snapshot writer: %s", strerror(errno));
+		return -errno;
+	}
 	uv_async_init(loop, &srv->wake, on_wake);
 	srv->wake.data = srv;
 	uv_timer_init(loop, &srv->sweep);
@@ -297,7 +303,14 @@ void aoqd_server_apply(struct aoqd_server *srv, const struct aoqd_config *n)
 	LIVE(max_tensor_elems, PRIu64);
 	LIVE(max_arena_bytes, PRIu64);
 	LIVE(max_state_bytes_per_uid, PRIu64);
+	LIVE(snapshot_every_steps, PRIu64);
+	LIVE(snapshot_every_seconds, PRIu64);
 #undef LIVE
+	if (!same_str(o->state_dir, n->state_dir)) {
+		aoqd_info("server", "reload: state_dir %s -> %s", o->state_dir ? o->state_dir : "", n->state_dir ? n->state_dir : "");
+		o->state_dir = n->state_dir;
+		changed++;
+	}
 	if (o->admin_gid != n->admin_gid) {
 		char a[16] = "none", b[16] = "none";
 		if (o->admin_gid != (uint32_t)-1)
@@ -345,6 +358,8 @@ void aoqd_server_stop(struct aoqd_server *srv)
 		uv_close((uv_handle_t *)&srv->watchdog, NULL);
 #endif
 	aoqd_sessions_close_all(srv);
+	aoqd_snapshotter_free(srv->snapshotter); /* finishes the snapshot being written */
+	srv->snapshotter = NULL;
 	if (uv_is_active((uv_handle_t *)&srv->listener) || srv->listener.loop)
 		uv_close((uv_handle_t *)&srv->listener, NULL);
 	uv_close((uv_handle_t *)&srv->wake, NULL);

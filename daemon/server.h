@@ -17,6 +17,7 @@
 #include "pool.h"
 
 struct aoqd_session;
+struct aoqd_snapshotter;
 
 struct aoqd_server {
 	struct aoqd_config cfg;
@@ -30,6 +31,7 @@ struct aoqd_server {
 	uv_timer_t sweep;         /* handshake deadlines */
 	struct aoqd_pool *pool;
 	const struct aoqk_kernel *kernel;
+	struct aoqd_snapshotter *snapshotter; /* the snapshot writer thread */
 	/* Sessions (session.c's list; nothing else walks it). */
 	struct aoqd_session *sessions;
 	uint64_t next_id;

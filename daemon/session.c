@@ -19,6 +19,7 @@
 #include "register.h"
 #include "server.h"
 #include "session.h"
+#include "snapshot.h"
 #include "transfer.h"
 #include "wire.h"
 
@@ -44,6 +45,7 @@ void aoqd_session_unref(struct aoqd_session *s)
 {
 	if (atomic_fetch_sub_explicit(&s->refs, 1, memory_order_acq_rel) != 1)
 		return;
+	aoqd_snapshot_state_free(&s->st);
 	aoqd_state_free(&s->st, &s->srv->locked_bytes);
 	aoqd_arena_free(&s->arena);
 	aoqd_conn_free(&s->conn);
@@ -91,6 +93,12 @@ static void session_close(struct aoqd_session *s)
 	atomic_store(&s->dead, true);
 	s->state = AOQD_CLOSING;
 	trace_finish(s); /* what was recorded goes out */
+	if (aoqd_snapshot_pending_boundary(&s->st) != UINT64_MAX) {
+		char why[160];
+		snprintf(why, sizeof(why), "session %" PRIu64 " closed before step %" PRIu64 " ended", s->id,
+		         aoqd_snapshot_pending_boundary(&s->st));
+		aoqd_snapshot_cancel(&s->st, why);
+	}
 	aoqd_drop_deferred(s);
 	if (aoqd_conn_close(&s->conn))
 		s->srv->connections--;
@@ -268,6 +276,8 @@ static int on_stats(struct aoqd_session *who, const Aoq__Envelope *env, struct a
 		x->arena_bytes = s->arena.size;
 		aoqd_stats_fill(&s->stats, x);
 		x->state_bytes = s->st.state_bytes;
+		x->snapshot_step = s->snap_step;
+		x->snapshot_unix_ns = s->snap_wall_ns;
 		sp[k] = x;
 		k++;
 	}
@@ -421,6 +431,24 @@ static int on_trace(struct aoqd_session *who, const Aoq__Envelope *env, struct a
 	return AOQD_REPLIED;
 }
 
+/* ---- snapshots ---- */
+
+/* SnapshotRequest: a snapshot of a session the asker may see; SnapshotDone
+ * (or Error) comes once the file is on disk. */
+static int on_snapshot(struct aoqd_session *who, const Aoq__Envelope *env, struct aoqd_error *err)
+{
+	const Aoq__SnapshotRequest *m = env->snapshot_request;
+	struct aoqd_session *s = who->srv->sessions;
+	while (s && s->id != m->session)
+		s = s->next;
+	if (!s || s->state != AOQD_READY || !may_see(who, s))
+		return AOQD_REFUSE(err, NOT_FOUND, "no training session %" PRIu64 " that you may snapshot", m->session);
+	if (s == who)
+		return AOQD_REFUSE(err, INVALID, "ask for a snapshot from another connection (aoqctl)");
+	int r = aoqd_steps_snapshot(s, who, err);
+	return r < 0 ? r : AOQD_REPLIED;
+}
+
 static int on_bye(struct aoqd_session *s, const Aoq__Envelope *env, struct aoqd_error *err)
 {
 	(void)env;
@@ -454,6 +482,8 @@ static const struct handler handlers[] = {
 	  on_stats },
 	{ AOQ__ENVELOPE__MSG_TRACE_REQUEST, IN(REGISTERING) | IN(READY) | IN(OBSERVER), "TraceRequest before Hello",
 	  on_trace },
+	{ AOQ__ENVELOPE__MSG_SNAPSHOT_REQUEST, IN(REGISTERING) | IN(READY) | IN(OBSERVER),
+	  "SnapshotRequest before Hello", on_snapshot },
 	{ AOQ__ENVELOPE__MSG_BYE, IN(HELLO) | IN(REGISTERING) | IN(READY) | IN(OBSERVER), "Bye while closing", on_bye },
 };
 

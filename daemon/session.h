@@ -62,6 +62,9 @@ struct aoqd_session {
 	 * which the traced steps have all ended.  Loop thread. */
 	struct aoqd_session *trace_to;
 	uint64_t trace_done_at;
+	/* Snapshots: the last one written (step, wall clock), and when the
+	 * last periodic one was started (monotonic).  Loop thread. */
+	uint64_t snap_step, snap_wall_ns, snap_mono_ns;
 };
 
 /* A new connection on the server's listener: a session in state HELLO. */

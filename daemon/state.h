@@ -63,6 +63,11 @@ struct aoqd_state {
 	struct aoqd_account *account;
 	uint64_t quota;
 	uint64_t charged;
+	/* Snapshots (snapshot.c): an armed capture's boundary + 1 (0: none),
+	 * which every update checks before touching a tensor, and the
+	 * capture's bookkeeping. */
+	_Atomic uint64_t snap_after;
+	struct aoqd_capture *snap;
 };
 
 /* Tensor steps the daemon takes: a step counter never wraps. */

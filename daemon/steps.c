@@ -5,10 +5,14 @@
  * connection reads nothing meanwhile, so replies keep request order.
  */
 #include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "dataplane.h"
 #include "log.h"
+#include "server.h"
 #include "session.h"
+#include "snapshot.h"
 #include "steps.h"
 
 void aoqd_steps_init(struct aoqd_steps *st)
@@ -25,6 +29,107 @@ void aoqd_steps_fini(struct aoqd_steps *st)
 bool aoqd_steps_idle(struct aoqd_steps *st)
 {
 	return atomic_load(&st->outstanding) == 0 && !st->end_pending;
+}
+
+/* ---- snapshots ---- */
+
+struct snap_req {
+	struct aoqd_session *s, *who; /* references */
+	uint64_t t0, boundary;
+};
+
+/* Loop thread: the snapshot is on disk, or failed. */
+static void snap_done(void *arg, int r, const char *path, const char *why)
+{
+	struct snap_req *q = arg;
+	struct aoqd_session *s = q->s, *who = q->who;
+	double secs = (double)(aoqd_now_ns() - q->t0) / 1e9;
+	if (r == 0) {
+		s->snap_step = q->boundary;
+		s->snap_wall_ns = aoqd_wall_ns();
+		aoqd_log(who ? AOQD_LOG_INFO : AOQD_LOG_DEBUG, "snapshot",
+		         "session %" PRIu64 ": step %" PRIu64 " written to %s in %.3f s", s->id, q->boundary, path, secs);
+	} else {
+		aoqd_warn("snapshot", "session %" PRIu64 ": snapshot of step %" PRIu64 " failed: %s", s->id, q->boundary, why);
+	}
+	if (who && who->state != AOQD_CLOSING) {
+		if (r == 0) {
+			Aoq__SnapshotDone d = AOQ__SNAPSHOT_DONE__INIT;
+			d.session = s->id;
+			d.path = (char *)path;
+			d.step = q->boundary;
+			d.seconds = secs;
+			Aoq__Envelope env = AOQ__ENVELOPE__INIT;
+			env.msg_case = AOQ__ENVELOPE__MSG_SNAPSHOT_DONE;
+			env.snapshot_done = &d;
+			aoqd_conn_send(&who->conn, &env);
+		} else {
+			aoqd_conn_send_error(&who->conn, r == -ENOMEM ? AOQ__ERROR_CODE__NO_MEMORY : AOQ__ERROR_CODE__INTERNAL,
+			                     why, false);
+		}
+	}
+	free(q);
+	if (who)
+		aoqd_session_unref(who);
+	aoqd_session_unref(s);
+}
+
+static int snapshot_at(struct aoqd_session *s, struct aoqd_session *who, uint64_t boundary, bool ready,
+                       struct aoqd_error *err)
+{
+	struct snap_req *q = calloc(1, sizeof(*q));
+	if (!q)
+		return AOQD_REFUSE(err, NO_MEMORY, "out of memory");
+	struct aoqd_snap_key key = { .uid = (uint32_t)s->conn.uid, .rank = s->conn.rank };
+	snprintf(key.job, sizeof(key.job), "%s", s->conn.job ? s->conn.job : "");
+	q->s = s;
+	q->who = who;
+	q->t0 = aoqd_now_ns();
+	q->boundary = boundary;
+	aoqd_session_ref(s);
+	if (who)
+		aoqd_session_ref(who);
+	int r = aoqd_snapshot_arm(s->srv->snapshotter, &s->st, &key, s->srv->cfg.state_dir, boundary, ready, snap_done,
+	                          q, err);
+	if (r < 0) {
+		if (who)
+			aoqd_session_unref(who);
+		aoqd_session_unref(s);
+		free(q);
+		return r;
+	}
+	aoqd_debug("snapshot", "session %" PRIu64 ": snapshot armed at step %" PRIu64 "%s", s->id, boundary,
+	           ready ? " (now)" : "");
+	return 0;
+}
+
+int aoqd_steps_snapshot(struct aoqd_session *s, struct aoqd_session *who, struct aoqd_error *err)
+{
+	struct aoqd_steps *st = &s->steps;
+	if (s->st.delayed)
+		return AOQD_REFUSE(err, INVALID, "snapshots of a session with the delayed update are not supported");
+	bool between = aoqd_steps_idle(st) && st->accepted[st->next_step & 1] == 0;
+	return snapshot_at(s, who, between ? st->next_step - 1 : st->next_step, between, err);
+}
+
+/* StepEnd of `step` arrived: a periodic snapshot at its end, when one is
+ * due (before the next step's records can be taken). */
+static void maybe_snapshot(struct aoqd_session *s, uint64_t step)
+{
+	const struct aoqd_config *cfg = &s->srv->cfg;
+	if ((!cfg->snapshot_every_steps && !cfg->snapshot_every_seconds) || s->st.delayed || aoqd_snapshot_busy(&s->st))
+		return;
+	uint64_t now = aoqd_now_ns();
+	if (!s->snap_mono_ns)
+		s->snap_mono_ns = now;
+	bool due = (cfg->snapshot_every_steps && step % cfg->snapshot_every_steps == 0) ||
+	           (cfg->snapshot_every_seconds && now - s->snap_mono_ns >= cfg->snapshot_every_seconds * 1000000000ull);
+	if (!due)
+		return;
+	s->snap_mono_ns = now;
+	struct aoqd_error err;
+	if (snapshot_at(s, NULL, step, false, &err) < 0)
+		aoqd_warn("snapshot", "session %" PRIu64 ": periodic snapshot not started: %s", s->id, err.msg);
 }
 
 /* Sends StepEnded for the ending step if its last job is done. */
@@ -60,6 +165,7 @@ static bool finish_step(struct aoqd_session *s)
 	Aoq__Envelope env = AOQ__ENVELOPE__INIT;
 	env.msg_case = AOQ__ENVELOPE__MSG_STEP_ENDED;
 	env.step_ended = &e;
+	aoqd_snapshot_ready(&s->st, e.step); /* a snapshot armed at this step may be written */
 	return aoqd_conn_send(&s->conn, &env) == 0;
 }
 
@@ -70,6 +176,7 @@ int aoqd_on_step_end(struct aoqd_session *s, const Aoq__Envelope *env, struct ao
 	if (m->step != st->next_step)
 		return AOQD_FAIL(err, PROTOCOL, "StepEnd for step %" PRIu64 ", the current step is %" PRIu64,
 		                 m->step, st->next_step);
+	maybe_snapshot(s, m->step);
 	st->ending_step = m->step;
 	st->end_pending = true;
 	st->next_step++;

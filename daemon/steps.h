@@ -48,6 +48,16 @@ void aoqd_steps_fini(struct aoqd_steps *st);
  * pending (state transfers need it). */
 bool aoqd_steps_idle(struct aoqd_steps *st);
 
+/*
+ * Snapshots (snapshot.c does the work): arms one of s (READY) at its next
+ * step boundary, its last completed step when it is between steps (no
+ * record of the open step taken, no StepEnd pending), else the end of the
+ * open step.  who: the aoqctl session that asked, which gets SnapshotDone
+ * or Error when the file is on disk; NULL for a periodic one.  0 or -errno
+ * with err filled (a refusal).  Loop thread.
+ */
+int aoqd_steps_snapshot(struct aoqd_session *s, struct aoqd_session *who, struct aoqd_error *err);
+
 /* Handler of StepEnd (a deferred reply while updates run). */
 int aoqd_on_step_end(struct aoqd_session *s, const Aoq__Envelope *env, struct aoqd_error *err);
 /* After a wake, or a doorbell (doorbell: true): takes records, releases a

@@ -16,6 +16,7 @@
 #include "convert.h"
 #include "server.h"
 #include "session.h"
+#include "snapshot.h"
 #include "state.h"
 #include "transfer.h"
 
@@ -44,6 +45,8 @@ static int transfer_valid(struct aoqd_session *s, uint32_t tensor, int what, int
 {
 	if (!aoqd_steps_idle(&s->steps))
 		return AOQD_REFUSE(err, BUSY, "state transfer while updates are in flight");
+	if (load && aoqd_snapshot_capturing(&s->st))
+		return AOQD_REFUSE(err, BUSY, "state load while a snapshot copies the state");
 	if (tensor >= s->st.ntensors || !aoqd_dtype_valid(dtype) || what < 0 || what > AOQ__STATE_KIND__PARAM ||
 	    (what == AOQ__STATE_KIND__PARAM && !load))
 		return AOQD_FAIL(err, INVALID, "state transfer: tensor %u what %d dtype %d", tensor, what, dtype);
@@ -158,6 +161,8 @@ int aoqd_on_tensor_steps(struct aoqd_session *s, const Aoq__Envelope *env, struc
 		return AOQD_FAIL(err, INVALID, "TensorSteps: tensors %u+%" PRIu64 " of %u", m->first, n, s->st.ntensors);
 	if (m->set && !aoqd_steps_idle(&s->steps))
 		return AOQD_REFUSE(err, BUSY, "TensorSteps while updates are in flight");
+	if (m->set && aoqd_snapshot_capturing(&s->st))
+		return AOQD_REFUSE(err, BUSY, "TensorSteps while a snapshot copies the state");
 	for (uint64_t i = 0; m->set && i < n; i++)
 		if (m->steps[i] > AOQD_MAX_TENSOR_STEPS)
 			return AOQD_REFUSE(err, INVALID, "TensorSteps: tensor %" PRIu64 ": %" PRIu64 " steps (at most %" PRIu64

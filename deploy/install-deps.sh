@@ -11,7 +11,7 @@ set -euo pipefail
 packages=(
 	meson ninja-build pkg-config gcc
 	libuv1-dev libprotobuf-c-dev protobuf-c-compiler
-	libsystemd-dev libze-dev libjson-c-dev
+	libsystemd-dev libze-dev libjson-c-dev zlib1g-dev
 	valgrind python3 python3-numpy python3-venv python3-prometheus-client
 	# tests/run-all.sh phase fuzz: clang with libFuzzer.  The fuzzer's
 	# runtime (libclang_rt.fuzzer) is in libclang-rt-14-dev, which clang

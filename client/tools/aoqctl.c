@@ -5,6 +5,7 @@
  *   aoqctl [--socket PATH] stats [--json|--prometheus] [--all] [--watch [SEC]] [-o FILE]
  *   aoqctl [--socket PATH] sessions [--all]
  *   aoqctl [--socket PATH] trace SESSION [--steps N] -o FILE
+ *   aoqctl [--socket PATH] snapshot SESSION
  *
  * It speaks the control protocol directly (proto/wire.h) as an observer:
  * Hello{observer} -> Welcome, then StatsRequest -> Stats (repeatedly with
@@ -52,6 +53,8 @@ static const char usage_text[] =
 	"  stats        daemon-wide figures, then one row per session, per job and per uid\n"
 	"  sessions     one line per session: id job rank uid pid device state precision\n"
 	"  trace ID     record the next steps of session ID as a Chrome trace (Perfetto)\n"
+	"  snapshot ID  write session ID's optimizer state to the daemon's state_dir\n"
+	"               (safetensors); waits until the file is on disk, prints its path\n"
 	"\n"
 	"Options:\n"
 	"  -s, --socket PATH     the daemon's socket (default: $AOQ_SOCKET, else\n"
@@ -1037,6 +1040,44 @@ static void trace_add(json_object *events, const Aoq__Trace *t, char **names, si
 	}
 }
 
+/* ---- snapshot ---------------------------------------------------------- */
+
+static int run_snapshot(const char *path, uint64_t session)
+{
+	int sock;
+	int ret = observer_connect(path, &sock);
+	if (ret != EXIT_OK)
+		return ret;
+	Aoq__SnapshotRequest req = AOQ__SNAPSHOT_REQUEST__INIT;
+	req.session = session;
+	Aoq__Envelope env = AOQ__ENVELOPE__INIT;
+	env.msg_case = AOQ__ENVELOPE__MSG_SNAPSHOT_REQUEST;
+	env.snapshot_request = &req;
+	char *msg = NULL;
+	Aoq__Envelope *rep = NULL;
+	ret = EXIT_UNREACHABLE;
+	int r = aoq_call(sock, &env, &rep, &msg);
+	if (r < 0) {
+		if (msg)
+			fprintf(stderr, "aoqctl: snapshot of session %" PRIu64 " failed: %s\n", session, msg);
+		else
+			fail_unreachable(path, r, "snapshot request failed at", msg);
+	} else if (rep->msg_case != AOQ__ENVELOPE__MSG_SNAPSHOT_DONE || !rep->snapshot_done) {
+		fprintf(stderr, "aoqctl: aoqd at %s answered SnapshotRequest with message %d, not SnapshotDone\n", path,
+		        (int)rep->msg_case);
+	} else {
+		printf("%s\n", rep->snapshot_done->path);
+		fprintf(stderr, "aoqctl: session %" PRIu64 " at step %" PRIu64 " written in %.3f s\n", session,
+		        rep->snapshot_done->step, rep->snapshot_done->seconds);
+		ret = EXIT_OK;
+	}
+	if (rep)
+		aoq_envelope_free(rep);
+	free(msg);
+	close(sock);
+	return ret;
+}
+
 static int run_trace(const char *path, uint64_t session, uint32_t steps, const char *output)
 {
 	int sock;
@@ -1345,7 +1386,8 @@ int main(int argc, char **argv)
 	bool is_stats = strcmp(cmd, "stats") == 0;
 	bool is_sessions = strcmp(cmd, "sessions") == 0;
 	bool is_trace = strcmp(cmd, "trace") == 0;
-	if (!is_stats && !is_sessions && !is_trace)
+	bool is_snapshot = strcmp(cmd, "snapshot") == 0;
+	if (!is_stats && !is_sessions && !is_trace && !is_snapshot)
 		return usage_error("unknown command '%s'", cmd);
 	uint64_t session = 0;
 	if (is_trace) {
@@ -1357,6 +1399,15 @@ int main(int argc, char **argv)
 			return usage_error("unexpected argument '%s'", operands[1]);
 		if (!a.output)
 			return usage_error("trace: -o FILE is required (the trace is JSON for Perfetto)");
+	} else if (is_snapshot) {
+		if (noperands < 1)
+			return usage_error("snapshot: which session? (aoqctl snapshot SESSION; ids: aoqctl sessions)");
+		if (!parse_u64(operands[0], 1, UINT64_MAX, &session))
+			return usage_error("snapshot: '%s' is not a session id", operands[0]);
+		if (noperands > 1)
+			return usage_error("unexpected argument '%s'", operands[1]);
+		if (a.output || a.all || a.steps_set || a.json || a.prometheus || a.watch > 0)
+			return usage_error("snapshot takes no options but --socket");
 	} else if (noperands > 0) {
 		return usage_error("unexpected argument '%s'", operands[0]);
 	}
@@ -1382,6 +1433,8 @@ int main(int argc, char **argv)
 	}
 	if (is_trace)
 		return run_trace(path, session, (uint32_t)a.steps, a.output);
+	if (is_snapshot)
+		return run_snapshot(path, session);
 	enum format fmt = a.json ? FMT_JSON : a.prometheus ? FMT_PROMETHEUS : FMT_TABLE;
 	return run_stats(path, a.all, fmt, is_sessions, a.watch, a.output);
 }

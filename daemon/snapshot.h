@@ -1,0 +1,173 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Snapshots of a session's optimizer state (snapshot.c), in the safetensors
+ * format (docs/snapshots.md): an 8-byte little-endian header length, a JSON
+ * header (per tensor dtype, shape, data_offsets; a __metadata__ map of
+ * strings), then the raw arrays.
+ *
+ * Three layers:
+ *  - the file: aoqd_snapfile_prepare() builds the header from a state (loop
+ *    thread), aoqd_snapfile_open/put/commit write it atomically (temp file in
+ *    the same directory, fsync, rename, fsync of the directory), and
+ *    aoqd_snapshot_load() reads and validates one (hostile input);
+ *  - the capture: a consistent copy of a live state at a step boundary,
+ *    taken tensor by tensor by the writer thread, or by the worker that is
+ *    about to update a tensor the writer has not reached
+ *    (aoqd_snapshot_guard(); docs/design.md, "Snapshots");
+ *  - the writer thread, which copies and writes off the loop and reports
+ *    back on the loop thread.
+ */
+#ifndef AOQD_SNAPSHOT_H
+#define AOQD_SNAPSHOT_H
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "error.h"
+#include "state.h"
+
+#define AOQD_SNAPSHOT_FORMAT "aoq-optimizer-state"
+#define AOQD_SNAPSHOT_VERSION 1
+#define AOQD_SNAPSHOT_SUFFIX ".safetensors"
+/* The header is at most this long (safetensors' own readers refuse more
+ * than 100 MB). */
+#define AOQD_SNAPSHOT_MAX_HEADER (100u << 20)
+
+/* Whose state it is: a session's key. */
+struct aoqd_snap_key {
+	uint32_t uid;
+	uint32_t rank;
+	char job[129];
+};
+
+/* ---- the file ---- */
+
+struct aoqd_snapfile;
+
+/*
+ * Builds the header of a snapshot of st taken after step `step` (the
+ * session's last completed step).  tensor_steps[i]: tensor i's step count
+ * at that boundary (NULL: st->tensors[i].steps).  Reads st's tables only
+ * (names, groups, options), not its arrays.  NULL with errno set.
+ */
+struct aoqd_snapfile *aoqd_snapfile_prepare(const struct aoqd_snap_key *key, uint64_t step,
+                                            const struct aoqd_state *st, const uint64_t *tensor_steps);
+/* Creates the temp file in dir and writes the header.  0 or -errno, err
+ * filled. */
+int aoqd_snapfile_open(struct aoqd_snapfile *f, const char *dir, struct aoqd_error *err);
+/* Writes tensor i's arrays (the layout of st->tensors[i].st: master, m,
+ * v, scales), in any order of tensors. */
+int aoqd_snapfile_put(struct aoqd_snapfile *f, uint32_t i, const struct aoqk_state *a, struct aoqd_error *err);
+/* Every tensor put: checksum into the header, fsync, rename over the
+ * session key's file, fsync of the directory.  The final path goes to
+ * path (len bytes).  On any error the temp file is removed and the
+ * previous snapshot stays. */
+int aoqd_snapfile_commit(struct aoqd_snapfile *f, char *path, size_t len, struct aoqd_error *err);
+void aoqd_snapfile_free(struct aoqd_snapfile *f);
+/* Tensors of the file (in write order, the order captures take them). */
+uint32_t aoqd_snapfile_tensors(const struct aoqd_snapfile *f);
+
+/* The whole state at once from its arrays (the caller keeps it still):
+ * prepare, open, put every tensor, commit. */
+int aoqd_snapshot_write(const char *dir, const struct aoqd_snap_key *key, uint64_t step,
+                        const struct aoqd_state *st, char *path, size_t len, struct aoqd_error *err);
+
+/* The file name of a key's snapshot in dir: "<uid>-<job>-<rank>.safetensors"
+ * with the job's bytes outside [A-Za-z0-9._-] as %XX. */
+int aoqd_snapshot_path(const char *dir, const struct aoqd_snap_key *key, char *path, size_t len);
+
+/*
+ * Reads and validates a snapshot: header length within the file and the
+ * limit, the JSON's types, every array's dtype, shape and offsets (inside
+ * the data, contiguous, no extra entries), the format and its version,
+ * the groups' hyperparameters, and the data's checksum.  Fills a zeroed
+ * st (groups, tensors with names and steps, options, state arrays
+ * allocated with aoqd_state_alloc(lock_memory) and filled), *key and
+ * *step.  0, or -errno with a message in why.  st is left empty on error.
+ */
+int aoqd_snapshot_load(const char *path, int lock_memory, _Atomic uint64_t *locked_total, struct aoqd_snap_key *key,
+                       uint64_t *step, struct aoqd_state *st, char *why, size_t len);
+
+/*
+ * Restore on restart: loads every "*.safetensors" of dir and hands each
+ * (key, step, state) to fn.  The state is malloc'ed and filled (arrays
+ * allocated, locked per lock_memory, counted in *locked_total, no account
+ * charged): fn takes it (returns 0; it frees it later with
+ * aoqd_state_free() and free()) or refuses it (< 0: freed here).  The
+ * coordinator wires fn to the lease code (aoqd_lease_adopt).  A file that does not load is logged
+ * and skipped.  Returns the number of states taken, or -errno when dir
+ * cannot be read (-ENOENT: no directory, nothing to restore).
+ */
+typedef int (*aoqd_snapshot_restore_fn)(const struct aoqd_snap_key *key, uint64_t step, struct aoqd_state *st,
+                                        void *arg);
+int aoqd_snapshot_restore_all(const char *dir, int lock_memory, _Atomic uint64_t *locked_total,
+                              aoqd_snapshot_restore_fn fn, void *arg);
+
+/* ---- the capture and the writer ---- */
+
+struct aoqd_snapshotter;
+
+/* Called on the loop thread when a snapshot is on disk (r == 0, path set)
+ * or failed (r < 0, why set). */
+typedef void (*aoqd_snapshot_done_fn)(void *arg, int r, const char *path, const char *why);
+
+/* The writer thread and its loop-side wake.  NULL with errno set. */
+struct aoqd_snapshotter *aoqd_snapshotter_new(uv_loop_t *loop);
+/* Waits for the snapshot being written, fails the queued ones, stops the
+ * thread and closes the loop handle (the loop must run once more). */
+void aoqd_snapshotter_free(struct aoqd_snapshotter *w);
+/* The writer is idle (tests, benchmarks). */
+bool aoqd_snapshotter_idle(struct aoqd_snapshotter *w);
+
+/*
+ * Arms a capture of st at step boundary `boundary`: from now on every
+ * update of a step after `boundary` first makes sure its tensor is
+ * captured (aoqd_snapshot_guard).  ready: every update up to the boundary
+ * is done (else call aoqd_snapshot_ready() when it is).  done(arg) is
+ * called on the loop thread with the outcome.  -EBUSY when st has a
+ * capture in progress.  Loop thread.
+ */
+int aoqd_snapshot_arm(struct aoqd_snapshotter *w, struct aoqd_state *st, const struct aoqd_snap_key *key,
+                      const char *dir, uint64_t boundary, bool ready, aoqd_snapshot_done_fn done, void *arg,
+                      struct aoqd_error *err);
+/* The state is at its capture's boundary (the boundary step's last update
+ * is done): the writer may start.  Takes the tensors' steps then.  Loop
+ * thread; nothing when st has no capture waiting. */
+void aoqd_snapshot_ready(struct aoqd_state *st, uint64_t step_ended);
+/* The state's owner goes away before the boundary was reached: the capture
+ * fails with why.  A capture already writing goes on (it holds what it
+ * needs).  Loop thread. */
+void aoqd_snapshot_cancel(struct aoqd_state *st, const char *why);
+/* Whether st has a capture armed or writing. */
+bool aoqd_snapshot_busy(const struct aoqd_state *st);
+/* Boundary of st's capture waiting to be ready, or UINT64_MAX. */
+uint64_t aoqd_snapshot_pending_boundary(const struct aoqd_state *st);
+/* Frees what captures of st keep (the state is being freed; no capture
+ * runs). */
+void aoqd_snapshot_state_free(struct aoqd_state *st);
+
+void aoqd_snapshot_capture(struct aoqd_state *st, uint32_t tensor, uint64_t step);
+
+/* A capture is armed and has not taken every tensor yet: loads and step
+ * changes wait (BUSY). */
+static inline bool aoqd_snapshot_capturing(struct aoqd_state *st)
+{
+	return atomic_load_explicit(&st->snap_after, memory_order_acquire) != 0;
+}
+
+/* Before an update of tensor `tensor` in step `step` touches its state
+ * (workers, or the loop thread before a load): copies it into the capture
+ * first when a capture of an earlier boundary has not taken it yet, or
+ * waits while another thread copies it.  Costs one atomic load when no
+ * capture runs. */
+static inline void aoqd_snapshot_guard(struct aoqd_state *st, uint32_t tensor, uint64_t step)
+{
+	uint64_t after = atomic_load_explicit(&st->snap_after, memory_order_acquire);
+	if (after && step >= after)
+		aoqd_snapshot_capture(st, tensor, step);
+}
+
+#endif

@@ -1,0 +1,222 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * bench-snapshot: the step time a snapshot adds while it is written
+ * (docs/snapshots.md; the design's target is under 5 ms per step at 1 G
+ * parameters).  Host backend ("cpu"), its own aoqd with --state-dir.
+ *
+ *   1. --steps N steps without a snapshot: the baseline step time;
+ *   2. a SnapshotRequest (as aoqctl snapshot) sent between two steps, the
+ *      trainer going on at once; steps until SnapshotDone arrives (at least
+ *      N): their step times, the first one after the request (where the
+ *      workers copy tensors the writer has not reached) apart;
+ *   3. N steps after it.
+ * Prints the baseline, the steps during the write (mean, median, max), the
+ * added time (mean during - mean baseline), the snapshot's seconds and
+ * bytes.  Step = every tensor's push (backward order), StepEnd, sync.
+ *
+ * --gap MS sleeps that long before each step's first push: the GPU's forward
+ * pass, during which the workers are idle and the writer copies (0: the
+ * worst case, every copy on the step path).
+ *
+ *   bench-snapshot [--elems N] [--tensors T] [--steps N] [--threads N] [--gap MS]
+ *                  [--precision fp32|q8|bf16_all] [--dir DIR] [--aoqd PATH]
+ */
+#include <errno.h>
+#include <getopt.h>
+#include <inttypes.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "harness.h"
+
+#ifndef AOQD_PATH
+#define AOQD_PATH "aoqd"
+#endif
+
+static int cmp_d(const void *a, const void *b)
+{
+	double x = *(const double *)a, y = *(const double *)b;
+	return x < y ? -1 : x > y;
+}
+
+static void summary(const char *what, double *t, int n)
+{
+	if (n <= 0)
+		return;
+	double sum = 0, mx = 0;
+	for (int i = 0; i < n; i++) {
+		sum += t[i];
+		mx = t[i] > mx ? t[i] : mx;
+	}
+	double *s = aoqt_xmalloc((size_t)n * sizeof(double));
+	memcpy(s, t, (size_t)n * sizeof(double));
+	qsort(s, (size_t)n, sizeof(double), cmp_d);
+	printf("%-28s steps %3d  mean %8.2f ms  median %8.2f ms  max %8.2f ms\n", what, n, sum / n * 1e3,
+	       s[n / 2] * 1e3, mx * 1e3);
+	free(s);
+}
+
+static double mean(const double *t, int n)
+{
+	double s = 0;
+	for (int i = 0; i < n; i++)
+		s += t[i];
+	return n ? s / n : 0;
+}
+
+int main(int argc, char **argv)
+{
+	uint64_t elems = 1ull << 27;
+	unsigned tensors = 64, steps = 10, threads = 0, gap_ms = 0;
+	const char *aoqd = AOQD_PATH, *dir = NULL, *prec_name = "fp32";
+	static const struct option opts[] = {
+		{ "elems", required_argument, NULL, 'e' }, { "tensors", required_argument, NULL, 't' },
+		{ "steps", required_argument, NULL, 'n' }, { "threads", required_argument, NULL, 'j' },
+		{ "precision", required_argument, NULL, 'p' }, { "dir", required_argument, NULL, 'd' },
+		{ "aoqd", required_argument, NULL, 'a' }, { "gap", required_argument, NULL, 'g' },
+		{ NULL, 0, NULL, 0 },
+	};
+	int c;
+	while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+		switch (c) {
+		case 'e': elems = strtoull(optarg, NULL, 0); break;
+		case 't': tensors = (unsigned)strtoul(optarg, NULL, 0); break;
+		case 'n': steps = (unsigned)strtoul(optarg, NULL, 0); break;
+		case 'j': threads = (unsigned)strtoul(optarg, NULL, 0); break;
+		case 'p': prec_name = optarg; break;
+		case 'd': dir = optarg; break;
+		case 'a': aoqd = optarg; break;
+		case 'g': gap_ms = (unsigned)strtoul(optarg, NULL, 0); break;
+		default: fprintf(stderr, "usage: see the comment at the top of bench-snapshot.c\n"); return 2;
+		}
+	}
+	enum aoq_precision prec = strcmp(prec_name, "q8") == 0 ? AOQ_STATE_Q8
+	                          : strcmp(prec_name, "bf16_all") == 0 ? AOQ_STATE_BF16_ALL : AOQ_STATE_FP32;
+	aoqt_init("bench-snapshot");
+	char tmpl[] = "/var/tmp/aoq-bench-snap-XXXXXX";
+	if (!dir) {
+		if (!mkdtemp(tmpl))
+			return 1;
+		dir = tmpl;
+	}
+	char th[16];
+	snprintf(th, sizeof(th), "%u", threads);
+	const char *args[] = { "--state-dir", dir, threads ? "--threads" : NULL, th, NULL };
+	struct aoqt_daemon d;
+	CHECK_OK(aoqt_daemon_start(&d, aoqd, args));
+	struct aoq_options o = AOQ_OPTIONS_INIT;
+	o.socket = d.socket;
+	o.device = "cpu";
+	o.job = "bench-snapshot";
+	o.precision = prec;
+	struct aoq_client *cl;
+	CHECK_OK(aoq_connect(&cl, &o));
+	struct aoq_group g = AOQ_GROUP_INIT;
+	g.kind = AOQ_ADAMW;
+	g.lr = 1e-4;
+	g.beta1 = 0.9;
+	g.beta2 = 0.999;
+	g.eps = 1e-8;
+	g.weight_decay = 0.01;
+	CHECK_OK(aoq_add_group(cl, &g));
+	uint64_t per = elems / tensors;
+	for (unsigned i = 0; i < tensors; i++) {
+		struct aoq_tensor t = AOQ_TENSOR_INIT;
+		char name[32];
+		snprintf(name, sizeof(name), "layers.%u.weight", i);
+		t.name = name;
+		t.numel = per;
+		t.param_dtype = AOQ_BF16;
+		t.grad_dtype = AOQ_BF16;
+		uint16_t *p = aoqt_xmalloc(per * 2), *gr = aoqt_xmalloc(per * 2);
+		for (uint64_t k = 0; k < per; k++) {
+			p[k] = 0x3f80 ^ (uint16_t)(k & 0x7f);      /* about 1 */
+			gr[k] = 0x3c00 ^ (uint16_t)((k * 7) & 0xff); /* about 0.01 */
+		}
+		t.param = p;
+		t.grad = gr;
+		CHECK_OK(aoq_add_tensor(cl, &t));
+	}
+	CHECK_OK(aoq_register(cl));
+	Aoq__Envelope *env;
+	CHECK_OK(aoqt_stats(d.socket, &env));
+	uint64_t id = env->stats->sessions[0]->id, state_bytes = env->stats->sessions[0]->state_bytes;
+	aoq_envelope_free(env);
+	printf("aoqd %s, %" PRIu64 " parameters in %u tensors, %s state (%.2f GiB), state dir %s, gap %u ms "
+	       "(not in the step times)\n", aoqd, per * tensors, tensors, prec_name, (double)state_bytes / (1u << 30), dir,
+	       gap_ms);
+
+	int cap = 10000;
+	double *base = aoqt_xmalloc(sizeof(double) * cap), *during = aoqt_xmalloc(sizeof(double) * cap),
+	       *after = aoqt_xmalloc(sizeof(double) * cap);
+	int nb = 0, nd = 0, na = 0;
+	double first = 0;
+	for (unsigned s = 0; s < steps + 2; s++) {
+		if (gap_ms)
+			usleep(gap_ms * 1000u);
+		double t0 = aoqt_now();
+		for (unsigned i = tensors; i-- > 0;)
+			CHECK_OK(aoq_push_grad(cl, i, 0, NULL));
+		CHECK_OK(aoq_step_end(cl));
+		CHECK_OK(aoq_sync(cl, NULL));
+		if (s >= 2) /* warm-up */
+			base[nb++] = aoqt_now() - t0;
+	}
+	int fd = aoqt_raw_connect(d.socket);
+	uint64_t oid;
+	CHECK_OK(aoqt_raw_hello(fd, "aoqctl", 0, true, &oid));
+	Aoq__SnapshotRequest q = AOQ__SNAPSHOT_REQUEST__INIT;
+	q.session = id;
+	double ts = aoqt_now();
+	CHECK_OK(aoqt_send_msg(fd, AOQ__ENVELOPE__MSG_SNAPSHOT_REQUEST, &q));
+	bool done = false;
+	double snap_s = 0;
+	Aoq__Envelope *rep = NULL;
+	while (na < (int)steps && nd + na < cap) {
+		if (gap_ms)
+			usleep(gap_ms * 1000u);
+		double t0 = aoqt_now();
+		for (unsigned i = tensors; i-- > 0;)
+			CHECK_OK(aoq_push_grad(cl, i, 0, NULL));
+		CHECK_OK(aoq_step_end(cl));
+		CHECK_OK(aoq_sync(cl, NULL));
+		double dt = aoqt_now() - t0;
+		if (!done) {
+			if (nd == 0)
+				first = dt;
+			during[nd++] = dt;
+			struct pollfd p = { .fd = fd, .events = POLLIN };
+			if (poll(&p, 1, 0) == 1) {
+				CHECK(aoq_recv_frame(fd, &rep, NULL, 0, NULL) >= 0, "no SnapshotDone");
+				CHECK(rep->msg_case == AOQ__ENVELOPE__MSG_SNAPSHOT_DONE, "snapshot failed: %s",
+				      rep->msg_case == AOQ__ENVELOPE__MSG_ERROR ? rep->error->message : "?");
+				snap_s = aoqt_now() - ts;
+				done = true;
+			}
+		} else {
+			after[na++] = dt;
+		}
+	}
+	CHECK(done, "the snapshot did not finish within %d steps", cap);
+	struct stat sb;
+	CHECK(stat(rep->snapshot_done->path, &sb) == 0, "stat %s", rep->snapshot_done->path);
+	summary("baseline", base, nb);
+	summary("while the snapshot is written", during, nd);
+	summary("after it", after, na);
+	printf("first step after the request %.2f ms (baseline mean %.2f ms)\n", first * 1e3, mean(base, nb) * 1e3);
+	printf("added step time while writing: %+.2f ms per step (mean), %+.2f ms excluding the first step\n",
+	       (mean(during, nd) - mean(base, nb)) * 1e3,
+	       nd > 1 ? (mean(during + 1, nd - 1) - mean(base, nb)) * 1e3 : 0.0);
+	printf("snapshot: %.3f s request to file on disk, %.2f GiB, %.2f GiB/s, %s\n", snap_s,
+	       (double)sb.st_size / (1u << 30), (double)sb.st_size / (1u << 30) / snap_s, rep->snapshot_done->path);
+	unlink(rep->snapshot_done->path);
+	aoq_envelope_free(rep);
+	close(fd);
+	aoq_close(cl);
+	aoqt_daemon_stop(&d, 60000, true);
+	if (dir == tmpl)
+		rmdir(tmpl);
+	return 0;
+}
