@@ -49,7 +49,7 @@ void aoqd_q8_decode(float *dst, const void *codes, const float *scales, bool sec
 		uint64_t e = first + i;
 		float s = scales[e / AOQK_Q8_BLOCK];
 		dst[i] = second ? aoqk_q8_v_decode(((const uint8_t *)codes)[e], s)
-		                : aoqk_q8_m_decode(((const int8_t *)codes)[e], s);
+		                : aoqk_q8_m_decode(((const uint8_t *)codes)[e], s);
 	}
 }
 
@@ -67,10 +67,10 @@ void aoqd_q8_encode(void *codes, float *scales, const float *src, bool second, u
 		}
 		uint64_t e0 = first + b;
 		scales[e0 / AOQK_Q8_BLOCK] = mx;
-		float inv = mx > 0 ? 1.0f / mx : 0.0f;
+		float inv = aoqk_q8_inv(second ? AOQK_Q8_U_TOP : AOQK_Q8_M_TOP, mx);
 		for (size_t i = 0; i < len; i++) {
 			if (!second)
-				((int8_t *)codes)[e0 + i] = aoqk_q8_m_encode(src[b + i], inv);
+				((uint8_t *)codes)[e0 + i] = aoqk_q8_m_encode(src[b + i], inv);
 			else
 				((uint8_t *)codes)[e0 + i] = aoqk_q8_v_encode(src[b + i], inv);
 		}

@@ -17,14 +17,42 @@
 #include <stdint.h>
 #include <string.h>
 
-/* q8 codebooks:
- *   m = sign(q) * q^2 / 127^2 * m_scale        q in [-127, 127]
+/* q8 moment formats (kernels/README.md, "q8 moments").  The state holds
+ * format 2; format 1 is the earlier codebook, kept for state written with it
+ * (decode only, and a nearest-code encode for tests).
+ *
+ * Format 2, an 8-bit float relative to the block's scale, with a linear
+ * bottom binade (like denormals) made by an offset K:
+ *   m:        byte = sign << 7 | c, c in [0, 127], 3 exponent and 4 mantissa bits
+ *             |m| = (F(c) - K) * m_scale / TOP
+ *   sqrt(v):  byte = c in [0, 255], 4 exponent and 4 mantissa bits
+ *             sqrt(v) = (F(c) - K) * v_scale / TOP
+ * F(c) is the float with bits (c + C0) << SHIFT, SHIFT = 23 - mantissa bits,
+ * C0 chosen so that the largest code is the largest float below 2 with that
+ * many mantissa bits; K = F(0) (so code 0 is 0) and TOP = F(cmax) - K, both
+ * exact.  m_scale is the block's max |m|, v_scale its max sqrt(v).  Encoding
+ * adds K to x * TOP / scale and keeps the top bits of its fp32 pattern:
+ * shifts and integer adds, no square root and no search. */
+#define AOQK_Q8_FORMAT 2
+#define AOQK_Q8_M_MB 4 /* m: e3m4 */
+#define AOQK_Q8_U_MB 5 /* sqrt(v): e3m5 */
+#define AOQK_Q8_M_SHIFT (23 - AOQK_Q8_M_MB)
+#define AOQK_Q8_U_SHIFT (23 - AOQK_Q8_U_MB)
+#define AOQK_Q8_M_C0 ((127u << AOQK_Q8_M_MB) + (1u << AOQK_Q8_M_MB) - 1u - 127u)
+#define AOQK_Q8_U_C0 ((127u << AOQK_Q8_U_MB) + (1u << AOQK_Q8_U_MB) - 1u - 255u)
+#define AOQK_Q8_M_K aoqk_u2f(AOQK_Q8_M_C0 << AOQK_Q8_M_SHIFT)
+#define AOQK_Q8_U_K aoqk_u2f(AOQK_Q8_U_C0 << AOQK_Q8_U_SHIFT)
+#define AOQK_Q8_M_TOP (aoqk_u2f((AOQK_Q8_M_C0 + 127u) << AOQK_Q8_M_SHIFT) - AOQK_Q8_M_K)
+#define AOQK_Q8_U_TOP (aoqk_u2f((AOQK_Q8_U_C0 + 255u) << AOQK_Q8_U_SHIFT) - AOQK_Q8_U_K)
+
+/* Format 1 codebooks (square-root companding):
+ *   m = sign(q) * q^2 / 127^2 * m_scale        q in [-127, 127] (int8)
  *   sqrt(v) = q^2 / 255^2 * v_scale            q in [0, 255]
  * m_scale is the block's max |m|, v_scale the block's max sqrt(v). */
-#define AOQK_Q8_M_MAX 127.0f
-#define AOQK_Q8_U_MAX 255.0f
-#define AOQK_Q8_M_DIV 16129.0f /* 127^2 */
-#define AOQK_Q8_U_DIV 65025.0f /* 255^2 */
+#define AOQK_Q8V1_M_MAX 127.0f
+#define AOQK_Q8V1_U_MAX 255.0f
+#define AOQK_Q8V1_M_DIV 16129.0f /* 127^2 */
+#define AOQK_Q8V1_U_DIV 65025.0f /* 255^2 */
 
 static inline uint32_t aoqk_f2u(float f)
 {
@@ -102,40 +130,94 @@ static inline float aoqk_f16_to_f32(uint16_t h)
 	return aoqk_u2f(o | sign);
 }
 
-/* One q8 code to its moment value, given the block's scale. */
-static inline float aoqk_q8_m_decode(int8_t code, float m_scale)
+/* Format 2: one code to its moment value, given the block's scale. */
+static inline float aoqk_q8_m_decode(uint8_t code, float m_scale)
 {
-	float q = (float)code;
-	return q * fabsf(q) * (m_scale / AOQK_Q8_M_DIV);
+	float y = aoqk_u2f(((code & 0x7fu) + AOQK_Q8_M_C0) << AOQK_Q8_M_SHIFT) - AOQK_Q8_M_K;
+	float x = y * (m_scale / AOQK_Q8_M_TOP);
+	return (code & 0x80u) ? -x : x;
 }
 
 static inline float aoqk_q8_v_decode(uint8_t code, float v_scale)
 {
-	float q = (float)code;
-	float u = q * q * (v_scale / AOQK_Q8_U_DIV);
+	float y = aoqk_u2f((code + AOQK_Q8_U_C0) << AOQK_Q8_U_SHIFT) - AOQK_Q8_U_K;
+	float u = y * (v_scale / AOQK_Q8_U_TOP);
 	return u * u;
 }
 
-/* Round to nearest in code space (the kernels round stochastically; loads
- * of saved state round to nearest).  inv is 1 / the block's scale, or 0. */
-static inline int8_t aoqk_q8_m_encode(float m, float inv)
+/* Format 2: the encode factor for a block whose scale (max) is s, with
+ * top = AOQK_Q8_M_TOP or AOQK_Q8_U_TOP: top / s, 0 for an empty block, and
+ * FLT_MAX where top / s overflows (a block of denormals), so that x * inv
+ * stays finite (0 * inf would be NaN: the top code) for every x <= s. */
+static inline float aoqk_q8_inv(float top, float s)
 {
-	float x = nearbyintf(sqrtf(fabsf(m) * inv) * AOQK_Q8_M_MAX);
-	/* A non-finite value (a block with inf: inv 0, inf * 0; or NaN) has
-	 * no code: NaN is 0, and nothing passes the extreme code.  Casting
-	 * NaN or an out-of-range float to an integer is undefined (the fuzz
-	 * phase's UBSan found it through LoadState). */
-	if (!(x <= AOQK_Q8_M_MAX))
-		x = x > AOQK_Q8_M_MAX ? AOQK_Q8_M_MAX : 0.0f;
-	return (int8_t)(m < 0 ? -x : x);
+	return s > 0.0f ? fminf(top / s, 3.40282347e38f) : 0.0f;
+}
+
+/* Format 2 encode of x = |m| or sqrt(v) with inv = TOP / the block's scale
+ * (or 0): the code of x * inv + K, rounded by adding r to its bits below the
+ * kept ones (r = half of them: nearest; random: stochastic), at most cmax. */
+static inline uint32_t aoqk_q8_code(float x, float inv, float k, uint32_t r, unsigned shift,
+                                    uint32_t c0, uint32_t cmax)
+{
+	uint32_t c = ((aoqk_f2u(x * inv + k) + r) >> shift) - c0;
+	return c < cmax ? c : cmax;
+}
+
+/* Round to nearest in code space (the kernels round stochastically; loads
+ * of saved state round to nearest).  inv is AOQK_Q8_*_TOP / the block's
+ * scale, or 0. */
+static inline uint8_t aoqk_q8_m_encode(float m, float inv)
+{
+	uint32_t c = aoqk_q8_code(fabsf(m), inv, AOQK_Q8_M_K, 1u << (AOQK_Q8_M_SHIFT - 1), AOQK_Q8_M_SHIFT,
+	                          AOQK_Q8_M_C0, 127);
+	return (uint8_t)(c | (m < 0 ? 0x80u : 0));
 }
 
 static inline uint8_t aoqk_q8_v_encode(float v, float inv)
 {
 	float u = sqrtf(fmaxf(v, 0.0f));
-	float y = nearbyintf(sqrtf(u * inv) * AOQK_Q8_U_MAX);
-	if (!(y <= AOQK_Q8_U_MAX))
-		y = y > AOQK_Q8_U_MAX ? AOQK_Q8_U_MAX : 0.0f; /* as in aoqk_q8_m_encode */
+	uint32_t c = aoqk_q8_code(u, inv, AOQK_Q8_U_K, 1u << (AOQK_Q8_U_SHIFT - 1), AOQK_Q8_U_SHIFT,
+	                          AOQK_Q8_U_C0, 255);
+	if (c == 0 && u > 0)
+		c = 1; /* a non-zero v keeps a non-zero code */
+	return (uint8_t)c;
+}
+
+/* Format 1: one code to its moment value, given the block's scale. */
+static inline float aoqk_q8v1_m_decode(int8_t code, float m_scale)
+{
+	float q = (float)code;
+	return q * fabsf(q) * (m_scale / AOQK_Q8V1_M_DIV);
+}
+
+static inline float aoqk_q8v1_v_decode(uint8_t code, float v_scale)
+{
+	float q = (float)code;
+	float u = q * q * (v_scale / AOQK_Q8V1_U_DIV);
+	return u * u;
+}
+
+/* Format 1, round to nearest in code space; inv is 1 / the block's scale, or 0. */
+static inline int8_t aoqk_q8v1_m_encode(float m, float inv)
+{
+	float x = nearbyintf(sqrtf(fabsf(m) * inv) * AOQK_Q8V1_M_MAX);
+	/* A non-finite value (a block with inf: inv 0, inf * 0; or NaN) has
+	 * no code: NaN is 0, and nothing passes the extreme code.  Casting
+	 * NaN or an out-of-range float to an integer is undefined (the fuzz
+	 * phase's UBSan found it through LoadState).  Format 2 works on the
+	 * bits and clamps the code, so it has no such cast. */
+	if (!(x <= AOQK_Q8V1_M_MAX))
+		x = x > AOQK_Q8V1_M_MAX ? AOQK_Q8V1_M_MAX : 0.0f;
+	return (int8_t)(m < 0 ? -x : x);
+}
+
+static inline uint8_t aoqk_q8v1_v_encode(float v, float inv)
+{
+	float u = sqrtf(fmaxf(v, 0.0f));
+	float y = nearbyintf(sqrtf(u * inv) * AOQK_Q8V1_U_MAX);
+	if (!(y <= AOQK_Q8V1_U_MAX))
+		y = y > AOQK_Q8V1_U_MAX ? AOQK_Q8V1_U_MAX : 0.0f; /* as in aoqk_q8v1_m_encode */
 	if (y == 0 && u > 0)
 		y = 1; /* a non-zero v keeps a non-zero code */
 	return (uint8_t)y;

@@ -134,7 +134,7 @@ static double timed(void (*fn)(int), void (*before)(void))
 
 static float *master32, *m32, *v32, *ms, *vs;
 static void *grad, *param;
-static uint16_t *master16, *m16;
+static uint16_t *master16, *m16, *v16;
 static int8_t *mq;
 static uint8_t *vq;
 
@@ -197,6 +197,7 @@ static void init_job(int tid)
 		((float *)param)[i] = 0.0f;
 		master16[i] = (uint16_t)(aoqk_f2u(r) >> 16);
 		m16[i] = (uint16_t)(aoqk_f2u(r * 1e-3f) >> 16);
+		v16[i] = (uint16_t)(aoqk_f2u(r * r * 1e-6f + 1e-12f) >> 16);
 		mq[i] = (int8_t)(x >> 25);
 		vq[i] = (uint8_t)(x >> 8);
 	}
@@ -218,11 +219,11 @@ static size_t cur_chunk;
 enum { OPT_ADAM, OPT_SGD, OPT_LION };
 static int cur_opt;
 
-static void *moment_ptr(enum aoqk_precision p, void *f32, void *q8)
+static void *moment_ptr(enum aoqk_precision p, void *f32, void *q8, void *b16)
 {
 	if (aoqk_precision_q8(p))
 		return q8;
-	return aoqk_precision_bf16_moments(p) ? (void *)m16 : f32;
+	return aoqk_precision_bf16_moments(p) ? b16 : f32;
 }
 
 static void kernel_job(int tid)
@@ -232,8 +233,8 @@ static void kernel_job(int tid)
 		.precision = cur_prec,
 		.n = N,
 		.master = aoqk_precision_bf16_master(cur_prec) ? (void *)master16 : (void *)master32,
-		.m = moment_ptr(cur_prec, m32, mq),
-		.v = cur_opt != OPT_ADAM ? NULL : moment_ptr(cur_prec, v32, vq),
+		.m = moment_ptr(cur_prec, m32, mq, m16),
+		.v = cur_opt != OPT_ADAM ? NULL : moment_ptr(cur_prec, v32, vq, v16),
 		.m_scale = ms,
 		.v_scale = vs,
 	};
@@ -441,13 +442,17 @@ static const char *dt_name(enum aoqk_dtype d)
 }
 
 /* Bytes the job must move per parameter: grad in, master and moments read
- * and written, param out (Adam: m and v; SGD with momentum and Lion: m). */
+ * and written, param out (Adam: m and v; SGD with momentum and Lion: m),
+ * q8: each moment's fp32 block scale read and written (kernels/README.md,
+ * "Bytes per parameter"). */
 static double job_bytes_opt(enum aoqk_precision p, enum aoqk_dtype gd, enum aoqk_dtype pd, int opt)
 {
 	double master = (double)aoqk_master_size(p);
 	double mom = (double)aoqk_moment_size(p);
 	double nmom = opt == OPT_ADAM ? 2 : 1;
-	return (double)aoqk_dtype_size(gd) + 2 * master + 2 * nmom * mom + (double)aoqk_dtype_size(pd);
+	double scales = aoqk_precision_q8(p) ? 2 * nmom * 4.0 / AOQK_Q8_BLOCK : 0; /* r + w */
+	return (double)aoqk_dtype_size(gd) + 2 * master + 2 * nmom * mom + scales +
+	       (double)aoqk_dtype_size(pd);
 }
 
 static double job_bytes(enum aoqk_precision p, enum aoqk_dtype gd, enum aoqk_dtype pd)
@@ -604,6 +609,7 @@ int main(int argc, char **argv)
 	param = big(N * 4);
 	master16 = big(N * 2);
 	m16 = big(N * 2);
+	v16 = big(N * 2);
 	mq = big(N);
 	vq = big(N);
 	ms = big(nb * 4);
@@ -628,7 +634,7 @@ int main(int argc, char **argv)
 			printf("%s: skipped\n", k->name);
 			continue;
 		}
-		for (int p = 0; p < 4; p++)
+		for (int p = 0; p <= AOQK_STATE_BF16_ALL; p++)
 			bench_kernel(k, (enum aoqk_precision)p, AOQK_BF16, AOQK_BF16, 0, CHUNK, "");
 		bench_kernel(k, AOQK_STATE_FP32, AOQK_FP32, AOQK_FP32, 0, CHUNK, "");
 		static const enum aoqk_precision slp[] = { AOQK_STATE_FP32, AOQK_STATE_BF16,
@@ -688,6 +694,23 @@ int main(int argc, char **argv)
 	for (int i = 0; i < nresults; i++)
 		if (!strcmp(results[i].name, "stream_triad_nt"))
 			triad = results[i].gbps;
+	/* every Adam state precision of the default kernel, bf16 grad in and
+	 * bf16 param out: bytes per parameter per step and the ratio to the
+	 * triad (the delayed update moves the same bytes as its precision: the
+	 * param goes to the other of two buffers) */
+	printf("MODE %-10s %14s %10s %8s %8s\n", "precision", "bytes/param", "Gparam/s", "GB/s", "triad");
+	for (int p = 0; p <= AOQK_STATE_BF16_ALL; p++) {
+		char name[96];
+		snprintf(name, sizeof(name), "%s_%s_bf16_bf16", best->name, prec_name((enum aoqk_precision)p));
+		for (char *c = name; *c; c++)
+			if (*c == '-')
+				*c = '_';
+		for (int i = 0; i < nresults; i++)
+			if (!strcmp(results[i].name, name))
+				printf("MODE %-10s %14.4f %10.3f %8.1f %8.3f\n", prec_name((enum aoqk_precision)p),
+				       job_bytes((enum aoqk_precision)p, AOQK_BF16, AOQK_BF16), results[i].gps,
+				       results[i].gbps, triad > 0 ? results[i].gbps / triad : 0.0);
+	}
 	for (int i = 0; i < nresults; i++)
 		printf("RESULT %s gparams_per_s=%.4f gbps=%.2f ratio_to_triad=%.3f\n", results[i].name,
 		       results[i].gps, results[i].gbps, triad > 0 ? results[i].gbps / triad : 0.0);

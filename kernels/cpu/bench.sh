@@ -3,6 +3,9 @@
 # Build the kernels and their benchmark with gcc alone (no meson, no libuv or
 # protobuf-c needed), run bench-kernels and the PyTorch comparison with the
 # same size and threads, and write the logs to $OUT (default ./bench-out).
+# The last lines (MODE, also in $OUT/modes.txt) give, for the default
+# kernel, every state precision's bytes per parameter per step, G params/s,
+# GB/s and ratio to the non-temporal STREAM triad of the same run.
 #
 #   kernels/cpu/bench.sh [-n PARAMS] [-t THREADS] [-r REPS] [extra bench-kernels args]
 #
@@ -74,3 +77,6 @@ END {
 	}
 }' "$out/results.txt" | tee "$out/speedup.txt"
 cat "$out/results.txt"
+# bytes per parameter per step of each state precision (kernels/README.md)
+# and its rate and ratio to the non-temporal triad of this run
+grep -h '^MODE' "$out/bench-kernels.log" | tee "$out/modes.txt"

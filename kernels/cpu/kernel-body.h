@@ -92,6 +92,21 @@ static AOQK_ALWAYS_INLINE vi sr_hash(uint32_t key, uint64_t i0)
 	return h;
 }
 
+/* q8 states' random bits: 16 lanes of xorshift32 per block, seeded from
+ * the index hash of the block's first 16 elements (| 1: never the fixed
+ * point 0) and stepped once per 16 elements (README.md, "bf16 master with
+ * stochastic rounding"): one xorshift per vector instead of one hash per
+ * element, the same bits for every vector width.  A variant with W < 16
+ * keeps 16 / W states and uses them in turn. */
+#define XS_N (16 / W)
+
+static AOQK_ALWAYS_INLINE vi xs_next(vi x)
+{
+	x = vi_xor(x, vi_slli(x, 13));
+	x = vi_xor(x, vi_srli(x, 17));
+	return vi_xor(x, vi_slli(x, 5));
+}
+
 /* Stochastic rounding of x to bf16 with 16 random bits per lane in r. */
 static AOQK_ALWAYS_INLINE vi sr_bf16(vf x, vi r)
 {
@@ -101,17 +116,22 @@ static AOQK_ALWAYS_INLINE vi sr_bf16(vf x, vi r)
 	return vi_select_nan(x, q, s); /* NaN lanes: q, others: s */
 }
 
-/* Decode q8 codes: m = q * |q| * sm; u = sqrt(v) = q * q * su. */
-static AOQK_ALWAYS_INLINE vf q8_m_decode(const int8_t *p, vf sm)
+/* Decode q8 codes (format 2, aoq-convert.h): m = +-(F(c) - K) * sm,
+ * u = sqrt(v) = (F(c) - K) * su, with sm, su = scale / TOP.  F - K is
+ * exact, so this is aoqk_q8_m_decode / aoqk_q8_v_decode bit for bit. */
+static AOQK_ALWAYS_INLINE vf q8_m_decode(const uint8_t *p, vf sm)
 {
-	vf q = vi_to_vf(vb_load_i8(p));
-	return vf_mul(vf_mul(q, vf_abs(q)), sm);
+	vi b = vb_load_u8(p);
+	vi e = vi_add(vi_slli(vi_and(b, vi_set1(0x7fu)), AOQK_Q8_M_SHIFT),
+	              vi_set1(AOQK_Q8_M_C0 << AOQK_Q8_M_SHIFT));
+	vf x = vf_mul(vf_sub(vi_as_vf(e), vf_set1(AOQK_Q8_M_K)), sm);
+	return vi_as_vf(vi_xor(vf_as_vi(x), vi_slli(vi_and(b, vi_set1(0x80u)), 24)));
 }
 
 static AOQK_ALWAYS_INLINE vf q8_u_decode(const uint8_t *p, vf su)
 {
-	vf q = vi_to_vf(vb_load_u8(p));
-	return vf_mul(vf_mul(q, q), su);
+	vi e = vi_add(vi_slli(vb_load_u8(p), AOQK_Q8_U_SHIFT), vi_set1(AOQK_Q8_U_C0 << AOQK_Q8_U_SHIFT));
+	return vf_mul(vf_sub(vi_as_vf(e), vf_set1(AOQK_Q8_U_K)), su);
 }
 
 /* The per-call constants broadcast once, held in registers: a struct
@@ -161,8 +181,8 @@ static AOQK_ALWAYS_INLINE struct kvec kvec_make(const struct aoqk_consts *k)
 static AOQK_ALWAYS_INLINE void vstep(const struct kvec kc, const struct kptrs *p,
                                      size_t j, uint64_t gi, const int prec, const int gd,
                                      const int pd, const int nt, int want_ss, vacc *ss,
-                                     float *bm, float *bu, uint32_t *hb, vf sm, vf su, vf *mx_m,
-                                     vf *mx_u)
+                                     float *bm, float *bu, uint32_t *hb, vi *xs, vf sm, vf su,
+                                     vf *mx_m, vf *mx_u)
 {
 	const int q8 = aoqk_precision_q8(prec);
 	const int bfm = aoqk_precision_bf16_master(prec);
@@ -192,7 +212,7 @@ static AOQK_ALWAYS_INLINE void vstep(const struct kvec kc, const struct kptrs *p
 		m = sm;
 		v = su;
 	} else if (q8) {
-		m = q8_m_decode((const int8_t *)p->m + j, sm);
+		m = q8_m_decode((const uint8_t *)p->m + j, sm);
 		u = q8_u_decode((const uint8_t *)p->v + j, su);
 		v = vf_mul(u, u);
 	} else if (bfmom) {
@@ -224,7 +244,7 @@ static AOQK_ALWAYS_INLINE void vstep(const struct kvec kc, const struct kptrs *p
 		vf_storeu(bm, m);
 		vf_storeu(bu, u);
 		*mx_m = vf_max(vf_abs(m), *mx_m);
-		*mx_u = vf_max(vf_abs(u), *mx_u);
+		*mx_u = vf_max(u, *mx_u); /* u = sqrt(v) >= 0 (or NaN, which max skips) */
 	} else if (!bfmom) {
 		vf_storeu((float *)p->m + j, m);
 		vf_storeu((float *)p->v + j, v);
@@ -235,7 +255,9 @@ static AOQK_ALWAYS_INLINE void vstep(const struct kvec kc, const struct kptrs *p
 	 * (8 random bits each, the rest of the 16 at one half: P(up) within
 	 * 2^-9 of exact) */
 	vi h = vi_zero();
-	if ((q8 || bfm) && !AOQK_DROP_HASH)
+	if (q8 && !AOQK_DROP_HASH)
+		h = *xs = xs_next(*xs);
+	else if (bfm && !AOQK_DROP_HASH)
 		h = sr_hash(kc.srkey, gi);
 	if (q8)
 		vi_storeu(hb, h);
@@ -258,35 +280,37 @@ static AOQK_ALWAYS_INLINE void vstep(const struct kvec kc, const struct kptrs *p
 	}
 }
 
-/* Encode W elements of the block buffers into q8 codes, with stochastic
- * rounding in code space: code floor(x + r), r uniform in (0, 1) from 8 bits
- * of the element's hash (hb), so that E[code] = x and the moments do not
- * stick (a step moves v by 1 - beta2 = 0.1%, far below one code's spacing). */
+/* Encode W elements of the block buffers into q8 codes (format 2,
+ * aoq-convert.h): the code of x * inv + K is the top bits of its fp32
+ * pattern.  Stochastic rounding: 8 random bits of the element's hash (hb)
+ * at the top of the discarded bits, the rest at one half, added before the
+ * shift, so P(up) is within 2^-9 of the discarded fraction (E[code] is the
+ * exact code position to that much) and the moments do not stick (a step
+ * moves v by 1 - beta2 = 0.1%, far below one code's spacing). */
 static AOQK_ALWAYS_INLINE void q8_encode(const float *bm, const float *bu, const uint32_t *hb,
-                                         int8_t *cm, uint8_t *cu, vf inv_m, vf inv_u)
+                                         uint8_t *cm, uint8_t *cu, vf inv_m, vf inv_u)
 {
 	vi h = vi_loadu(hb);
-	vf rm = vf_add(vf_mul(vi_to_vf(vi_and(h, vi_set1(0xffu))), vf_set1(1.0f / 256)),
-	               vf_set1(1.0f / 512));
-	vf ru = vf_add(vf_mul(vi_to_vf(vi_and(vi_srli(h, 8), vi_set1(0xffu))), vf_set1(1.0f / 256)),
-	               vf_set1(1.0f / 512));
+	vi rm = vi_or(vi_slli(vi_and(h, vi_set1(0xffu)), AOQK_Q8_M_SHIFT - 8),
+	              vi_set1(1u << (AOQK_Q8_M_SHIFT - 9)));
+	vi ru = vi_or(vi_and(vi_slli(h, AOQK_Q8_U_SHIFT - 16), vi_set1(0xffu << (AOQK_Q8_U_SHIFT - 8))),
+	              vi_set1(1u << (AOQK_Q8_U_SHIFT - 9)));
 	vf m = vf_loadu(bm);
-	vf x = vf_mul(vf_sqrt(vf_mul(vf_abs(m), inv_m)), vf_set1(AOQK_Q8_M_MAX));
-	x = vf_min(vf_max(vf_add(x, rm), vf_zero()), vf_set1(AOQK_Q8_M_MAX));
-	vb_store_i8(cm, vf_to_vi_trunc(vf_copysign(x, m)));
+	vf x = vf_add(vf_mul(vf_abs(m), inv_m), vf_set1(AOQK_Q8_M_K));
+	/* no clamp to the top code: |m| <= the block max s and inv = TOP / s
+	 * rounded, so x <= TOP + K + 2 ulp, whose bits plus r stay below the
+	 * next binade (README.md; a NaN m gives the low 8 bits of its code,
+	 * stored alike by every variant's vb_store_u8) */
+	vi c = vi_sub(vi_srli(vi_add(vf_as_vi(x), rm), AOQK_Q8_M_SHIFT), vi_set1(AOQK_Q8_M_C0));
+	vb_store_u8(cm, vi_or(c, vi_and(vi_srli(vf_as_vi(m), 24), vi_set1(0x80u))));
 
 	vf u = vf_loadu(bu);
-	vf y = vf_mul(vf_sqrt(vf_mul(u, inv_u)), vf_set1(AOQK_Q8_U_MAX));
-	y = vf_min(vf_max(vf_add(y, ru), vf_zero()), vf_set1(AOQK_Q8_U_MAX));
+	vf y = vf_add(vf_mul(u, inv_u), vf_set1(AOQK_Q8_U_K));
+	vi q = vi_sub(vi_srli(vi_add(vf_as_vi(y), ru), AOQK_Q8_U_SHIFT), vi_set1(AOQK_Q8_U_C0));
 	/* a non-zero v never becomes code 0: u >= 0, so its bits are > 0 iff
 	 * u > 0, and min(bits, 1) is the smallest code allowed */
-	vi q = vi_max_s(vf_to_vi_trunc(y), vi_min_u(vf_as_vi(u), vi_set1(1)));
+	q = vi_max_s(q, vi_min_u(vf_as_vi(u), vi_set1(1)));
 	vb_store_u8(cu, q);
-}
-
-static inline float block_inv(float s)
-{
-	return s > 0.0f ? 1.0f / s : 0.0f;
 }
 
 /* Bytes of element type for the tail copies. */
@@ -317,6 +341,7 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 	};
 	_Alignas(64) float bm[AOQK_Q8_BLOCK], bu[AOQK_Q8_BLOCK];
 	_Alignas(64) uint32_t hb[AOQK_Q8_BLOCK];
+	vi xs[XS_N];
 	vacc ss = vacc_zero();
 	const struct kvec kc = kvec_make(k);
 	const size_t blk = q8 ? AOQK_Q8_BLOCK : n;
@@ -327,13 +352,15 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 		vf sm = vf_zero(), su = vf_zero(), mx_m = vf_zero(), mx_u = vf_zero();
 
 		if (q8) {
-			sm = vf_set1(st->m_scale[bidx] / AOQK_Q8_M_DIV);
-			su = vf_set1(st->v_scale[bidx] / AOQK_Q8_U_DIV);
+			for (unsigned g = 0; g < XS_N; g++)
+				xs[g] = vi_or(sr_hash(kc.srkey, b0 + jb + g * W), vi_set1(1));
+			sm = vf_set1(st->m_scale[bidx] / AOQK_Q8_M_TOP);
+			su = vf_set1(st->v_scale[bidx] / AOQK_Q8_U_TOP);
 		}
 		size_t t = 0;
 		for (; t + W <= len; t += W)
 			vstep(kc, &d, jb + t, b0 + jb + t, prec, gd, pd, nt, want_ss, &ss, bm + t, bu + t,
-			      hb + t, sm, su, &mx_m, &mx_u);
+			      hb + t, &xs[(t / W) % XS_N], sm, su, &mx_m, &mx_u);
 		if (t < len) {
 			size_t j = jb + t;
 			/* the tail: run the same step on zero-padded copies */
@@ -360,7 +387,7 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 				.param = lp,
 			};
 			vstep(kc, &l, 0, b0 + j, prec, gd, pd, 0, want_ss, &ss, bm + t, bu + t,
-			      hb + t, sm, su, &mx_m, &mx_u);
+			      hb + t, &xs[(t / W) % XS_N], sm, su, &mx_m, &mx_u);
 			if (d.acc)
 				memset(d.acc + j, 0, r * 4);
 			memcpy((char *)d.master + j * sz.master, lmst, r * sz.master);
@@ -375,14 +402,15 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 			float mm = vf_hmax(mx_m), mu = vf_hmax(mx_u);
 			st->m_scale[bidx] = mm;
 			st->v_scale[bidx] = mu;
-			vf im = vf_set1(block_inv(mm)), iu = vf_set1(block_inv(mu));
-			int8_t *cm = (int8_t *)d.m + jb;
+			vf im = vf_set1(aoqk_q8_inv(AOQK_Q8_M_TOP, mm)),
+			   iu = vf_set1(aoqk_q8_inv(AOQK_Q8_U_TOP, mu));
+			uint8_t *cm = (uint8_t *)d.m + jb;
 			uint8_t *cu = (uint8_t *)d.v + jb;
 			size_t e = 0;
 			for (; e + W <= len && !AOQK_DROP_ENCODE; e += W)
 				q8_encode(bm + e, bu + e, hb + e, cm + e, cu + e, im, iu);
 			if (e < len && !AOQK_DROP_ENCODE) {
-				_Alignas(64) int8_t tm[W];
+				_Alignas(64) uint8_t tm[W];
 				_Alignas(64) uint8_t tu[W];
 				/* lanes past len hold zeros from the padded step */
 				size_t rem = len - e < W ? len - e : W;

@@ -346,7 +346,7 @@ static void fill_state(struct tbuf *b, const struct tcase *t)
 		else
 			((float *)b->master)[i] = p;
 		if (q8) {
-			((int8_t *)b->m)[i] = (int8_t)((int)(rnd() % 255) - 127);
+			((uint8_t *)b->m)[i] = (uint8_t)rnd();
 			((uint8_t *)b->v)[i] = (uint8_t)(rnd() % 256);
 		} else {
 			/* moments of gradients from 1e-30 to 1e15 (v stays finite) */
@@ -427,6 +427,55 @@ static int run_chunked(const struct aoqk_kernel *k, const struct tcase *t, struc
 
 /* The reference update of element i in double.  Returns the new master
  * (before any rounding to bf16), and the new m, v. */
+/* q8 format 2 (kernels/README.md), written from its definition in double:
+ * an 8-bit float with e = code >> mb, mantissa code & (2^mb - 1), value
+ * (1 + mant / 2^mb) 2^(e - E) - 2^-E, E = cmax >> mb (the largest code is
+ * just below 2), times scale / top, where top is the value of the largest
+ * code.  m: mb = AOQK_Q8_M_MB, cmax 127 and a sign bit (0x80); sqrt(v):
+ * mb = AOQK_Q8_U_MB, cmax 255. */
+static double q8_grid(unsigned c, int mb, unsigned cmax)
+{
+	int e0 = (int)(cmax >> mb);
+	double f = ldexp(1.0 + (double)(c & ((1u << mb) - 1)) / (1 << mb), (int)(c >> mb) - e0);
+	return f - ldexp(1, -e0);
+}
+
+static double q8_mgrid(unsigned c)
+{
+	return q8_grid(c, AOQK_Q8_M_MB, 127);
+}
+
+static double q8_ugrid(unsigned c)
+{
+	return q8_grid(c, AOQK_Q8_U_MB, 255);
+}
+
+static double q8_value(uint8_t code, int is_m, double scale)
+{
+	if (is_m) {
+		double x = q8_mgrid(code & 0x7fu) * scale / q8_mgrid(127);
+		return code & 0x80u ? -x : x;
+	}
+	return q8_ugrid(code) * scale / q8_ugrid(255);
+}
+
+/* The exact (fractional) code position of magnitude a in a block of max
+ * scale: the inverse of q8_grid, piecewise linear. */
+static double q8_pos(double a, int is_m, double scale)
+{
+	int mb = is_m ? AOQK_Q8_M_MB : AOQK_Q8_U_MB;
+	unsigned cm = is_m ? 127u : 255u;
+	int e0 = (int)(cm >> mb);
+	double top = q8_grid(cm, mb, cm), cmax = cm;
+	if (!(scale > 0))
+		return 0;
+	double y = a / scale * top + ldexp(1, -e0);
+	int e;
+	double fr = frexp(y, &e); /* y = fr 2^e, fr in [0.5, 1) */
+	double pos = ((e - 1 + e0) + (2 * fr - 1)) * (1 << mb);
+	return pos < 0 ? 0 : pos > cmax ? cmax : pos;
+}
+
 struct ref {
 	double p, m, v, g, upd, m0, ge, eg;
 	int v_overflow;
@@ -447,9 +496,8 @@ static struct ref ref_elem(const struct tcase *t, const struct tbuf *b0, size_t 
 	double m, v;
 	if (q8) {
 		size_t blk = i / AOQK_Q8_BLOCK;
-		int qm = ((const int8_t *)b0->m)[i], qv = ((const uint8_t *)b0->v)[i];
-		m = (double)qm * abs(qm) / (double)AOQK_Q8_M_DIV * b0->ms[blk];
-		double u = (double)qv * qv / (double)AOQK_Q8_U_DIV * b0->vs[blk];
+		m = q8_value(((const uint8_t *)b0->m)[i], 1, b0->ms[blk]);
+		double u = q8_value(((const uint8_t *)b0->v)[i], 0, b0->vs[blk]);
 		v = u * u;
 	} else if (aoqk_precision_bf16_moments(t->prec)) {
 		m = bf16_val(((const uint16_t *)b0->m)[i]);
@@ -635,21 +683,33 @@ static void check_case(const struct tcase *t, const struct tbuf *b0, const struc
 			      "%s: v_scale[%zu]=%g ref %g", tag, blk, b->vs[blk], mu);
 			for (size_t i = s; i < e && bad < 5; i++) {
 				struct ref r = ref_elem(t, b0, i);
-				int qm = ((const int8_t *)b->m)[i], qv = ((const uint8_t *)b->v)[i];
-				double xm = mm > 0 ? 127.0 * sqrt(fabs(r.m) / mm) : 0;
-				double xu = mu > 0 ? 255.0 * sqrt(sqrt(r.v) / mu) : 0;
-				/* stochastic rounding: one of the two codes around x */
-				if (fabs(abs(qm) - xm) >= 1 + 1e-3 || (qm != 0 && (qm < 0) != (r.m < 0))) {
+				int cm = ((const uint8_t *)b->m)[i], qm = cm & 0x7f, qv = ((const uint8_t *)b->v)[i];
+				/* the code positions of the reference m and sqrt(v), widened
+				 * by their fp32 error bounds (as for the scales above) */
+				double em = 2e-6 * (fabs(r.m) + fabs(r.m0) + fabs(r.ge)) + w1 * r.eg;
+				double eu = 2e-6 * sqrt(r.v) + (r.v > 0 ? w2 * fabs(r.ge) * r.eg / sqrt(r.v) : 0);
+				double lm = q8_pos(fmax(fabs(r.m) - em, 0), 1, b->ms[blk]);
+				double hm = q8_pos(fabs(r.m) + em, 1, b->ms[blk]);
+				double lu = q8_pos(fmax(sqrt(r.v) - eu, 0), 0, b->vs[blk]);
+				double hu = q8_pos(sqrt(r.v) + eu, 0, b->vs[blk]);
+				/* stochastic rounding: one of the two codes around the
+				 * position (a denormal block max: fp32 m is coarse there) */
+				if (b->ms[blk] >= FLT_MIN &&
+				    (qm < floor(lm - 1e-6) || qm > ceil(hm + 1e-6) ||
+				     (qm != 0 && fabs(r.m) > em && !(cm & 0x80) != (r.m > 0)))) {
 					bad++;
-					CHECK(0, "%s: m code[%zu]=%d want %.3f", tag, i, qm, xm);
+					CHECK(0, "%s: m code[%zu]=%#x want %.3f..%.3f", tag, i, cm, lm, hm);
 				}
 				int want_min = r.v > 0 ? 1 : 0;
 				if (r.v < FLT_MIN || mu * mu < FLT_MIN)
 					continue; /* below fp32's normal range: may be 0 there */
-				if ((fabs(qv - xu) >= 1 + 1e-3 && !(qv == 1 && want_min && xu < 1)) ||
-				    qv < want_min) {
+				if ((qv < floor(lu - 1e-6) || qv > ceil(hu + 1e-6)) && !(qv == 1 && want_min && hu < 1)) {
 					bad++;
-					CHECK(0, "%s: v code[%zu]=%d want %.3f", tag, i, qv, xu);
+					CHECK(0, "%s: v code[%zu]=%d want %.3f..%.3f", tag, i, qv, lu, hu);
+				}
+				if (qv < want_min) {
+					bad++;
+					CHECK(0, "%s: v code[%zu]=0 for a non-zero v", tag, i);
 				}
 			}
 		}
@@ -1232,6 +1292,60 @@ static void sr_bias(const struct aoqk_kernel *k)
 		CHECK(fabs(mean - x) < 5 * sigma + 1e-12 * fabs(x),
 		      "%s: SR mean %.10g of x %.10g off by %.3g sigma", k->name, mean, x,
 		      (mean - x) / sigma);
+	}
+	tbuf_free(&b);
+
+	/* q8 codes (format 2): from zero state one step sets m = w1 g and
+	 * sqrt(v) = sqrt(w2 g g), the same in every element but the first of
+	 * each block (10 g: the block's max), so the others fall between two
+	 * codes and round stochastically with 8 random bits (P(up) within 2^-9
+	 * of the fraction: that much bias is allowed) */
+	t = (struct tcase){ .prec = AOQK_STATE_Q8, .gd = AOQK_FP32, .pd = 3, .n = n };
+	tbuf_alloc(&b, &t);
+	for (int trial = 0; trial < 8; trial++) {
+		float g = (float)((0.5 + urand()) * 0.01 * (trial & 1 ? -1 : 1));
+		memset(b.m, 0, n);
+		memset(b.v, 0, n);
+		memset(b.ms, 0, b.nb * 4);
+		memset(b.vs, 0, b.nb * 4);
+		for (size_t i = 0; i < n; i++) {
+			((float *)b.grad)[i] = i % AOQK_Q8_BLOCK ? g : 10 * g;
+			((float *)b.master)[i] = 1.0f;
+		}
+		t.hp = (struct aoqk_hparams){ .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
+		                              .decoupled = true, .step = 1 + rnd() % 100, .grad_scale = 1.0f };
+		t.seed = rnd();
+		struct aoqk_report rep;
+		run_kernel(k, &t, &b, 0, n, 0, &rep);
+		/* the kernel's fp32 m and sqrt(v) of the common elements */
+		float w1 = (float)(1.0 - t.hp.beta1), w2 = (float)(1.0 - t.hp.beta2);
+		double xs[2] = { fabsf(fmaf(w1, g, 0.0f)), sqrtf(fmaf(w2, g * g, 0.0f)) };
+		for (int mv = 0; mv < 2; mv++) {
+			double mean = 0, x = xs[mv], lo = 0, hi = 0;
+			size_t cnt = 0;
+			for (size_t i = 0; i < n; i++) {
+				if (i % AOQK_Q8_BLOCK == 0)
+					continue;
+				size_t blk = i / AOQK_Q8_BLOCK;
+				mean += mv ? sqrt(aoqk_q8_v_decode(((uint8_t *)b.v)[i], b.vs[blk]))
+				           : fabs(aoqk_q8_m_decode(((uint8_t *)b.m)[i], b.ms[blk]));
+				cnt++;
+			}
+			mean /= (double)cnt;
+			/* the two code values around x (all blocks share the scale) */
+			for (unsigned c = 0; c < (mv ? 255u : 127u); c++) {
+				lo = mv ? sqrt(aoqk_q8_v_decode((uint8_t)c, b.vs[0])) : aoqk_q8_m_decode((uint8_t)c, b.ms[0]);
+				hi = mv ? sqrt(aoqk_q8_v_decode((uint8_t)(c + 1), b.vs[0]))
+				        : aoqk_q8_m_decode((uint8_t)(c + 1), b.ms[0]);
+				if (hi > x)
+					break;
+			}
+			double frac = (x - lo) / (hi - lo);
+			double sigma = (hi - lo) * sqrt(frac * (1 - frac) / (double)cnt);
+			CHECK(fabs(mean - x) < 5 * sigma + (hi - lo) / 512 + 1e-6 * x,
+			      "%s: q8 %s SR mean %.10g of x %.10g (codes %.10g..%.10g) off by %.3g sigma", k->name,
+			      mv ? "sqrt(v)" : "m", mean, x, lo, hi, (mean - x) / sigma);
+		}
 	}
 	tbuf_free(&b);
 

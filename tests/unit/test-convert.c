@@ -12,6 +12,7 @@
 #include <stdlib.h>
 
 #include "aoq-convert.h"
+#include "convert.h"
 #include "harness.h"
 
 #include "expect.h"
@@ -62,40 +63,162 @@ static void test_encode_random(void)
 	EXPECT(isnan(aoqk_f16_to_f32(aoqk_f32_to_f16(qnan))), "fp16 NaN stays NaN");
 }
 
+/* q8 format 2 from its definition (kernels/README.md), in double: exponent
+ * code >> mb, mantissa code & (2^mb - 1), both relative to E = cmax >> mb
+ * (the largest code just below 2), minus the offset 2^-E. */
+static double q8_grid(unsigned c, int mb, unsigned cmax)
+{
+	int e0 = (int)(cmax >> mb);
+	return ldexp(1.0 + (double)(c & ((1u << mb) - 1)) / (1 << mb), (int)(c >> mb) - e0) - ldexp(1, -e0);
+}
+
+static double q8_mgrid(unsigned c)
+{
+	return q8_grid(c, AOQK_Q8_M_MB, 127);
+}
+
+static double q8_ugrid(unsigned c)
+{
+	return q8_grid(c, AOQK_Q8_U_MB, 255);
+}
+
 static void test_q8(void)
+{
+	size_t bad = 0, badrt = 0;
+	const float scale = 3.0f;
+	const double mtop = q8_mgrid(127), utop = q8_ugrid(255);
+	for (unsigned c = 0; c < 256; c++) {
+		double want = (c & 0x80 ? -1 : 1) * q8_mgrid(c & 0x7f) / mtop * scale;
+		float got = aoqk_q8_m_decode((uint8_t)c, scale);
+		if (fabs(got - want) > 1e-6 * fabs(want))
+			bad++;
+		/* the code of a decoded value is the code itself (-0 is +0) */
+		if (aoqk_q8_m_encode(got, aoqk_q8_inv(AOQK_Q8_M_TOP, scale)) != (c == 0x80 ? 0 : c))
+			badrt++;
+	}
+	for (unsigned c = 0; c < 256; c++) {
+		double u = q8_ugrid(c) / utop * scale;
+		float got = aoqk_q8_v_decode((uint8_t)c, scale);
+		if (fabs(got - u * u) > 1e-6 * u * u)
+			bad++;
+		if (aoqk_q8_v_encode(got, aoqk_q8_inv(AOQK_Q8_U_TOP, scale)) != c)
+			badrt++;
+	}
+	EXPECT(bad == 0, "%zu q8 codes do not decode to the format", bad);
+	EXPECT(badrt == 0, "%zu q8 codes do not round-trip", badrt);
+	/* nearest: halfway between two codes' values rounds away from zero, a
+	 * quarter of the way stays */
+	for (unsigned c = 1; c < 126; c++) {
+		double lo = q8_mgrid(c) / mtop * scale, hi = q8_mgrid(c + 1) / mtop * scale;
+		float inv = aoqk_q8_inv(AOQK_Q8_M_TOP, scale);
+		if (aoqk_q8_m_encode((float)(lo + 0.25 * (hi - lo)), inv) != c ||
+		    aoqk_q8_m_encode((float)-(lo + 0.75 * (hi - lo)), inv) != (0x80 | (c + 1)))
+			bad++;
+	}
+	EXPECT(bad == 0, "%zu q8 m values do not round to the nearest code", bad);
+	EXPECT(aoqk_q8_v_encode(1e-30f, aoqk_q8_inv(AOQK_Q8_U_TOP, 1.0f)) == 1, "a non-zero v keeps a non-zero code");
+	EXPECT(aoqk_q8_v_encode(0.0f, aoqk_q8_inv(AOQK_Q8_U_TOP, 1.0f)) == 0, "zero v is code 0");
+	EXPECT(aoqk_q8_m_encode(-3.0f, aoqk_q8_inv(AOQK_Q8_M_TOP, 3.0f)) == 0xff, "the block's max is the extreme code");
+	EXPECT(aoqk_q8_m_encode(2e-40f, aoqk_q8_inv(AOQK_Q8_M_TOP, 1e-39f)) > 0, "a denormal block still encodes");
+	EXPECT(aoqk_q8_m_encode(0.0f, aoqk_q8_inv(AOQK_Q8_M_TOP, 1e-45f)) == 0, "zero in a denormal block is 0");
+}
+
+/* Format 1 (the earlier codebook) still decodes as it was defined. */
+static void test_q8v1(void)
 {
 	size_t bad = 0;
 	const float scale = 3.0f;
 	for (int q = -127; q <= 127; q++) {
 		double want = (double)q * abs(q) / (127.0 * 127.0) * scale;
-		float got = aoqk_q8_m_decode((int8_t)q, scale);
+		float got = aoqk_q8v1_m_decode((int8_t)q, scale);
 		if (fabs(got - want) > 1e-6 * scale)
 			bad++;
-		/* the code of a decoded value is the code itself */
-		if (aoqk_q8_m_encode(got, 1.0f / scale) != q)
+		if (aoqk_q8v1_m_encode(got, 1.0f / scale) != q)
 			bad++;
 	}
 	for (int q = 0; q <= 255; q++) {
 		double u = (double)q * q / (255.0 * 255.0) * scale;
-		float got = aoqk_q8_v_decode((uint8_t)q, scale);
+		float got = aoqk_q8v1_v_decode((uint8_t)q, scale);
 		if (fabs(got - u * u) > 1e-6 * scale * scale)
 			bad++;
-		if (aoqk_q8_v_encode(got, 1.0f / scale) != q)
+		if (aoqk_q8v1_v_encode(got, 1.0f / scale) != q)
 			bad++;
 	}
-	EXPECT(bad == 0, "%zu q8 codes do not decode to the codebook or do not round-trip", bad);
-	EXPECT(aoqk_q8_v_encode(1e-30f, 1.0f) == 1, "a non-zero v keeps a non-zero code");
-	EXPECT(aoqk_q8_v_encode(0.0f, 1.0f) == 0, "zero v is code 0");
-	EXPECT(aoqk_q8_m_encode(-3.0f, 1.0f / 3.0f) == -127, "the block's max is the extreme code");
+	EXPECT(bad == 0, "%zu format 1 codes do not decode to their codebook or do not round-trip", bad);
 	/* Non-finite values (a LoadState of inf or NaN; found by fuzzing):
-	 * NaN is code 0, nothing passes the extreme code. */
-	EXPECT(aoqk_q8_m_encode(NAN, 1.0f) == 0 && aoqk_q8_m_encode(INFINITY, 0.0f) == 0,
-	       "NaN m (and inf * a zero inverse) is code 0");
-	EXPECT(aoqk_q8_m_encode(-INFINITY, 1.0f) == -127 && aoqk_q8_m_encode(1e30f, 1.0f) == 127,
-	       "an infinite or huge m is the extreme code");
-	EXPECT(aoqk_q8_v_encode(NAN, 1.0f) == 0, "NaN v is code 0");
-	EXPECT(aoqk_q8_v_encode(INFINITY, 1.0f) == 255 && aoqk_q8_v_encode(INFINITY, 0.0f) == 1,
-	       "an infinite v is the extreme code, or 1 with a zero inverse (non-zero v)");
+	 * format 1 gives NaN code 0 and nothing past the extreme code (the
+	 * float-to-int cast was undefined); format 2 clamps codes. */
+	EXPECT(aoqk_q8v1_m_encode(NAN, 1.0f) == 0 && aoqk_q8v1_m_encode(INFINITY, 0.0f) == 0,
+	       "format 1: NaN m (and inf * a zero inverse) is code 0");
+	EXPECT(aoqk_q8v1_m_encode(-INFINITY, 1.0f) == -127 && aoqk_q8v1_m_encode(1e30f, 1.0f) == 127,
+	       "format 1: an infinite or huge m is the extreme code");
+	EXPECT(aoqk_q8v1_v_encode(NAN, 1.0f) == 0 && aoqk_q8v1_v_encode(INFINITY, 1.0f) == 255,
+	       "format 1: NaN v is code 0, an infinite one the extreme code");
+	EXPECT((aoqk_q8_m_encode(-INFINITY, aoqk_q8_inv(AOQK_Q8_M_TOP, 1.0f)) & 0x7f) == 127 &&
+	       aoqk_q8_v_encode(INFINITY, aoqk_q8_inv(AOQK_Q8_U_TOP, 1.0f)) == 255,
+	       "format 2: an infinite moment is the extreme code");
+}
+
+/* State saved from a daemon that held format 1: its ReadState decoded the
+ * codes to values (aoqk_q8v1_*_decode), and LoadState now encodes those
+ * values in format 2 (daemon/convert.c).  Every loaded value must be the
+ * format-2 code nearest to the saved one: within half a code spacing (a
+ * tiny m may become 0; a tiny non-zero v takes the smallest non-zero code),
+ * the block maxima exact, zeros zero, signs kept. */
+static void test_q8_load_v1(void)
+{
+	enum { N = 4 * AOQK_Q8_BLOCK + 77 };
+	static int8_t m1[N];
+	static uint8_t v1[N], m2[N], v2[N];
+	static float ms1[5], vs1[5], ms2[5], vs2[5], saved_m[N], saved_v[N], got_m[N], got_v[N];
+	size_t bad = 0;
+	uint64_t r = 0x1234567;
+	for (size_t b = 0; b < 5; b++) {
+		ms1[b] = (float)ldexp(1.0 + (double)(b % 3), -(int)(b * 7));
+		vs1[b] = (float)ldexp(1.5, -(int)(b * 5) - 3);
+	}
+	for (size_t i = 0; i < N; i++) {
+		r = r * 6364136223846793005ull + 1442695040888963407ull;
+		m1[i] = (int8_t)((int)((r >> 33) % 255) - 127);
+		v1[i] = (uint8_t)(r >> 45);
+		if (i % AOQK_Q8_BLOCK == 3) { /* each block reaches its scale */
+			m1[i] = -127;
+			v1[i] = 255;
+		}
+		saved_m[i] = aoqk_q8v1_m_decode(m1[i], ms1[i / AOQK_Q8_BLOCK]);
+		saved_v[i] = aoqk_q8v1_v_decode(v1[i], vs1[i / AOQK_Q8_BLOCK]);
+	}
+	aoqd_q8_encode(m2, ms2, saved_m, false, 0, N);
+	aoqd_q8_encode(v2, vs2, saved_v, true, 0, N);
+	aoqd_q8_decode(got_m, m2, ms2, false, 0, N);
+	aoqd_q8_decode(got_v, v2, vs2, true, 0, N);
+	for (size_t b = 0; b < 5; b++)
+		if (ms2[b] != ms1[b] || vs2[b] != vs1[b])
+			bad++;
+	EXPECT(bad == 0, "%zu block scales differ from the saved state's maxima", bad);
+	for (size_t i = 0; i < N; i++) {
+		size_t b = i / AOQK_Q8_BLOCK;
+		/* the spacing of format 2 around x (relative to the block's
+		 * top): 2^(e - 3) for m, 2^(e - 4) for sqrt(v), e = x's binade,
+		 * at least the linear bottom binade's */
+		int m0 = 127 >> AOQK_Q8_M_MB, u0 = 255 >> AOQK_Q8_U_MB;
+		double xm = fabs(saved_m[i]) / ms1[b] * q8_mgrid(127) + ldexp(1, -m0);
+		double xu = sqrt(saved_v[i]) / vs1[b] * q8_ugrid(255) + ldexp(1, -u0);
+		int em, eu;
+		frexp(xm, &em);
+		frexp(xu, &eu);
+		double hm = ldexp(1, em - 1 - AOQK_Q8_M_MB) / q8_mgrid(127) * ms1[b] * (0.5 + 1e-3);
+		double hu = ldexp(1, eu - 1 - AOQK_Q8_U_MB) / q8_ugrid(255) * vs1[b] * (0.5 + 1e-3);
+		double umin = q8_ugrid(1) / q8_ugrid(255) * vs1[b];
+		if (fabs(got_m[i] - saved_m[i]) > hm || (saved_m[i] == 0 && got_m[i] != 0) ||
+		    (got_m[i] != 0 && (got_m[i] < 0) != (saved_m[i] < 0)))
+			bad++;
+		if ((fabs(sqrt(got_v[i]) - sqrt(saved_v[i])) > hu &&
+		     !(fabs(sqrt(got_v[i]) - umin) <= 1e-6 * umin && sqrt(saved_v[i]) < umin)) ||
+		    (saved_v[i] == 0) != (got_v[i] == 0))
+			bad++;
+	}
+	EXPECT(bad == 0, "%zu values of format-1 state load into format 2 beyond half a code", bad);
 }
 
 int main(void)
@@ -103,5 +226,7 @@ int main(void)
 	test_decode_all();
 	test_encode_random();
 	test_q8();
+	test_q8v1();
+	test_q8_load_v1();
 	return failures != 0;
 }

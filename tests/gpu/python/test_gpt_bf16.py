@@ -5,7 +5,10 @@ learnable Markov stream: the loss stays within 1% of AdamW on the device on fp32
 master weights
 (bf16 model, fp32 master copy, the update copied back to bf16 each step).
 
-    tests/gpu/python/test_gpt_bf16.py [--device cuda:0] [--steps 200]
+    tests/gpu/python/test_gpt_bf16.py [--device cuda:0] [--steps 200] [--state-precision q8]
+
+--state-precision q8 keeps the moments in aoqd's 8-bit blockwise format
+(kernels/README.md, "q8 moments"), held to the same 1%.
 Exit 0 ok, 1 fail, 77 skip."""
 import argparse
 import os
@@ -25,13 +28,13 @@ from aoq.torch import OffloadOptimizer  # noqa: E402
 from train_gpt import GPT, loss_of  # noqa: E402
 
 
-def run(device, steps, socket, cfg, use_aoq, lr=1e-3):
+def run(device, steps, socket, cfg, use_aoq, lr=1e-3, state_precision="fp32"):
     torch.manual_seed(0)
     model = GPT(**cfg).to(device).to(torch.bfloat16)
     params = [p for p in model.parameters() if p.requires_grad]
     if use_aoq:
         opt = OffloadOptimizer(model.named_parameters(), torch.optim.AdamW, lr=lr, weight_decay=0.1,
-                               socket=socket, minimal_size=0)
+                               socket=socket, minimal_size=0, state_precision=state_precision)
         opt.attach(model)
     else:
         master = [p.detach().float().clone().requires_grad_() for p in params]
@@ -75,6 +78,8 @@ def main():
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--small", action="store_true", help="a tiny model (CPU smoke run)")
+    ap.add_argument("--state-precision", default="fp32", choices=("fp32", "q8"),
+                    help="aoqd's moments: fp32 (default) or q8")
     a = ap.parse_args()
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         print("SKIP: no CUDA device")
@@ -83,13 +88,13 @@ def main():
     if a.small:
         cfg = dict(vocab=256, d=64, layers=2, heads=4, seq=33)
     with aoq.Daemon(threads=max(1, min(16, (os.cpu_count() or 2) - 1))) as d:
-        ours = run(a.device, a.steps, d.socket, cfg, True)
+        ours = run(a.device, a.steps, d.socket, cfg, True, state_precision=a.state_precision)
     ref = run(a.device, a.steps, None, cfg, False)
     k = max(1, a.steps // 20)
     lo, lr_ = sum(ours[-k:]) / k, sum(ref[-k:]) / k
     rel = abs(lo - lr_) / abs(lr_)
-    print("first loss %.4f / %.4f, final (mean of last %d) aoq %.4f, on-device AdamW %.4f, diff %.3f%%"
-          % (ours[0], ref[0], k, lo, lr_, 100 * rel))
+    print("first loss %.4f / %.4f, final (mean of last %d) aoq %s %.4f, on-device AdamW %.4f, diff %.3f%%"
+          % (ours[0], ref[0], k, a.state_precision, lo, lr_, 100 * rel))
     if rel > 0.01:
         print("FAIL: more than 1% apart")
         return 1
