@@ -293,6 +293,7 @@ void aoqd_server_apply(struct aoqd_server *srv, const struct aoqd_config *n)
 	} while (0)
 	LIVE(max_connections, PRIu32);
 	LIVE(max_sessions_per_uid, PRIu32);
+	LIVE(lease_seconds, PRIu32);
 	LIVE(max_tensors, PRIu32);
 	LIVE(max_tensor_elems, PRIu64);
 	LIVE(max_arena_bytes, PRIu64);
