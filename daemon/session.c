@@ -891,9 +891,17 @@ void aoqd_session_on_doorbell(uv_poll_t *h, int status, int events)
 	struct aoqd_session *s = h->data;
 	struct aoqd_error err;
 	(void)events;
+	int ack = status < 0 ? 0 : aoqd_arena_ack(&s->arena);
+	if (ack < 0) {
+		/* The trainer died or left (its doorbell closes with its
+		 * socket, in either order): the lease, if any, keeps its
+		 * state, as when its connection ends first. */
+		aoqd_info("session", "session %" PRIu64 ": client went away (doorbell closed)", s->id);
+		session_close(s);
+		return;
+	}
 	int r = status < 0 ? AOQD_FAIL(&err, INTERNAL, "doorbell: %s", uv_strerror(status))
-	        : aoqd_arena_ack(&s->arena) < 0 ? AOQD_FAIL(&err, PROTOCOL, "the client closed its doorbell")
-	                                        : aoqd_steps_poll(s, true, &err);
+	                     : aoqd_steps_poll(s, true, &err);
 	if (r < 0)
 		session_fail(s, &err);
 	else if (r == 1)
