@@ -19,6 +19,11 @@
 #include "state.h"
 #include "wire.h"
 
+static int cfg_lock(const struct aoqd_session *s)
+{
+	return s->srv->cfg.lock_memory;
+}
+
 /* The first Register frame's session-wide options. */
 static int set_options(struct aoqd_session *s, const Aoq__Register *m, struct aoqd_error *err)
 {
@@ -190,6 +195,18 @@ int aoqd_register_finish(struct aoqd_session *s, uv_poll_cb on_doorbell, aoqd_ad
 	if (r == 0 && aoqd_state_charge(st, aoqd_page_round(s->arena.size)) < 0)
 		return AOQD_FAIL(err, QUOTA, "uid %u: the arena (%" PRIu64 " bytes) would pass its quota of %" PRIu64
 		                 " bytes", (unsigned)s->conn.uid, s->arena.size, st->quota);
+	if (r == 0 && cfg_lock(s) && (r = aoqd_arena_lock(&s->arena, &s->srv->locked_bytes)) < 0) {
+		static bool warned;
+		if (cfg_lock(s) == 2)
+			return AOQD_FAIL(err, NO_MEMORY, "cannot lock the arena (%" PRIu64 " bytes) in memory: %s (lock_memory "
+			                 "= yes; raise LimitMEMLOCK or give CAP_IPC_LOCK)", s->arena.size, strerror(-r));
+		if (!warned)
+			aoqd_warn("session", "session %" PRIu64 ": cannot lock its arena (%" PRIu64 " bytes) in memory (%s): "
+			          "running unlocked; raise LimitMEMLOCK (ulimit -l) or give CAP_IPC_LOCK (logged once)",
+			          s->id, s->arena.size, strerror(-r));
+		warned = true;
+		r = 0;
+	}
 	if (r == 0)
 		r = aoqd_arena_watch(&s->arena, s->srv->loop, on_doorbell, s);
 	if (r < 0)

@@ -643,6 +643,58 @@ static void case_uid(void)
 	trainer_close(&tr);
 }
 
+/* ---- case memlock ---- */
+
+/* aoqd as nobody (no CAP_IPC_LOCK) under RLIMIT_MEMLOCK 256 KiB: `try` trains
+ * unlocked and says so once; `yes` refuses the registration by name. */
+static void case_memlock(const char *exe)
+{
+	if (geteuid() != 0 || system("setpriv --version >/dev/null 2>&1 && prlimit --version >/dev/null 2>&1") != 0) {
+		printf("memlock: needs root, setpriv and prlimit: skipped\n");
+		return;
+	}
+	char wrap[] = "/tmp/aoqt-memlock-XXXXXX";
+	int fd = mkstemp(wrap);
+	CHECK(fd >= 0, "mkstemp");
+	dprintf(fd, "#!/bin/sh\nexec prlimit --memlock=262144:262144 setpriv --reuid=65534 --regid=65534 --clear-groups "
+	        "--inh-caps=-all %s \"$@\"\n", exe);
+	close(fd);
+	chmod(wrap, 0755);
+	for (int yes = 0; yes < 2; yes++) {
+		CHECK_OK(aoqt_daemon_stop(&daemon_, 10000, true));
+		const char *args[] = { "--threads", "1", "--lock-memory", yes ? "yes" : "try", NULL };
+		CHECK_OK(aoqt_daemon_start(&daemon_, wrap, args));
+		struct trainer tr[2];
+		int r = trainer_open(&tr[0], "lock-a", AOQ_STATE_FP32, 0);
+		if (yes) {
+			const char *msg = aoq_last_error();
+			printf("memlock yes: %d %s\n", r, msg);
+			CHECK(r == -ENOMEM && strstr(msg, "LimitMEMLOCK"), "memlock yes: %d '%s'", r, msg);
+			aoq_close(tr[0].c);
+			continue;
+		}
+		CHECK_OK(r);
+		CHECK_OK(trainer_open(&tr[1], "lock-b", AOQ_STATE_FP32, 0));
+		for (int k = 0; k < 3; k++)
+			for (int i = 0; i < 2; i++)
+				CHECK_OK(trainer_step(&tr[i], -1));
+		for (int i = 0; i < 2; i++)
+			trainer_close(&tr[i]);
+		char *log = aoqt_daemon_log(&daemon_);
+		int n = 0;
+		for (const char *p = log; (p = strstr(p, "cannot lock optimizer state")); p++)
+			n++;
+		CHECK(n == 1, "memlock try: 'cannot lock optimizer state' logged %d times", n);
+		n = 0;
+		for (const char *p = log; (p = strstr(p, "cannot lock its arena")); p++)
+			n++;
+		CHECK(n <= 1, "memlock try: 'cannot lock its arena' logged %d times", n);
+		free(log);
+		printf("memlock try: trained unlocked, warned once\n");
+	}
+	unlink(wrap);
+}
+
 int main(int argc, char **argv)
 {
 	if (argc > 2 && strcmp(argv[1], "--trainer") == 0) {
@@ -679,6 +731,8 @@ int main(int argc, char **argv)
 		case_drop();
 	if (all || strcmp(c, "uid") == 0)
 		case_uid();
+	if (all || strcmp(c, "memlock") == 0)
+		case_memlock(exe);
 	CHECK(aoqt_daemon_alive(&daemon_), "aoqd died");
 	CHECK(aoqt_daemon_stop(&daemon_, 10000, true) == 0, "aoqd did not stop cleanly");
 	printf("ok\n");
