@@ -643,6 +643,42 @@ static void case_uid(void)
 	trainer_close(&tr);
 }
 
+/* ---- case quota ---- */
+
+/* max_sessions_per_uid = 2: two leased sessions fill it; a third job is
+ * refused by name; the trainer that resumes one of them is not. */
+static void case_quota(const char *exe)
+{
+	char conf[256];
+	snprintf(conf, sizeof(conf), "%s/quota.conf", daemon_.dir);
+	FILE *f = fopen(conf, "w");
+	CHECK(f && fputs("max_sessions_per_uid = 2\n", f) >= 0 && fclose(f) == 0, "quota.conf");
+	char keep[256];
+	snprintf(keep, sizeof(keep), "/tmp/aoqt-quota-%d.conf", (int)getpid());
+	CHECK(rename(conf, keep) == 0, "rename");
+	aoqt_daemon_stop(&daemon_, 10000, true); /* may still be starting: any status */
+	const char *args[] = { "--threads", "1", "--config", keep, NULL };
+	CHECK_OK(aoqt_daemon_start(&daemon_, exe, args));
+	train_and_die("qa", 2);
+	train_and_die("qb", 2);
+	Aoq__Envelope *e = NULL;
+	wait_state(&e, "qa", "leased");
+	wait_state(&e, "qb", "leased");
+	aoq_envelope_free(e);
+	struct trainer tr;
+	int r = trainer_open(&tr, "qc", AOQ_STATE_Q8, 0);
+	const char *msg = aoq_last_error();
+	printf("quota: %d %s\n", r, msg);
+	CHECK(r == -EDQUOT && strstr(msg, "2 sessions, leased ones included (max_sessions_per_uid)"),
+	      "quota: a third session: %d '%s'", r, msg);
+	aoq_close(tr.c);
+	CHECK_OK(trainer_open(&tr, "qa", AOQ_STATE_Q8, 0));
+	CHECK(tr.resumed && tr.resumed_at == 2, "quota: qa did not resume at step 2");
+	trainer_close(&tr);
+	unlink(keep);
+	printf("quota: leased sessions count, the resumed one does not\n");
+}
+
 /* ---- case memlock ---- */
 
 /* aoqd as nobody (no CAP_IPC_LOCK) under RLIMIT_MEMLOCK 256 KiB: `try` trains
@@ -661,7 +697,7 @@ static void case_memlock(const char *exe)
 	close(fd);
 	chmod(wrap, 0755);
 	for (int yes = 0; yes < 2; yes++) {
-		CHECK_OK(aoqt_daemon_stop(&daemon_, 10000, true));
+		aoqt_daemon_stop(&daemon_, 10000, true); /* may still be starting: any status */
 		const char *args[] = { "--threads", "1", "--lock-memory", yes ? "yes" : "try", NULL };
 		CHECK_OK(aoqt_daemon_start(&daemon_, wrap, args));
 		struct trainer tr[2];
@@ -731,6 +767,8 @@ int main(int argc, char **argv)
 		case_drop();
 	if (all || strcmp(c, "uid") == 0)
 		case_uid();
+	if (all || strcmp(c, "quota") == 0)
+		case_quota(exe);
 	if (all || strcmp(c, "memlock") == 0)
 		case_memlock(exe);
 	CHECK(aoqt_daemon_alive(&daemon_), "aoqd died");
