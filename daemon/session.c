@@ -58,25 +58,42 @@ void aoqd_session_unref(struct aoqd_session *s)
 static void link_session(struct aoqd_session *s)
 {
 	struct aoqd_server *srv = s->srv;
+	s->linked = true;
 	s->next = srv->sessions;
 	if (srv->sessions)
 		srv->sessions->prev = s;
 	srv->sessions = s;
 }
 
+/* Unlinks s; its own `next` stays, so that a walk standing on s goes on
+ * (s is freed no earlier than the end of the loop's turn). */
 static bool unlink_session(struct aoqd_session *s)
 {
 	struct aoqd_server *srv = s->srv;
-	if (!s->prev && !s->next && srv->sessions != s)
+	if (!s->linked)
 		return false;
+	s->linked = false;
 	if (s->prev)
 		s->prev->next = s->next;
 	else
 		srv->sessions = s->next;
 	if (s->next)
 		s->next->prev = s->prev;
-	s->prev = s->next = NULL;
+	s->prev = NULL;
 	return true;
+}
+
+/* Leased sessions that ended this turn (lease_end): their list reference
+ * is dropped at the next wake, when no walk of the list stands on them. */
+static struct aoqd_session *zombies;
+
+static void reap_zombies(void)
+{
+	while (zombies) {
+		struct aoqd_session *z = zombies;
+		zombies = z->zombie_next;
+		aoqd_session_unref(z);
+	}
 }
 
 static void on_handle_closed(uv_handle_t *h)
@@ -124,8 +141,11 @@ static void lease_end(struct aoqd_session *s, const char *why)
 	          (unsigned)s->conn.uid, s->conn.job ? s->conn.job : "", s->conn.rank, why);
 	s->state = AOQD_CLOSING;
 	atomic_store(&s->leasing, false);
-	if (unlink_session(s))
-		aoqd_session_unref(s);
+	if (unlink_session(s)) {
+		s->zombie_next = zombies;
+		zombies = s;
+		uv_async_send(&s->srv->wake);
+	}
 }
 
 static bool same_key(const struct aoqd_session *a, uid_t uid, const char *job, uint32_t rank)
@@ -314,6 +334,7 @@ void aoqd_sessions_close_all(struct aoqd_server *srv)
 {
 	while (srv->sessions)
 		session_close(srv->sessions);
+	reap_zombies();
 }
 
 /* ---- errors ---- */
@@ -926,13 +947,19 @@ void aoqd_sessions_sweep(struct aoqd_server *srv)
 void aoqd_sessions_wake(struct aoqd_server *srv)
 {
 	struct aoqd_session *next;
+	reap_zombies();
 	for (struct aoqd_session *s = srv->sessions; s; s = s->next)
 		lease_settle(s);
-	for (struct aoqd_session *s = srv->sessions; s; s = next) {
-		next = s->next;
-		struct aoqd_session *l = s->adopt_wait ? aoqd_session_find(srv, s->adopt_wait) : NULL;
-		if (s->adopt_wait && s->state == AOQD_REGISTERING && (!l || l->state != AOQD_LEASED || l->settled)) {
-			/* The leased state it waited for is whole: register. */
+	/* Registrations waiting for a leased state that has settled.  An
+	 * adoption ends that leased session (unlinks it): walk again. */
+	for (bool again = true; again;) {
+		again = false;
+		for (struct aoqd_session *s = srv->sessions; s; s = s->next) {
+			if (!s->adopt_wait || s->state != AOQD_REGISTERING)
+				continue;
+			struct aoqd_session *l = aoqd_session_find(srv, s->adopt_wait);
+			if (l && l->state == AOQD_LEASED && !l->settled)
+				continue;
 			struct aoqd_error err;
 			aoqd_session_ref(s);
 			int r = aoqd_register_finish(s, aoqd_session_on_doorbell, lease_adopt_cb, &err);
@@ -940,11 +967,13 @@ void aoqd_sessions_wake(struct aoqd_server *srv)
 				session_error(s, &err);
 			else if (r != ADOPT_WAIT)
 				process_frames(s);
-			bool gone = s->state == AOQD_CLOSING;
 			aoqd_session_unref(s);
-			if (gone)
-				continue;
+			again = true;
+			break;
 		}
+	}
+	for (struct aoqd_session *s = srv->sessions; s; s = next) {
+		next = s->next;
 		if (s->backlog && s->state != AOQD_CLOSING) {
 			aoqd_session_ref(s);
 			process_frames(s);

@@ -78,6 +78,11 @@ struct aoqd_session {
 	bool settled;
 	uint64_t adopt_wait;
 	uint64_t resumed_from;
+	/* In srv->sessions.  A leased session that ends is unlinked but keeps
+	 * its `next` (a walk of the list may stand on it) and waits on the
+	 * zombie list for the next wake to drop the list's reference. */
+	bool linked;
+	struct aoqd_session *zombie_next;
 };
 
 /*
