@@ -589,6 +589,29 @@ static void case_drop(void)
 	printf("drop: leased and live sessions dropped\n");
 }
 
+/* ---- case dup ---- */
+
+/* A second connection with the key of a live session is refused by name;
+ * once the first trainer is gone, the next one resumes. */
+static void case_dup(void)
+{
+	struct trainer a, b;
+	CHECK_OK(trainer_open(&a, "dup", AOQ_STATE_Q8, 0));
+	CHECK_OK(trainer_step(&a, -1));
+	int r = trainer_open(&b, "dup", AOQ_STATE_Q8, 0);
+	const char *msg = aoq_last_error();
+	printf("dup: %d %s\n", r, msg);
+	CHECK(r == -EBUSY && strstr(msg, "job 'dup' rank 0 of uid") && strstr(msg, "is connected already"),
+	      "dup: %d '%s'", r, msg);
+	if (b.c)
+		aoq_close(b.c);
+	CHECK_OK(trainer_step(&a, -1)); /* the first one goes on */
+	trainer_close(&a);              /* Bye: no lease */
+	CHECK_OK(trainer_open(&b, "dup", AOQ_STATE_Q8, 0));
+	CHECK(!b.resumed, "dup: a session that said Bye was resumed");
+	trainer_close(&b);
+}
+
 /* ---- case uid ---- */
 
 static int uid_main(char **argv)
@@ -765,6 +788,8 @@ int main(int argc, char **argv)
 		case_expiry();
 	if (all || strcmp(c, "drop") == 0)
 		case_drop();
+	if (all || strcmp(c, "dup") == 0)
+		case_dup();
 	if (all || strcmp(c, "uid") == 0)
 		case_uid();
 	if (all || strcmp(c, "quota") == 0)
