@@ -73,6 +73,8 @@ struct aoq_client {
 	const struct aoq_backend_ops *ops;
 	struct aoq_backend *be;
 	uint64_t session_id;
+	bool resumed;
+	uint64_t resumed_step;
 
 	struct aoq_group *groups;
 	uint32_t ngroups, cap_groups;
@@ -394,6 +396,7 @@ int aoq_connect(struct aoq_client **out, const struct aoq_options *opts)
 	h.rank = opts->rank;
 	h.device = c->device;
 	h.pid = (uint32_t)getpid();
+	h.lease_seconds = opts->lease_seconds;
 	Aoq__Envelope env = AOQ__ENVELOPE__INIT;
 	env.msg_case = AOQ__ENVELOPE__MSG_HELLO;
 	env.hello = &h;
@@ -779,6 +782,40 @@ static int load_initial(struct aoq_client *c, uint32_t i)
 	return 0;
 }
 
+/* A resumed session: tensor i's parameter from the daemon's master, in
+ * its param dtype (rounded as the updates round it). */
+static int load_resumed(struct aoq_client *c, uint32_t i)
+{
+	struct tensor *x = &c->tensors[i];
+	uint64_t room = c->hdr.xfer_bytes / x->psize;
+	uint8_t *xfer = c->arena + c->hdr.xfer_off;
+	for (uint64_t off = 0; off < x->d.numel; off += room) {
+		uint64_t n = x->d.numel - off < room ? x->d.numel - off : room;
+		Aoq__ReadState m = AOQ__READ_STATE__INIT;
+		m.tensor = i;
+		m.what = AOQ__STATE_KIND__MASTER;
+		m.dtype = (Aoq__DType)x->d.param_dtype;
+		m.offset = off;
+		m.count = n;
+		Aoq__Envelope env = AOQ__ENVELOPE__INIT;
+		env.msg_case = AOQ__ENVELOPE__MSG_READ_STATE;
+		env.read_state = &m;
+		int r = ctl_call(c, &env, AOQ__ENVELOPE__MSG_DONE, NULL);
+		if (r < 0)
+			return r;
+		if ((r = c->ops->copy_to_device(c->be, (uint8_t *)x->d.param + off * x->psize, xfer, n * x->psize)) < 0)
+			return r;
+	}
+	return 0;
+}
+
+int aoq_resumed(struct aoq_client *c, uint64_t *step)
+{
+	if (step)
+		*step = c->resumed ? c->resumed_step : 0;
+	return c->resumed ? 1 : 0;
+}
+
 int aoq_register(struct aoq_client *c)
 {
 	if (c->registered)
@@ -799,6 +836,8 @@ int aoq_register(struct aoq_client *c)
 		goto out_fds;
 	}
 	struct stat st;
+	c->resumed = rep->registered->resumed;
+	c->resumed_step = rep->registered->resumed_step;
 	c->arena_size = rep->registered->arena_size;
 	c->o.seed = rep->registered->seed;
 	if (fstat(fds[0], &st) < 0 || (uint64_t)st.st_size != c->arena_size || c->arena_size < sizeof(struct aoq_arena_header)) {
@@ -822,7 +861,13 @@ int aoq_register(struct aoq_client *c)
 	if ((r = c->ops->register_host(c->be, c->arena, c->arena_size)) < 0)
 		goto out;
 	c->registered = true;
-	for (uint32_t i = 0; i < c->ntensors && r == 0; i++)
+	if (c->resumed) {
+		/* The daemon's state is the truth: parameters come from it. */
+		c->step = c->resumed_step + 1;
+		for (uint32_t i = 0; i < c->ntensors && r == 0; i++)
+			r = load_resumed(c, i);
+	}
+	for (uint32_t i = 0; i < c->ntensors && r == 0 && !c->resumed; i++)
 		r = load_initial(c, i);
 	if (r < 0)
 		goto out;

@@ -178,8 +178,23 @@ bool aoqd_arena_unwatch(struct aoqd_arena *a, uv_close_cb closed_cb)
 	return true;
 }
 
+int aoqd_arena_lock(struct aoqd_arena *a, _Atomic uint64_t *locked_total)
+{
+	if (!a->base)
+		return 0;
+	if (mlock(a->base, a->size) < 0)
+		return -errno;
+	a->locked = a->size;
+	a->locked_total = locked_total;
+	atomic_fetch_add(locked_total, a->size);
+	return 0;
+}
+
 void aoqd_arena_free(struct aoqd_arena *a)
 {
+	if (a->locked && a->locked_total)
+		atomic_fetch_sub(a->locked_total, a->locked);
+	a->locked = 0;
 	free(a->slots);
 	a->slots = NULL;
 	if (a->base)

@@ -41,12 +41,17 @@ struct aoqd_arena {
 	int peer_in, peer_out; /* the client's ends, until sent */
 	uv_poll_t doorbell_poll;
 	bool poll_open;
+	uint64_t locked;                 /* bytes mlock'ed, counted in *locked_total */
+	_Atomic uint64_t *locked_total;
 };
 
 void aoqd_arena_init(struct aoqd_arena *a);
 /* Lays out, creates, fills, checks and seals the arena for st's tensors;
  * creates the doorbells.  0 or -errno (-EFBIG: larger than max_bytes). */
 int aoqd_arena_build(struct aoqd_arena *a, const struct aoqd_state *st, uint64_t session_id, uint64_t max_bytes);
+/* Locks the mapping in memory: 0 (the bytes are added to *locked_total
+ * until the free), or -errno (mlock refused it). */
+int aoqd_arena_lock(struct aoqd_arena *a, _Atomic uint64_t *locked_total);
 /* Watches the client's doorbell: cb(data) runs on the loop thread. */
 int aoqd_arena_watch(struct aoqd_arena *a, uv_loop_t *loop, uv_poll_cb cb, void *data);
 /* Stops watching (the handle stays until aoqd_arena_unwatch). */

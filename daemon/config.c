@@ -32,6 +32,7 @@ void aoqd_config_defaults(struct aoqd_config *c)
 	c->listen_fd = -1;
 	c->lock_memory = 1;
 	c->max_sessions_per_uid = 64;
+	c->lease_seconds = 600;
 	c->max_connections = 1024;
 	c->max_tensors = 1u << 20;
 	c->max_tensor_elems = 1ull << 36;
@@ -128,6 +129,7 @@ static const struct key keys[] = {
 	{ "handshake_timeout_ms", K_COUNT, OFF(handshake_timeout_ms), W(handshake_timeout_ms), 100, 3600000 },
 	{ "max_buffered_bytes_per_uid", K_SIZE, OFF(max_buffered_bytes_per_uid), W(max_buffered_bytes_per_uid),
 	  1ull << 20, 1ull << 40 },
+	{ "lease_seconds", K_COUNT, OFF(lease_seconds), W(lease_seconds), 0, 7u * 86400 },
 	{ "admin_gid", K_GID, OFF(admin_gid), W(admin_gid), 0, UINT32_MAX - 1 },
 	{ "state_dir", K_PATH, OFF(state_dir), 0, 0, 0 },
 	{ "snapshot_every_steps", K_COUNT, OFF(snapshot_every_steps), W(snapshot_every_steps), 0, 1ull << 62 },
@@ -428,6 +430,7 @@ void aoqd_config_print(const struct aoqd_config *c, FILE *f)
 	fprintf(f, "log_level = %s\n", levels[c->log_level >= 0 && c->log_level <= AOQD_LOG_DEBUG ? c->log_level : AOQD_LOG_INFO]);
 	fprintf(f, "max_connections = %" PRIu32 "\n", c->max_connections);
 	fprintf(f, "max_sessions_per_uid = %" PRIu32 "\n", c->max_sessions_per_uid);
+	fprintf(f, "lease_seconds = %" PRIu32 "\n", c->lease_seconds);
 	fprintf(f, "max_tensors = %" PRIu32 "\n", c->max_tensors);
 	fprintf(f, "max_tensor_elems = %" PRIu64 "\n", c->max_tensor_elems);
 	fprintf(f, "max_arena_bytes = %" PRIu64 "\n", c->max_arena_bytes);

@@ -20,6 +20,7 @@ struct aoqd_config {
 	const char *kernel;       /* NULL/"auto" or a variant name */
 	int lock_memory;          /* 0 no, 1 try (default), 2 required */
 	uint32_t max_sessions_per_uid;
+	uint32_t lease_seconds;   /* a trainer's state outlives it this long (0: off) */
 	uint32_t max_connections;
 	uint32_t max_tensors;
 	uint64_t max_tensor_elems;

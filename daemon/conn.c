@@ -3,6 +3,7 @@
  * A control connection: the socket, frames in and out.  Loop thread only.
  */
 #include <errno.h>
+#include <poll.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -364,6 +365,15 @@ bool aoqd_conn_close(struct aoqd_conn *c)
 		uv_close((uv_handle_t *)&c->pipe, on_closed);
 	}
 	return was_open;
+}
+
+bool aoqd_conn_peer_gone(struct aoqd_conn *c)
+{
+	uv_os_fd_t fd;
+	if (!c->open || uv_fileno((uv_handle_t *)&c->pipe, &fd) < 0)
+		return true;
+	struct pollfd p = { .fd = fd, .events = POLLRDHUP };
+	return poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR));
 }
 
 void aoqd_conn_free(struct aoqd_conn *c)

@@ -73,6 +73,9 @@ int aoqd_conn_accept(struct aoqd_conn *c, uv_loop_t *loop, uv_stream_t *listener
 void aoqd_conn_budget(struct aoqd_conn *c, uint64_t *buffered, uint64_t limit);
 /* True when gid is the peer's group or one of its supplementary groups. */
 bool aoqd_conn_in_group(const struct aoqd_conn *c, gid_t gid);
+/* True when the peer closed its end (or the connection is closed): a
+ * trainer gone whose EOF this loop has not read yet. */
+bool aoqd_conn_peer_gone(struct aoqd_conn *c);
 /* Closes the handle; true when the connection was open. */
 bool aoqd_conn_close(struct aoqd_conn *c);
 /* Frees the buffers and names (after the handle closed). */

@@ -54,6 +54,7 @@ struct aoqd_job {
 	bool opens_step; /* this record counted the tensor's step (a tensor may come in pieces) */
 	bool ends_tensor; /* this record completed the tensor's gradient */
 	bool use_acc;
+	bool save;       /* undo copy: save the range before it changes (lease) */
 	uint64_t arrival; /* the session's record count when it came */
 	const uint8_t *grad; /* element rec.offset */
 	uint8_t *param;
@@ -162,6 +163,10 @@ static void chunk_run(struct aoqd_task *task, unsigned worker)
 	struct chunk *c = (struct chunk *)task;
 	struct aoqd_job *j = c->job;
 	struct aoqd_session *s = j->s;
+	/* Saved even when the session died: a rollback puts back every range
+	 * the open step accepted (state.h, "Lease and resume"). */
+	if (j->save)
+		aoqd_state_save(j->t, j->rec.offset + c->begin, c->count);
 	if (!atomic_load_explicit(&s->dead, memory_order_relaxed)) {
 		const struct aoqk_kernel *k = s->srv->kernel;
 		struct aoqd_tensor *t = j->t;
@@ -349,6 +354,7 @@ static int accept_record(struct aoqd_session *s, const struct aoq_rec *r, struct
 	j->use_acc = use_acc;
 	j->opens_step = opens_step;
 	j->ends_tensor = ends_tensor;
+	j->save = phase != PHASE_ACCUMULATE && s->st.undo;
 	const struct aoq_arena_slot *sl = &s->arena.slots[s->st.window ? r->slot : r->tensor];
 	uint64_t first = s->st.window ? 0 : r->offset;
 	uint64_t param_off = sl->param_off;
@@ -399,6 +405,15 @@ int aoqd_drain(struct aoqd_session *s, struct aoqd_error *err)
 		}
 		if (rec.step == s->steps.next_step + 1 && s->steps.next_step + 1 > s->steps.next_step) {
 			s->steps.held = true; /* until StepEnd(next_step) */
+			return 0;
+		}
+		/* With an undo copy one step at a time: the next step's records
+		 * wait until the ending step is complete, so that a rollback
+		 * has one step to undo (state.h).  Without the delayed update a
+		 * trainer's next gradients come after the updates they follow
+		 * anyway. */
+		if (s->st.undo && s->steps.end_pending && rec.step == s->steps.next_step) {
+			s->steps.held = true; /* until the ending step's StepEnded */
 			return 0;
 		}
 		if (!rec_valid(s, &rec, why, sizeof(why)))
@@ -459,9 +474,12 @@ bool aoqd_release_step(struct aoqd_session *s)
 			/* Nothing changed: the tensor did not take this step. */
 			if (j->opens_step)
 				j->t->steps--;
+			if (j->t->cur_step == j->rec.step)
+				j->t->cur_step = 0; /* nothing of it to roll back */
 			job_answer(j, AOQ_REC_SKIPPED);
 		} else {
 			j->phase = PHASE_UPDATE;
+			j->save = false; /* saved in its norm phase; unchanged since */
 			j->hp.grad_scale = (float)scale;
 			job_submit(j);
 		}

@@ -19,6 +19,11 @@
 #include "state.h"
 #include "wire.h"
 
+static int cfg_lock(const struct aoqd_session *s)
+{
+	return s->srv->cfg.lock_memory;
+}
+
 /* The first Register frame's session-wide options. */
 static int set_options(struct aoqd_session *s, const Aoq__Register *m, struct aoqd_error *err)
 {
@@ -134,6 +139,8 @@ static int make_state(struct aoqd_session *s, struct aoqd_error *err)
 		uint64_t off[5];
 		uint64_t len = aoqd_state_len(prec, st->tensors[i].numel,
 		                              st->groups[st->tensors[i].group].moments, off);
+		if (st->undo)
+			len *= 2; /* the undo copy of a session that may be leased */
 		if (__builtin_add_overflow(total, len, &total) ||
 		    __builtin_add_overflow(mapped, aoqd_page_round(len), &mapped))
 			return AOQD_FAIL(err, NO_MEMORY, "state too large");
@@ -153,7 +160,8 @@ static int make_state(struct aoqd_session *s, struct aoqd_error *err)
 	return 0;
 }
 
-int aoqd_register(struct aoqd_session *s, const Aoq__Register *m, uv_poll_cb on_doorbell, struct aoqd_error *err)
+int aoqd_register(struct aoqd_session *s, const Aoq__Register *m, uv_poll_cb on_doorbell, aoqd_adopt_fn adopt,
+                  struct aoqd_error *err)
 {
 	struct aoqd_state *st = &s->st;
 	int r;
@@ -170,13 +178,35 @@ int aoqd_register(struct aoqd_session *s, const Aoq__Register *m, uv_poll_cb on_
 		aoqd_conn_send(&s->conn, &reply);
 		return AOQD_REPLIED;
 	}
-	if ((r = make_state(s, err)) < 0)
+	return aoqd_register_finish(s, on_doorbell, adopt, err);
+}
+
+int aoqd_register_finish(struct aoqd_session *s, uv_poll_cb on_doorbell, aoqd_adopt_fn adopt, struct aoqd_error *err)
+{
+	struct aoqd_state *st = &s->st;
+	/* A leased state of the same key and layout, or a new one. */
+	int r = adopt(s, err);
+	if (r < 0 || r > 1)
+		return r; /* > 1: the adopter's own answer (it waits) */
+	if (r == 0 && (r = make_state(s, err)) < 0)
 		return r;
 	r = aoqd_arena_build(&s->arena, st, s->id, s->srv->cfg.max_arena_bytes);
 	/* The memfd's pages are taken as the client fills it: charged now. */
 	if (r == 0 && aoqd_state_charge(st, aoqd_page_round(s->arena.size)) < 0)
 		return AOQD_FAIL(err, QUOTA, "uid %u: the arena (%" PRIu64 " bytes) would pass its quota of %" PRIu64
 		                 " bytes", (unsigned)s->conn.uid, s->arena.size, st->quota);
+	if (r == 0 && cfg_lock(s) && (r = aoqd_arena_lock(&s->arena, &s->srv->locked_bytes)) < 0) {
+		static bool warned;
+		if (cfg_lock(s) == 2)
+			return AOQD_FAIL(err, NO_MEMORY, "cannot lock the arena (%" PRIu64 " bytes) in memory: %s (lock_memory "
+			                 "= yes; raise LimitMEMLOCK or give CAP_IPC_LOCK)", s->arena.size, strerror(-r));
+		if (!warned)
+			aoqd_warn("session", "session %" PRIu64 ": cannot lock its arena (%" PRIu64 " bytes) in memory (%s): "
+			          "running unlocked; raise LimitMEMLOCK (ulimit -l) or give CAP_IPC_LOCK (logged once)",
+			          s->id, s->arena.size, strerror(-r));
+		warned = true;
+		r = 0;
+	}
 	if (r == 0)
 		r = aoqd_arena_watch(&s->arena, s->srv->loop, on_doorbell, s);
 	if (r < 0)
@@ -187,6 +217,9 @@ int aoqd_register(struct aoqd_session *s, const Aoq__Register *m, uv_poll_cb on_
 	reg.state_bytes = st->state_bytes;
 	reg.fds = 3;
 	reg.seed = st->seed;
+	reg.resumed = s->resumed_from != 0;
+	reg.resumed_step = s->resumed_from ? st->last_step : 0;
+	reg.resumed_from = s->resumed_from;
 	Aoq__Envelope reply = AOQ__ENVELOPE__INIT;
 	reply.msg_case = AOQ__ENVELOPE__MSG_REGISTERED;
 	reply.registered = &reg;

@@ -16,10 +16,18 @@ struct aoqd_session;
  * few ms of the loop.  libaoq sends 256 per frame. */
 #define AOQD_MAX_TENSORS_PER_FRAME 4096u
 
+/* Called on the last Register frame once the tables are read: 1 when it
+ * gave the session a leased state (session.c, lease and resume), 0 when
+ * the state is to be made, -errno with err filled. */
+typedef int (*aoqd_adopt_fn)(struct aoqd_session *s, struct aoqd_error *err);
 /* One Register frame.  What it allocates is charged to the uid's account
  * (s->st.account) first; on_doorbell: what runs when the client rings (its
  * data is the session). */
-int aoqd_register(struct aoqd_session *s, const Aoq__Register *m, uv_poll_cb on_doorbell, struct aoqd_error *err);
+int aoqd_register(struct aoqd_session *s, const Aoq__Register *m, uv_poll_cb on_doorbell, aoqd_adopt_fn adopt,
+                  struct aoqd_error *err);
+/* The last frame's work once its tables are in (aoqd_register calls it; the
+ * session calls it again when adopt answered that it waits). */
+int aoqd_register_finish(struct aoqd_session *s, uv_poll_cb on_doorbell, aoqd_adopt_fn adopt, struct aoqd_error *err);
 int aoqd_on_set_hyperparams(struct aoqd_session *s, const Aoq__Envelope *env, struct aoqd_error *err);
 
 #endif

@@ -196,6 +196,43 @@ static int open_listener(struct aoqd_server *srv)
 	return r;
 }
 
+/* Restore on restart: one snapshot becomes a leased session keyed as it was. */
+static int restore_one(const struct aoqd_snap_key *k, uint64_t step, struct aoqd_state *st, void *arg)
+{
+	struct aoqd_server *srv = arg;
+	struct aoqd_error err = { 0 };
+	struct aoqd_lease_key lk = { .uid = (uid_t)k->uid, .job = k->job, .rank = k->rank };
+	st->last_step = step;
+	int64_t id = aoqd_lease_adopt(srv, &lk, st, (uint64_t)srv->cfg.lease_seconds * 1000000000u, &err);
+	if (id < 0) {
+		aoqd_warn("server", "snapshot of uid %u job '%s' rank %u not restored: %s", k->uid, k->job, k->rank,
+		          err.msg[0] ? err.msg : strerror((int)-id));
+		return -1; /* restore_all frees it */
+	}
+	free(st); /* adopt took the arrays and zeroed *st */
+	aoqd_info("server", "session %" PRId64 ": uid %u job '%s' rank %u restored at step %" PRIu64
+	          " from its snapshot, leased for %u s", id, k->uid, k->job, k->rank, step, srv->cfg.lease_seconds);
+	return 0;
+}
+
+/* The snapshots of state_dir, offered to their trainers as leased sessions
+ * (README, "Snapshots").  Without leases nothing could resume them. */
+static void restore_snapshots(struct aoqd_server *srv)
+{
+	const char *dir = srv->cfg.state_dir;
+	if (!dir)
+		return;
+	if (srv->cfg.lease_seconds == 0) {
+		aoqd_info("server", "lease_seconds = 0: the snapshots in %s are not restored", dir);
+		return;
+	}
+	int n = aoqd_snapshot_restore_all(dir, srv->cfg.lock_memory, &srv->locked_bytes, restore_one, srv);
+	if (n > 0)
+		aoqd_info("server", "%d session(s) restored from the snapshots in %s", n, dir);
+	else if (n < 0 && n != -ENOENT)
+		aoqd_warn("server", "cannot read the snapshots in %s: %s", dir, strerror(-n));
+}
+
 int aoqd_server_init(struct aoqd_server *srv, uv_loop_t *loop, const struct aoqd_config *cfg)
 {
 	memset(srv, 0, sizeof(*srv));
@@ -256,6 +293,7 @@ int aoqd_server_init(struct aoqd_server *srv, uv_loop_t *loop, const struct aoqd
 		aoqd_server_stop(srv);
 		return r;
 	}
+	restore_snapshots(srv);
 #if AOQ_HAVE_SYSTEMD
 	uint64_t usec = 0;
 	if (sd_watchdog_enabled(0, &usec) > 0 && usec > 0) {
@@ -299,6 +337,7 @@ void aoqd_server_apply(struct aoqd_server *srv, const struct aoqd_config *n)
 	} while (0)
 	LIVE(max_connections, PRIu32);
 	LIVE(max_sessions_per_uid, PRIu32);
+	LIVE(lease_seconds, PRIu32);
 	LIVE(max_tensors, PRIu32);
 	LIVE(max_tensor_elems, PRIu64);
 	LIVE(max_arena_bytes, PRIu64);

@@ -43,7 +43,10 @@ void aoqd_session_ref(struct aoqd_session *s)
 
 void aoqd_session_unref(struct aoqd_session *s)
 {
-	if (atomic_fetch_sub_explicit(&s->refs, 1, memory_order_acq_rel) != 1)
+	int was = atomic_fetch_sub_explicit(&s->refs, 1, memory_order_acq_rel);
+	if (was == 2 && atomic_load(&s->leasing))
+		uv_async_send(&s->srv->wake); /* the loop settles the lease */
+	if (was != 1)
 		return;
 	aoqd_snapshot_state_free(&s->st);
 	aoqd_state_free(&s->st, &s->srv->locked_bytes);
@@ -57,25 +60,42 @@ void aoqd_session_unref(struct aoqd_session *s)
 static void link_session(struct aoqd_session *s)
 {
 	struct aoqd_server *srv = s->srv;
+	s->linked = true;
 	s->next = srv->sessions;
 	if (srv->sessions)
 		srv->sessions->prev = s;
 	srv->sessions = s;
 }
 
+/* Unlinks s; its own `next` stays, so that a walk standing on s goes on
+ * (s is freed no earlier than the end of the loop's turn). */
 static bool unlink_session(struct aoqd_session *s)
 {
 	struct aoqd_server *srv = s->srv;
-	if (!s->prev && !s->next && srv->sessions != s)
+	if (!s->linked)
 		return false;
+	s->linked = false;
 	if (s->prev)
 		s->prev->next = s->next;
 	else
 		srv->sessions = s->next;
 	if (s->next)
 		s->next->prev = s->prev;
-	s->prev = s->next = NULL;
+	s->prev = NULL;
 	return true;
+}
+
+/* Leased sessions that ended this turn (lease_end): their list reference
+ * is dropped at the next wake, when no walk of the list stands on them. */
+static struct aoqd_session *zombies;
+
+static void reap_zombies(void)
+{
+	while (zombies) {
+		struct aoqd_session *z = zombies;
+		zombies = z->zombie_next;
+		aoqd_session_unref(z);
+	}
 }
 
 static void on_handle_closed(uv_handle_t *h)
@@ -83,13 +103,185 @@ static void on_handle_closed(uv_handle_t *h)
 	aoqd_session_unref(h->data);
 }
 
+/* ---- lease and resume ---- */
+
+/* Nanoseconds the session's state is leased for if it closes now: only a
+ * registered trainer that went away (no Bye, no failure, no drop), whose
+ * state has its undo copy and no load since its last step, and while the
+ * configured lease (reloadable) is on. */
+static uint64_t lease_for(const struct aoqd_session *s)
+{
+	uint64_t cap = (uint64_t)s->srv->cfg.lease_seconds * 1000000000u;
+	if (s->state != AOQD_READY || s->no_lease || !s->st.undo || s->st.dirty || s->srv->stopping)
+		return 0;
+	return s->lease_ns < cap ? s->lease_ns : cap;
+}
+
+/* Once nothing of the dead connection runs (only the list's reference is
+ * left): the interrupted step goes back, the arena goes (a trainer that
+ * resumes gets a new one) and stops counting against the quota. */
+static void lease_settle(struct aoqd_session *s)
+{
+	if (s->state != AOQD_LEASED || s->settled || atomic_load(&s->refs) != 1)
+		return;
+	aoqd_state_rollback(&s->st);
+	if (s->arena.size && s->st.account) {
+		uint64_t n = aoqd_page_round(s->arena.size);
+		aoqd_account_uncharge(s->st.account, n);
+		s->st.charged -= n;
+	}
+	aoqd_arena_free(&s->arena);
+	aoqd_arena_init(&s->arena);
+	s->settled = true;
+	aoqd_debug("session", "session %" PRIu64 ": lease settled at step %" PRIu64, s->id, s->st.last_step);
+}
+
+/* Ends a leased session for good: its memory and quota go back. */
+static void lease_end(struct aoqd_session *s, const char *why)
+{
+	aoqd_info("session", "session %" PRIu64 " (uid %u job '%s' rank %u): lease ended (%s)", s->id,
+	          (unsigned)s->conn.uid, s->conn.job ? s->conn.job : "", s->conn.rank, why);
+	s->state = AOQD_CLOSING;
+	atomic_store(&s->leasing, false);
+	if (unlink_session(s)) {
+		s->zombie_next = zombies;
+		zombies = s;
+		uv_async_send(&s->srv->wake);
+	}
+}
+
+static bool same_key(const struct aoqd_session *a, uid_t uid, const char *job, uint32_t rank)
+{
+	return a->conn.uid == uid && a->conn.rank == rank && a->conn.job && strcmp(a->conn.job, job) == 0;
+}
+
+static struct aoqd_session *find_leased(struct aoqd_server *srv, uid_t uid, const char *job, uint32_t rank)
+{
+	for (struct aoqd_session *o = srv->sessions; o; o = o->next)
+		if (o->state == AOQD_LEASED && same_key(o, uid, job, rank))
+			return o;
+	return NULL;
+}
+
+#define ADOPT_WAIT 2
+
+/* The registration's adopt callback: takes the leased state of the same
+ * key when its layout matches. */
+static int lease_adopt_cb(struct aoqd_session *s, struct aoqd_error *err)
+{
+	struct aoqd_session *l = find_leased(s->srv, s->conn.uid, s->conn.job, s->conn.rank);
+	s->adopt_wait = 0;
+	if (!l)
+		return 0;
+	if (!l->settled) {
+		/* Its last jobs still run: the reply waits (a wake settles it). */
+		s->adopt_wait = l->id;
+		return ADOPT_WAIT;
+	}
+	char why[512];
+	if (aoqd_state_same_layout(&s->st, &l->st, why, sizeof(why)) < 0)
+		return AOQD_FAIL(err, INVALID, "cannot resume job '%s' rank %u (leased session %" PRIu64 "): %s; "
+		                 "'aoqctl drop %" PRIu64 "' ends it", s->conn.job, s->conn.rank, l->id, why, l->id);
+	struct aoqd_state mine = s->st, old = l->st;
+	/* The state carries over (arrays, steps, hyperparameters, seed); the
+	 * options that shape the arena and the steps are the new trainer's. */
+	old.window = mine.window;
+	old.max_grad_norm = mine.max_grad_norm;
+	old.skip_nonfinite = mine.skip_nonfinite;
+	old.defer = mine.defer;
+	old.delayed = mine.delayed;
+	old.quota = mine.quota;
+	aoqd_state_free(&mine, &s->srv->locked_bytes);
+	s->st = old;
+	memset(&l->st, 0, sizeof(l->st));
+	s->steps.next_step = s->st.last_step + 1;
+	s->resumed_from = l->id;
+	aoqd_info("session", "session %" PRIu64 ": resumes session %" PRIu64 " (job '%s' rank %u) at step %" PRIu64,
+	          s->id, l->id, s->conn.job, s->conn.rank, s->st.last_step + 1);
+	lease_end(l, "resumed");
+	return 1;
+}
+
+struct aoqd_session *aoqd_session_find(struct aoqd_server *srv, uint64_t id)
+{
+	for (struct aoqd_session *s = srv->sessions; s; s = s->next)
+		if (s->id == id && (s->state == AOQD_READY || s->state == AOQD_REGISTERING || s->state == AOQD_LEASED))
+			return s;
+	return NULL;
+}
+
+struct aoqd_session *aoqd_session_next(struct aoqd_server *srv, struct aoqd_session *s)
+{
+	for (s = s ? s->next : srv->sessions; s; s = s->next)
+		if (s->state == AOQD_READY || s->state == AOQD_REGISTERING || s->state == AOQD_LEASED)
+			return s;
+	return NULL;
+}
+
+int64_t aoqd_lease_adopt(struct aoqd_server *srv, const struct aoqd_lease_key *key, struct aoqd_state *st,
+                         uint64_t lease_ns, struct aoqd_error *err)
+{
+	for (struct aoqd_session *o = srv->sessions; o; o = o->next)
+		if (o->state != AOQD_OBSERVER && o->state != AOQD_CLOSING && same_key(o, key->uid, key->job, key->rank)) {
+			AOQD_FAIL(err, INVALID, "job '%s' rank %u of uid %u has session %" PRIu64 " already", key->job,
+			          key->rank, (unsigned)key->uid, o->id);
+			return -EEXIST;
+		}
+	struct aoqd_session *s = calloc(1, sizeof(*s));
+	struct aoqd_account *a = aoqd_account_get(&srv->accounts, key->uid);
+	char *job = strdup(key->job);
+	if (!s || !a || !job) {
+		free(s);
+		free(job);
+		AOQD_FAIL(err, NO_MEMORY, "out of memory");
+		return -ENOMEM;
+	}
+	s->srv = srv;
+	atomic_init(&s->refs, 1);
+	aoqd_arena_init(&s->arena);
+	aoqd_steps_init(&s->steps);
+	aoqd_stats_init(&s->stats);
+	s->conn.uid = key->uid;
+	s->conn.gid = (gid_t)-1;
+	s->conn.job = job;
+	s->conn.rank = key->rank;
+	s->conn.peer_pid = 0;
+	s->id = ++srv->next_id;
+	s->account = a;
+	if (!st->account) {
+		uint64_t n = 0;
+		for (uint32_t i = 0; i < st->ntensors; i++)
+			n += aoqd_page_round(st->tensors[i].state_len);
+		st->account = a;
+		aoqd_account_charge(a, n, 0);
+		st->charged += n;
+	}
+	st->quota = srv->cfg.max_state_bytes_per_uid;
+	s->st = *st;
+	memset(st, 0, sizeof(*st));
+	s->state = AOQD_LEASED;
+	s->settled = true;
+	s->lease_until = aoqd_now_ns() + lease_ns;
+	atomic_store(&s->leasing, true);
+	link_session(s);
+	aoqd_info("session", "session %" PRIu64 " (uid %u job '%s' rank %u): restored state leased for %" PRIu64
+	          " s, resumable at step %" PRIu64, s->id, (unsigned)key->uid, job, key->rank, lease_ns / 1000000000u,
+	          s->st.last_step + 1);
+	return (int64_t)s->id;
+}
+
 /* Closes the connection and the doorbell, unlinks the session; the memory
  * goes with the last reference (running jobs hold one). */
 static void session_close(struct aoqd_session *s)
 {
+	if (s->state == AOQD_LEASED) {
+		lease_end(s, "server stopping");
+		return;
+	}
 	/* observers (aoqctl) come and go every second: their lines are debug */
 	bool quiet = s->state == AOQD_OBSERVER ||
 	             (s->conn.job && strcmp(s->conn.job, "aoqctl") == 0);
+	uint64_t lease = lease_for(s);
 	atomic_store(&s->dead, true);
 	s->state = AOQD_CLOSING;
 	trace_finish(s); /* what was recorded goes out */
@@ -109,6 +301,17 @@ static void session_close(struct aoqd_session *s)
 	aoqd_session_ref(s);
 	if (!aoqd_arena_unwatch(&s->arena, on_handle_closed))
 		aoqd_session_unref(s);
+	if (lease) {
+		/* Stays in the list: the state waits for its trainer. */
+		s->state = AOQD_LEASED;
+		s->lease_until = aoqd_now_ns() + lease;
+		atomic_store(&s->leasing, true);
+		aoqd_info("session", "session %" PRIu64 " (uid %u job '%s' rank %u): trainer gone; state leased for %" PRIu64
+		          " s, resumable at step %" PRIu64, s->id, (unsigned)s->conn.uid, s->conn.job, s->conn.rank,
+		          lease / 1000000000u, s->st.last_step + 1);
+		lease_settle(s);
+		return;
+	}
 	if (unlink_session(s)) {
 		const char *job = s->conn.job ? s->conn.job : "";
 		aoqd_log(quiet ? AOQD_LOG_DEBUG : AOQD_LOG_INFO, "session",
@@ -121,7 +324,14 @@ static void session_close(struct aoqd_session *s)
 void aoqd_sessions_sample(struct aoqd_server *srv)
 {
 	uint64_t now = aoqd_now_ns();
-	for (struct aoqd_session *s = srv->sessions; s; s = s->next) {
+	struct aoqd_session *next;
+	for (struct aoqd_session *s = srv->sessions; s; s = next) {
+		next = s->next;
+		if (s->state == AOQD_LEASED) {
+			if (now >= s->lease_until)
+				lease_end(s, "expired");
+			continue;
+		}
 		if (s->state == AOQD_READY || s->state == AOQD_REGISTERING)
 			aoqd_stats_sample(&s->stats, now);
 		trace_check(s);
@@ -132,6 +342,7 @@ void aoqd_sessions_close_all(struct aoqd_server *srv)
 {
 	while (srv->sessions)
 		session_close(srv->sessions);
+	reap_zombies();
 }
 
 /* ---- errors ---- */
@@ -182,12 +393,35 @@ static int on_hello(struct aoqd_session *s, const Aoq__Envelope *env, struct aoq
 	if (!c->job || !c->device)
 		return AOQD_FAIL(err, NO_MEMORY, "out of memory");
 	if (!h->observer) {
+		/* One live connection per key: a trainer whose process is gone
+		 * (its socket closed, the close not handled yet) is leased now,
+		 * anything else is refused. */
+		struct aoqd_session *next;
+		for (struct aoqd_session *o = s->srv->sessions; o; o = next) {
+			next = o->next;
+			if (o == s || (o->state != AOQD_REGISTERING && o->state != AOQD_READY) ||
+			    !same_key(o, c->uid, c->job, c->rank))
+				continue;
+			if (!aoqd_conn_peer_gone(&o->conn))
+				return AOQD_FAIL(err, BUSY, "job '%s' rank %u of uid %u is connected already (session %" PRIu64
+				                 ", pid %d)", c->job, c->rank, (unsigned)c->uid, o->id, (int)o->conn.peer_pid);
+			session_close(o);
+			break;
+		}
+		/* Leased sessions count, but not the one this trainer resumes. */
 		uint32_t n = 0;
 		for (struct aoqd_session *o = s->srv->sessions; o; o = o->next)
-			if (o->conn.uid == c->uid && o->state != AOQD_OBSERVER && o != s)
+			if (o->conn.uid == c->uid && o->state != AOQD_OBSERVER && o != s &&
+			    !(o->state == AOQD_LEASED && same_key(o, c->uid, c->job, c->rank)))
 				n++;
 		if (n >= cfg->max_sessions_per_uid)
-			return AOQD_FAIL(err, QUOTA, "uid %u has %u sessions (the limit)", (unsigned)c->uid, n);
+			return AOQD_FAIL(err, QUOTA, "uid %u has %u sessions, leased ones included (max_sessions_per_uid)",
+			                 (unsigned)c->uid, n);
+		uint64_t want = h->lease_seconds == UINT32_MAX ? 0
+		                : h->lease_seconds == 0 || h->lease_seconds > cfg->lease_seconds ? cfg->lease_seconds
+		                : h->lease_seconds;
+		s->lease_ns = want * 1000000000u;
+		s->st.undo = want > 0; /* the rollback needs the undo copy */
 	}
 	s->state = h->observer ? AOQD_OBSERVER : AOQD_REGISTERING;
 	Aoq__Limits lim = AOQ__LIMITS__INIT;
@@ -212,7 +446,8 @@ static int on_hello(struct aoqd_session *s, const Aoq__Envelope *env, struct aoq
 
 static int on_register(struct aoqd_session *s, const Aoq__Envelope *env, struct aoqd_error *err)
 {
-	return aoqd_register(s, env->register_, aoqd_session_on_doorbell, err);
+	int r = aoqd_register(s, env->register_, aoqd_session_on_doorbell, lease_adopt_cb, err);
+	return r == ADOPT_WAIT ? AOQD_DEFERRED : r;
 }
 
 static const char *state_name(enum aoqd_session_state st)
@@ -222,6 +457,7 @@ static const char *state_name(enum aoqd_session_state st)
 	case AOQD_REGISTERING: return "registering";
 	case AOQD_READY: return "training";
 	case AOQD_OBSERVER: return "observer";
+	case AOQD_LEASED: return "leased";
 	default: return "closing";
 	}
 }
@@ -246,7 +482,7 @@ static int on_stats(struct aoqd_session *who, const Aoq__Envelope *env, struct a
 	(void)env;
 	size_t n = 0;
 	for (struct aoqd_session *s = srv->sessions; s; s = s->next)
-		if (s->state == AOQD_READY || s->state == AOQD_REGISTERING)
+		if (s->state == AOQD_READY || s->state == AOQD_REGISTERING || s->state == AOQD_LEASED)
 			n++;
 	Aoq__SessionStats *ss = calloc(n ? n : 1, sizeof(*ss));
 	Aoq__SessionStats **sp = calloc(n ? n : 1, sizeof(*sp));
@@ -257,7 +493,7 @@ static int on_stats(struct aoqd_session *who, const Aoq__Envelope *env, struct a
 	}
 	size_t k = 0;
 	for (struct aoqd_session *s = srv->sessions; s && k < n; s = s->next) {
-		if (s->state != AOQD_READY && s->state != AOQD_REGISTERING)
+		if (s->state != AOQD_READY && s->state != AOQD_REGISTERING && s->state != AOQD_LEASED)
 			continue;
 		if (!may_see(who, s))
 			continue;
@@ -278,6 +514,12 @@ static int on_stats(struct aoqd_session *who, const Aoq__Envelope *env, struct a
 		x->state_bytes = s->st.state_bytes;
 		x->snapshot_step = s->snap_step;
 		x->snapshot_unix_ns = s->snap_wall_ns;
+		x->last_step = s->st.last_step;
+		if (s->state == AOQD_LEASED) {
+			uint64_t now = aoqd_now_ns();
+			x->lease_left_seconds = s->lease_until > now ? (double)(s->lease_until - now) / 1e9 : 0;
+			x->pid = 0;
+		}
 		sp[k] = x;
 		k++;
 	}
@@ -411,7 +653,8 @@ static int on_trace(struct aoqd_session *who, const Aoq__Envelope *env, struct a
 	struct aoqd_session *s = who->srv->sessions;
 	while (s && s->id != m->session)
 		s = s->next;
-	if (!s || s->state == AOQD_OBSERVER || s->state == AOQD_HELLO || s->state == AOQD_CLOSING || !may_see(who, s))
+	if (!s || s->state == AOQD_OBSERVER || s->state == AOQD_HELLO || s->state == AOQD_CLOSING ||
+	    s->state == AOQD_LEASED || !may_see(who, s))
 		return AOQD_REFUSE(err, NOT_FOUND, "no session %" PRIu64 " that you may trace", m->session);
 	if (s == who)
 		return AOQD_REFUSE(err, INVALID, "a session cannot trace itself");
@@ -455,7 +698,32 @@ static int on_bye(struct aoqd_session *s, const Aoq__Envelope *env, struct aoqd_
 	(void)err;
 	aoqd_log(s->state == AOQD_OBSERVER ? AOQD_LOG_DEBUG : AOQD_LOG_INFO, "session", "session %" PRIu64 ": bye",
 	         s->id);
+	s->no_lease = true; /* a trainer that says goodbye is done */
 	session_close(s);
+	return AOQD_REPLIED;
+}
+
+/* aoqctl drop: ends a session the asker may see (its own uid's; root and
+ * admin_gid any), and its lease, for good. */
+static int on_drop(struct aoqd_session *who, const Aoq__Envelope *env, struct aoqd_error *err)
+{
+	uint64_t id = env->drop_request->session;
+	struct aoqd_session *s = aoqd_session_find(who->srv, id);
+	if (!s || !may_see(who, s))
+		return AOQD_REFUSE(err, NOT_FOUND, "no session %" PRIu64 " that you may drop", id);
+	if (s == who)
+		return AOQD_REFUSE(err, INVALID, "a session cannot drop itself (send Bye)");
+	char why[64];
+	snprintf(why, sizeof(why), "dropped by uid %u", (unsigned)who->conn.uid);
+	if (s->state == AOQD_LEASED) {
+		lease_end(s, why);
+	} else {
+		struct aoqd_error e;
+		AOQD_FAIL(&e, NOT_FOUND, "session %" PRIu64 " %s (aoqctl drop)", id, why);
+		s->no_lease = true;
+		session_fail(s, &e);
+	}
+	aoqd_conn_send_done(&who->conn, id);
 	return AOQD_REPLIED;
 }
 
@@ -484,6 +752,8 @@ static const struct handler handlers[] = {
 	  on_trace },
 	{ AOQ__ENVELOPE__MSG_SNAPSHOT_REQUEST, IN(REGISTERING) | IN(READY) | IN(OBSERVER),
 	  "SnapshotRequest before Hello", on_snapshot },
+	{ AOQ__ENVELOPE__MSG_DROP_REQUEST, IN(REGISTERING) | IN(READY) | IN(OBSERVER), "DropRequest before Hello",
+	  on_drop },
 	{ AOQ__ENVELOPE__MSG_BYE, IN(HELLO) | IN(REGISTERING) | IN(READY) | IN(OBSERVER), "Bye while closing", on_bye },
 };
 
@@ -517,7 +787,7 @@ static void process_frames(struct aoqd_session *s)
 	size_t off = 0;
 	unsigned handled = 0;
 	s->backlog = false;
-	while (s->state != AOQD_CLOSING && !s->steps.end_pending && !s->steps.xfer_busy &&
+	while (s->state != AOQD_CLOSING && !s->steps.end_pending && !s->steps.xfer_busy && !s->adopt_wait &&
 	       aoqd_conn_queued(c) < AOQD_MAX_QUEUED_REPLY_BYTES) {
 		struct aoqd_error err;
 		Aoq__Envelope *env = NULL;
@@ -547,7 +817,7 @@ static void process_frames(struct aoqd_session *s)
 		return;
 	}
 	aoqd_conn_consume(c, off);
-	aoqd_conn_want_read(c, !s->steps.end_pending && !s->steps.xfer_busy &&
+	aoqd_conn_want_read(c, !s->steps.end_pending && !s->steps.xfer_busy && !s->adopt_wait &&
 	                       aoqd_conn_queued(c) < AOQD_MAX_QUEUED_REPLY_BYTES);
 }
 
@@ -672,9 +942,17 @@ void aoqd_session_on_doorbell(uv_poll_t *h, int status, int events)
 	struct aoqd_session *s = h->data;
 	struct aoqd_error err;
 	(void)events;
+	int ack = status < 0 ? 0 : aoqd_arena_ack(&s->arena);
+	if (ack < 0) {
+		/* The trainer died or left (its doorbell closes with its
+		 * socket, in either order): the lease, if any, keeps its
+		 * state, as when its connection ends first. */
+		aoqd_info("session", "session %" PRIu64 ": client went away (doorbell closed)", s->id);
+		session_close(s);
+		return;
+	}
 	int r = status < 0 ? AOQD_FAIL(&err, INTERNAL, "doorbell: %s", uv_strerror(status))
-	        : aoqd_arena_ack(&s->arena) < 0 ? AOQD_FAIL(&err, PROTOCOL, "the client closed its doorbell")
-	                                        : aoqd_steps_poll(s, true, &err);
+	                     : aoqd_steps_poll(s, true, &err);
 	if (r < 0)
 		session_fail(s, &err);
 	else if (r == 1)
@@ -699,6 +977,31 @@ void aoqd_sessions_sweep(struct aoqd_server *srv)
 void aoqd_sessions_wake(struct aoqd_server *srv)
 {
 	struct aoqd_session *next;
+	reap_zombies();
+	for (struct aoqd_session *s = srv->sessions; s; s = s->next)
+		lease_settle(s);
+	/* Registrations waiting for a leased state that has settled.  An
+	 * adoption ends that leased session (unlinks it): walk again. */
+	for (bool again = true; again;) {
+		again = false;
+		for (struct aoqd_session *s = srv->sessions; s; s = s->next) {
+			if (!s->adopt_wait || s->state != AOQD_REGISTERING)
+				continue;
+			struct aoqd_session *l = aoqd_session_find(srv, s->adopt_wait);
+			if (l && l->state == AOQD_LEASED && !l->settled)
+				continue;
+			struct aoqd_error err;
+			aoqd_session_ref(s);
+			int r = aoqd_register_finish(s, aoqd_session_on_doorbell, lease_adopt_cb, &err);
+			if (r < 0)
+				session_error(s, &err);
+			else if (r != ADOPT_WAIT)
+				process_frames(s);
+			aoqd_session_unref(s);
+			again = true;
+			break;
+		}
+	}
 	for (struct aoqd_session *s = srv->sessions; s; s = next) {
 		next = s->next;
 		if (s->backlog && s->state != AOQD_CLOSING) {

@@ -35,6 +35,7 @@ enum aoqd_session_state {
 	AOQD_READY,       /* arena sent; training */
 	AOQD_OBSERVER,    /* aoqctl: queries only */
 	AOQD_CLOSING,
+	AOQD_LEASED,      /* trainer gone; the state waits for it (lease) */
 };
 
 struct aoqd_server;
@@ -65,7 +66,62 @@ struct aoqd_session {
 	/* Snapshots: the last one written (step, wall clock), and when the
 	 * last periodic one was started (monotonic).  Loop thread. */
 	uint64_t snap_step, snap_wall_ns, snap_mono_ns;
+	/* Lease and resume (README, "Lease and resume").  lease_ns: how long
+	 * the state stays once the trainer is gone (from Hello, capped by
+	 * lease_seconds again at the close); no_lease: Bye or drop.  LEASED:
+	 * lease_until on the monotonic clock; `leasing` tells unref to wake
+	 * the loop when only the list's reference is left, and `settled`
+	 * says the interrupted step was rolled back and the arena freed.
+	 * adopt_wait: the id of the leased session this registration waits
+	 * for to settle.  resumed_from: the leased session's id. */
+	uint64_t lease_ns;
+	bool no_lease;
+	uint64_t lease_until;
+	_Atomic bool leasing;
+	bool settled;
+	uint64_t adopt_wait;
+	uint64_t resumed_from;
+	/* In srv->sessions.  A leased session that ends is unlinked but keeps
+	 * its `next` (a walk of the list may stand on it) and waits on the
+	 * zombie list for the next wake to drop the list's reference. */
+	bool linked;
+	struct aoqd_session *zombie_next;
 };
+
+/*
+ * For snapshots (daemon/snapshot.c) and aoqctl: a session by id, live or
+ * leased (not observers, not closing); NULL when none.  Loop thread.
+ */
+struct aoqd_session *aoqd_session_find(struct aoqd_server *srv, uint64_t id);
+/* The next session after s (NULL: the first), live or leased, to walk
+ * every one (loop thread; do not close sessions while walking). */
+struct aoqd_session *aoqd_session_next(struct aoqd_server *srv, struct aoqd_session *s);
+
+/*
+ * Lease key: what a reconnecting trainer must present to resume.
+ */
+struct aoqd_lease_key {
+	uid_t uid;
+	const char *job;
+	uint32_t rank;
+};
+
+/*
+ * aoqd_lease_adopt: inserts a state restored from elsewhere (a snapshot)
+ * as a leased session keyed `key`, for lease_ns nanoseconds, so that the
+ * trainer that reconnects with that key and layout resumes it at
+ * st->last_step.  The state is taken over: on success *st is zeroed and
+ * the session owns its arrays; on failure *st is left to the caller.  st
+ * must have been made with aoqd_state_alloc (undo copy or not: a resumed
+ * state without one simply cannot be leased again) and be whole at the end
+ * of st->last_step (no open step: every tensor's cur_step at most
+ * last_step).  Its mappings are charged to the uid's account (over any
+ * quota: the daemon restored them) unless st->account is set already.
+ * Returns the new session's id (> 0), or -EEXIST (a session with that key
+ * exists, err says which), -ENOMEM.  Loop thread.
+ */
+int64_t aoqd_lease_adopt(struct aoqd_server *srv, const struct aoqd_lease_key *key, struct aoqd_state *st,
+                         uint64_t lease_ns, struct aoqd_error *err);
 
 /* A new connection on the server's listener: a session in state HELLO. */
 void aoqd_session_accept(struct aoqd_server *srv, uv_stream_t *listener);

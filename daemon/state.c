@@ -6,6 +6,7 @@
  * which transfer tasks run on workers (each its own range).
  */
 #include <errno.h>
+#include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -155,15 +156,18 @@ int aoqd_state_alloc(struct aoqd_state *st, int lock_memory, _Atomic uint64_t *l
 		uint64_t off[5];
 		unsigned moments = st->groups[x->group].moments;
 		uint64_t len = aoqd_state_len(prec, x->numel, moments, off);
+		uint64_t whole = st->undo ? 2 * len : len; /* the undo copy right after */
 		bool locked;
 		int err = 0;
-		uint8_t *p = map_state(len, lock_memory, &locked, &err);
+		uint8_t *p = map_state(whole, lock_memory, &locked, &err);
 		if (!p) {
-			*failed_len = len;
+			*failed_len = whole;
 			return err;
 		}
 		x->state_mem = p;
-		x->state_len = len;
+		x->state_len = whole;
+		x->undo_off = st->undo ? len : 0;
+		len = whole;
 		if (locked) {
 			st->locked_bytes += len;
 			atomic_fetch_add(locked_total, len);
@@ -295,4 +299,106 @@ void aoqd_state_io(struct aoqd_tensor *t, int what, bool load, float *buf, uint6
 	} else {
 		memcpy(buf, (float *)mom + e, n * sizeof(float));
 	}
+}
+
+/* Copies elements [b, b + n) of every array of t between the state and its
+ * undo copy (save: state -> undo). */
+static void undo_copy(struct aoqd_tensor *t, uint64_t b, uint64_t n, bool save)
+{
+	uint8_t *base = t->state_mem, *u = base + t->undo_off;
+	enum aoqk_precision p = t->st.precision;
+	struct {
+		void *arr;
+		size_t el;
+		uint64_t b, n;
+	} part[5] = {
+		{ t->st.master, aoqk_master_size(p), b, n },
+		{ t->st.m, aoqk_moment_size(p), b, n },
+		{ t->st.v, aoqk_moment_size(p), b, n },
+		/* q8: the ranges start on a block and end on one or at the end */
+		{ t->st.m_scale, 4, b / AOQK_Q8_BLOCK, (b + n + AOQK_Q8_BLOCK - 1) / AOQK_Q8_BLOCK - b / AOQK_Q8_BLOCK },
+		{ t->st.v_scale, 4, b / AOQK_Q8_BLOCK, (b + n + AOQK_Q8_BLOCK - 1) / AOQK_Q8_BLOCK - b / AOQK_Q8_BLOCK },
+	};
+	for (int i = 0; i < 5; i++) {
+		if (!part[i].arr)
+			continue;
+		uint8_t *live = (uint8_t *)part[i].arr + part[i].b * part[i].el;
+		uint8_t *copy = u + (live - base);
+		if (save)
+			memcpy(copy, live, part[i].n * part[i].el);
+		else
+			memcpy(live, copy, part[i].n * part[i].el);
+	}
+}
+
+void aoqd_state_save(struct aoqd_tensor *t, uint64_t b, uint64_t n)
+{
+	if (t->undo_off)
+		undo_copy(t, b, n, true);
+}
+
+void aoqd_state_rollback(struct aoqd_state *st)
+{
+	uint64_t open = st->last_step + 1;
+	for (uint32_t i = 0; i < st->ntensors; i++) {
+		struct aoqd_tensor *t = &st->tensors[i];
+		if (t->acc_step >= open)
+			t->acc_step = 0; /* the micro-batches of the open step are gone */
+		if (t->cur_step < open)
+			continue;
+		for (uint32_t k = 0; k < t->ndone && t->undo_off; k++)
+			undo_copy(t, t->done[k].b, t->done[k].e - t->done[k].b, false);
+		t->steps--; /* the open step counted it */
+		t->cur_step = 0;
+		t->ndone = 0;
+	}
+}
+
+static const char *dtype_name(enum aoqk_dtype d)
+{
+	return d == AOQK_FP32 ? "fp32" : d == AOQK_BF16 ? "bf16" : "fp16";
+}
+
+int aoqd_state_same_layout(const struct aoqd_state *st, const struct aoqd_state *old, char *why, size_t len)
+{
+	if (st->precision != old->precision) {
+		snprintf(why, len, "state precision %s here, %s in the leased session",
+		         protobuf_c_enum_descriptor_get_value(&aoq__state_precision__descriptor, st->precision)->name,
+		         protobuf_c_enum_descriptor_get_value(&aoq__state_precision__descriptor, old->precision)->name);
+		return -EINVAL;
+	}
+	if (st->ngroups != old->ngroups) {
+		snprintf(why, len, "%u groups here, %u in the leased session", st->ngroups, old->ngroups);
+		return -EINVAL;
+	}
+	for (uint32_t i = 0; i < st->ngroups; i++)
+		if (st->groups[i].kind != old->groups[i].kind || st->groups[i].moments != old->groups[i].moments) {
+			snprintf(why, len, "group %u: %s with %u moments here, %s with %u in the leased session", i,
+			         kind_name(st->groups[i].kind), st->groups[i].moments, kind_name(old->groups[i].kind),
+			         old->groups[i].moments);
+			return -EINVAL;
+		}
+	if (st->ntensors != old->ntensors) {
+		snprintf(why, len, "%u tensors here, %u in the leased session", st->ntensors, old->ntensors);
+		return -EINVAL;
+	}
+	for (uint32_t i = 0; i < st->ntensors; i++) {
+		const struct aoqd_tensor *a = &st->tensors[i], *b = &old->tensors[i];
+		if (strcmp(a->name, b->name) != 0)
+			snprintf(why, len, "tensor %u: name '%.200s' here, '%.200s' in the leased session", i, a->name, b->name);
+		else if (a->numel != b->numel)
+			snprintf(why, len, "tensor %u '%.200s': numel %" PRIu64 " here, %" PRIu64 " in the leased session", i,
+			         a->name, a->numel, b->numel);
+		else if (a->param_dtype != b->param_dtype || a->grad_dtype != b->grad_dtype)
+			snprintf(why, len, "tensor %u '%.200s': param/grad dtype %s/%s here, %s/%s in the leased session", i,
+			         a->name, dtype_name(a->param_dtype), dtype_name(a->grad_dtype), dtype_name(b->param_dtype),
+			         dtype_name(b->grad_dtype));
+		else if (a->group != b->group)
+			snprintf(why, len, "tensor %u '%.200s': group %u here, %u in the leased session", i, a->name, a->group,
+			         b->group);
+		else
+			continue;
+		return -EINVAL;
+	}
+	return 0;
 }

@@ -31,7 +31,8 @@ struct aoqd_tensor {
 	uint32_t group;
 	struct aoqk_state st;
 	void *state_mem;       /* one mapping holding master, m, v, scales */
-	size_t state_len;
+	size_t state_len;      /* (and their undo copy at undo_off, when kept) */
+	size_t undo_off;       /* 0: no undo copy */
 	float *acc;            /* fp32 micro-batch accumulator, allocated on first use */
 	uint64_t acc_step;     /* step whose micro-batches acc holds */
 	uint64_t steps;        /* updates applied (bias correction) */
@@ -50,6 +51,15 @@ struct aoqd_state {
 	bool defer;            /* either: updates wait for the step's norm */
 	bool delayed;          /* two param buffers, by step parity */
 	bool options_set;      /* the first Register frame set the above */
+	/* Lease and resume (README, "Lease and resume"): with `undo`, every
+	 * tensor's mapping holds a second copy of its arrays, where each range
+	 * is saved before its update; aoqd_state_rollback() then takes the
+	 * state back to the end of last_step, the last completed step.
+	 * `dirty`: state was loaded since last_step (a LoadState), which no
+	 * rollback undoes: such a state is not leased. */
+	bool undo;
+	bool dirty;
+	uint64_t last_step;
 	uint32_t ngroups, ntensors;
 	uint32_t cap_groups, cap_tensors;
 	struct aoqd_group *groups;
@@ -107,6 +117,17 @@ void aoqd_state_free(struct aoqd_state *st, _Atomic uint64_t *locked_total);
 /* The tensor's accumulator, mapped on first use.  0, -EDQUOT (past the
  * uid's quota) or -ENOMEM. */
 int aoqd_state_acc(struct aoqd_state *st, struct aoqd_tensor *t);
+
+/* Undo copies (st->undo): saves elements [b, b + n) of every array of t
+ * before their update (any thread, each its own range); rollback puts the
+ * saved ranges of the step after st->last_step back, with the tensors'
+ * step counters, so that no part of an interrupted step stays (loop
+ * thread, nothing in flight). */
+void aoqd_state_save(struct aoqd_tensor *t, uint64_t b, uint64_t n);
+void aoqd_state_rollback(struct aoqd_state *st);
+/* Whether st (a new registration's tables) has the layout of the leased
+ * state `old`: 0, or -EINVAL with the first difference in why. */
+int aoqd_state_same_layout(const struct aoqd_state *st, const struct aoqd_state *old, char *why, size_t len);
 
 /* Elements [e, e + n) of state kind `what` (AOQ__STATE_KIND__*) to or from
  * fp32 buf; q8 pieces start on a block and are whole blocks or end the

@@ -157,6 +157,8 @@ static bool finish_step(struct aoqd_session *s)
 	pthread_mutex_unlock(&st->lock);
 	st->accepted[p] = 0;
 	st->end_pending = false;
+	s->st.last_step = e.step;
+	s->st.dirty = false;
 	pthread_mutex_lock(&s->stats.lock);
 	s->stats.steps_done++;
 	pthread_mutex_unlock(&s->stats.lock);
@@ -186,7 +188,12 @@ int aoqd_on_step_end(struct aoqd_session *s, const Aoq__Envelope *env, struct ao
 	if (r < 0)
 		return r;
 	aoqd_release_step(s);
-	finish_step(s);
+	if (finish_step(s) && st->held) {
+		/* the next step's records waited for this one (undo copy) */
+		st->held = false;
+		if ((r = aoqd_drain(s, err)) < 0)
+			return r;
+	}
 	return st->end_pending ? AOQD_DEFERRED : AOQD_REPLIED;
 }
 
@@ -204,5 +211,14 @@ int aoqd_steps_poll(struct aoqd_session *s, bool doorbell, struct aoqd_error *er
 	if (atomic_load(&s->dead))
 		return AOQD_FAIL(err, BAD_RECORD, "the to-client ring's tail counter is corrupt");
 	aoqd_release_step(s);
-	return finish_step(s) ? 1 : 0;
+	if (!finish_step(s))
+		return 0;
+	if (st->held) {
+		/* the next step's records waited for this one (undo copy) */
+		st->held = false;
+		int r = aoqd_drain(s, err);
+		if (r < 0)
+			return r;
+	}
+	return 1;
 }

@@ -122,6 +122,8 @@ static int start_transfer(struct aoqd_session *s, bool load, uint32_t tensor, in
 		x->tasks[i].begin = (uint64_t)i * XFER_PIECE;
 		x->tasks[i].count = i + 1 < n ? XFER_PIECE : count - x->tasks[i].begin;
 	}
+	if (load)
+		s->st.dirty = true; /* no rollback undoes a load: not leased until the next step ends */
 	s->steps.xfer_busy = true;
 	s->steps.xfer_count = count;
 	atomic_store(&s->steps.xfer_done, false);
@@ -175,6 +177,7 @@ int aoqd_on_tensor_steps(struct aoqd_session *s, const Aoq__Envelope *env, struc
 		if (m->set) {
 			t->steps = m->steps[i];
 			t->cur_step = 0;
+			s->st.dirty = true;
 		}
 		steps[i] = t->steps;
 	}

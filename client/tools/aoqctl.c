@@ -6,6 +6,7 @@
  *   aoqctl [--socket PATH] sessions [--all]
  *   aoqctl [--socket PATH] trace SESSION [--steps N] -o FILE
  *   aoqctl [--socket PATH] snapshot SESSION
+ *   aoqctl [--socket PATH] drop SESSION
  *
  * It speaks the control protocol directly (proto/wire.h) as an observer:
  * Hello{observer} -> Welcome, then StatsRequest -> Stats (repeatedly with
@@ -51,10 +52,12 @@ static const char usage_text[] =
 	"\n"
 	"Commands:\n"
 	"  stats        daemon-wide figures, then one row per session, per job and per uid\n"
-	"  sessions     one line per session: id job rank uid pid device state precision\n"
+	"  sessions     one line per session: id job rank uid pid device state precision,\n"
+	"               last completed step, lease time left (leased: trainer gone)\n"
 	"  trace ID     record the next steps of session ID as a Chrome trace (Perfetto)\n"
 	"  snapshot ID  write session ID's optimizer state to the daemon's state_dir\n"
 	"               (safetensors); waits until the file is on disk, prints its path\n"
+	"  drop ID      end session ID (live or leased) and its lease for good\n"
 	"\n"
 	"Options:\n"
 	"  -s, --socket PATH     the daemon's socket (default: $AOQ_SOCKET, else\n"
@@ -512,9 +515,9 @@ static int print_stats_table(const struct view *v)
 static int print_sessions(const Aoq__Stats *st)
 {
 	struct table t = {
-		.ncols = 8,
-		.head = { "ID", "JOB", "RANK", "UID", "PID", "DEVICE", "STATE", "PRECISION" },
-		.right = { true, false, true, true, true, false, false, false },
+		.ncols = 10,
+		.head = { "ID", "JOB", "RANK", "UID", "PID", "DEVICE", "STATE", "PRECISION", "STEP", "LEASE" },
+		.right = { true, false, true, true, true, false, false, false, true, true },
 		.nrows = st->n_sessions,
 	};
 	if (st->n_sessions == 0) {
@@ -535,6 +538,11 @@ static int print_sessions(const Aoq__Stats *st)
 		cell_set(row[5], str_or(s->device, "-"));
 		cell_set(row[6], str_or(s->state, "-"));
 		cell_set(row[7], precision_name(s->precision));
+		snprintf(row[8], CELL_LEN, "%" PRIu64, s->last_step);
+		if (s->state && strcmp(s->state, "leased") == 0)
+			snprintf(row[9], CELL_LEN, "%.0fs", ceil(s->lease_left_seconds));
+		else
+			cell_set(row[9], "-");
 	}
 	int r = table_print(&t, stdout);
 	free(t.cells);
@@ -635,6 +643,8 @@ static json_object *stats_json(const struct view *v)
 		JADD(o, "pid", json_object_new_uint64(s->pid));
 		JADD(o, "device", jstring(s->device));
 		JADD(o, "state", jstring(s->state));
+		JADD(o, "last_step", json_object_new_uint64(s->last_step));
+		JADD(o, "lease_left_seconds", strcmp(str_or(s->state, ""), "leased") == 0 ? jdouble(s->lease_left_seconds) : NULL);
 		JADD(o, "precision", json_object_new_string(precision_name(s->precision)));
 		JADD(o, "tensors", json_object_new_uint64(s->tensors));
 		JADD(o, "parameters", json_object_new_uint64(s->parameters));
@@ -1078,6 +1088,39 @@ static int run_snapshot(const char *path, uint64_t session)
 	return ret;
 }
 
+/* ---- drop -------------------------------------------------------------- */
+
+static int run_drop(const char *path, uint64_t session)
+{
+	int sock;
+	int ret = observer_connect(path, &sock);
+	if (ret != EXIT_OK)
+		return ret;
+	Aoq__DropRequest req = AOQ__DROP_REQUEST__INIT;
+	req.session = session;
+	Aoq__Envelope env = AOQ__ENVELOPE__INIT, *rep = NULL;
+	env.msg_case = AOQ__ENVELOPE__MSG_DROP_REQUEST;
+	env.drop_request = &req;
+	char *msg = NULL;
+	int r = aoq_call(sock, &env, &rep, &msg);
+	if (r < 0) {
+		fprintf(stderr, "aoqctl: drop %" PRIu64 ": %s\n", session, msg ? msg : strerror(-r));
+		ret = EXIT_UNREACHABLE;
+	} else if (rep->msg_case != AOQ__ENVELOPE__MSG_DONE) {
+		fprintf(stderr, "aoqctl: aoqd at %s answered DropRequest with message %d, not Done\n", path,
+		        (int)rep->msg_case);
+		ret = EXIT_UNREACHABLE;
+	} else {
+		printf("session %" PRIu64 " dropped\n", session);
+	}
+	free(msg);
+	if (r == 0)
+		aoq_envelope_free(rep);
+	say_bye(sock);
+	close(sock);
+	return ret;
+}
+
 static int run_trace(const char *path, uint64_t session, uint32_t steps, const char *output)
 {
 	int sock;
@@ -1387,10 +1430,16 @@ int main(int argc, char **argv)
 	bool is_sessions = strcmp(cmd, "sessions") == 0;
 	bool is_trace = strcmp(cmd, "trace") == 0;
 	bool is_snapshot = strcmp(cmd, "snapshot") == 0;
-	if (!is_stats && !is_sessions && !is_trace && !is_snapshot)
+	bool is_drop = strcmp(cmd, "drop") == 0;
+	if (!is_stats && !is_sessions && !is_trace && !is_snapshot && !is_drop)
 		return usage_error("unknown command '%s'", cmd);
 	uint64_t session = 0;
-	if (is_trace) {
+	if (is_drop) {
+		if (noperands != 1 || !parse_u64(operands[0], 1, UINT64_MAX, &session))
+			return usage_error("drop: one session id (aoqctl drop SESSION; ids: aoqctl sessions)");
+		if (a.json || a.prometheus || a.watch > 0 || a.output || a.steps_set || a.all)
+			return usage_error("drop takes no options");
+	} else if (is_trace) {
 		if (noperands < 1)
 			return usage_error("trace: which session? (aoqctl trace SESSION -o FILE; ids: aoqctl sessions)");
 		if (!parse_u64(operands[0], 1, UINT64_MAX, &session))
@@ -1435,6 +1484,8 @@ int main(int argc, char **argv)
 		return run_trace(path, session, (uint32_t)a.steps, a.output);
 	if (is_snapshot)
 		return run_snapshot(path, session);
+	if (is_drop)
+		return run_drop(path, session);
 	enum format fmt = a.json ? FMT_JSON : a.prometheus ? FMT_PROMETHEUS : FMT_TABLE;
 	return run_stats(path, a.all, fmt, is_sessions, a.watch, a.output);
 }

@@ -136,6 +136,8 @@ static void bench_latency(struct aoqt_daemon *d, const struct aoqk_kernel *k)
 	o.socket = d->socket;
 	o.job = "bench-latency";
 	o.device = "cpu";
+	/* AOQ_BENCH_NO_LEASE: without the lease's undo copy (README, "Lease and resume") */
+	o.lease_seconds = getenv("AOQ_BENCH_NO_LEASE") ? AOQ_LEASE_NONE : 0;
 	struct aoq_client *c;
 	CHECK_OK(aoq_connect(&c, &o));
 	struct aoq_group g = { .size = sizeof(struct aoq_group), .kind = AOQ_ADAMW, .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
@@ -323,6 +325,8 @@ static void bench_throughput(struct aoqt_daemon *d, const struct aoqk_kernel *k)
 	o.socket = d->socket;
 	o.job = "bench-throughput";
 	o.device = "cpu";
+	/* AOQ_BENCH_NO_LEASE: without the lease's undo copy (README, "Lease and resume") */
+	o.lease_seconds = getenv("AOQ_BENCH_NO_LEASE") ? AOQ_LEASE_NONE : 0;
 	struct aoq_client *c;
 	CHECK_OK(aoq_connect(&c, &o));
 	struct aoq_group g = { .size = sizeof(struct aoq_group), .kind = AOQ_ADAMW, .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,

@@ -44,12 +44,7 @@ static int log_wait_ms = 10000;
 /* ---- the well-behaved trainer ------------------------------------------ */
 
 #define TT 4
-struct ttens {
-	uint64_t n;
-	enum aoq_dtype gd, pd;
-	uint32_t group;
-};
-static const struct ttens tdesc[TT] = {
+static const struct aoqt_tdesc tdesc[TT] = {
 	{ 4097, AOQ_FP32, AOQ_FP32, 0 },
 	{ 65539, AOQ_BF16, AOQ_BF16, 1 },
 	{ 1000, AOQ_FP16, AOQ_FP32, 0 },
@@ -95,25 +90,7 @@ static void *trainer_run(void *arg)
 	void *grad[TT];
 	float *gval[TT];
 	struct aoqt_ref ref[TT];
-	int idx[TT];
-	for (int t = 0; t < TT; t++) {
-		const struct ttens *d = &tdesc[t];
-		tr->param[t] = aoqt_xmalloc(d->n * aoqt_dtype_size(d->pd));
-		grad[t] = aoqt_xmalloc(d->n * aoqt_dtype_size(d->gd));
-		gval[t] = aoqt_xmalloc(d->n * sizeof(float));
-		aoqt_ref_init(&ref[t], d->n);
-		struct aoqt_rng rng = aoqt_rng_for(0x1111, (uint64_t)t, 0);
-		for (uint64_t i = 0; i < d->n; i++) {
-			aoqt_store(tr->param[t], i, d->pd, aoqt_uniform(&rng));
-			ref[t].p[i] = aoqt_load(tr->param[t], i, d->pd);
-		}
-		char name[16];
-		snprintf(name, sizeof(name), "w%d", t);
-		struct aoq_tensor td = { .size = sizeof(struct aoq_tensor), .name = name, .numel = d->n, .param_dtype = d->pd, .grad_dtype = d->gd,
-		                         .group = d->group, .param = tr->param[t], .grad = grad[t] };
-		idx[t] = aoq_add_tensor(c, &td);
-		CHECK_OK(idx[t]);
-	}
+	aoqt_victim_tensors(c, tdesc, TT, 0x1111, tr->param, grad, gval, ref);
 	CHECK_OK(aoq_register(c));
 	uint64_t k = 0;
 	for (;;) {
@@ -127,13 +104,13 @@ static void *trainer_run(void *arg)
 				CHECK_OK(aoq_set_hyperparams(c, g, &h));
 			}
 		for (int t = 0; t < TT; t++) {
-			const struct ttens *d = &tdesc[t];
+			const struct aoqt_tdesc *d = &tdesc[t];
 			struct aoqt_rng rng = aoqt_rng_for(0x2222 + k, (uint64_t)t, 0);
 			for (uint64_t i = 0; i < d->n; i++) {
 				aoqt_store(grad[t], i, d->gd, 0.1 * aoqt_uniform(&rng));
 				gval[t][i] = (float)aoqt_load(grad[t], i, d->gd);
 			}
-			CHECK_OK(aoq_push_grad(c, (uint32_t)idx[t], 0, NULL));
+			CHECK_OK(aoq_push_grad(c, (uint32_t)t, 0, NULL));
 		}
 		CHECK_OK(aoq_step_end(c));
 		struct aoq_step_result res = AOQ_STEP_RESULT_INIT;

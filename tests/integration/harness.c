@@ -169,8 +169,19 @@ int aoqt_daemon_start(struct aoqt_daemon *d, const char *exe, const char *const 
 	argv[n++] = exe;
 	argv[n++] = "--listen-fd";
 	argv[n++] = fdarg;
-	for (int i = 0; args && args[i] && n < 63; i++)
+	bool own_state_dir = false;
+	for (int i = 0; args && args[i] && n < 61; i++) {
+		own_state_dir |= strcmp(args[i], "--state-dir") == 0;
 		argv[n++] = args[i];
+	}
+	/* A test's daemon never restores the node's snapshots (default
+	 * state_dir): its own, empty unless the test snapshots there. */
+	char statedir[sizeof(d->dir) + 8];
+	snprintf(statedir, sizeof(statedir), "%s/state", d->dir);
+	if (!own_state_dir) {
+		argv[n++] = "--state-dir";
+		argv[n++] = statedir;
+	}
 	argv[n] = NULL;
 	pid_t parent = getpid();
 	sigset_t none;
@@ -989,4 +1000,28 @@ int aoqt_stats(const char *path, Aoq__Envelope **out)
 done:
 	close(fd);
 	return r;
+}
+
+void aoqt_victim_tensors(struct aoq_client *c, const struct aoqt_tdesc *d, int n, uint64_t seed, void **param,
+                         void **grad, float **gval, struct aoqt_ref *ref)
+{
+	for (int t = 0; t < n; t++) {
+		param[t] = aoqt_xmalloc(d[t].n * aoqt_dtype_size(d[t].pd));
+		grad[t] = aoqt_xmalloc(d[t].n * aoqt_dtype_size(d[t].gd));
+		gval[t] = aoqt_xmalloc(d[t].n * sizeof(float));
+		aoqt_ref_init(&ref[t], d[t].n);
+		struct aoqt_rng rng = aoqt_rng_for(seed, (uint64_t)t, 0);
+		for (uint64_t i = 0; i < d[t].n; i++) {
+			aoqt_store(param[t], i, d[t].pd, aoqt_uniform(&rng));
+			ref[t].p[i] = aoqt_load(param[t], i, d[t].pd);
+		}
+		char name[16];
+		snprintf(name, sizeof(name), "w%d", t);
+		struct aoq_tensor td = { .size = sizeof(struct aoq_tensor), .name = name, .numel = d[t].n,
+		                         .param_dtype = d[t].pd, .grad_dtype = d[t].gd, .group = d[t].group,
+		                         .param = param[t], .grad = grad[t] };
+		int r = aoq_add_tensor(c, &td);
+		if (r != t)
+			aoqt_fail("aoq_add_tensor w%d = %d: %s", t, r, aoq_last_error());
+	}
 }

@@ -79,6 +79,24 @@ static inline struct aoqt_rng aoqt_rng_for(uint64_t a, uint64_t b, uint64_t c)
 	return r;
 }
 
+/* ---- a victim trainer's tensors (hostile and shared-node tests) ---------- */
+
+struct aoqt_tdesc {
+	uint64_t n;
+	enum aoq_dtype gd, pd;
+	uint32_t group;
+};
+struct aoqt_ref;
+struct aoq_client;
+/*
+ * Describes tensors "w0".."w<n-1>" of d to c: for each a param buffer of
+ * random values in [-1, 1) (from aoqt_rng_for(seed, t, 0), rounded to its
+ * dtype, and ref[t] starting from them), a grad buffer and an fp32 gradient
+ * buffer gval (malloc'ed; the caller's).  Fails the test on an error.
+ */
+void aoqt_victim_tensors(struct aoq_client *c, const struct aoqt_tdesc *d, int n, uint64_t seed, void **param,
+                         void **grad, float **gval, struct aoqt_ref *ref);
+
 /* ---- the daemon -------------------------------------------------------- */
 
 struct aoqt_daemon {

@@ -63,7 +63,8 @@ extern "C" {
 
 #define AOQ_VERSION_STRING "0.1.0"
 /* The ABI: the soname is libaoq.so.AOQ_ABI_VERSION. */
-#define AOQ_ABI_VERSION 2 /* 2: struct aoq_group gained momentum, dampening, nesterov */
+#define AOQ_ABI_VERSION 3 /* 2: struct aoq_group gained momentum, dampening, nesterov;
+                           * 3: struct aoq_options gained lease_seconds */
 
 enum aoq_dtype {
 	AOQ_FP32 = 0,
@@ -137,7 +138,15 @@ struct aoq_options {
 	 * wait, sync): past it the call fails with -ETIMEDOUT and the session
 	 * is over.  0: AOQ_DEFAULT_TIMEOUT_MS; AOQ_TIMEOUT_NONE: wait forever. */
 	uint32_t timeout_ms;
+	/* Lease (ABI 3): how long aoqd keeps this session's optimizer state
+	 * when the trainer dies or disconnects without aoq_close(), for a
+	 * trainer of the same (uid, job, rank) and layout to resume it (see
+	 * aoq_resumed()).  0: the daemon's lease_seconds (its cap);
+	 * AOQ_LEASE_NONE: no lease (and no undo copy of the state). */
+	uint32_t lease_seconds;
 };
+
+#define AOQ_LEASE_NONE UINT32_MAX
 
 #define AOQ_DEFAULT_TIMEOUT_MS 120000u
 #define AOQ_TIMEOUT_NONE UINT32_MAX
@@ -217,6 +226,15 @@ AOQ_API int aoq_register(struct aoq_client *c);
  * options gave 0): save it with a checkpoint and pass it as options.seed
  * when restoring, so a bf16 master continues bit for bit. */
 AOQ_API uint64_t aoq_session_seed(struct aoq_client *c);
+
+/* After aoq_register(): 1 when the registration resumed a leased session
+ * of the same (uid, job, rank) and layout (its optimizer state, step
+ * counters, hyperparameters and seed carried over; the step the previous
+ * trainer left unfinished discarded), with *step (may be NULL) the last
+ * completed step: training goes on at *step + 1 (aoq_current_step()), and
+ * every tensor's `param` buffer holds the resumed parameter, the initial
+ * values being ignored.  0 when the session started afresh. */
+AOQ_API int aoq_resumed(struct aoq_client *c, uint64_t *step);
 
 /* The step that the next pushes belong to (1-based). */
 AOQ_API uint64_t aoq_current_step(struct aoq_client *c);

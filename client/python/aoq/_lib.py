@@ -38,7 +38,7 @@ MASTER, EXP_AVG, EXP_AVG_SQ = 0, 1, 2
 
 # AOQ_ABI_VERSION of the <aoq/aoq.h> these layouts copy; check_library()
 # compares it and every struct's size with what the loaded library reports.
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 
 class _Sized(ctypes.Structure):
@@ -98,6 +98,7 @@ class Options(_Sized):
         ("ze_device", c_void_p),
         ("ze_queue", c_void_p),
         ("timeout_ms", c_uint32),
+        ("lease_seconds", c_uint32),  # ABI 3
     ]
 
 
@@ -169,6 +170,7 @@ def _declare(lib):
         "aoq_set_tensor_steps": (c_int, [P, c_uint32, c_uint32, ctypes.POINTER(c_uint64)]),
         "aoq_flush": (c_int, [P]),
         "aoq_session_seed": (c_uint64, [P]),
+        "aoq_resumed": (c_int, [P, ctypes.POINTER(c_uint64)]),
         "aoq_close": (None, [P]),
     }
     for name, (restype, argtypes) in sigs.items():

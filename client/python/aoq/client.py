@@ -96,7 +96,7 @@ class Client:
 
     def __init__(self, socket=None, job="default", rank=0, device="cpu", precision="fp32", window=0,
                  seed=0, max_grad_norm=0.0, skip_nonfinite=False, delayed_update=False, cuda_stream=None,
-                 timeout=None):
+                 timeout=None, lease=None):
         self._lib = _lib.load()
         self._h = None
         self._keep = []          # buffers libaoq points into
@@ -118,6 +118,10 @@ class Client:
         # Deadline of connect, each request and each wait, in seconds (None:
         # libaoq's default, 120 s; 0 or less: wait forever).
         o.timeout_ms = 0 if timeout is None else (0xFFFFFFFF if timeout <= 0 else max(1, min(int(timeout * 1000), 0xFFFFFFFE)))
+        # Lease (README, "Lease and resume"): seconds aoqd keeps the state
+        # after this process dies, for a trainer of the same job and rank to
+        # resume; None: the daemon's lease_seconds; 0: none.
+        o.lease_seconds = 0 if lease is None else (0xFFFFFFFF if lease <= 0 else min(int(lease), 0xFFFFFFFE))
         self.device = device
         self.delayed_update = bool(delayed_update)
         h = ctypes.c_void_p()
@@ -167,6 +171,14 @@ class Client:
         check(self._lib.aoq_register(self._handle()), "aoq_register")
         self.registered = True
         # init buffers are read at register(); param/grad stay referenced.
+
+    @property
+    def resumed(self):
+        """After register(): the last completed step of the leased session
+        this registration resumed (training goes on at that step + 1; the
+        parameters were copied from aoqd), or None when it started afresh."""
+        step = ctypes.c_uint64()
+        return step.value if self._lib.aoq_resumed(self._handle(), ctypes.byref(step)) == 1 else None
 
     @property
     def seed(self):

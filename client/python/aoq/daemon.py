@@ -37,6 +37,9 @@ class Daemon:
         self.dir = tempfile.mkdtemp(prefix="aoq-py-")
         self.socket = os.path.join(self.dir, "aoqd.sock")
         self.log = log or os.path.join(self.dir, "aoqd.log")
+        args = list(args)
+        if "--state-dir" not in args:     # a private daemon never restores the node's snapshots
+            args += ["--state-dir", os.path.join(self.dir, "state")]
         s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
         try:
             s.bind(self.socket)

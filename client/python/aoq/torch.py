@@ -488,7 +488,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def __init__(self, params, optimizer_class=torch.optim.AdamW, *, offload_gradients=False, minimal_size=4096,
                  device=None, socket=None, state_precision=None, master_dtype=None, max_grad_norm=None,
                  delayed_update=False, skip_nonfinite=False, grad_accumulation_steps=None, copy_mode=None,
-                 seed=0, job=None, rank=None, model=None, grad_edits=None, gpu_state_budget=0, **kwargs):
+                 seed=0, job=None, rank=None, model=None, grad_edits=None, gpu_state_budget=0, lease=None,
+                 **kwargs):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise ValueError("optimizer_class must be a torch.optim.Optimizer subclass, got %r" % (optimizer_class,))
         if master_dtype not in _MASTER_DTYPES:
@@ -613,8 +614,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             rank = int(os.environ.get("RANK", "0"))
         copts = dict(socket=socket, job=job, rank=rank, precision=_PRECISION[(state_precision, master)],
                      max_grad_norm=max_grad_norm or 0.0, skip_nonfinite=skip_nonfinite,
-                     delayed_update=delayed_update, seed=seed)
+                     delayed_update=delayed_update, seed=seed, lease=lease)
         self._client = None
+        self.resumed_step = None   # the last completed step when this resumed a leased session
         if big:
             if copy_mode == "native" and tdev.type == "cuda":
                 try:
@@ -659,6 +661,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self._slots.append(s)
                 self._slot_of[p] = s
             c.register()
+            self.resumed_step = c.resumed
+            if self.resumed_step is not None:
+                # aoqd's state is the truth: libaoq wrote the parameters
+                # (into the host copies in framework mode).
+                if self._framework:
+                    with torch.no_grad():
+                        for s in self._slots:
+                            s.p.view(-1).copy_(s.host_param)
+                msg = "resumed job %s rank %d at step %d from aoqd" % (job, rank, self.resumed_step)
+                warnings.warn("aoq: " + msg)
             # The state lives in aoqd (state_dict() reads it).  A non-empty
             # self.state tells torch.distributed.checkpoint's
             # get_optimizer_state_dict that the state exists, so it does not

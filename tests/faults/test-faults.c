@@ -1,0 +1,803 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Faults: a trainer's state outlives it (README, "Lease and resume").
+ *
+ *   kill     a trainer (this binary re-executed, --trainer) is killed with
+ *            SIGKILL mid-step KILLS times while two other sessions train;
+ *            each new trainer resumes the leased state at the last completed
+ *            step (the interrupted one rolled back); at the end its state
+ *            (parameters, master, both moments, step counters) equals an
+ *            undisturbed run of as many steps bit for bit, and so do the
+ *            other two sessions.
+ *   layout   resuming with another layout: Error naming the first difference.
+ *   expiry   a lease of 1 s ends: the session leaves the stats and the uid's
+ *            locked bytes go back.
+ *   drop     DropRequest ends a leased session (its trainer then starts afresh).
+ *   uid      another uid (setpriv, as nobody) neither resumes, drops nor sees
+ *            it; needs root, else that part is skipped.
+ *
+ * Run one case by hand: test-faults build/daemon/aoqd --case NAME.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <math.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "aoq/aoq.h"
+#include "harness.h"
+#include "wire.h"
+
+#define TT 3
+static const struct {
+	uint64_t n;
+	enum aoq_dtype pd, gd;
+	uint32_t group;
+} tdesc[TT] = {
+	{ 4097, AOQ_FP32, AOQ_FP32, 0 },
+	{ 20011, AOQ_BF16, AOQ_BF16, 1 },
+	{ 1000, AOQ_FP32, AOQ_FP16, 0 },
+};
+
+static char self_exe[4096];
+static struct aoqt_daemon daemon_;
+
+/* What a trainer shares with the test (MAP_SHARED before the exec: a file). */
+struct shared {
+	_Atomic uint64_t synced;   /* last step it saw complete (aoq_sync) */
+	_Atomic uint64_t resumed;  /* 1 + the step it resumed at, 0 when fresh */
+	_Atomic int paused;        /* reached its kill point */
+	_Atomic int registered;
+	_Atomic int done;
+};
+
+static struct aoq_group hp_of(uint32_t g, uint64_t k)
+{
+	struct aoq_group h = AOQ_GROUP_INIT;
+	h.kind = g == 0 ? AOQ_ADAMW : AOQ_ADAM;
+	h.lr = (g == 0 ? 2e-3 : 1e-3) * (1.0 + 0.5 * sin(0.3 * (double)k));
+	h.beta1 = 0.9;
+	h.beta2 = g == 0 ? 0.999 : 0.98;
+	h.eps = g == 0 ? 1e-8 : 1e-6;
+	h.weight_decay = g == 0 ? 0.02 : 0.01;
+	return h;
+}
+
+/* The gradient of step k: a function of (k, t, i) only, so that a resumed
+ * trainer pushes what an undisturbed one would. */
+static void grad_of(uint64_t k, int t, void *g)
+{
+	struct aoqt_rng r = aoqt_rng_for(0x6a11, (uint64_t)t, k);
+	for (uint64_t i = 0; i < tdesc[t].n; i++)
+		aoqt_store(g, i, tdesc[t].gd, (aoqt_uniform(&r) - 0.5) * 0.1);
+}
+
+struct trainer {
+	const char *job;
+	enum aoq_precision prec;
+	struct aoq_client *c;
+	void *param[TT], *grad[TT];
+	uint64_t step; /* last step completed */
+	uint64_t resumed_at;
+	bool resumed;
+};
+
+static int trainer_open(struct trainer *tr, const char *job, enum aoq_precision prec, uint32_t lease_s)
+{
+	memset(tr, 0, sizeof(*tr));
+	tr->job = job;
+	tr->prec = prec;
+	struct aoq_options o = AOQ_OPTIONS_INIT;
+	o.socket = daemon_.socket;
+	o.job = job;
+	o.precision = prec;
+	o.seed = 77;
+	o.lease_seconds = lease_s;
+	o.timeout_ms = 60000;
+	int r = aoq_connect(&tr->c, &o);
+	if (r < 0)
+		return r;
+	for (uint32_t g = 0; g < 2; g++) {
+		struct aoq_group h = hp_of(g, 1);
+		if ((r = aoq_add_group(tr->c, &h)) < 0)
+			return r;
+	}
+	for (int t = 0; t < TT; t++) {
+		tr->param[t] = aoqt_xmalloc(tdesc[t].n * aoqt_dtype_size(tdesc[t].pd));
+		tr->grad[t] = aoqt_xmalloc(tdesc[t].n * aoqt_dtype_size(tdesc[t].gd));
+		struct aoqt_rng rng = aoqt_rng_for(0x1417, (uint64_t)t, 0);
+		for (uint64_t i = 0; i < tdesc[t].n; i++)
+			aoqt_store(tr->param[t], i, tdesc[t].pd, aoqt_uniform(&rng) - 0.5);
+		char name[16];
+		snprintf(name, sizeof(name), "w%d", t);
+		struct aoq_tensor d = AOQ_TENSOR_INIT;
+		d.name = name;
+		d.numel = tdesc[t].n;
+		d.param_dtype = tdesc[t].pd;
+		d.grad_dtype = tdesc[t].gd;
+		d.group = tdesc[t].group;
+		d.param = tr->param[t];
+		d.grad = tr->grad[t];
+		if ((r = aoq_add_tensor(tr->c, &d)) < 0)
+			return r;
+	}
+	if ((r = aoq_register(tr->c)) < 0)
+		return r;
+	tr->resumed = aoq_resumed(tr->c, &tr->resumed_at) == 1;
+	tr->step = tr->resumed_at;
+	return 0;
+}
+
+/* One step; stop_after >= 0: stop (return 1) after that many pushes, or
+ * after StepEnd when it is TT, without syncing: the kill point. */
+static int trainer_step(struct trainer *tr, int stop_after)
+{
+	uint64_t k = tr->step + 1;
+	int r;
+	CHECK(aoq_current_step(tr->c) == k, "%s: current step %" PRIu64 ", expected %" PRIu64, tr->job,
+	      aoq_current_step(tr->c), k);
+	for (uint32_t g = 0; g < 2; g++) {
+		struct aoq_group h = hp_of(g, k);
+		if ((r = aoq_set_hyperparams(tr->c, g, &h)) < 0)
+			return r;
+	}
+	for (int t = TT - 1; t >= 0; t--) {
+		if (stop_after == TT - 1 - t)
+			return 1;
+		grad_of(k, t, tr->grad[t]);
+		if ((r = aoq_push_grad(tr->c, (uint32_t)t, 0, NULL)) < 0)
+			return r;
+		if ((r = aoq_grad_copied(tr->c, (uint32_t)t)) < 0)
+			return r;
+	}
+	if ((r = aoq_step_end(tr->c)) < 0)
+		return r;
+	if (stop_after == TT)
+		return 1;
+	if ((r = aoq_sync(tr->c, NULL)) < 0)
+		return r;
+	tr->step = k;
+	return 0;
+}
+
+/* The whole state, bit for bit: params, master, moments, step counters. */
+struct image {
+	uint8_t *bytes;
+	size_t len;
+};
+
+static void trainer_image(struct trainer *tr, struct image *im)
+{
+	size_t len = 0;
+	for (int t = 0; t < TT; t++)
+		len += tdesc[t].n * (aoqt_dtype_size(tdesc[t].pd) + 12) + 8;
+	im->bytes = aoqt_xcalloc(1, len);
+	im->len = len;
+	uint8_t *p = im->bytes;
+	CHECK_OK(aoq_sync(tr->c, NULL));
+	for (int t = 0; t < TT; t++) {
+		size_t pb = tdesc[t].n * aoqt_dtype_size(tdesc[t].pd);
+		memcpy(p, tr->param[t], pb);
+		p += pb;
+		for (int w = AOQ_MASTER; w <= AOQ_EXP_AVG_SQ; w++) {
+			CHECK_OK(aoq_read_state(tr->c, (uint32_t)t, (enum aoq_state_kind)w, AOQ_FP32, 0, tdesc[t].n, p));
+			p += tdesc[t].n * 4;
+		}
+		uint64_t steps;
+		CHECK_OK(aoq_get_tensor_steps(tr->c, (uint32_t)t, 1, &steps));
+		memcpy(p, &steps, 8);
+		p += 8;
+	}
+}
+
+static void trainer_close(struct trainer *tr)
+{
+	aoq_close(tr->c);
+	for (int t = 0; t < TT; t++) {
+		free(tr->param[t]);
+		free(tr->grad[t]);
+	}
+}
+
+static void image_compare(const char *what, const struct image *a, const struct image *b)
+{
+	CHECK(a->len == b->len, "%s: image sizes", what);
+	size_t diff = 0, first = 0;
+	for (size_t i = 0; i < a->len; i++)
+		if (a->bytes[i] != b->bytes[i] && !diff++)
+			first = i;
+	CHECK(diff == 0, "%s: %zu bytes differ from the undisturbed run (first at %zu)", what, diff, first);
+}
+
+/* An undisturbed run of `steps` steps (a fresh job, no lease). */
+static void baseline(const char *job, enum aoq_precision prec, uint64_t steps, struct image *im)
+{
+	struct trainer tr;
+	CHECK_OK(trainer_open(&tr, job, prec, AOQ_LEASE_NONE));
+	while (tr.step < steps)
+		CHECK_OK(trainer_step(&tr, -1));
+	trainer_image(&tr, im);
+	trainer_close(&tr);
+}
+
+/* ---- the trainer process (--trainer SOCKET SHM JOB TARGET STOP) ---- */
+
+static int trainer_main(char **argv)
+{
+	snprintf(daemon_.socket, sizeof(daemon_.socket), "%s", argv[0]);
+	int fd = open(argv[1], O_RDWR);
+	struct shared *sh = fd >= 0 ? mmap(NULL, sizeof(*sh), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+	CHECK(sh != MAP_FAILED, "trainer: shared page: %s", strerror(errno));
+	uint64_t target = strtoull(argv[3], NULL, 10);
+	/* > 0: stop in that step; 0: run to target (killed at any moment);
+	 * -1: run to target, then write the image */
+	long stop_step = strtol(argv[4], NULL, 10);
+	int stop_after = atoi(argv[5]);
+	const char *lease = getenv("AOQT_LEASE");
+	struct trainer tr;
+	CHECK_OK(trainer_open(&tr, argv[2], AOQ_STATE_Q8, lease ? (uint32_t)atoi(lease) : 0));
+	atomic_store(&sh->resumed, tr.resumed ? tr.resumed_at + 1 : 0);
+	atomic_store(&sh->synced, tr.step);
+	atomic_store(&sh->registered, 1);
+	while (tr.step < target) {
+		bool last = stop_step > 0 && tr.step + 1 >= (uint64_t)stop_step;
+		int r = trainer_step(&tr, last ? stop_after : -1);
+		CHECK_OK(r);
+		atomic_store(&sh->synced, tr.step);
+		if (r == 1) {
+			atomic_store(&sh->paused, 1);
+			for (;;)
+				pause(); /* the test kills us here, mid-step */
+		}
+	}
+	if (stop_step < 0) {
+		struct image im;
+		trainer_image(&tr, &im);
+		FILE *f = fopen(argv[6], "wb");
+		CHECK(f && fwrite(im.bytes, 1, im.len, f) == im.len && fclose(f) == 0, "trainer: image: %s",
+		      strerror(errno));
+	}
+	trainer_close(&tr);
+	atomic_store(&sh->done, 1);
+	return 0;
+}
+
+static pid_t spawn_trainer(const char *shm, const char *job, uint64_t target, long stop_step, int stop_after,
+                           const char *image)
+{
+	char a[4][32];
+	snprintf(a[0], sizeof(a[0]), "%" PRIu64, target);
+	snprintf(a[1], sizeof(a[1]), "%ld", stop_step);
+	snprintf(a[2], sizeof(a[2]), "%d", stop_after);
+	pid_t pid = fork();
+	CHECK(pid >= 0, "fork: %s", strerror(errno));
+	if (pid == 0) {
+		execl(self_exe, self_exe, "--trainer", daemon_.socket, shm, job, a[0], a[1], a[2], image ? image : "-",
+		      (char *)NULL);
+		_exit(127);
+	}
+	return pid;
+}
+
+/* ---- case kill ---- */
+
+struct other {
+	pthread_t th;
+	char job[32];
+	_Atomic bool stop;
+	uint64_t steps;
+	struct image im;
+};
+
+static void *other_run(void *arg)
+{
+	struct other *o = arg;
+	struct trainer tr;
+	CHECK_OK(trainer_open(&tr, o->job, AOQ_STATE_FP32, 0));
+	while (!atomic_load(&o->stop) && tr.step < 4000) {
+		CHECK_OK(trainer_step(&tr, -1));
+		usleep(2000);
+	}
+	o->steps = tr.step;
+	trainer_image(&tr, &o->im);
+	trainer_close(&tr);
+	return NULL;
+}
+
+static void case_kill(int kills)
+{
+	struct other others[2];
+	for (int i = 0; i < 2; i++) {
+		memset(&others[i], 0, sizeof(others[i]));
+		snprintf(others[i].job, sizeof(others[i].job), "other-%d", i);
+		CHECK(pthread_create(&others[i].th, NULL, other_run, &others[i]) == 0, "pthread_create");
+	}
+	char shm[256], image[256];
+	snprintf(shm, sizeof(shm), "%s/shared", daemon_.dir);
+	snprintf(image, sizeof(image), "%s/image", daemon_.dir);
+	int fd = open(shm, O_RDWR | O_CREAT | O_TRUNC, 0600);
+	CHECK(fd >= 0 && ftruncate(fd, 4096) == 0, "shared file: %s", strerror(errno));
+	struct shared *sh = mmap(NULL, sizeof(*sh), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	CHECK(sh != MAP_FAILED, "mmap");
+	close(fd);
+	struct aoqt_rng rng = aoqt_rng_for(0x99, 1, 2);
+	uint64_t synced = 0, resumes = 0, rolled = 0;
+	const uint64_t target = (uint64_t)kills + 40;
+	for (int i = 0; i < kills; i++) {
+		memset(sh, 0, sizeof(*sh));
+		/* Stop in the step after 0..1 more whole steps, after 0..TT pushes
+		 * (TT: after StepEnd, before its reply is read). */
+		long stop_step = (long)(synced + 1 + (aoqt_next(&rng) % 2));
+		int stop_after = (int)(aoqt_next(&rng) % (TT + 1));
+		bool random_kill = aoqt_next(&rng) % 4 == 0; /* or at a random moment */
+		/* A random kill may come after the trainer paused in its stop
+		 * step: the kill point then is that step's. */
+		pid_t pid = spawn_trainer(shm, "victim", target, stop_step + (random_kill ? 2 : 0), stop_after, NULL);
+		double t0 = aoqt_now();
+		if (random_kill) {
+			/* at any moment: registering, loading, training */
+			useconds_t us = (useconds_t)(aoqt_next(&rng) % 20000);
+			while (!atomic_load(&sh->paused) && aoqt_now() - t0 < us * 1e-6)
+				usleep(100);
+		} else {
+			while (!atomic_load(&sh->paused) && aoqt_now() - t0 < 30)
+				usleep(200);
+			CHECK(atomic_load(&sh->paused), "kill %d: the trainer never reached its kill point", i);
+		}
+		kill(pid, SIGKILL);
+		int st;
+		CHECK(waitpid(pid, &st, 0) == pid && WIFSIGNALED(st), "kill %d: the trainer ended by itself (%d)", i, st);
+		uint64_t res = atomic_load(&sh->resumed);
+		if (atomic_load(&sh->registered)) {
+			/* Once a step was complete there is a lease to resume. */
+			CHECK(res > 0 || synced == 0, "kill %d: the trainer did not resume (step %" PRIu64 " was synced)", i,
+			      synced);
+			if (res > 0) {
+				uint64_t at = res - 1;
+				/* The last completed step: the one synced, or the one
+				 * whose StepEnd was sent before the trainer died. */
+				CHECK(at == synced || at == synced + 1, "kill %d: resumed at step %" PRIu64 ", last synced %" PRIu64,
+				      i, at, synced);
+				rolled += at == synced;
+				resumes++;
+			}
+			synced = atomic_load(&sh->synced);
+		}
+	}
+	/* The last trainer runs to the end and writes its state. */
+	memset(sh, 0, sizeof(*sh));
+	pid_t pid = spawn_trainer(shm, "victim", target, -1, 0, image);
+	int st;
+	CHECK(waitpid(pid, &st, 0) == pid && WIFEXITED(st) && WEXITSTATUS(st) == 0, "the last trainer failed (%d)", st);
+	CHECK(atomic_load(&sh->resumed) > 0, "the last trainer did not resume");
+	for (int i = 0; i < 2; i++) {
+		atomic_store(&others[i].stop, true);
+		pthread_join(others[i].th, NULL);
+	}
+	printf("kill: %d kills, %" PRIu64 " resumes (%" PRIu64 " at the synced step, the rest one further), "
+	       "victim at step %" PRIu64 ", others at %" PRIu64 " and %" PRIu64 " steps\n",
+	       kills, resumes, rolled, target, others[0].steps, others[1].steps);
+	CHECK(resumes >= (uint64_t)kills / 2, "only %" PRIu64 " resumes", resumes);
+	struct image got = { 0 }, want;
+	FILE *f = fopen(image, "rb");
+	CHECK(f, "image: %s", strerror(errno));
+	baseline("base-victim", AOQ_STATE_Q8, target, &want);
+	got.bytes = aoqt_xmalloc(want.len);
+	got.len = fread(got.bytes, 1, want.len, f);
+	fclose(f);
+	image_compare("victim", &got, &want);
+	for (int i = 0; i < 2; i++) {
+		struct image b;
+		char job[32];
+		snprintf(job, sizeof(job), "base-other-%d", i);
+		baseline(job, AOQ_STATE_FP32, others[i].steps, &b);
+		image_compare(others[i].job, &others[i].im, &b);
+	}
+	printf("kill: the victim and both others equal their undisturbed runs bit for bit\n");
+}
+
+/* ---- stats helpers ---- */
+
+static const Aoq__SessionStats *find_stats(const Aoq__Envelope *e, const char *job)
+{
+	for (size_t i = 0; i < e->stats->n_sessions; i++)
+		if (strcmp(e->stats->sessions[i]->job, job) == 0)
+			return e->stats->sessions[i];
+	return NULL;
+}
+
+/* A trainer of `job` that trains `steps` steps, then dies (SIGKILL). */
+static void train_and_die(const char *job, uint64_t steps)
+{
+	char shm[256];
+	snprintf(shm, sizeof(shm), "%s/shared-%s", daemon_.dir, job);
+	int fd = open(shm, O_RDWR | O_CREAT | O_TRUNC, 0600);
+	CHECK(fd >= 0 && ftruncate(fd, 4096) == 0, "shared file");
+	struct shared *sh = mmap(NULL, sizeof(*sh), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	close(fd);
+	pid_t pid = spawn_trainer(shm, job, steps + 10, (long)steps + 1, 1, NULL);
+	double t0 = aoqt_now();
+	while (!atomic_load(&sh->paused) && aoqt_now() - t0 < 30)
+		usleep(200);
+	CHECK(atomic_load(&sh->paused), "%s: never reached its kill point", job);
+	kill(pid, SIGKILL);
+	waitpid(pid, NULL, 0);
+	munmap(sh, sizeof(*sh));
+}
+
+/* Waits until the session of `job` is in state `state` (NULL: gone). */
+static const Aoq__SessionStats *wait_state(Aoq__Envelope **e, const char *job, const char *state)
+{
+	double t0 = aoqt_now();
+	for (;;) {
+		if (*e)
+			aoq_envelope_free(*e);
+		*e = NULL;
+		CHECK_OK(aoqt_stats(daemon_.socket, e));
+		const Aoq__SessionStats *s = find_stats(*e, job);
+		if (state ? s && strcmp(s->state, state) == 0 : !s)
+			return s;
+		CHECK(aoqt_now() - t0 < 20, "%s: not %s after 20 s", job, state ? state : "gone");
+		usleep(20000);
+	}
+}
+
+static int drop(const char *path, uint64_t id, char *msg, size_t len)
+{
+	int fd = aoqt_raw_connect(path);
+	if (fd < 0)
+		return fd;
+	int r = aoqt_raw_hello(fd, "aoqctl", 0, true, NULL);
+	if (r == 0) {
+		Aoq__DropRequest m = AOQ__DROP_REQUEST__INIT;
+		m.session = id;
+		Aoq__Envelope env = AOQ__ENVELOPE__INIT, *rep = NULL;
+		env.msg_case = AOQ__ENVELOPE__MSG_DROP_REQUEST;
+		env.drop_request = &m;
+		char *em = NULL;
+		r = aoq_call(fd, &env, &rep, &em);
+		if (em)
+			snprintf(msg, len, "%s", em);
+		free(em);
+		if (r == 0 && rep->msg_case != AOQ__ENVELOPE__MSG_DONE)
+			r = -EPROTO;
+		if (r == 0)
+			aoq_envelope_free(rep);
+	}
+	close(fd);
+	return r;
+}
+
+/* ---- case layout ---- */
+
+static void case_layout(void)
+{
+	train_and_die("lay", 3);
+	Aoq__Envelope *e = NULL;
+	wait_state(&e, "lay", "leased");
+	aoq_envelope_free(e);
+	/* Same job, tensor 1 with another numel. */
+	struct aoq_options o = AOQ_OPTIONS_INIT;
+	o.socket = daemon_.socket;
+	o.job = "lay";
+	o.precision = AOQ_STATE_Q8;
+	struct aoq_client *c;
+	CHECK_OK(aoq_connect(&c, &o));
+	for (uint32_t g = 0; g < 2; g++) {
+		struct aoq_group h = hp_of(g, 1);
+		CHECK_OK(aoq_add_group(c, &h));
+	}
+	float *buf = aoqt_xcalloc(30000, 4);
+	for (int t = 0; t < TT; t++) {
+		char name[16];
+		snprintf(name, sizeof(name), "w%d", t);
+		struct aoq_tensor d = AOQ_TENSOR_INIT;
+		d.name = name;
+		d.numel = t == 1 ? 8192 : tdesc[t].n;
+		d.param_dtype = tdesc[t].pd;
+		d.grad_dtype = tdesc[t].gd;
+		d.group = tdesc[t].group;
+		d.param = buf;
+		CHECK_OK(aoq_add_tensor(c, &d));
+	}
+	int r = aoq_register(c);
+	const char *msg = aoq_last_error();
+	printf("layout: %d %s\n", r, msg);
+	CHECK(r < 0 && strstr(msg, "tensor 1 'w1': numel 8192 here, 20011 in the leased session"),
+	      "layout: expected the named difference, got %d '%s'", r, msg);
+	aoq_close(c);
+	free(buf);
+	/* The lease is still there for the right trainer. */
+	e = NULL;
+	wait_state(&e, "lay", "leased");
+	aoq_envelope_free(e);
+}
+
+/* ---- case expiry ---- */
+
+static uint64_t uid_locked(void)
+{
+	Aoq__Envelope *e = NULL;
+	CHECK_OK(aoqt_stats(daemon_.socket, &e));
+	uint64_t n = 0;
+	for (size_t i = 0; i < e->stats->n_sessions; i++)
+		n += e->stats->sessions[i]->state_bytes;
+	aoq_envelope_free(e);
+	return n;
+}
+
+static void case_expiry(void)
+{
+	/* Hello asks 1 s (capped by lease_seconds): expires soon. */
+	setenv("AOQT_LEASE", "1", 1);
+	train_and_die("exp", 2);
+	Aoq__Envelope *e = NULL;
+	const Aoq__SessionStats *s = wait_state(&e, "exp", "leased");
+	CHECK(s->lease_left_seconds > 0 && s->lease_left_seconds <= 1.0, "expiry: %g s left", s->lease_left_seconds);
+	CHECK(s->last_step == 2, "expiry: last step %" PRIu64, s->last_step);
+	CHECK(uid_locked() > 0, "expiry: the leased state holds no memory");
+	double t0 = aoqt_now();
+	wait_state(&e, "exp", NULL);
+	aoq_envelope_free(e);
+	printf("expiry: gone after %.2f s\n", aoqt_now() - t0);
+	CHECK(uid_locked() == 0, "expiry: state bytes still held");
+	char *log = aoqt_daemon_log(&daemon_);
+	CHECK(strstr(log, "lease ended (expired)"), "expiry: not logged");
+	free(log);
+	unsetenv("AOQT_LEASE");
+}
+
+/* ---- case drop ---- */
+
+static void case_drop(void)
+{
+	train_and_die("drp", 2);
+	Aoq__Envelope *e = NULL;
+	const Aoq__SessionStats *s = wait_state(&e, "drp", "leased");
+	uint64_t id = s->id;
+	char msg[256] = "";
+	CHECK_OK(drop(daemon_.socket, id, msg, sizeof(msg)));
+	wait_state(&e, "drp", NULL);
+	aoq_envelope_free(e);
+	CHECK(drop(daemon_.socket, id, msg, sizeof(msg)) == -ENOENT, "drop twice: '%s'", msg);
+	/* The next trainer of the key starts afresh. */
+	struct trainer tr;
+	CHECK_OK(trainer_open(&tr, "drp", AOQ_STATE_Q8, 0));
+	CHECK(!tr.resumed, "drop: the next trainer resumed");
+	/* A live session: dropped, its trainer sees an error, no lease. */
+	e = NULL;
+	s = wait_state(&e, "drp", "training");
+	CHECK_OK(drop(daemon_.socket, s->id, msg, sizeof(msg)));
+	aoq_envelope_free(e);
+	int r = 0;
+	for (int i = 0; i < 100 && r == 0; i++)
+		r = trainer_step(&tr, -1);
+	CHECK(r < 0, "drop: the dropped trainer trains on");
+	trainer_close(&tr);
+	e = NULL;
+	wait_state(&e, "drp", NULL);
+	aoq_envelope_free(e);
+	printf("drop: leased and live sessions dropped\n");
+}
+
+/* ---- case dup ---- */
+
+/* A second connection with the key of a live session is refused by name;
+ * once the first trainer is gone, the next one resumes. */
+static void case_dup(void)
+{
+	struct trainer a, b;
+	CHECK_OK(trainer_open(&a, "dup", AOQ_STATE_Q8, 0));
+	CHECK_OK(trainer_step(&a, -1));
+	int r = trainer_open(&b, "dup", AOQ_STATE_Q8, 0);
+	const char *msg = aoq_last_error();
+	printf("dup: %d %s\n", r, msg);
+	CHECK(r == -EBUSY && strstr(msg, "job 'dup' rank 0 of uid") && strstr(msg, "is connected already"),
+	      "dup: %d '%s'", r, msg);
+	if (b.c)
+		aoq_close(b.c);
+	CHECK_OK(trainer_step(&a, -1)); /* the first one goes on */
+	trainer_close(&a);              /* Bye: no lease */
+	CHECK_OK(trainer_open(&b, "dup", AOQ_STATE_Q8, 0));
+	CHECK(!b.resumed, "dup: a session that said Bye was resumed");
+	trainer_close(&b);
+}
+
+/* ---- case uid ---- */
+
+static int uid_main(char **argv)
+{
+	/* As nobody: argv = SOCKET ID JOB */
+	snprintf(daemon_.socket, sizeof(daemon_.socket), "%s", argv[0]);
+	uint64_t id = strtoull(argv[1], NULL, 10);
+	char msg[256] = "";
+	int r = drop(daemon_.socket, id, msg, sizeof(msg));
+	CHECK(r == -ENOENT, "uid: another uid's drop: %d '%s'", r, msg);
+	Aoq__Envelope *e = NULL;
+	CHECK_OK(aoqt_stats(daemon_.socket, &e));
+	CHECK(!find_stats(e, argv[2]), "uid: another uid sees the leased session");
+	aoq_envelope_free(e);
+	struct trainer tr;
+	CHECK_OK(trainer_open(&tr, argv[2], AOQ_STATE_Q8, AOQ_LEASE_NONE));
+	CHECK(!tr.resumed, "uid: another uid resumed the session");
+	trainer_close(&tr);
+	printf("uid: nobody neither drops, sees nor resumes it\n");
+	return 0;
+}
+
+static void case_uid(void)
+{
+	if (geteuid() != 0 || system("setpriv --version >/dev/null 2>&1") != 0) {
+		printf("uid: needs root and setpriv: skipped\n");
+		return;
+	}
+	CHECK(chmod(daemon_.dir, 0755) == 0 && chmod(daemon_.socket, 0666) == 0, "chmod: %s", strerror(errno));
+	train_and_die("mine", 2);
+	Aoq__Envelope *e = NULL;
+	const Aoq__SessionStats *s = wait_state(&e, "mine", "leased");
+	char id[32];
+	snprintf(id, sizeof(id), "%" PRIu64, s->id);
+	aoq_envelope_free(e);
+	pid_t pid = fork();
+	CHECK(pid >= 0, "fork");
+	if (pid == 0) {
+		execlp("setpriv", "setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", self_exe, "--as-other",
+		       daemon_.socket, id, "mine", (char *)NULL);
+		_exit(127);
+	}
+	int st;
+	CHECK(waitpid(pid, &st, 0) == pid && WIFEXITED(st) && WEXITSTATUS(st) == 0, "uid: the other uid's checks failed");
+	e = NULL;
+	s = wait_state(&e, "mine", "leased");
+	aoq_envelope_free(e);
+	/* Its owner still resumes it. */
+	struct trainer tr;
+	CHECK_OK(trainer_open(&tr, "mine", AOQ_STATE_Q8, 0));
+	CHECK(tr.resumed && tr.resumed_at == 2, "uid: the owner did not resume at step 2");
+	trainer_close(&tr);
+}
+
+/* ---- case quota ---- */
+
+/* max_sessions_per_uid = 2: two leased sessions fill it; a third job is
+ * refused by name; the trainer that resumes one of them is not. */
+static void case_quota(const char *exe)
+{
+	char conf[256];
+	snprintf(conf, sizeof(conf), "%s/quota.conf", daemon_.dir);
+	FILE *f = fopen(conf, "w");
+	CHECK(f && fputs("max_sessions_per_uid = 2\n", f) >= 0 && fclose(f) == 0, "quota.conf");
+	char keep[256];
+	snprintf(keep, sizeof(keep), "/tmp/aoqt-quota-%d.conf", (int)getpid());
+	CHECK(rename(conf, keep) == 0, "rename");
+	aoqt_daemon_stop(&daemon_, 10000, true); /* may still be starting: any status */
+	const char *args[] = { "--threads", "1", "--config", keep, NULL };
+	CHECK_OK(aoqt_daemon_start(&daemon_, exe, args));
+	train_and_die("qa", 2);
+	train_and_die("qb", 2);
+	Aoq__Envelope *e = NULL;
+	wait_state(&e, "qa", "leased");
+	wait_state(&e, "qb", "leased");
+	aoq_envelope_free(e);
+	struct trainer tr;
+	int r = trainer_open(&tr, "qc", AOQ_STATE_Q8, 0);
+	const char *msg = aoq_last_error();
+	printf("quota: %d %s\n", r, msg);
+	CHECK(r == -EDQUOT && strstr(msg, "2 sessions, leased ones included (max_sessions_per_uid)"),
+	      "quota: a third session: %d '%s'", r, msg);
+	aoq_close(tr.c);
+	CHECK_OK(trainer_open(&tr, "qa", AOQ_STATE_Q8, 0));
+	CHECK(tr.resumed && tr.resumed_at == 2, "quota: qa did not resume at step 2");
+	trainer_close(&tr);
+	unlink(keep);
+	printf("quota: leased sessions count, the resumed one does not\n");
+}
+
+/* ---- case memlock ---- */
+
+/* aoqd as nobody (no CAP_IPC_LOCK) under RLIMIT_MEMLOCK 256 KiB: `try` trains
+ * unlocked and says so once; `yes` refuses the registration by name. */
+static void case_memlock(const char *exe)
+{
+	if (geteuid() != 0 || system("setpriv --version >/dev/null 2>&1 && prlimit --version >/dev/null 2>&1") != 0) {
+		printf("memlock: needs root, setpriv and prlimit: skipped\n");
+		return;
+	}
+	char wrap[] = "/tmp/aoqt-memlock-XXXXXX";
+	int fd = mkstemp(wrap);
+	CHECK(fd >= 0, "mkstemp");
+	dprintf(fd, "#!/bin/sh\nexec prlimit --memlock=262144:262144 setpriv --reuid=65534 --regid=65534 --clear-groups "
+	        "--inh-caps=-all %s \"$@\"\n", exe);
+	close(fd);
+	chmod(wrap, 0755);
+	for (int yes = 0; yes < 2; yes++) {
+		aoqt_daemon_stop(&daemon_, 10000, true); /* may still be starting: any status */
+		const char *args[] = { "--threads", "1", "--lock-memory", yes ? "yes" : "try", NULL };
+		CHECK_OK(aoqt_daemon_start(&daemon_, wrap, args));
+		struct trainer tr[2];
+		int r = trainer_open(&tr[0], "lock-a", AOQ_STATE_FP32, 0);
+		if (yes) {
+			const char *msg = aoq_last_error();
+			printf("memlock yes: %d %s\n", r, msg);
+			CHECK(r == -ENOMEM && strstr(msg, "LimitMEMLOCK"), "memlock yes: %d '%s'", r, msg);
+			aoq_close(tr[0].c);
+			continue;
+		}
+		CHECK_OK(r);
+		CHECK_OK(trainer_open(&tr[1], "lock-b", AOQ_STATE_FP32, 0));
+		for (int k = 0; k < 3; k++)
+			for (int i = 0; i < 2; i++)
+				CHECK_OK(trainer_step(&tr[i], -1));
+		for (int i = 0; i < 2; i++)
+			trainer_close(&tr[i]);
+		char *log = aoqt_daemon_log(&daemon_);
+		int n = 0;
+		for (const char *p = log; (p = strstr(p, "cannot lock optimizer state")); p++)
+			n++;
+		CHECK(n == 1, "memlock try: 'cannot lock optimizer state' logged %d times", n);
+		n = 0;
+		for (const char *p = log; (p = strstr(p, "cannot lock its arena")); p++)
+			n++;
+		CHECK(n <= 1, "memlock try: 'cannot lock its arena' logged %d times", n);
+		free(log);
+		printf("memlock try: trained unlocked, warned once\n");
+	}
+	unlink(wrap);
+}
+
+int main(int argc, char **argv)
+{
+	if (argc > 2 && strcmp(argv[1], "--trainer") == 0) {
+		aoqt_init("faults-trainer");
+		return trainer_main(argv + 2);
+	}
+	if (argc > 2 && strcmp(argv[1], "--as-other") == 0) {
+		aoqt_init("faults-uid");
+		return uid_main(argv + 2);
+	}
+	const char *c = "all";
+	for (int i = 2; i + 1 < argc; i++)
+		if (strcmp(argv[i], "--case") == 0)
+			c = argv[i + 1];
+	aoqt_init("faults");
+	/* The trainers (other processes) compute the same gradients. */
+	char seed[32];
+	snprintf(seed, sizeof(seed), "%" PRIu64, aoqt_seed);
+	setenv("AOQ_TEST_SEED", seed, 1);
+	ssize_t n = readlink("/proc/self/exe", self_exe, sizeof(self_exe) - 1);
+	CHECK(n > 0, "readlink /proc/self/exe");
+	self_exe[n] = 0;
+	const char *exe = aoqt_aoqd_path(argc, argv);
+	const char *args[] = { "--threads", "1", NULL };
+	CHECK_OK(aoqt_daemon_start(&daemon_, exe, args));
+	bool all = strcmp(c, "all") == 0;
+	if (all || strcmp(c, "kill") == 0)
+		case_kill(getenv("AOQ_TEST_SLOW") ? 20 : 100);
+	if (all || strcmp(c, "layout") == 0)
+		case_layout();
+	if (all || strcmp(c, "expiry") == 0)
+		case_expiry();
+	if (all || strcmp(c, "drop") == 0)
+		case_drop();
+	if (all || strcmp(c, "dup") == 0)
+		case_dup();
+	if (all || strcmp(c, "uid") == 0)
+		case_uid();
+	if (all || strcmp(c, "quota") == 0)
+		case_quota(exe);
+	if (all || strcmp(c, "memlock") == 0)
+		case_memlock(exe);
+	CHECK(aoqt_daemon_alive(&daemon_), "aoqd died");
+	CHECK(aoqt_daemon_stop(&daemon_, 10000, true) == 0, "aoqd did not stop cleanly");
+	printf("ok\n");
+	return 0;
+}
