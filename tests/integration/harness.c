@@ -171,11 +171,12 @@ int aoqt_daemon_start(struct aoqt_daemon *d, const char *exe, const char *const 
 	argv[n++] = fdarg;
 	bool own_state_dir = false;
 	for (int i = 0; args && args[i] && n < 61; i++) {
-		own_state_dir |= strcmp(args[i], "--state-dir") == 0;
+		own_state_dir |= strcmp(args[i], "--state-dir") == 0 || strcmp(args[i], "--config") == 0;
 		argv[n++] = args[i];
 	}
 	/* A test's daemon never restores the node's snapshots (default
-	 * state_dir): its own, empty unless the test snapshots there. */
+	 * state_dir): its own, empty unless the test snapshots there (a
+	 * test's config file says where itself). */
 	char statedir[sizeof(d->dir) + 8];
 	snprintf(statedir, sizeof(statedir), "%s/state", d->dir);
 	if (!own_state_dir) {

@@ -38,7 +38,7 @@ class Daemon:
         self.socket = os.path.join(self.dir, "aoqd.sock")
         self.log = log or os.path.join(self.dir, "aoqd.log")
         args = list(args)
-        if "--state-dir" not in args:     # a private daemon never restores the node's snapshots
+        if "--state-dir" not in args and "--config" not in args:   # a private daemon never restores the node's snapshots
             args += ["--state-dir", os.path.join(self.dir, "state")]
         s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
         try:
