@@ -118,6 +118,7 @@ static int start_transfer(struct aoqd_session *s, bool load, uint32_t tensor, in
 		x->tasks[i].x = x;
 		x->tasks[i].begin = (uint64_t)i * XFER_PIECE;
 		x->tasks[i].count = i + 1 < n ? XFER_PIECE : count - x->tasks[i].begin;
+		x->tasks[i].task.cost = x->tasks[i].count;
 	}
 	s->steps.xfer_busy = true;
 	s->steps.xfer_count = count;
