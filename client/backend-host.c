@@ -12,6 +12,10 @@
  * this, the progress thread's memcpy raced the trainer's backward).
  * Releasing an event does not cancel its copy: it still lands at the next
  * wait on a later event, or is dropped at close.
+ *
+ * Tracing: a gradient copy is timed around its memcpy; a parameter copy
+ * around the memcpy that lands it (in the waiting thread), so its span
+ * starts when the trainer first waits for it.
  */
 #include <errno.h>
 #include <pthread.h>
@@ -30,6 +34,7 @@ struct host_copy {
 	const void *src;
 	size_t bytes;
 	uint64_t seq;
+	struct aoq_copy_time *tm;
 };
 
 struct aoq_backend {
@@ -69,15 +74,18 @@ static void host_unregister(struct aoq_backend *b, void *p, size_t len)
 }
 
 static int host_d2h(struct aoq_backend *b, void *dst, const void *src, size_t bytes, void *stream,
-                    aoq_done_fn done, void *arg)
+                    aoq_done_fn done, void *arg, struct aoq_copy_time *tm)
 {
+	aoq_copy_time_start(tm);
 	memcpy(dst, src, bytes);
+	aoq_copy_time_end(tm);
 	done(arg, 0);
 	return 0;
 }
 
 /* Queues a copy (caller holds b->lock). */
-static int enqueue(struct aoq_backend *b, void *dst, const void *src, size_t bytes, uint64_t *seq)
+static int enqueue(struct aoq_backend *b, void *dst, const void *src, size_t bytes, uint64_t *seq,
+                   struct aoq_copy_time *tm)
 {
 	if (b->len == b->cap) {
 		size_t cap = b->cap ? b->cap * 2 : 64;
@@ -92,19 +100,19 @@ static int enqueue(struct aoq_backend *b, void *dst, const void *src, size_t byt
 		b->cap = cap;
 	}
 	*seq = b->next_seq++;
-	b->q[(b->head + b->len) % b->cap] = (struct host_copy){ dst, src, bytes, *seq };
+	b->q[(b->head + b->len) % b->cap] = (struct host_copy){ dst, src, bytes, *seq, tm };
 	b->len++;
 	return 0;
 }
 
 static int host_h2d(struct aoq_backend *b, void *dst, const void *src, size_t bytes, void *stream,
-                    struct aoq_event **ev)
+                    struct aoq_event **ev, struct aoq_copy_time *tm)
 {
 	struct aoq_event *e = malloc(sizeof(*e));
 	if (!e)
 		return aoq_set_error(-ENOMEM, "out of memory");
 	pthread_mutex_lock(&b->lock);
-	int r = enqueue(b, dst, src, bytes, &e->seq);
+	int r = enqueue(b, dst, src, bytes, &e->seq, tm);
 	pthread_mutex_unlock(&b->lock);
 	if (r < 0) {
 		free(e);
@@ -122,7 +130,9 @@ static int host_host_wait(struct aoq_backend *b, struct aoq_event *ev)
 	pthread_mutex_lock(&b->lock);
 	while (b->len && b->q[b->head].seq <= ev->seq) {
 		const struct host_copy *c = &b->q[b->head];
+		aoq_copy_time_start(c->tm);
 		memcpy(c->dst, c->src, c->bytes);
+		aoq_copy_time_end(c->tm);
 		b->head = (b->head + 1) % b->cap;
 		b->len--;
 	}

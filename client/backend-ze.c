@@ -39,6 +39,13 @@
  *   every marker have signaled, so a pending wait never sees a reused event.
  *   Without any stream (NULL and no ze_queue) stream_wait blocks the host.
  *
+ * Tracing (aoqctl trace, only when libaoq passes a struct aoq_copy_time):
+ * host timestamps, the start when the copy is appended (so a gradient's
+ * span includes its wait for the trainer's stream) and the end when the
+ * lane thread sees the last piece complete (after a staged piece's memcpy).
+ * Device timestamps (zeEventQueryKernelTimestamp) would be tighter but need
+ * timestamp event pools and a device-to-host clock conversion: not done.
+ *
  * After a failed zeInit no other ze function is ever called (the loader
  * can crash otherwise).
  */
@@ -151,6 +158,7 @@ struct xfer {
 	int status;
 	aoq_done_fn done;
 	void *arg;
+	struct aoq_copy_time *tm; /* traced: stamped when the last piece completes */
 };
 
 struct op {
@@ -332,6 +340,8 @@ static void xfer_unref(struct aoq_backend *b, struct xfer *x)
 	aoq_done_fn done = x->done;
 	void *arg = x->arg;
 	int status = x->status;
+	if (status == 0)
+		aoq_copy_time_end(x->tm);
 	free(x);
 	if (done) {
 		pthread_mutex_unlock(&b->lock);
@@ -458,7 +468,7 @@ static bool is_imported(struct aoq_backend *b, const void *p, size_t n)
  */
 static int submit(struct aoq_backend *b, struct lane *l, bool to_host, void *dst, const void *src,
                   size_t bytes, ze_command_list_handle_t stream, aoq_done_fn done, void *arg,
-                  struct zev **keep)
+                  struct zev **keep, struct aoq_copy_time *tm)
 {
 	void *host = to_host ? dst : (void *)src;
 	bool direct = is_imported(b, host, bytes);
@@ -468,6 +478,8 @@ static int submit(struct aoq_backend *b, struct lane *l, bool to_host, void *dst
 	x->refs = 1;
 	x->done = done;
 	x->arg = arg;
+	x->tm = tm;
+	aoq_copy_time_start(tm);
 	int r = 0;
 	struct zev *pre = NULL;
 	pthread_mutex_lock(&l->submit);
@@ -571,6 +583,7 @@ fail:
 	pthread_mutex_unlock(&l->submit);
 	pthread_mutex_lock(&b->lock);
 	x->done = NULL;
+	x->tm = NULL; /* a failed copy has no span */
 	xfer_unref(b, x);
 	pthread_mutex_unlock(&b->lock);
 	return r;
@@ -898,26 +911,31 @@ static ze_command_list_handle_t stream_of(struct aoq_backend *b, void *stream)
 }
 
 static int ze_d2h(struct aoq_backend *b, void *dst, const void *src, size_t bytes, void *stream,
-                  aoq_done_fn done, void *arg)
+                  aoq_done_fn done, void *arg, struct aoq_copy_time *tm)
 {
 	if (bytes == 0) {
+		aoq_copy_time_start(tm);
+		aoq_copy_time_end(tm);
 		done(arg, 0);
 		return 0;
 	}
-	return submit(b, &b->d2h, true, dst, src, bytes, stream_of(b, stream), done, arg, NULL);
+	return submit(b, &b->d2h, true, dst, src, bytes, stream_of(b, stream), done, arg, NULL, tm);
 }
 
 static int ze_h2d(struct aoq_backend *b, void *dst, const void *src, size_t bytes, void *stream,
-                  struct aoq_event **ev)
+                  struct aoq_event **ev, struct aoq_copy_time *tm)
 {
 	*ev = NULL;
-	if (bytes == 0)
+	if (bytes == 0) {
+		aoq_copy_time_start(tm);
+		aoq_copy_time_end(tm);
 		return 0;
+	}
 	struct aoq_event *e = calloc(1, sizeof(*e));
 	if (!e)
 		return aoq_set_error(-ENOMEM, "out of memory");
 	ze_command_list_handle_t s = b->h2d_after_stream ? stream_of(b, stream) : NULL;
-	int r = submit(b, &b->h2d, false, dst, src, bytes, s, NULL, NULL, &e->done);
+	int r = submit(b, &b->h2d, false, dst, src, bytes, s, NULL, NULL, &e->done, tm);
 	if (r < 0) {
 		free(e);
 		return r;
@@ -991,7 +1009,7 @@ static void sync_done(void *arg, int status)
 static int ze_copy_to_host(struct aoq_backend *b, void *dst, const void *src, size_t bytes)
 {
 	struct sync_wait w = { .m = PTHREAD_MUTEX_INITIALIZER, .c = PTHREAD_COND_INITIALIZER };
-	int r = ze_d2h(b, dst, src, bytes, NULL, sync_done, &w);
+	int r = ze_d2h(b, dst, src, bytes, NULL, sync_done, &w, NULL);
 	if (r == 0) {
 		pthread_mutex_lock(&w.m);
 		while (!w.done)
@@ -1007,7 +1025,7 @@ static int ze_copy_to_host(struct aoq_backend *b, void *dst, const void *src, si
 static int ze_copy_to_device(struct aoq_backend *b, void *dst, const void *src, size_t bytes)
 {
 	struct aoq_event *ev;
-	int r = ze_h2d(b, dst, src, bytes, NULL, &ev);
+	int r = ze_h2d(b, dst, src, bytes, NULL, &ev, NULL);
 	if (r == 0) {
 		r = ze_host_wait(b, ev);
 		ze_event_release(b, ev);

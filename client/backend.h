@@ -12,8 +12,11 @@
 #ifndef AOQ_CLIENT_BACKEND_H
 #define AOQ_CLIENT_BACKEND_H
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
+#include <time.h>
 
 #include "aoq/aoq.h"
 
@@ -21,6 +24,38 @@ struct aoq_backend;
 struct aoq_event; /* a backend's completion marker; NULL means "already complete" */
 
 typedef void (*aoq_done_fn)(void *arg, int status);
+
+/* A traced copy's times (aoqctl trace), CLOCK_MONOTONIC ns: the backend
+ * stores start_ns, then end_ns (release) once the bytes have arrived; the
+ * library reads end_ns (acquire) and then start_ns.  NULL `tm`: not traced,
+ * and a backend does nothing extra.  How each backend times is written in
+ * its header comment. */
+struct aoq_copy_time {
+	_Atomic uint64_t start_ns, end_ns;
+};
+
+static inline uint64_t aoq_mono_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static inline void aoq_copy_time_start(struct aoq_copy_time *tm)
+{
+	if (tm)
+		atomic_store_explicit(&tm->start_ns, aoq_mono_ns(), memory_order_relaxed);
+}
+
+static inline void aoq_copy_time_end(struct aoq_copy_time *tm)
+{
+	if (tm) {
+		uint64_t t = aoq_mono_ns();
+		if (t == 0)
+			t = 1; /* 0 means "not yet" */
+		atomic_store_explicit(&tm->end_ns, t, memory_order_release);
+	}
+}
 
 struct aoq_backend_ops {
 	const char *name;
@@ -33,13 +68,14 @@ struct aoq_backend_ops {
 	void (*unregister_host)(struct aoq_backend *b, void *ptr, size_t len);
 	/* Copies device src -> host dst after the work queued on `stream` so far
 	 * (NULL: the backend's default) and returns without waiting; done(arg, 0)
-	 * runs once the bytes are in dst (may run before d2h returns). */
+	 * runs once the bytes are in dst (may run before d2h returns).  tm:
+	 * see struct aoq_copy_time (end_ns is stored before done runs). */
 	int (*d2h)(struct aoq_backend *b, void *dst, const void *src, size_t bytes, void *stream,
-	           aoq_done_fn done, void *arg);
+	           aoq_done_fn done, void *arg, struct aoq_copy_time *tm);
 	/* Copies host src -> device dst after the work queued on `stream` so far
 	 * and returns an event marking its completion in *ev (NULL when done). */
 	int (*h2d)(struct aoq_backend *b, void *dst, const void *src, size_t bytes, void *stream,
-	           struct aoq_event **ev);
+	           struct aoq_event **ev, struct aoq_copy_time *tm);
 	/* Optional (NULL where every copy is synchronous).  record: an event
 	 * marking the work queued on `stream` so far.  h2d_after: as h2d, but
 	 * ordered after `after` (an event from record) instead of `stream`. The
@@ -48,7 +84,7 @@ struct aoq_backend_ops {
 	 * rest of backward. */
 	int (*record)(struct aoq_backend *b, void *stream, struct aoq_event **ev);
 	int (*h2d_after)(struct aoq_backend *b, void *dst, const void *src, size_t bytes,
-	                 struct aoq_event *after, struct aoq_event **ev);
+	                 struct aoq_event *after, struct aoq_event **ev, struct aoq_copy_time *tm);
 	/* Makes `stream` wait for ev without blocking the host. */
 	int (*stream_wait)(struct aoq_backend *b, struct aoq_event *ev, void *stream);
 	/* Blocks the host until ev is complete. */

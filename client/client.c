@@ -65,6 +65,19 @@ struct copy_done {
 	struct aoq_rec rec;
 };
 
+/* aoqctl trace: a copy being timed.  Only while the daemon sets the
+ * to-client ring's `trace` word; the backend writes tm, the library reports
+ * finished spans (TraceSpans) before each StepEnd and before Bye.  A fixed
+ * pool: when every entry is taken, a copy goes untimed. */
+struct cspan {
+	struct aoq_copy_time tm;
+	uint64_t step, offset, count;
+	uint32_t tensor;
+	int kind; /* Aoq__TraceSpanKind */
+	bool used;
+};
+#define TRACE_POOL AOQ_TRACE_SPANS_MAX
+
 struct aoq_client {
 	int sock;
 	pthread_mutex_t ctl_lock;
@@ -100,6 +113,10 @@ struct aoq_client {
 	uint32_t nfree;
 	int error;            /* sticky: the session is over */
 	char errmsg[256];
+
+	struct cspan *spans;  /* trace pool (TRACE_POOL), allocated when first traced */
+	uint32_t span_next;   /* where the search for a free entry starts */
+	uint32_t spans_used;  /* entries taken (0: report_spans has nothing to do) */
 
 	uint64_t step;        /* the step pushes belong to */
 	uint64_t step_ends_pending;
@@ -605,21 +622,103 @@ static int check_arena(struct aoq_client *c)
 	return 0;
 }
 
+/* A pool entry for a copy to time, or NULL when the session is not traced
+ * (the fast path: one relaxed load) or the pool is full.  Under c->lock. */
+static struct aoq_copy_time *span_new(struct aoq_client *c, int kind, uint32_t t, uint64_t step, uint64_t offset,
+                                      uint64_t count)
+{
+	if (!c->to_client.ring || !atomic_load_explicit(&c->to_client.ring->trace, memory_order_relaxed))
+		return NULL;
+	if (!c->spans && !(c->spans = calloc(TRACE_POOL, sizeof(*c->spans))))
+		return NULL;
+	for (uint32_t k = 0; k < TRACE_POOL; k++) {
+		struct cspan *x = &c->spans[(c->span_next + k) % TRACE_POOL];
+		if (x->used)
+			continue;
+		c->span_next = (c->span_next + k + 1) % TRACE_POOL;
+		atomic_store_explicit(&x->tm.start_ns, 0, memory_order_relaxed);
+		atomic_store_explicit(&x->tm.end_ns, 0, memory_order_relaxed);
+		x->step = step;
+		x->offset = offset;
+		x->count = count;
+		x->tensor = t;
+		x->kind = kind;
+		x->used = true;
+		c->spans_used++;
+		return &x->tm;
+	}
+	return NULL;
+}
+
+/* Sends the finished spans of the pool (one TraceSpans frame; the pool
+ * holds at most what a frame may carry) and frees their entries.  Caller
+ * holds ctl_lock. */
+static int report_spans(struct aoq_client *c)
+{
+	pthread_mutex_lock(&c->lock);
+	if (!c->spans_used) {
+		pthread_mutex_unlock(&c->lock);
+		return 0;
+	}
+	Aoq__TraceSpan *sp = calloc(TRACE_POOL, sizeof(*sp));
+	Aoq__TraceSpan **spp = calloc(TRACE_POOL, sizeof(*spp));
+	size_t n = 0;
+	for (uint32_t i = 0; sp && spp && i < TRACE_POOL; i++) {
+		struct cspan *x = &c->spans[i];
+		uint64_t end = x->used ? atomic_load_explicit(&x->tm.end_ns, memory_order_acquire) : 0;
+		if (!end)
+			continue;
+		uint64_t start = atomic_load_explicit(&x->tm.start_ns, memory_order_relaxed);
+		x->used = false;
+		c->spans_used--;
+		if (start == 0 || start > end)
+			continue;
+		aoq__trace_span__init(&sp[n]);
+		sp[n].step = x->step;
+		sp[n].tensor = x->tensor;
+		sp[n].kind = (Aoq__TraceSpanKind)x->kind;
+		sp[n].start_ns = start;
+		sp[n].duration_ns = end - start;
+		sp[n].offset = x->offset;
+		sp[n].count = x->count;
+		spp[n] = &sp[n];
+		n++;
+	}
+	pthread_mutex_unlock(&c->lock);
+	int r = 0;
+	if (n) {
+		Aoq__TraceSpans m = AOQ__TRACE_SPANS__INIT;
+		m.n_spans = n;
+		m.spans = spp;
+		Aoq__Envelope env = AOQ__ENVELOPE__INIT;
+		env.msg_case = AOQ__ENVELOPE__MSG_TRACE_SPANS;
+		env.trace_spans = &m;
+		r = aoq_send_frame(c->sock, &env, NULL, 0);
+		if (r < 0)
+			aoq_set_error(r, "aoqd: send: %s", strerror(-r));
+	}
+	free(sp);
+	free(spp);
+	return r;
+}
+
 /* Starts the copy of an updated range to the device; the event goes to
  * the tensor (and the slot it came from).  Caller holds c->lock, which is
  * dropped around the backend call: a backend's completion callbacks take
  * c->lock, and CUDA forbids waiting on them from inside its own calls, so
  * no backend call is made under c->lock. */
 static void copy_param(struct aoq_client *c, struct tensor *x, const uint8_t *src, uint64_t offset,
-                       uint64_t count, struct slot *sl)
+                       uint64_t count, struct slot *sl, uint64_t step)
 {
 	struct aoq_event *ev = NULL, *after = x->last_use;
 	void *stream = x->stream;
 	uint8_t *dst = (uint8_t *)x->d.param + offset * x->psize;
+	struct aoq_copy_time *tm = span_new(c, AOQ__TRACE_SPAN_KIND__SPAN_H2D, (uint32_t)(x - c->tensors), step, offset,
+	                                    count);
 	pthread_mutex_unlock(&c->lock);
 	int e = after && c->ops->h2d_after
-		? c->ops->h2d_after(c->be, dst, src, count * x->psize, after, &ev)
-		: c->ops->h2d(c->be, dst, src, count * x->psize, stream, &ev);
+		? c->ops->h2d_after(c->be, dst, src, count * x->psize, after, &ev, tm)
+		: c->ops->h2d(c->be, dst, src, count * x->psize, stream, &ev, tm);
 	struct evref *r = e < 0 ? NULL : evref_new(ev, sl ? 2 : 1);
 	if (e == 0 && !r && ev) {
 		c->ops->host_wait(c->be, ev);
@@ -646,7 +745,7 @@ static void handle_record(struct aoq_client *c, const struct aoq_rec *r)
 	if (c->slots) {
 		struct slot *sl = &c->slots[r->slot];
 		if (r->status == AOQ_REC_UPDATED)
-			copy_param(c, x, sl->param_area, r->offset, r->count, sl);
+			copy_param(c, x, sl->param_area, r->offset, r->count, sl, r->step);
 		sl->busy = false;
 		c->free_slots[c->nfree++] = r->slot;
 	} else if (r->status == AOQ_REC_UPDATED) {
@@ -655,7 +754,7 @@ static void handle_record(struct aoq_client *c, const struct aoq_rec *r)
 			x->pending = true;
 			x->pending_step = r->step;
 		} else {
-			copy_param(c, x, x->param_area + r->offset * x->psize, r->offset, r->count, NULL);
+			copy_param(c, x, x->param_area + r->offset * x->psize, r->offset, r->count, NULL, r->step);
 		}
 	}
 	x->answered++;
@@ -941,8 +1040,10 @@ static int start_copy(struct aoq_client *c, struct tensor *x, uint8_t *dst, cons
 	d->rec = *rec;
 	x->pushed++;
 	x->copies++;
+	struct aoq_copy_time *tm =
+		span_new(c, AOQ__TRACE_SPAN_KIND__SPAN_D2H, rec->tensor, rec->step, rec->offset, rec->count);
 	pthread_mutex_unlock(&c->lock);
-	int r = c->ops->d2h(c->be, dst, src, rec->count * x->gsize, x->stream, grad_copied, d);
+	int r = c->ops->d2h(c->be, dst, src, rec->count * x->gsize, x->stream, grad_copied, d, tm);
 	pthread_mutex_lock(&c->lock);
 	if (r < 0) {
 		fail_session(c, r, "gradient copy of tensor %u failed: %s", rec->tensor, aoq_last_error());
@@ -1020,7 +1121,8 @@ int aoq_push_grad_ptr(struct aoq_client *c, uint32_t t, const void *grad, unsign
 		}
 		if (x->pending && r == 0) {
 			x->pending = false;
-			copy_param(c, x, x->param_area + ((x->pending_step & 1) ? x->param_buf : 0), 0, x->d.numel, NULL);
+			copy_param(c, x, x->param_area + ((x->pending_step & 1) ? x->param_buf : 0), 0, x->d.numel, NULL,
+			           x->pending_step);
 		}
 	}
 	/* In pieces: the daemon starts on the first while the rest copies. */
@@ -1183,6 +1285,8 @@ int aoq_step_end(struct aoq_client *c)
 			wait_daemon(c, &dl);
 	int r = c->error ? session_error(c) : 0;
 	pthread_mutex_unlock(&c->lock);
+	if (r == 0)
+		r = report_spans(c); /* the step's gradient copies, the last step's parameter copies */
 	if (r == 0) {
 		Aoq__Envelope env = AOQ__ENVELOPE__INIT;
 		env.msg_case = AOQ__ENVELOPE__MSG_STEP_END;
@@ -1242,7 +1346,8 @@ int aoq_flush(struct aoq_client *c)
 		if (!x->pending)
 			continue;
 		x->pending = false;
-		copy_param(c, x, x->param_area + ((x->pending_step & 1) ? x->param_buf : 0), 0, x->d.numel, NULL);
+		copy_param(c, x, x->param_area + ((x->pending_step & 1) ? x->param_buf : 0), 0, x->d.numel, NULL,
+			           x->pending_step);
 	}
 	if (c->error && r == 0)
 		r = session_error(c);
@@ -1373,8 +1478,11 @@ void aoq_close(struct aoq_client *c)
 	if (!c)
 		return;
 	if (c->sock >= 0 && !failed(c)) {
-		if (c->registered)
-			aoq_sync(c, NULL);
+		if (c->registered && aoq_sync(c, NULL) == 0) {
+			pthread_mutex_lock(&c->ctl_lock);
+			report_spans(c); /* a trace in progress gets the last copies */
+			pthread_mutex_unlock(&c->ctl_lock);
+		}
 		Aoq__Bye b = AOQ__BYE__INIT;
 		Aoq__Envelope env = AOQ__ENVELOPE__INIT;
 		env.msg_case = AOQ__ENVELOPE__MSG_BYE;
@@ -1411,6 +1519,7 @@ void aoq_close(struct aoq_client *c)
 	}
 	if (c->be)
 		c->ops->close(c->be);
+	free(c->spans); /* the backend may time copies until it is closed */
 	if (c->sock >= 0)
 		close(c->sock);
 	if (c->bell_in >= 0)

@@ -241,3 +241,9 @@ void aoqd_arena_ring(struct aoqd_arena *a)
 	ssize_t r = send(a->doorbell_out, &one, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
 	(void)r; /* EAGAIN: the client has wake-ups to read; EPIPE: it is gone */
 }
+
+void aoqd_arena_set_trace(struct aoqd_arena *a, bool on)
+{
+	if (a->to_client.ring)
+		atomic_store_explicit(&a->to_client.ring->trace, on ? 1u : 0u, memory_order_relaxed);
+}

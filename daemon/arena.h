@@ -69,5 +69,8 @@ int aoqd_arena_ack(struct aoqd_arena *a);
 /* Wakes the client (any thread); never blocks.  A full doorbell means the
  * client has wake-ups it has not read yet: that is success too. */
 void aoqd_arena_ring(struct aoqd_arena *a);
+/* Tells the client whether its copies are traced (the to-client ring's
+ * `trace` word; a hint the client may ignore).  No-op before the build. */
+void aoqd_arena_set_trace(struct aoqd_arena *a, bool on);
 
 #endif

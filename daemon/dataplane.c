@@ -243,6 +243,7 @@ static void job_submit(struct aoqd_job *j)
 	atomic_store(&j->remaining, n);
 	for (uint32_t i = 0; i < n; i++) {
 		j->chunks[i].task.run = chunk_run;
+		j->chunks[i].task.cost = j->chunks[i].count; /* the pool's fair share (pool.h) */
 		j->chunks[i].task.next = i + 1 < n ? &j->chunks[i + 1].task : NULL;
 		j->chunks[i].rep = (struct aoqk_report){ 0 };
 	}

@@ -71,23 +71,31 @@ static void insert_chain(struct aoqd_queue *q, struct aoqd_task *c)
 	}
 }
 
+/* Deficit round robin (pool.h): a front queue without credit earns a
+ * quantum and goes to the back.  Ends: every pass adds a quantum to a queue
+ * whose debt is at most one task's cost. */
 static struct aoqd_task *take(struct aoqd_pool *p)
 {
 	struct aoqd_queue *q = p->rr_head;
-	struct aoqd_task *t = pop_task(q);
-	p->rr_head = q->next;
-	if (!p->rr_head)
-		p->rr_tail = NULL;
-	q->next = NULL;
-	if (q->head) {
-		/* Back of the line: one task per turn. */
-		if (p->rr_tail)
+	while (q->credit <= 0) {
+		q->credit += AOQD_POOL_QUANTUM;
+		if (q->next) {
+			p->rr_head = q->next;
+			q->next = NULL;
 			p->rr_tail->next = q;
-		else
-			p->rr_head = q;
-		p->rr_tail = q;
-	} else {
+			p->rr_tail = q;
+			q = p->rr_head;
+		}
+	}
+	struct aoqd_task *t = pop_task(q);
+	q->credit -= (int64_t)(t->cost ? t->cost : AOQD_POOL_QUANTUM);
+	if (!q->head) {
+		p->rr_head = q->next;
+		if (!p->rr_head)
+			p->rr_tail = NULL;
+		q->next = NULL;
 		q->active = false;
+		q->credit = 0;
 	}
 	return t;
 }
@@ -179,6 +187,7 @@ void aoqd_pool_submit(struct aoqd_pool *p, struct aoqd_queue *q, struct aoqd_key
 	q->queued += n;
 	if (!q->active) {
 		q->active = true;
+		q->credit = AOQD_POOL_QUANTUM;
 		q->next = NULL;
 		if (p->rr_tail)
 			p->rr_tail->next = q;

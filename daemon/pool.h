@@ -2,8 +2,13 @@
 /*
  * The worker pool: one pinned thread per allowed core, running chunk tasks.
  * Every session has its own queue; workers take one task at a time from the
- * queues with work in round-robin order, so sessions share the pool fairly
- * whatever their queue lengths.
+ * queues with work by deficit round robin over the tasks' costs (elements):
+ * the queue in front runs tasks while it has credit, then goes to the back
+ * and earns AOQD_POOL_QUANTUM more.  So every session with queued work gets
+ * the same share of elements updated whatever its chunk sizes and queue
+ * lengths: a job's large step cannot starve another's small one, which
+ * waits at most a quantum (plus the chunks running) per other session
+ * between its own tasks.  A queue that empties forfeits its credit.
  *
  * Within a session's queue, tasks run in the order of their keys, not of
  * their arrival: a job's chunks are submitted as one chain with one key, and
@@ -28,6 +33,7 @@ struct aoqd_key {
 struct aoqd_task {
 	struct aoqd_task *next; /* in its chain */
 	void (*run)(struct aoqd_task *t, unsigned worker);
+	uint64_t cost; /* elements of work; 0 counts as a whole quantum */
 	/* Set and read by the pool on the first task of a chain only: */
 	struct aoqd_task *next_chain;
 	struct aoqd_key key;
@@ -39,9 +45,14 @@ struct aoqd_queue {
 	struct aoqd_queue *next; /* in the pool's round-robin list */
 	bool active;
 	uint64_t queued;
+	int64_t credit; /* deficit round robin (under the pool's lock) */
 };
 
 struct aoqd_pool;
+
+/* A queue's share per turn: 64 Ki elements, a quarter of the largest chunk
+ * (dataplane.c), about 30 us of AdamW on one core. */
+#define AOQD_POOL_QUANTUM 65536
 
 /* cpus: the cores to pin to (n of them), or NULL for no pinning. */
 struct aoqd_pool *aoqd_pool_new(unsigned n, const int *cpus);

@@ -565,6 +565,7 @@ static void trace_finish(struct aoqd_session *s)
 	if (!to)
 		return;
 	s->trace_to = NULL;
+	aoqd_arena_set_trace(&s->arena, false);
 	struct aoqd_trace t = aoqd_trace_take(&s->stats);
 	if (t.full)
 		aoqd_warn("session", "session %" PRIu64 ": trace cut at %zu spans", s->id, t.n);
@@ -639,8 +640,39 @@ out:
 /* The traced steps have all ended (loop thread). */
 static void trace_check(struct aoqd_session *s)
 {
+	if (s->trace_to && s->state == AOQD_READY)
+		aoqd_arena_set_trace(&s->arena, true); /* the client times its copies */
 	if (s->trace_to && (s->stats.steps_done >= s->trace_done_at || s->trace_to->state == AOQD_CLOSING))
 		trace_finish(s);
+}
+
+/* TraceSpans: the client's timed copies (hostile input: every span is
+ * checked, a bad one fails the session).  Kept when the step is traced. */
+static int on_trace_spans(struct aoqd_session *s, const Aoq__Envelope *env, struct aoqd_error *err)
+{
+	const Aoq__TraceSpans *m = env->trace_spans;
+	if (m->n_spans > AOQ_TRACE_SPANS_MAX)
+		return AOQD_FAIL(err, INVALID, "TraceSpans: %zu spans (at most %u)", m->n_spans, AOQ_TRACE_SPANS_MAX);
+	uint64_t now = aoqd_now_ns(), end;
+	for (size_t i = 0; i < m->n_spans; i++) {
+		const Aoq__TraceSpan *x = m->spans[i];
+		if ((x->kind != AOQ__TRACE_SPAN_KIND__SPAN_D2H && x->kind != AOQ__TRACE_SPAN_KIND__SPAN_H2D) ||
+		    x->tensor >= s->st.ntensors || x->count == 0 ||
+		    !aoq_range_ok(x->offset, x->count, s->st.tensors[x->tensor].numel) || x->start_ns == 0 ||
+		    __builtin_add_overflow(x->start_ns, x->duration_ns, &end) || end > now)
+			return AOQD_FAIL(err, INVALID, "TraceSpans: span %zu (kind %d, tensor %u) is impossible", i,
+			                 (int)x->kind, x->tensor);
+	}
+	pthread_mutex_lock(&s->stats.lock);
+	for (size_t i = 0; s->stats.trace.on && i < m->n_spans; i++) {
+		const Aoq__TraceSpan *x = m->spans[i];
+		struct aoqd_span sp = { .step = x->step, .start_ns = x->start_ns, .dur_ns = x->duration_ns,
+		                        .offset = x->offset, .count = x->count, .tensor = x->tensor,
+		                        .kind = x->kind == AOQ__TRACE_SPAN_KIND__SPAN_D2H ? AOQD_SPAN_D2H : AOQD_SPAN_H2D };
+		aoqd_trace_add(&s->stats, &sp);
+	}
+	pthread_mutex_unlock(&s->stats.lock);
+	return AOQD_REPLIED; /* a report: no reply */
 }
 
 /* TraceRequest: record the next `steps` steps of a session the asker may
@@ -665,8 +697,10 @@ static int on_trace(struct aoqd_session *who, const Aoq__Envelope *env, struct a
 	if (aoqd_trace_start(&s->stats, first, first + m->steps - 1) < 0)
 		return AOQD_REFUSE(err, BUSY, "session %" PRIu64 " is being traced already", m->session);
 	/* steps_done counts StepEnded replies: the step before next_step may
-	 * still be ending (end_pending), then next_step, then the traced ones */
-	s->trace_done_at = s->stats.steps_done + (s->steps.end_pending ? 1 : 0) + 1 + m->steps;
+	 * still be ending (end_pending), then next_step, then the traced ones,
+	 * then one more: the client reports a step's parameter copies (H2D)
+	 * with the next StepEnd, once they have landed. */
+	s->trace_done_at = s->stats.steps_done + (s->steps.end_pending ? 1 : 0) + 1 + m->steps + 1;
 	aoqd_session_ref(who);
 	s->trace_to = who;
 	aoqd_info("session", "session %" PRIu64 ": tracing steps %" PRIu64 "..%" PRIu64 " for session %" PRIu64, s->id,
@@ -754,6 +788,7 @@ static const struct handler handlers[] = {
 	  "SnapshotRequest before Hello", on_snapshot },
 	{ AOQ__ENVELOPE__MSG_DROP_REQUEST, IN(REGISTERING) | IN(READY) | IN(OBSERVER), "DropRequest before Hello",
 	  on_drop },
+	{ AOQ__ENVELOPE__MSG_TRACE_SPANS, IN(READY), "TraceSpans before registration", on_trace_spans },
 	{ AOQ__ENVELOPE__MSG_BYE, IN(HELLO) | IN(REGISTERING) | IN(READY) | IN(OBSERVER), "Bye while closing", on_bye },
 };
 

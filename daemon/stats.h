@@ -27,7 +27,7 @@ double aoqd_hist_quantile_us(const struct aoqd_hist *h, double q);
 /* A trace (aoqctl trace): the daemon's spans of steps [first, last], in
  * CLOCK_MONOTONIC ns.  Bounded: past AOQD_TRACE_MAX_SPANS spans it records
  * no more (full). */
-enum aoqd_span_kind { AOQD_SPAN_QUEUE_WAIT = 1, AOQD_SPAN_CPU = 2 }; /* = TraceSpanKind */
+enum aoqd_span_kind { AOQD_SPAN_D2H = 0, AOQD_SPAN_QUEUE_WAIT = 1, AOQD_SPAN_CPU = 2, AOQD_SPAN_H2D = 3 }; /* = TraceSpanKind */
 struct aoqd_span {
 	uint64_t step, start_ns, dur_ns, offset, count;
 	uint32_t tensor, kind, worker;

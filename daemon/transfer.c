@@ -121,6 +121,7 @@ static int start_transfer(struct aoqd_session *s, bool load, uint32_t tensor, in
 		x->tasks[i].x = x;
 		x->tasks[i].begin = (uint64_t)i * XFER_PIECE;
 		x->tasks[i].count = i + 1 < n ? XFER_PIECE : count - x->tasks[i].begin;
+		x->tasks[i].task.cost = x->tasks[i].count;
 	}
 	if (load)
 		s->st.dirty = true; /* no rollback undoes a load: not leased until the next step ends */

@@ -44,6 +44,8 @@
 #define AOQ_PUSH_CHUNK_ELEMS (1u << 20)
 /* The most records a ring holds (the daemon sizes rings within it). */
 #define AOQ_RING_MAX_CAP (1u << 20)
+/* The most spans one TraceSpans report carries (client-timed copies). */
+#define AOQ_TRACE_SPANS_MAX 4096u
 /* The most elements a window slot holds (bounds slot_elems * 4). */
 #define AOQ_SLOT_MAX_ELEMS (1ull << 40)
 
@@ -117,7 +119,11 @@ struct aoq_ring {
 	/* Set by a producer that found the ring full: the consumer clears it
 	 * after popping and rings the producer's doorbell. */
 	_Atomic uint32_t producer_waiting;
-	uint8_t pad0[52];
+	/* The to-client ring only: nonzero while aoqctl traces the session
+	 * (daemon writes, client reads as a hint): the client then times its
+	 * copies and reports them (TraceSpans). */
+	_Atomic uint32_t trace;
+	uint8_t pad0[48];
 	_Atomic uint64_t tail; /* written by the consumer only */
 	uint8_t pad1[56];
 	struct aoq_rec recs[];

@@ -19,6 +19,15 @@
  *   value enqueued so far; the copy's completion event is returned, and
  *   aoq_wait_param() makes the trainer's stream wait on it
  *   (cudaStreamWaitEvent) without blocking the host.
+ * - Tracing (aoqctl trace; only when libaoq passes a struct aoq_copy_time):
+ *   a host function enqueued on the copy stream just before the copy
+ *   stamps its start, and one just after (for a gradient, the completion
+ *   function itself) stamps its end, both CLOCK_MONOTONIC on the host.
+ *   The stream reaches the first only once the copy's waits are satisfied,
+ *   so the span is the copy itself to within the host-function latency (a
+ *   few microseconds), in the daemon's clock, with no event-to-host clock
+ *   conversion; the cost (two host-function round trips per copy, which
+ *   the copy stream waits for) is paid only while a trace is on.
  * - Events come from a pool (cudaEventDisableTiming|cudaEventBlockingSync:
  *   no timing overhead, and a host wait sleeps instead of spinning).
  *
@@ -61,6 +70,7 @@ struct aoq_backend {
 struct host_done {
 	aoq_done_fn done;
 	void *arg;
+	struct aoq_copy_time *tm;
 };
 
 static int cuda_errno(cudaError_t e)
@@ -295,18 +305,31 @@ static void CUDART_CB host_done_fn(void *p)
 	struct host_done *h = p;
 	aoq_done_fn done = h->done;
 	void *arg = h->arg;
+	aoq_copy_time_end(h->tm);
 	free(h);
 	done(arg, 0);
 }
 
+/* Tracing: host functions that stamp a copy's start and end (no CUDA calls). */
+static void CUDART_CB stamp_start_fn(void *p)
+{
+	aoq_copy_time_start(p);
+}
+
+static void CUDART_CB stamp_end_fn(void *p)
+{
+	aoq_copy_time_end(p);
+}
+
 static int cuda_d2h(struct aoq_backend *b, void *dst, const void *src, size_t bytes, void *stream,
-                    aoq_done_fn done, void *arg)
+                    aoq_done_fn done, void *arg, struct aoq_copy_time *tm)
 {
 	struct host_done *h = malloc(sizeof(*h));
 	if (!h)
 		return aoq_set_error(-ENOMEM, "out of memory");
 	h->done = done;
 	h->arg = arg;
+	h->tm = tm;
 	int prev, r = dev_enter(b, &prev);
 	if (r < 0) {
 		free(h);
@@ -314,6 +337,8 @@ static int cuda_d2h(struct aoq_backend *b, void *dst, const void *src, size_t by
 	}
 	if ((r = order_after(b, b->d2h, stream)) < 0)
 		goto out;
+	if (tm)
+		CU(cudaLaunchHostFunc(b->d2h, stamp_start_fn, tm), "cudaLaunchHostFunc (trace)");
 	CU(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, b->d2h), "cudaMemcpyAsync (gradient)");
 	CU(cudaLaunchHostFunc(b->d2h, host_done_fn, h), "cudaLaunchHostFunc");
 	h = NULL; /* the host function owns it now */
@@ -345,7 +370,7 @@ out:
 }
 
 static int cuda_h2d_after(struct aoq_backend *b, void *dst, const void *src, size_t bytes,
-                          struct aoq_event *after, struct aoq_event **ev)
+                          struct aoq_event *after, struct aoq_event **ev, struct aoq_copy_time *tm)
 {
 	struct aoq_event *x = NULL;
 	*ev = NULL;
@@ -354,7 +379,11 @@ static int cuda_h2d_after(struct aoq_backend *b, void *dst, const void *src, siz
 		return r;
 	if (after)
 		CU(cudaStreamWaitEvent(b->h2d, after->ev, 0), "cudaStreamWaitEvent");
+	if (tm)
+		CU(cudaLaunchHostFunc(b->h2d, stamp_start_fn, tm), "cudaLaunchHostFunc (trace)");
 	CU(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, b->h2d), "cudaMemcpyAsync (parameter)");
+	if (tm)
+		CU(cudaLaunchHostFunc(b->h2d, stamp_end_fn, tm), "cudaLaunchHostFunc (trace)");
 	if ((r = event_get(b, &x)) < 0)
 		goto out;
 	CU(cudaEventRecord(x->ev, b->h2d), "cudaEventRecord (parameter copy)");
@@ -370,14 +399,14 @@ out:
 /* A parameter copy ordered after the work queued on the trainer's stream
  * so far: record, then h2d_after. */
 static int cuda_h2d(struct aoq_backend *b, void *dst, const void *src, size_t bytes, void *stream,
-                    struct aoq_event **ev)
+                    struct aoq_event **ev, struct aoq_copy_time *tm)
 {
 	struct aoq_event *after;
 	*ev = NULL;
 	int r = cuda_record(b, stream, &after);
 	if (r < 0)
 		return r;
-	r = cuda_h2d_after(b, dst, src, bytes, after, ev);
+	r = cuda_h2d_after(b, dst, src, bytes, after, ev, tm);
 	event_put(b, after);
 	return r;
 }

@@ -14,7 +14,9 @@
  *   version); oversized names and impossible registrations; fds attached
  *   to a Hello; ring records with a tensor index out of range, an
  *   offset+count that overflows or runs past the tensor, a wrong step, a
- *   wrong slot, unknown flags, an impossible ring counter; disconnects
+ *   wrong slot, unknown flags, an impossible ring counter; TraceSpans
+ *   reports with a span out of range, of a daemon-side kind, in the future
+ *   or too many of them; disconnects
  *   mid-step; clients killed with SIGKILL mid-step; 200 connections opened
  *   and closed at once.
  * After each, the daemon must still run, must have closed the offending
@@ -584,6 +586,84 @@ static void attack_records(void)
 	check_alive("ring head beyond capacity");
 }
 
+/* A TraceSpans report that breaks one rule fails its session (INVALID);
+ * a valid one is taken without a reply, and the session goes on. */
+static void bad_trace_span(const char *what, Aoq__TraceSpan sp, size_t n)
+{
+	struct aoqt_raw s;
+	uint64_t numel[2] = { 4097, 100 };
+	CHECK_OK(aoqt_raw_open(&s, daemon_.socket, "hostile-trace", numel, 2));
+	Aoq__TraceSpan **spp = aoqt_xcalloc(n, sizeof(*spp));
+	for (size_t i = 0; i < n; i++)
+		spp[i] = &sp;
+	Aoq__TraceSpans m = AOQ__TRACE_SPANS__INIT;
+	m.n_spans = n;
+	m.spans = spp;
+	CHECK_OK(aoqt_send_msg(s.sock, AOQ__ENVELOPE__MSG_TRACE_SPANS, &m));
+	free(spp);
+	expect_closed(what, s.sock, AOQ__ERROR_CODE__INVALID);
+	s.sock = -1;
+	check_logged_session(what, s.id);
+	aoqt_raw_close(&s);
+	check_alive(what);
+}
+
+static void attack_trace_spans(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	uint64_t now = (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+	Aoq__TraceSpan ok = AOQ__TRACE_SPAN__INIT;
+	ok.step = 1;
+	ok.tensor = 1;
+	ok.kind = AOQ__TRACE_SPAN_KIND__SPAN_D2H;
+	ok.start_ns = now - 1000;
+	ok.duration_ns = 500;
+	ok.offset = 0;
+	ok.count = 100;
+	/* The control: valid spans, no reply, the session still answers. */
+	struct aoqt_raw s;
+	uint64_t numel[2] = { 4097, 100 };
+	CHECK_OK(aoqt_raw_open(&s, daemon_.socket, "hostile-trace-ok", numel, 2));
+	Aoq__TraceSpan *okp[2] = { &ok, &ok };
+	Aoq__TraceSpans m = AOQ__TRACE_SPANS__INIT;
+	m.n_spans = 2;
+	m.spans = okp;
+	CHECK_OK(aoqt_send_msg(s.sock, AOQ__ENVELOPE__MSG_TRACE_SPANS, &m));
+	Aoq__TensorSteps q = AOQ__TENSOR_STEPS__INIT;
+	q.first = 0;
+	q.count = 2;
+	Aoq__Envelope env = AOQ__ENVELOPE__INIT, *rep = NULL;
+	env.msg_case = AOQ__ENVELOPE__MSG_TENSOR_STEPS;
+	env.tensor_steps = &q;
+	CHECK_OK(aoq_call(s.sock, &env, &rep, NULL));
+	CHECK(rep->msg_case == AOQ__ENVELOPE__MSG_TENSOR_STEPS, "valid TraceSpans: the next request got %d",
+	      (int)rep->msg_case);
+	aoq_envelope_free(rep);
+	aoqt_raw_close(&s);
+
+	Aoq__TraceSpan x = ok;
+	x.tensor = 2;
+	bad_trace_span("TraceSpans: tensor out of range", x, 1);
+	x = ok;
+	x.count = 101;
+	bad_trace_span("TraceSpans: range past the tensor", x, 1);
+	x = ok;
+	x.offset = UINT64_MAX - 10;
+	x.count = 20;
+	bad_trace_span("TraceSpans: offset + count overflows", x, 1);
+	x = ok;
+	x.kind = AOQ__TRACE_SPAN_KIND__SPAN_CPU_UPDATE;
+	bad_trace_span("TraceSpans: a daemon-side kind", x, 1);
+	x = ok;
+	x.start_ns = now + 60000000000ull;
+	bad_trace_span("TraceSpans: a span in the future", x, 1);
+	x = ok;
+	x.duration_ns = UINT64_MAX;
+	bad_trace_span("TraceSpans: start + duration overflows", x, 1);
+	bad_trace_span("TraceSpans: too many spans", ok, AOQ_TRACE_SPANS_MAX + 1);
+}
+
 static void attack_disconnect_mid_step(void)
 {
 	for (int variant = 0; variant < 3; variant++) {
@@ -768,6 +848,7 @@ int main(int argc, char **argv)
 	attack_bad_registration();
 	attack_spoofed_fds();
 	attack_records();
+	attack_trace_spans();
 	attack_disconnect_mid_step();
 	attack_kill9();
 	attack_connection_flood();

@@ -241,7 +241,7 @@ def main():
         check(len(steps) == 3 and steps == list(range(steps[0], steps[0] + 3)),
               f"the trace holds 3 consecutive steps: {steps}")
         for step in steps:
-            cpu = [e for e in spans if e["ph"] == "X" and e["args"]["step"] == step]
+            cpu = [e for e in spans if e["ph"] == "X" and e.get("cat") == "CPU update" and e["args"]["step"] == step]
             queue = [e for e in spans if e["ph"] == "b" and e["args"]["step"] == step]
             tensors = {e["args"]["tensor"] for e in cpu}
             check(len(tensors) == s0["tensors"], f"step {step}: CPU updates of {len(tensors)} tensors, "
@@ -251,6 +251,31 @@ def main():
             check(len(queue) == len({(e["args"]["tensor"], e["args"]["offset"]) for e in cpu}) and queue,
                   f"step {step}: a queue-wait span per record ({len(queue)})")
             check(all(e["dur"] >= 0 for e in cpu), "durations are not negative")
+            # the trainer's copies (libaoq, host backend): a D2H and an H2D span
+            # per record, the D2H over before the record's first CPU chunk
+            # starts, the H2D after its last chunk ends (ts and dur in us)
+            recs = {(e["args"]["tensor"], e["args"]["offset"], e["args"]["count"]) for e in queue}
+            for cat in ("D2H", "H2D"):
+                got = [e for e in spans if e["ph"] == "X" and e.get("cat") == cat and e["args"]["step"] == step]
+                have = {(e["args"]["tensor"], e["args"]["offset"], e["args"]["count"]) for e in got}
+                check(len(got) == len(recs) and have == recs,
+                      f"step {step}: a {cat} span per record ({len(got)} spans, {len(recs)} records)")
+                for e in got:
+                    name, off, cnt = e["args"]["tensor"], e["args"]["offset"], e["args"]["count"]
+                    mine = [x for x in cpu if x["args"]["tensor"] == name and off <= x["args"]["offset"] < off + cnt]
+                    if not mine:
+                        check(False, f"step {step}: no CPU update for the {cat} of {name}@{off}")
+                        continue
+                    if cat == "D2H":
+                        first = min(x["ts"] for x in mine)
+                        check(e["ts"] + e["dur"] <= first + 0.002,
+                              f"step {step}: D2H of {name}@{off} ends {e['ts'] + e['dur']} after its update "
+                              f"starts {first}")
+                    else:
+                        last = max(x["ts"] + x["dur"] for x in mine)
+                        check(e["ts"] >= last - 0.002,
+                              f"step {step}: H2D of {name}@{off} starts {e['ts']} before its update ends {last}")
+                    check(e["dur"] >= 0 and e["dur"] < 10e6, f"step {step}: {cat} duration {e['dur']} us")
         names = {e["args"]["name"] for e in tr["traceEvents"] if e.get("ph") == "M"}
         check("worker 0" in " ".join(names) or any("worker" in n for n in names), f"a worker lane: {names}")
         # a session nobody may trace: refused, no file

@@ -3,7 +3,8 @@
  * The worker pool's order (daemon/pool.h): within a queue, chains run by
  * key (equal keys first come, first served; a chain's tasks in order, the
  * rest of a started chain before anything queued behind it); across
- * queues, one task per turn.  One worker, held by a gate task while the
+ * queues, deficit round robin by the tasks' costs (one task per turn when
+ * every task costs a quantum).  One worker, held by a gate task while the
  * queues fill, makes the order deterministic.
  */
 #include <pthread.h>
@@ -164,6 +165,33 @@ int main(void)
 	submit(p, &b, tasks, &used, 9, 0, "B0 B1");
 	release_and_wait(3 + 2);
 	EXPECT(strcmp(order, "A0 B0 A1 B1 A2 ") == 0, "round robin: %s", order);
+
+	/* Deficit round robin by cost: a queue of large tasks (4 quanta each)
+	 * and one of small ones (a quarter quantum): the small queue's eight
+	 * tasks, two quanta of work, run after one large task, not between
+	 * large ones (one task per turn would interleave them A0 B0 A1 B1 ...
+	 * and keep the small queue waiting for three large tasks). */
+	used = 0;
+	hold(p, &g, &gate);
+	submit(p, &a, tasks, &used, 5, 0, "A0 A1 A2 A3");
+	for (int i = 0; i < 4; i++)
+		tasks[i].task.cost = 4 * AOQD_POOL_QUANTUM;
+	submit(p, &b, tasks, &used, 9, 0, "B0 B1 B2 B3 B4 B5 B6 B7");
+	for (int i = 4; i < 12; i++)
+		tasks[i].task.cost = AOQD_POOL_QUANTUM / 4;
+	release_and_wait(12);
+	EXPECT(strcmp(order, "A0 B0 B1 B2 B3 B4 B5 B6 B7 A1 A2 A3 ") == 0, "fair share by cost: %s", order);
+
+	/* Equal shares: two queues of the same cost per task alternate by
+	 * quanta (two tasks of half a quantum per turn). */
+	used = 0;
+	hold(p, &g, &gate);
+	submit(p, &a, tasks, &used, 5, 0, "A0 A1 A2 A3");
+	submit(p, &b, tasks, &used, 9, 0, "B0 B1 B2 B3");
+	for (int i = 0; i < 8; i++)
+		tasks[i].task.cost = AOQD_POOL_QUANTUM / 2;
+	release_and_wait(8);
+	EXPECT(strcmp(order, "A0 A1 B0 B1 A2 A3 B2 B3 ") == 0, "equal shares: %s", order);
 
 	aoqd_pool_free(p);
 	if (failures)

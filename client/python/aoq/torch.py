@@ -85,6 +85,29 @@ _STATE_KEYS = {"adamw": (("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")),
                "adam": (("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")),
                "sgd": (("momentum_buffer", "exp_avg"),), "lion": (("exp_avg", "exp_avg"),)}
 _MASTER_DTYPES = (None, "fp32", "bf16", torch.float32, torch.bfloat16)
+
+# The staging window's default (docs/python.md, "Staging window"): a model
+# whose gradients and parameters fit in this many bytes gets a slot per
+# tensor; a larger one streams through a window of this size.
+STAGING_BUDGET = 1 << 30
+
+
+def staging_window_for(params, staging_window=None, delayed_update=False):
+    """The Register.window (bytes, 0 = a slot per tensor) for the offloaded
+    parameters: staging_window when given, else 0 when every gradient and
+    parameter fit in STAGING_BUDGET (or with the delayed update, which needs
+    a slot per tensor), else STAGING_BUDGET."""
+    if staging_window is not None:
+        if isinstance(staging_window, bool) or not isinstance(staging_window, int) or staging_window < 0:
+            raise ValueError("staging_window must be None or a number of bytes >= 0, got %r" % (staging_window,))
+        if staging_window and delayed_update:
+            raise ValueError("staging_window needs delayed_update=False (the delayed update keeps a slot per "
+                             "tensor)")
+        return staging_window
+    if delayed_update:
+        return 0
+    need = sum(2 * p.numel() * p.element_size() for p in params)
+    return 0 if need <= STAGING_BUDGET else STAGING_BUDGET
 _STATE_PRECISIONS = (None, "fp32", "q8", "bf16")
 # (moments, master) -> the daemon's state precision; moments None: the master's dtype
 _PRECISION = {("fp32", None): _lib.STATE_FP32, ("q8", None): _lib.STATE_Q8, (None, None): _lib.STATE_FP32,
@@ -483,13 +506,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
     optimizer_class (fused on CUDA), on an fp32 master where aoq's would be
     one; 0 (default): everything in aoqd.  Not with max_grad_norm /
     skip_nonfinite (they need every gradient in the daemon).
+    staging_window: bytes of host staging (the session's arena) that
+    gradients and parameters stream through; 0 = a copy of every gradient
+    and parameter on the host; None (default): 0 when that is at most
+    STAGING_BUDGET (1 GiB), else 1 GiB (see staging_window_for).
     """
 
     def __init__(self, params, optimizer_class=torch.optim.AdamW, *, offload_gradients=False, minimal_size=4096,
                  device=None, socket=None, state_precision=None, master_dtype=None, max_grad_norm=None,
                  delayed_update=False, skip_nonfinite=False, grad_accumulation_steps=None, copy_mode=None,
                  seed=0, job=None, rank=None, model=None, grad_edits=None, gpu_state_budget=0, lease=None,
-                 **kwargs):
+                 staging_window=None, **kwargs):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise ValueError("optimizer_class must be a torch.optim.Optimizer subclass, got %r" % (optimizer_class,))
         if master_dtype not in _MASTER_DTYPES:
@@ -612,9 +639,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         job = job or os.environ.get("AOQ_JOB") or _job_default()
         if rank is None:
             rank = int(os.environ.get("RANK", "0"))
+        self.staging_window = staging_window_for([p for _, p in big], staging_window, delayed_update)
         copts = dict(socket=socket, job=job, rank=rank, precision=_PRECISION[(state_precision, master)],
                      max_grad_norm=max_grad_norm or 0.0, skip_nonfinite=skip_nonfinite,
-                     delayed_update=delayed_update, seed=seed, lease=lease)
+                     delayed_update=delayed_update, seed=seed, lease=lease, window=self.staging_window)
         self._client = None
         self.resumed_step = None   # the last completed step when this resumed a leased session
         if big:

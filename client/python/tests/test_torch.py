@@ -32,7 +32,7 @@ def main():
         try:
             torch_cases.run_cases("cpu", 256, d.socket, cases.split(",") if cases else
                                   ["basic", "accum", "offload", "offload-explicit", "attach", "framework",
-                                   "adam-groups", "clip"])
+                                   "adam-groups", "clip", "window"])
         except Exception:
             traceback.print_exc()
             print(d.log_text()[-3000:])

@@ -124,6 +124,8 @@ def run_cases(device, width, socket, cases=None, steps=10):
                  "accumulation 2, offload_gradients, grad_accumulation_steps=2, attach")
     if "adam-groups" in want:
         adam_groups(width, device, socket, steps)
+    if "window" in want:
+        window_case(device, socket)
     if "clip" in want:
         same(offloaded(width, device, steps, socket=socket, max_grad_norm=0.05),
              reference(width, device, steps, clip=0.05), "max_grad_norm 0.05 in the daemon")
@@ -140,6 +142,68 @@ def run_cases(device, width, socket, cases=None, steps=10):
     if "compile" in want:
         same(offloaded(width, device, steps, socket=socket, compile_=True),
              reference(width, device, steps, compile_=True), "torch.compile")
+
+
+def arena_bytes():
+    """Bytes of aoq arenas this process maps (libaoq maps the session's
+    arena memfd, named "aoq-arena", whole)."""
+    total = 0
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if "memfd:aoq-arena" in line:
+                a, b = line.split()[0].split("-")
+                total += int(b, 16) - int(a, 16)
+    return total
+
+
+def window_case(device, socket, steps=6):
+    """staging_window smaller than the model: 16 layers of 256x256 (8 MiB of
+    gradients and parameters) through a 1 MiB window of two slots, so every
+    step reuses each slot eight times.  Equals torch AdamW, and the arena
+    (what the session pins on the host) stays near the window; the default
+    picks the window once the model passes STAGING_BUDGET."""
+    import aoq.torch as at
+
+    def model():
+        torch.manual_seed(3)
+        return torch.nn.Sequential(*[torch.nn.Linear(256, 256, bias=False) for _ in range(16)]).to(device)
+
+    data = [(torch.randn(8, 256, generator=torch.Generator().manual_seed(i)).to(device),
+             torch.randn(8, 256, generator=torch.Generator().manual_seed(100 + i)).to(device)) for i in range(4)]
+    ref = model()
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    train(ref, ropt, data, steps)
+    model_bytes = sum(2 * p.numel() * 4 for p in ref.parameters())
+    xfer = 4 * 256 * 256  # the transfer area holds the biggest tensor in fp32
+    for what, kw, budget in (("staging_window=1 MiB", dict(staging_window=1 << 20), None),
+                             ("default window past STAGING_BUDGET", {}, 1 << 20)):
+        old = at.STAGING_BUDGET
+        if budget is not None:
+            at.STAGING_BUDGET = budget
+        try:
+            m = model()
+            before = arena_bytes()
+            opt = OffloadOptimizer(m.named_parameters(), torch.optim.AdamW, lr=1e-3, weight_decay=0.01,
+                                   socket=socket, **kw)
+            arena = arena_bytes() - before
+        finally:
+            at.STAGING_BUDGET = old
+        if opt.staging_window != 1 << 20:
+            raise AssertionError("%s: staging_window %r, want 1 MiB" % (what, opt.staging_window))
+        if not (0 < arena <= (1 << 20) + xfer + (64 << 10)) or arena >= model_bytes:
+            raise AssertionError("%s: the arena is %d bytes; want at most the window + transfer area + 64 KiB "
+                                 "(%d) and less than the model's %d" % (what, arena, (1 << 20) + xfer + (64 << 10),
+                                                                       model_bytes))
+        train(m, opt, data, steps)
+        opt.synchronize()
+        opt.close()
+        same(m, ref, "%s (arena %d bytes, model %d)" % (what, arena, model_bytes))
+    small = OffloadOptimizer(model().named_parameters(), torch.optim.AdamW, socket=socket)
+    if small.staging_window != 0:
+        raise AssertionError("an 8 MiB model under the 1 GiB budget: staging_window %r, want 0"
+                             % small.staging_window)
+    small.close()
+    print("ok: staging window")
 
 
 def adam_groups(width, device, socket, steps):
