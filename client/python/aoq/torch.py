@@ -563,7 +563,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._hooked = weakref.WeakSet()    # modules with our state_dict / load_state_dict pre-hooks
         self._ddps = weakref.WeakSet()      # DistributedDataParallel modules whose comm hook is ours
         self._fsdp_units = weakref.WeakKeyDictionary()   # FSDP2 module -> slots its pre-forward all-gathers
-        self._lock = threading.Lock()       # DDP pushes come from the process group's threads
+        self._lock = threading.RLock()      # DDP pushes come from the process group's threads
         self._seen_queued = False
         self._mod_handles = []
         self._constructed = True
@@ -617,6 +617,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self._sent_hp[gi] = hp
 
     def _push(self, s, grad, final):
+        with self._lock:        # the hooks' pushes and the DDP hook's (another thread) never interleave
+            self._push_locked(s, grad, final)
+
+    def _push_locked(self, s, grad, final):
         self._begin_step()
         grad = _local(grad)
         s.seen, s.seen_ver = grad, grad._version
