@@ -20,6 +20,18 @@ block on its own (regional compilation), so the waits run between blocks.  Witho
 and prints the drop-in targets: import swap <= 1.02x attach, compiled <= eager,
 fp32 state <= 1.2x on-device AdamW, q8 <= 1.08x.
 
+Multi-rank modes (--ranks N processes, spawned; NCCL on cuda:0..N-1, gloo on the CPU;
+one daemon for the node): ddp-gpu (DDP + on-device fused AdamW), ddp-aoq-fp32,
+ddp-aoq-q8, ddp-aoq-bf16 (DDP + OffloadOptimizer; bf16: bf16 master and moments),
+fsdp-gpu (FSDP2 fully_shard per block + root, on-device AdamW), fsdp-aoq-fp32/-q8/-bf16,
+fsdp-cpuoffload (FSDP2 with CPUOffloadPolicy: torch's AdamW on the CPU in each rank).
+--mode ddp / fsdp / dist run the groups; each prints s/step (the slowest rank's
+median), the ratio to ddp-gpu / fsdp-gpu and the largest peak device memory of a rank:
+
+    python3 tests/bench/train_gpt.py --device cuda --ranks 2 --mode dist --spawn-daemon
+    python3 tests/bench/train_gpt.py --device cpu --ranks 2 --mode dist --spawn-daemon \
+        --d-model 64 --layers 2 --heads 4 --vocab 512 --seq 32 --batch 2 --steps 2 --warmup 1
+
 Needs a running aoqd (--socket / $AOQ_SOCKET) or --spawn-daemon (build/daemon/aoqd
 or $AOQD).  Results go to tests/bench/RESULTS.md by hand.
 """
@@ -43,6 +55,8 @@ VARIANTS = ("swap", "attach", "compile", "rcompile")
 DROPIN = ["gpu-adamw", "gpu-adamw-compile", "gpu-adamw-rcompile", "aoq-fp32-swap", "aoq-fp32-attach",
           "aoq-fp32-compile", "aoq-fp32-rcompile", "aoq-q8-swap", "aoq-q8-attach", "aoq-q8-compile",
           "aoq-q8-rcompile"]
+DIST_MODES = ["ddp-gpu", "ddp-aoq-fp32", "ddp-aoq-q8", "ddp-aoq-bf16", "fsdp-gpu", "fsdp-aoq-fp32", "fsdp-aoq-q8",
+              "fsdp-aoq-bf16", "fsdp-cpuoffload"]
 __doc__ = __doc__ % ", ".join(DROPIN)
 
 
@@ -252,6 +266,109 @@ def run_mode(mode, args, socket):
                 times=times)
 
 
+def _dist_rank(rank, mode, args, socket, store, out):
+    """One rank of a multi-rank mode (torch.multiprocessing.spawn target)."""
+    import torch.distributed as dist
+    cpu = torch.device(args.device).type == "cpu"
+    if cpu:
+        dev = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // args.ranks))
+    else:
+        torch.cuda.set_device(rank)
+        dev = torch.device("cuda", rank)
+    dist.init_process_group("gloo" if cpu else "nccl", init_method="file://" + store, rank=rank,
+                            world_size=args.ranks)
+    torch.manual_seed(0)
+    model = GPT(args.vocab, args.d_model, args.layers, args.heads, args.seq + 1)
+    if not args.amp:
+        model = model.to(torch.bfloat16)
+    kind, _, opt_kind = mode.partition("-")
+    offload_policy = opt_kind == "cpuoffload"
+    if kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model = model.to(dev)
+        fwd = DDP(model) if cpu else DDP(model, device_ids=[rank])
+    else:
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+        kw = dict(offload_policy=CPUOffloadPolicy(pin_memory=not cpu)) if offload_policy else {}
+        model = model.to(dev)
+        for b in model.blocks:
+            fully_shard(b, **kw)
+        fully_shard(model, **kw)
+        fwd = model
+    nparams = sum(p.numel() for p in model.parameters())
+    if opt_kind in ("gpu", "cpuoffload"):
+        fused = not cpu and not offload_policy
+        opt = torch.optim.AdamW(fwd.parameters(), lr=args.lr, weight_decay=0.1, fused=fused)
+    else:
+        from aoq.torch import OffloadOptimizer
+        st = opt_kind.split("-")[-1]
+        kw = dict(lr=args.lr, weight_decay=0.1, socket=socket, grad_accumulation_steps=args.grad_accum,
+                  job="bench-%s" % mode)
+        if st == "q8":
+            kw["state_precision"] = "q8"
+        if st == "bf16":
+            kw["master_dtype"] = "bf16"
+        opt = OffloadOptimizer(fwd.named_parameters(), torch.optim.AdamW, **kw)
+    gen = torch.Generator().manual_seed(1 + rank)
+    data = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen).to(dev) for _ in range(4)]
+    times, losses = [], []
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            synchronize(dev)
+            reset_peak(dev)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for k in range(args.grad_accum):
+            sync = k == args.grad_accum - 1 or kind != "ddp"
+            with (contextlib.nullcontext() if sync else fwd.no_sync()):
+                loss = loss_of(fwd, data[(step * args.grad_accum + k) % len(data)], args.amp)
+                (loss / args.grad_accum).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        synchronize(dev)
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    peak = peak_bytes(dev)
+    if hasattr(opt, "close"):
+        opt.close()
+    st = sorted(times[args.warmup:])
+    res = torch.tensor([st[len(st) // 2], float(peak)], dtype=torch.float64)
+    if not cpu:
+        res = res.to(dev)
+    dist.all_reduce(res, op=dist.ReduceOp.MAX)      # the slowest rank, the largest peak
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(dict(mode=mode, ranks=args.ranks, params=nparams, step_s=float(res[0]),
+                           peak_gib=float(res[1]) / 2 ** 30, loss=losses[-1]), f)
+    dist.destroy_process_group()
+
+
+def run_dist(modes, args, socket):
+    """The multi-rank modes, each in --ranks fresh processes."""
+    import tempfile
+    import torch.multiprocessing as tmp_mp
+    results = []
+    for mode in modes:
+        with tempfile.TemporaryDirectory(prefix="aoq-bench-") as d:
+            out = os.path.join(d, "result.json")
+            tmp_mp.spawn(_dist_rank, args=(mode, args, socket, os.path.join(d, "store"), out), nprocs=args.ranks)
+            with open(out) as f:
+                r = json.load(f)
+        results.append(r)
+        print("%-16s %d ranks  params %.3fB  step %.3f s  peak %.2f GiB per rank  loss %.4f"
+              % (mode, r["ranks"], r["params"] / 1e9, r["step_s"], r["peak_gib"], r["loss"]), flush=True)
+    for kind in ("ddp", "fsdp"):
+        base = next((r for r in results if r["mode"] == kind + "-gpu"), None)
+        if base is None:
+            continue
+        for r in results:
+            if r["mode"].startswith(kind + "-"):
+                print("%-16s %.2fx %s-gpu step, peak %+.2f GiB per rank" % (
+                    r["mode"], r["step_s"] / base["step_s"], kind, r["peak_gib"] - base["peak_gib"]))
+    return results
+
+
 def run_child(mode, args, socket):
     """One mode in a fresh process: its peak device memory is its own."""
     import subprocess
@@ -297,6 +414,7 @@ def main():
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--in-process", action="store_true", help="every mode in this process (default: one each)")
+    ap.add_argument("--ranks", type=int, default=2, help="processes of the ddp-* and fsdp-* modes")
     args = ap.parse_args()
     if args.child:
         print(json.dumps(run_mode(args.mode, args, args.socket)))
@@ -304,6 +422,24 @@ def main():
 
     daemon = None
     socket = args.socket
+    groups = {"dist": DIST_MODES, "ddp": DIST_MODES[:4], "fsdp": DIST_MODES[4:]}
+    if args.mode in groups or args.mode.split(",")[0] in DIST_MODES:
+        modes = groups.get(args.mode) or args.mode.split(",")
+        for m in modes:
+            if m not in DIST_MODES:
+                ap.error("unknown multi-rank mode %r (modes: %s)" % (m, ", ".join(DIST_MODES)))
+        if args.spawn_daemon and any("aoq" in m for m in modes):
+            import aoq
+            daemon = aoq.Daemon(threads=args.daemon_threads)
+            socket = daemon.socket
+        try:
+            results = run_dist(modes, args, socket)
+        finally:
+            if daemon is not None:
+                daemon.stop()
+        if args.json:
+            print(json.dumps(dict(args=vars(args), results=results)))
+        return
     modes = MODES if args.mode == "all" else DROPIN if args.mode == "dropin" else args.mode.split(",")
     for m in modes:
         if parse_mode(m) is None:

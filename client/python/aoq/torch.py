@@ -23,6 +23,8 @@ import itertools
 import logging
 import os
 import time
+import sys
+import threading
 import warnings
 import weakref
 
@@ -117,12 +119,14 @@ _PRECISION = {("fp32", None): _lib.STATE_FP32, ("q8", None): _lib.STATE_Q8, (Non
 
 class _Slot:
     """One parameter stepped by aoqd."""
-    __slots__ = ("t", "p", "name", "group", "numel", "host_param", "host_grad", "count", "final", "held",
-                 "inflight", "wait", "covered", "seen", "seen_ver", "fwd", "ver", "in_graph", "moved")
+    __slots__ = ("t", "p", "x", "name", "group", "numel", "host_param", "host_grad", "count", "final", "held",
+                 "inflight", "wait", "covered", "seen", "seen_ver", "fwd", "ver", "ddp", "in_graph", "moved")
 
     def __init__(self, t, p, name, group):
         self.t, self.p, self.name, self.group = t, p, name, group
-        self.numel = p.numel()
+        self.x = _local(p)      # what aoqd steps: p, or an FSDP2 parameter's local shard
+        self.numel = self.x.numel()
+        self.ddp = False        # owned by a DistributedDataParallel: pushed once averaged (comm hook)
         self.host_param = self.host_grad = None
         self.count = 0          # backward passes of this step that reached the parameter
         self.final = False      # the step's final gradient has been pushed
@@ -133,9 +137,80 @@ class _Slot:
         self.seen = None        # p.grad at the last hook (or push) and its version counter: a change
         self.seen_ver = -1      # after that is a user edit (clipping, GradScaler.unscale_, ...)
         self.fwd = False        # the global forward pre-hook met it in a forward (outside compiled code)
-        self.ver = p._version   # p's version counter after our last write: another value is a user write
+        self.ver = self.x._version   # x's version counter after our last write: another value is a user write
         self.in_graph = False   # the in-graph wait (aoq::wait_params) reached it since the last probe
         self.moved = False      # gpu_state_budget="auto" moved its state to the device share
+
+
+def _is_dtensor(t):
+    return type(t).__name__ == "DTensor" and hasattr(t, "_local_tensor")
+
+
+def _local(t):
+    """The tensor aoq reads and writes for t: a DTensor's local shard
+    (FSDP2's sharded parameters and gradients), else t itself."""
+    return t._local_tensor if _is_dtensor(t) else t
+
+
+def _ddp_class():
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except ImportError:
+        return None
+    return DistributedDataParallel
+
+
+def _is_fsdp2(mod):
+    """mod is a fully_shard (FSDP2) module (only when the program imported FSDP)."""
+    m = sys.modules.get("torch.distributed.fsdp")
+    cls = getattr(m, "FSDPModule", None) if m is not None else None
+    return cls is not None and isinstance(mod, cls)
+
+
+def _like_param(p, t):
+    """A state tensor t (local, p's local shape) as p is: a DTensor with p's
+    mesh and placements for an FSDP2 parameter (so DCP shards and reshards
+    it), else t."""
+    if not _is_dtensor(p):
+        return t
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def _fsdp_unit_params(mod):
+    """The parameters an FSDP2 module all-gathers in its pre-forward: those of
+    its subtree that no nested fully_shard module owns."""
+    out, stack = [], [mod]
+    while stack:
+        m = stack.pop()
+        out.extend(p for p in m._parameters.values() if p is not None)
+        stack.extend(c for c in m.children() if not _is_fsdp2(c))
+    return out
+
+
+def _ddp_comm_hook(state, bucket):
+    """DistributedDataParallel communication hook of an OffloadOptimizer:
+    averages the bucket as DDP's default hook does (divide by the world
+    size, all-reduce), and once the all-reduce has completed pushes the
+    bucket's gradients to aoqd (OffloadOptimizer._ddp_push)."""
+    ref, group = state
+    import torch.distributed as dist
+    buf = bucket.buffer()
+    buf.div_(group.size() if group is not None else dist.get_world_size())
+    fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
+    opt = ref()
+    if opt is None:
+        return fut.then(lambda f: f.value()[0])
+    opt._queue_seen()
+    params, grads = bucket.parameters(), bucket.gradients()
+
+    def done(f):
+        t = f.value()[0]
+        o = ref()
+        if o is not None:
+            o._ddp_push(params, grads)
+        return t
+    return fut.then(done)
 
 
 def _parse_params(params, start=0, taken=()):
@@ -342,6 +417,24 @@ def _define_wait_op():
 _WAIT_OP = _define_wait_op()
 
 
+def _canon_fqn(name):
+    """A parameter name without the wrappers' components (DDP's "module.",
+    torch.compile's "_orig_mod."), as torch.distributed.checkpoint names
+    parameters."""
+    return ".".join(x for x in name.split(".") if x not in ("module", "_orig_mod"))
+
+
+def _dist_rank():
+    """torch.distributed's global rank when a process group is up, else $RANK, else 0."""
+    try:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    except ImportError:
+        pass
+    return int(os.environ.get("RANK", "0"))
+
+
 def _job_default():
     return "torch-%d" % os.getpid()
 
@@ -516,7 +609,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                  device=None, socket=None, state_precision=None, master_dtype=None, max_grad_norm=None,
                  delayed_update=False, skip_nonfinite=False, grad_accumulation_steps=None, copy_mode=None,
                  seed=0, job=None, rank=None, model=None, grad_edits=None, gpu_state_budget=0, lease=None,
-                 staging_window=None, **kwargs):
+                 staging_window=None, timeout=None, **kwargs):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise ValueError("optimizer_class must be a torch.optim.Optimizer subclass, got %r" % (optimizer_class,))
         if master_dtype not in _MASTER_DTYPES:
@@ -638,11 +731,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
             raise ValueError("copy_mode must be 'native' or 'framework'")
         job = job or os.environ.get("AOQ_JOB") or _job_default()
         if rank is None:
-            rank = int(os.environ.get("RANK", "0"))
+            rank = _dist_rank()
         self.staging_window = staging_window_for([p for _, p in big], staging_window, delayed_update)
         copts = dict(socket=socket, job=job, rank=rank, precision=_PRECISION[(state_precision, master)],
                      max_grad_norm=max_grad_norm or 0.0, skip_nonfinite=skip_nonfinite,
-                     delayed_update=delayed_update, seed=seed, lease=lease, window=self.staging_window)
+                     delayed_update=delayed_update, seed=seed, lease=lease, window=self.staging_window,
+                     timeout=timeout)
         self._client = None
         self.resumed_step = None   # the last completed step when this resumed a leased session
         if big:
@@ -673,19 +767,24 @@ class OffloadOptimizer(torch.optim.Optimizer):
             for gi, p in big:
                 if p.dtype not in _AOQ_DTYPE:
                     raise ValueError("parameter %s: dtype %s (aoq has fp32, bf16, fp16)" % (names[p], p.dtype))
-                if not p.is_contiguous():
+                x = _local(p)
+                if not x.is_contiguous():
                     raise ValueError("parameter %s is not contiguous" % names[p])
+                if x.numel() == 0:
+                    raise ValueError("parameter %s: this rank's shard is empty (%s sharded over more ranks than its "
+                                     "first dimension has rows); raise minimal_size above %d so it is stepped on "
+                                     "the device" % (names[p], tuple(p.shape), p.numel()))
                 s = _Slot(len(self._slots), p, names[p], gi)
                 dt = _AOQ_DTYPE[p.dtype]
                 if self._framework:
                     pin = torch.cuda.is_available()
-                    s.host_param = torch.empty(p.numel(), dtype=p.dtype, pin_memory=pin)
-                    s.host_grad = torch.empty(p.numel(), dtype=p.dtype, pin_memory=pin)
-                    s.host_param.copy_(p.detach().reshape(-1))
+                    s.host_param = torch.empty(x.numel(), dtype=p.dtype, pin_memory=pin)
+                    s.host_grad = torch.empty(x.numel(), dtype=p.dtype, pin_memory=pin)
+                    s.host_param.copy_(x.detach().reshape(-1))
                     addr = s.host_param.data_ptr()
                 else:
-                    addr = p.data_ptr()
-                c.add_tensor(s.name, addr, numel=p.numel(), param_dtype=dt, grad_dtype=dt, group=gi)
+                    addr = x.data_ptr()
+                c.add_tensor(s.name, addr, numel=x.numel(), param_dtype=dt, grad_dtype=dt, group=gi)
                 self._slots.append(s)
                 self._slot_of[p] = s
             c.register()
@@ -715,6 +814,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.last_result = None
         self._any_wait = False          # some slot may have s.wait set (module state_dict hooks check it)
         self._hooked = weakref.WeakSet()    # modules with our state_dict / load_state_dict pre-hooks
+        self._ddps = weakref.WeakSet()      # DistributedDataParallel modules whose comm hook is ours
+        self._fsdp_units = weakref.WeakKeyDictionary()   # FSDP2 module -> slots its pre-forward all-gathers
+        self._lock = threading.RLock()      # DDP pushes come from the process group's threads
+        self._seen_queued = False
         self._mod_handles = []
         self._slot_by_addr = {}           # data_ptr -> slot, for the in-graph waits
         self._not_slots = set()           # data_ptrs of parameters in compiled graphs that are not ours
@@ -788,7 +891,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self._sent_hp[gi] = hp
 
     def _push(self, s, grad, final):
+        with self._lock:        # the hooks' pushes and the DDP hook's (another thread) never interleave
+            self._push_locked(s, grad, final)
+
+    def _push_locked(self, s, grad, final):
         self._begin_step()
+        grad = _local(grad)
         s.seen, s.seen_ver = grad, grad._version
         if grad.dtype != s.p.dtype or not grad.is_contiguous():
             grad = grad.to(s.p.dtype).contiguous()
@@ -854,8 +962,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def _copy_in(self, s):
         with torch.no_grad():
-            s.p.view(-1).copy_(s.host_param, non_blocking=s.host_param.is_pinned())
-        s.ver = s.p._version
+            s.x.view(-1).copy_(s.host_param, non_blocking=s.host_param.is_pinned())
+        s.ver = s.x._version
 
     def _wait_all(self):
         """The current stream waits for every pending update (no host sync
@@ -876,17 +984,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
         no_grad) become the daemon's master before the next update, as a
         torch optimizer would step the written values.  Host-synchronous,
         only when something was written."""
-        changed = [s for s in self._slots if s.p._version != s.ver]
+        changed = [s for s in self._slots if s.x._version != s.ver]
         if not changed:
             return
         import numpy as np
         self.synchronize()
         for s in changed:
-            a = np.ascontiguousarray(s.p.detach().to("cpu", torch.float32).reshape(-1).numpy())
+            a = np.ascontiguousarray(s.x.detach().to("cpu", torch.float32).reshape(-1).numpy())
             self._client.load_state(s.t, "master", a)
             if self._framework:
-                s.host_param.copy_(s.p.detach().reshape(-1))
-            s.ver = s.p._version
+                s.host_param.copy_(s.x.detach().reshape(-1))
+            s.ver = s.x._version
 
     def _hook_module(self, mod):
         """On the first forward of mod (global pre-hook) or at attach():
@@ -934,7 +1042,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if p.grad is None or self._client is None or s.moved:
             return
         s.count += 1
-        s.seen, s.seen_ver = p.grad, p.grad._version
+        if s.ddp:       # pushed by the DDP communication hook once averaged (or at step())
+            return
+        g = _local(p.grad)
+        s.seen, s.seen_ver = g, g._version
+        if s.x is not s.p:
+            self._queue_seen()
         # Final pushes from the hook only once the loop is known not to edit
         # gradients between backward and step() (else step() pushes them).
         k = self._learned if self._edits is False else None
@@ -977,7 +1090,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     self._hook_module(m)
                 if _WAIT_OP is not None:
                     self._mod_handles.append(mod.register_forward_hook(self._compiled_post))
-        if type(mod).__name__ == "OptimizedModule":
+            ddp = _ddp_class()
+            if ddp is not None and isinstance(mod, ddp):
+                self._attach_ddp(mod)
+        unit = self._fsdp_unit(mod)
+        if unit is not None:
+            params = unit
+        elif type(mod).__name__ == "OptimizedModule":
             if mod in self._graph_waits:
                 return
             for p in mod.parameters():
@@ -1018,11 +1137,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for t, p in zip(params, originals):
             addr = p.data_ptr()
             s = by_addr.get(addr)
-            if s is None or s.p.data_ptr() != addr:
+            if s is None or s.x.data_ptr() != addr:
                 if s is None and addr in self._not_slots:
                     continue                  # a parameter this optimizer does not step
                 # first use, or a parameter's storage was replaced (p.data = ...)
-                by_addr = self._slot_by_addr = {x.p.data_ptr(): x for x in self._slots}
+                by_addr = self._slot_by_addr = {x.x.data_ptr(): x for x in self._slots}
                 self._not_slots = set()
                 s = by_addr.get(addr)
                 if s is None:
@@ -1034,9 +1153,97 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self._wait(s)
             if t.data_ptr() != addr:
                 t.copy_(p)
-            s.ver = s.p._version      # the op's own version bump is no user write
+            s.ver = s.x._version      # the op's own version bump is no user write
         if self._inflight_fifo:
             self._reap()
+
+    def _fsdp_unit(self, mod):
+        """For an FSDP2 (fully_shard) module: the parameters its pre-forward
+        all-gathers (their local shards must hold the update first), else
+        None."""
+        unit = self._fsdp_units.get(mod)
+        if unit is None:
+            if not _is_fsdp2(mod):
+                return None
+            unit = self._fsdp_units[mod] = [p for p in _fsdp_unit_params(mod) if p in self._slot_of]
+        return unit
+
+    def _attach_ddp(self, ddp):
+        """Parameters owned by a DistributedDataParallel module are pushed
+        only once DDP has averaged them: a communication hook all-reduces
+        each bucket as DDP's default hook does and pushes the bucket's
+        gradients when its all-reduce completes (_ddp_push).  When the DDP
+        module already has a communication hook, they are pushed at step()
+        instead (averaged too; no overlap with backward)."""
+        if ddp in self._ddps:
+            return
+        self._ddps.add(ddp)
+        slots = [self._slot_of[p] for p in ddp.module.parameters() if p in self._slot_of]
+        if not slots:
+            return
+        for s in slots:
+            s.ddp = True
+        try:
+            ddp.register_comm_hook((weakref.ref(self), ddp.process_group), _ddp_comm_hook)
+        except RuntimeError as e:
+            warnings.warn("aoq: cannot register aoq's communication hook on this DistributedDataParallel module "
+                          "(%s); its gradients are pushed at step(), once DDP has averaged them, without overlap "
+                          "with backward" % (str(e).splitlines()[0] if str(e) else type(e).__name__,),
+                          RuntimeWarning, stacklevel=3)
+
+    def _queue_seen(self):
+        """From the DDP communication hook or an FSDP2 parameter's hook
+        (autograd's thread, in backward): at the end of this backward, after
+        DDP has written the averaged gradients into p.grad (FSDP2 bumps the
+        version counter of an accumulated gradient shard after its hook, not
+        its values), note them as the gradients backward left: the
+        reference for detecting edits between backward and step().  DDP and
+        FSDP2 queue their own end-of-backward callbacks before this is
+        called or after the first hook; a callback queued from a callback
+        runs after every one queued before it."""
+        if self._seen_queued:
+            return
+        from torch.autograd import Variable
+        engine = Variable._execution_engine
+        ref = weakref.ref(self)
+
+        def after_backward():
+            o = ref()
+            if o is None:
+                return
+            o._seen_queued = False
+            for s in o._slots:
+                g = s.p.grad
+                if (s.ddp or s.x is not s.p) and g is not None:
+                    g = _local(g)
+                    s.seen, s.seen_ver = g, g._version
+                    if o.offload_gradients and s.final and s.ddp:
+                        s.p.grad = None     # pushed: the device copy goes (DDP's bucket keeps its own)
+        try:
+            engine.queue_callback(lambda: engine.queue_callback(after_backward))
+            self._seen_queued = True
+        except RuntimeError:
+            pass
+
+    def _ddp_push(self, params, grads):
+        """The averaged gradients of one DDP bucket (from its all-reduce's
+        future: a process group thread with gloo, inline with NCCL): the
+        final micro-batch's go to aoqd.  A learning step, or a loop that
+        edits gradients, pushes at step() instead."""
+        k = self._learned if self._edits is False else None
+        if k is None or self._client is None:
+            return
+        with self._lock:
+            for p, g in zip(params, grads):
+                s = self._slot_of.get(p)
+                if s is None or not s.ddp:
+                    continue
+                if s.final:
+                    raise RuntimeError(
+                        "aoq: parameter %r got a gradient after its final push of this step (%d backward passes "
+                        "per step assumed); pass grad_accumulation_steps=N to OffloadOptimizer" % (s.name, k))
+                if s.count == k:
+                    self._push(s, g, final=True)
 
     # ------------------------------------------------------------------
     def attach(self, model):
@@ -1046,9 +1253,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         the end of step().  Not for models under torch.compile (the hooks
         would break the graph): there step() waits for everything."""
         handles = []
+        ddp = _ddp_class()
         for m in model.modules():
             self._hook_module(m)
-            slots = [self._slot_of[p] for p in m.parameters(recurse=False) if p in self._slot_of]
+            if ddp is not None and isinstance(m, ddp):
+                self._attach_ddp(m)
+            unit = self._fsdp_unit(m)
+            ps = unit if unit is not None else m.parameters(recurse=False)
+            slots = [self._slot_of[p] for p in ps if p in self._slot_of]
             if not slots:
                 continue
             for s in slots:
@@ -1059,7 +1271,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     self._wait(s)
                 if self._inflight_fifo:
                     self._reap()
-            handles.append(m.register_forward_pre_hook(pre))
+            handles.append(m.register_forward_pre_hook(pre, prepend=True))   # before FSDP2's all-gather
         return handles
 
     @torch.no_grad()
@@ -1101,18 +1313,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
             edited, stale = False, []
             for s in self._slots:
                 g = s.p.grad
+                g = _local(g) if g is not None else None
                 changed = g is not None and (g is not s.seen or g._version != s.seen_ver)
                 if s.final:
                     if changed:
                         stale.append(s.name)
                     continue
                 edited = edited or (changed and s.count > 0)
-                if self.offload_gradients:
+                if self.offload_gradients and not s.ddp:
                     if s.held is not None:
                         self._push(s, s.held, final=True)
                     elif s.count > 0:   # accumulated in the daemon, no final push yet: zeros end it
                         z = (s.host_grad.zero_() if self._framework else
-                             torch.zeros(s.numel, dtype=s.p.dtype, device=s.p.device))
+                             torch.zeros(s.numel, dtype=s.x.dtype, device=s.x.device))
                         self._push(s, z, final=True)
                 elif s.p.grad is not None:
                     self._push(s, s.p.grad, final=True)
@@ -1139,6 +1352,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._share.step(self.param_groups)
         if self._slots:
             self._client.step_end()
+            if self._cuda:
+                # DDP's bucket views are written again by the next backward:
+                # their copies off the device must be done by then.
+                for s in self._slots:
+                    if s.ddp and s.inflight:
+                        self._client.grad_copied(s.t)
             if self._inflight_fifo:
                 self._reap()
             for s in self._slots:
@@ -1194,7 +1413,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for s in slots:
             st = {"step": torch.tensor(float(steps[s.t]))}
             for key, w in self._state_keys(s) + (("master", "master"),):
-                st[key] = torch.from_numpy(self._client.read_state(s.t, w)).view(s.p.shape)
+                st[key] = torch.from_numpy(self._client.read_state(s.t, w)).view(s.x.shape)
             entries.append((s.p, st))
         if self._share is None:
             self._share = _DeviceShare([(s.group, s.p) for s in slots], self.param_groups, self._optimizer_class,
@@ -1356,13 +1575,23 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 st = {"step": torch.tensor(float(steps[s.t]))}
                 for key, w in self._state_keys(s) + (("master", "master"),):
                     a = self._client.read_state(s.t, w)
-                    st[key] = torch.from_numpy(a).view(s.p.shape)
+                    st[key] = _like_param(s.p, torch.from_numpy(a).view(s.x.shape))
                 if self._kind == "sgd" and not self._state_keys(s):
                     st["momentum_buffer"] = None
                 state[index[s.p]] = st
         if self._dev_opt is not None:
             for p, st in self._dev_opt.state.items():
                 state[index[p]] = {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in st.items()}
+            for p in self._small_params:
+                if p not in self._dev_opt.state and p in index:
+                    # Not stepped yet: the state optimizer_class's first step starts from (step 0, zero
+                    # moments), so a template for torch.distributed.checkpoint has every entry without the
+                    # zero-gradient step DCP would otherwise run.
+                    st = {"step": torch.tensor(0.0)}
+                    for key, _ in _STATE_KEYS[self._kind] if not (self._kind == "sgd" and not
+                                                                   self._dev_opt.defaults.get("momentum")) else ():
+                        st[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state[index[p]] = st
         if self._share is not None:
             for p, st in self._share.state_items():
                 state[index[p]] = st
@@ -1395,7 +1624,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if len(ids) != len(g["params"]):
                 raise ValueError("loaded state dict's group has %d parameters, this optimizer's %d"
                                  % (len(ids), len(g["params"])))
-            if ids and all(isinstance(i, str) for i in ids) and ids != [self._names[p] for p in g["params"]]:
+            if ids and all(isinstance(i, str) for i in ids) and \
+                    [_canon_fqn(i) for i in ids] != [_canon_fqn(self._names[p]) for p in g["params"]]:
                 raise ValueError("loaded state dict's parameter names differ from this optimizer's")
             for i, p in zip(ids, g["params"]):
                 out.append((p, state.get(i)))
@@ -1463,19 +1693,22 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     continue
                 master = st.get("master")
                 if master is None:          # torch / torchao: the parameter is the master
-                    master = p.detach()
-                for w, v in (("master", master),) + tuple((w, st[key]) for key, w in self._state_keys(s)):
+                    master = s.x.detach()
+                master = _local(master)
+                for w, v in (("master", master),) + tuple((w, _local(st[key])) for key, w in self._state_keys(s)):
                     if v.numel() != s.numel:
-                        raise ValueError("load_state_dict: %s of parameter %s has %d elements, expected %d"
-                                         % (w, s.name, v.numel(), s.numel))
+                        raise ValueError("load_state_dict: %s of parameter %s has %d elements, expected %d%s"
+                                         % (w, s.name, v.numel(), s.numel,
+                                            " (this rank's shard; load sharded state through "
+                                            "torch.distributed.checkpoint)" if _is_dtensor(s.p) else ""))
                     a = np.ascontiguousarray(v.detach().to("cpu", torch.float32).reshape(-1).numpy())
                     self._client.load_state(s.t, w, a)
                 steps[s.t] = int(float(st.get("step", 1)))   # torch's SGD keeps no step: a buffer means >= 1
                 with torch.no_grad():   # the device parameter follows the loaded master
-                    s.p.copy_(master.to(s.p.device, s.p.dtype).view(s.p.shape))
+                    s.x.copy_(master.to(s.x.device, s.x.dtype).view(s.x.shape))
                     if self._framework:
-                        s.host_param.copy_(s.p.reshape(-1))
-                s.ver = s.p._version
+                        s.host_param.copy_(s.x.reshape(-1))
+                s.ver = s.x._version
             self._client.set_tensor_steps(steps)
             self._step_started = False
             self._begin_step()      # the loaded hyperparameters

@@ -14,7 +14,7 @@ export AOQD=${AOQD:-$build/daemon/aoqd}
 export PYTHONPATH=$root/client/python${PYTHONPATH:+:$PYTHONPATH}
 py=${PYTHON:-python3}
 pass=0 fail=0 skip=0
-for t in test_offload.py test_gpt_bf16.py; do
+for t in test_offload.py test_gpt_bf16.py test_distributed_gpu.py; do
 	echo "== $t $*"
 	"$py" "$here/$t" "$@"
 	rc=$?
