@@ -23,7 +23,7 @@ if [ "${1:-}" = pack ]; then
 	   "$build/tests/gpu/bench-cuda" "$bin/"
 	soname=$(objdump -p "$build/client/libaoq.so" | awk '/SONAME/ { print $2 }')
 	cp -L "$build/client/$soname" "$bin/lib/"
-	for l in libuv.so.1 libprotobuf-c.so.1 libze_loader.so.1; do
+	for l in libuv.so.1 libprotobuf-c.so.1 libze_loader.so.1 libjson-c.so.5; do
 		cp -L "/usr/lib/x86_64-linux-gnu/$l" "$bin/lib/"
 	done
 	exit 0
