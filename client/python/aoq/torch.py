@@ -441,6 +441,7 @@ def _job_default():
 
 _AUTO_PROBE_STEP = 3      # "auto" measures the third step: the first learns the pushes, the second streams
 _AUTO_LATE_S = 1e-3       # an update that lands this long after backward's end is on the step's tail
+_AUTO_BLOCKED_S = 1e-4    # a wait for one update that took longer than this waited for it to land
 
 
 def _auto_choice(numels, costs, landed, cap, margin=1.1, late_after=None):
@@ -1382,10 +1383,18 @@ class OffloadOptimizer(torch.optim.Optimizer):
         log, self._push_log = self._push_log, None
         pushed = set(log)
         order = [s for s in log if not s.moved] + [s for s in self._slots if s not in pushed]
-        landed = []
+        # A wait that returns at once says the update had landed already (at
+        # the latest when the previous wait returned); one that blocks says
+        # when it landed.  (Taking every return time as the landing time
+        # would count the waits' own cost, which adds up over many tensors.)
+        landed, last = [], 0.0
         for s in order:
+            t0 = time.perf_counter()
             self._client.sync_param(s.t)
-            landed.append(time.perf_counter() - t_backward)
+            t1 = time.perf_counter()
+            if t1 - t0 > _AUTO_BLOCKED_S:
+                last = t1 - t_backward
+            landed.append(last)
         self.synchronize()
         cap = float("inf")
         if self.device.type == "cuda":
