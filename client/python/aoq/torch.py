@@ -440,19 +440,14 @@ def _job_default():
 
 
 _AUTO_PROBE_STEP = 3      # "auto" measures the third step: the first learns the pushes, the second streams
-_AUTO_LATE_S = 1e-3       # an update that lands this long after backward's end is on the step's tail
-_AUTO_BLOCKED_S = 1e-4    # a wait for one update that took longer than this waited for it to land
+_AUTO_LATE_S = 1e-3       # a tail shorter than this is none
 
 
-def _auto_choice(numels, costs, landed, cap, margin=1.1, late_after=None):
+def _auto_choice(numels, costs, late, cap, margin=1.1):
     """gpu_state_budget="auto": indices (into push order) of the parameters
-    to keep on the device, and the number of parameters that were late.
-    numels/costs/landed per parameter in push order; landed: seconds after
-    backward's end that its update landed; cap: device bytes allowed.  The
-    parameters pushed last go first, until they hold margin x the late
-    parameters or the next one does not fit."""
-    late_after = _AUTO_LATE_S if late_after is None else late_after
-    late = sum(n for n, t in zip(numels, landed) if t > late_after)
+    to keep on the device: the parameters pushed last first, until they hold
+    margin x late parameters or the next one's state (costs, bytes) does not
+    fit in cap bytes."""
     need, got, used, chosen = late * margin, 0, 0, []
     for i in reversed(range(len(numels))):
         if got >= need or used + costs[i] > cap:
@@ -460,7 +455,7 @@ def _auto_choice(numels, costs, landed, cap, margin=1.1, late_after=None):
         chosen.append(i)
         got += numels[i]
         used += costs[i]
-    return chosen, late
+    return chosen
 
 
 def _share_bytes(p, kind, master):
@@ -918,6 +913,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             s.wait = True
             self._any_wait = True
             if self._push_log is not None:
+                if not self._push_log:      # the probe step's first final push: the update starts
+                    self._probe_start = self._mark()
                 self._push_log.append(s)
             if self._framework and self.delayed_update:
                 self._copy_in(s)
@@ -1285,9 +1282,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             return self._fallback.step(loss)
         t_backward = None
         if self._push_log is not None:      # "auto": the probe step; when did backward end on the device?
-            if self._cuda or self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            t_backward = time.perf_counter()
+            t_backward = self._mark()
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None:           # called by GradScaler.step
             if self._edits is not True:
@@ -1373,47 +1368,59 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self._push_log = []
         return loss
 
+    def _mark(self):
+        """A point in the step's timeline: a CUDA event on the current
+        stream (timed on the device), else the host clock."""
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(torch.cuda.current_stream(self.device))
+            return ev
+        return time.perf_counter()
+
+    def _since(self, a, b):
+        """Seconds from mark a to mark b (both passed)."""
+        if self.device.type == "cuda":
+            return a.elapsed_time(b) / 1e3
+        return b - a
+
     def _auto_split(self, t_backward):
-        """gpu_state_budget="auto", at the end of the probe step: waits for
-        each update in the order the gradients were pushed and notes when it
-        landed.  The parameters whose update landed after backward had ended
-        are the step's tail: the parameters pushed last (the first layers),
-        as many as the tail holds plus 10%, move to the device share, within
-        the device's free memory less a margin."""
+        """gpu_state_budget="auto", at the end of the probe step.  Measures
+        B, from the step's first final push to the end of backward (on the
+        device), and T, from there until every update has landed (the
+        step's tail, host-synchronous once).  The daemon updated the N
+        offloaded parameters in B + T at one rate, so T held N * T / (B + T)
+        of them: the parameters pushed last (the first layers), that many
+        plus 10%, move with their state to the device share, within the
+        device's free memory less a margin."""
         log, self._push_log = self._push_log, None
         pushed = set(log)
         order = [s for s in log if not s.moved] + [s for s in self._slots if s not in pushed]
-        # A wait that returns at once says the update had landed already (at
-        # the latest when the previous wait returned); one that blocks says
-        # when it landed.  (Taking every return time as the landing time
-        # would count the waits' own cost, which adds up over many tensors.)
-        landed, last = [], 0.0
-        for s in order:
-            t0 = time.perf_counter()
-            self._client.sync_param(s.t)
-            t1 = time.perf_counter()
-            if t1 - t0 > _AUTO_BLOCKED_S:
-                last = t1 - t_backward
-            landed.append(last)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t_end_backward = time.perf_counter()
         self.synchronize()
+        tail = time.perf_counter() - t_end_backward
+        start = getattr(self, "_probe_start", None)
+        span = self._since(start, t_backward) if start is not None else 0.0
+        total = sum(s.numel for s in order)
+        late = int(total * tail / (span + tail)) if span + tail > 0 and tail > _AUTO_LATE_S else 0
         cap = float("inf")
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             cap = max(0, free - max(2 << 30, free // 10))
         master = None if self._fp32_master else "bf16"
-        chosen, late = _auto_choice([s.numel for s in order], [_share_bytes(s.p, self._kind, master) for s in order],
-                                    landed, cap)
+        chosen = _auto_choice([s.numel for s in order], [_share_bytes(s.p, self._kind, master) for s in order],
+                              late, cap)
         moved = [order[i] for i in chosen]
         if moved:
             self._move_to_share(moved)
-        total = sum(s.numel for s in order)
-        self.auto_split = dict(tail_seconds=max(landed) if landed else 0.0, late_params=late, params=total,
+        self.auto_split = dict(backward_seconds=span, tail_seconds=tail, late_params=late, params=total,
                                device_params=sum(s.numel for s in moved),
                                device_bytes=sum(_share_bytes(s.p, self._kind, master) for s in moved))
         logging.getLogger("aoq").info(
-            "aoq: gpu_state_budget='auto': the update ended %.1f ms after backward (%d of %d parameters late); "
-            "%d parameters' state (%.2f GiB) moved to the device", 1e3 * self.auto_split["tail_seconds"], late, total,
-            self.auto_split["device_params"], self.auto_split["device_bytes"] / 2 ** 30)
+            "aoq: gpu_state_budget='auto': the update ended %.1f ms after backward (%.1f ms after the first push; "
+            "~%d of %d parameters late); %d parameters' state (%.2f GiB) moved to the device", 1e3 * tail,
+            1e3 * span, late, total, self.auto_split["device_params"], self.auto_split["device_bytes"] / 2 ** 30)
 
     def _move_to_share(self, slots):
         """The state of slots (synchronized) leaves aoqd for the device share."""
