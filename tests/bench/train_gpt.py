@@ -164,7 +164,8 @@ def make_optimizer(mode, model, args, socket):
         return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=fused)
     from aoq.torch import OffloadOptimizer
     kw = dict(lr=args.lr, weight_decay=0.1, socket=socket, offload_gradients=args.offload_gradients,
-              grad_accumulation_steps=args.grad_accum, job="bench-%s-%d" % (mode, os.getpid()))
+              grad_accumulation_steps=args.grad_accum, job="bench-%s-%d" % (mode, os.getpid()),
+              lease=None if args.lease else 0)
     if mode in ("aoq-q8", "aoq-delayed-q8"):
         kw["state_precision"] = "q8"
     if mode == "aoq-bf16master":
@@ -395,6 +396,7 @@ def main():
     ap.add_argument("--compile", action="store_true", help="torch.compile the model")
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--offload-gradients", action="store_true")
+    ap.add_argument("--lease", action="store_true", help="aoq modes: lease the session (undo copy of the state)")
     ap.add_argument("--gpu-state-budget", default="0", metavar="GIB|auto",
                     help="aoq modes: GiB of optimizer state kept on the device, or auto (gpu_state_budget=)")
     ap.add_argument("--attach", action="store_true", default=True, help="per-module waits (default)")

@@ -725,7 +725,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
             copy_mode = "native" if tdev.type in ("cpu", "cuda") else "framework"
         if copy_mode not in ("native", "framework"):
             raise ValueError("copy_mode must be 'native' or 'framework'")
+        named = bool(job or os.environ.get("AOQ_JOB"))
         job = job or os.environ.get("AOQ_JOB") or _job_default()
+        if lease is None and not named:
+            # torch-PID never resumes, and a lease costs an undo copy of the
+            # state at every update (README, "Lease and resume"): none.
+            lease = 0
         if rank is None:
             rank = _dist_rank()
         self.staging_window = staging_window_for([p for _, p in big], staging_window, delayed_update)
