@@ -46,8 +46,10 @@ static const char *const prec_names[] = { "fp32", "q8", "bf16", "bf16_q8", "bf16
 static const char *const kind_names[] = { "adamw", "adam", "sgd", "lion" };
 static const char *const dtype_names[] = { "fp32", "bf16", "fp16" };
 
-#define Q8_FORMAT "blockwise-256: exp_avg int8 codes q, m = sign(q)*q^2/127^2*scale; exp_avg_sq uint8 codes q, " \
-                  "sqrt(v) = q^2/255^2*scale; one fp32 scale per 256 elements (kernels/README.md)"
+#define Q8_FORMAT "blockwise-256, code format 2: exp_avg uint8 codes, bit 7 the sign, bits 0-6 an e3m4 float c: " \
+                  "|m| = (u2f((c + 1920) << 19) - u2f(1920 << 19)) * (scale / TOP_M); exp_avg_sq uint8 codes c (e3m5): " \
+                  "sqrt(v) = (u2f((c + 3840) << 18) - u2f(3840 << 18)) * (scale / TOP_U); u2f reads the bits as fp32 " \
+                  "(docs/snapshots.md)"
 
 /* Array k of a tensor of n elements: false when it has none; else its
  * safetensors dtype, element count and element size. */
@@ -65,7 +67,7 @@ static bool arr_info(enum aoqk_precision p, uint64_t n, unsigned moments, int k,
 	case A_V:
 		if (moments < (k == A_M ? 1u : 2u))
 			return false;
-		*dtype = q8 ? (k == A_M ? "I8" : "U8") : aoqk_precision_bf16_moments(p) ? "BF16" : "F32";
+		*dtype = q8 ? "U8" : aoqk_precision_bf16_moments(p) ? "BF16" : "F32";
 		*esize = (unsigned)aoqk_moment_size(p);
 		*elems = n;
 		return true;

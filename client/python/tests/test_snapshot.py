@@ -53,16 +53,31 @@ def same_bits(a, b, msg):
     check(ok, msg)
 
 
+def _u2f(bits):
+    return np.asarray(bits, dtype=np.uint32).view(np.float32)
+
+
+# q8 code format 2 (kernels/aoq-convert.h, docs/snapshots.md): 8-bit floats
+# against the block's scale: m e3m4 plus a sign bit, sqrt(v) e3m5.
+_M_C0, _M_SHIFT, _U_C0, _U_SHIFT = 1920, 19, 3840, 18
+_M_K, _U_K = _u2f(_M_C0 << _M_SHIFT), _u2f(_U_C0 << _U_SHIFT)
+_M_TOP = _u2f((_M_C0 + 127) << _M_SHIFT) - _M_K
+_U_TOP = _u2f((_U_C0 + 255) << _U_SHIFT) - _U_K
+
+
 def q8_m(codes, scale):
-    q = codes.astype(np.float32)
-    s = np.repeat(scale.astype(np.float32) / np.float32(16129.0), 256)[: len(q)]
-    return (q * np.abs(q)) * s
+    c = codes.astype(np.uint32)
+    y = _u2f(((c & 0x7F) + _M_C0) << _M_SHIFT) - _M_K
+    s = np.repeat(scale.astype(np.float32) / _M_TOP, 256)[: len(c)]
+    x = y * s
+    return np.where((c & 0x80) != 0, -x, x).astype(np.float32)
 
 
 def q8_v(codes, scale):
-    q = codes.astype(np.float32)
-    s = np.repeat(scale.astype(np.float32) / np.float32(65025.0), 256)[: len(q)]
-    u = (q * q) * s
+    c = codes.astype(np.uint32)
+    y = _u2f((c + _U_C0) << _U_SHIFT) - _U_K
+    s = np.repeat(scale.astype(np.float32) / _U_TOP, 256)[: len(c)]
+    u = y * s
     return u * u
 
 
@@ -133,7 +148,7 @@ def run(d, sd, precision):
         check(m.dtype == (torch.bfloat16 if precision == "bf16" else torch.float32), "%s: master dtype" % precision)
         same_bits(m.float().numpy(), want[(i, "master")], "%s: torch %s.master" % (precision, n))
         if precision == "q8":
-            check(td[n + ".exp_avg"].dtype == torch.int8 and td[n + ".exp_avg_sq"].dtype == torch.uint8,
+            check(td[n + ".exp_avg"].dtype == torch.uint8 and td[n + ".exp_avg_sq"].dtype == torch.uint8,
                   "q8: code dtypes")
             same_bits(q8_m(td[n + ".exp_avg"].numpy(), td[n + ".exp_avg.scale"].numpy()), want[(i, "exp_avg")],
                       "q8: torch %s.exp_avg decoded" % n)
