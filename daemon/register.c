@@ -226,6 +226,15 @@ int aoqd_register_finish(struct aoqd_session *s, uv_poll_cb on_doorbell, aoqd_ad
 	int fds[3] = { s->arena.fd, s->arena.peer_in, s->arena.peer_out };
 	r = aoqd_conn_send_with_fds(&s->conn, &reply, fds, 3);
 	aoqd_arena_sent(&s->arena);
+	if (r < 0 && s->resumed_from && (r == -EPIPE || r == -ECONNRESET)) {
+		/* The trainer died while resuming: it went away like any other
+		 * (its closed socket ends the session next), so the state it
+		 * took over is leased again instead of lost. */
+		s->state = AOQD_READY;
+		aoqd_info("session", "session %" PRIu64 ": the trainer went away while resuming at step %" PRIu64, s->id,
+		          st->last_step + 1);
+		return AOQD_REPLIED;
+	}
 	if (r < 0)
 		return AOQD_FAIL(err, INTERNAL, "cannot send the arena: %s", strerror(-r));
 	s->state = AOQD_READY;
