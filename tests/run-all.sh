@@ -9,7 +9,8 @@
 #                  suites unit, integration, hostile, kernels
 #   build          again, `meson test --setup valgrind --suite unit`
 #   build-minimal  every optional feature off (cuda, level_zero, systemd),
-#                  every suite
+#                  every suite but python and kernels (which no optional
+#                  feature reaches)
 #   build-fuzz     clang, -Dfuzz=true, address+undefined: the libFuzzer
 #                  targets of tests/fuzz replay their seed corpus (suite
 #                  fuzz), then fuzz for a while, two at a time (a crash, a
@@ -191,7 +192,9 @@ for phase in $phases; do
 	minimal)
 		if build minimal build-minimal -Dcuda=disabled -Dlevel_zero=disabled \
 			-Dsystemd=disabled "${werror_arg[@]}" "${python_arg[@]}"; then
-			run_tests minimal build-minimal
+			# The python suite and the kernels run the same code as in
+			# main (no optional feature reaches them): not run twice.
+			run_tests minimal build-minimal --no-suite python --no-suite kernels
 		fi
 		;;
 	fuzz)

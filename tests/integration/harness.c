@@ -969,8 +969,13 @@ int aoqt_raw_pop(struct aoqt_raw *s, struct aoq_rec *rec, int timeout_ms)
 		struct pollfd pf = { .fd = s->to_client, .events = POLLIN };
 		if (poll(&pf, 1, (int)(left * 1000) + 1) > 0) {
 			uint64_t v;
-			if (read(s->to_client, &v, sizeof(v)) < 0 && errno != EAGAIN)
+			ssize_t n = read(s->to_client, &v, sizeof(v));
+			if (n < 0 && errno != EAGAIN)
 				return -errno;
+			/* The daemon closed its end (a failed session): no record
+			 * will come; the ring was drained above. */
+			if (n == 0 && aoq_ring_idle(&s->cons))
+				return -EPIPE;
 		}
 	}
 }

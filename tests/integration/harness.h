@@ -239,7 +239,8 @@ int aoqt_raw_open(struct aoqt_raw *s, const char *path, const char *job, const u
 void aoqt_raw_close(struct aoqt_raw *s);
 /* Pushes one record and rings the doorbell. */
 int aoqt_raw_push(struct aoqt_raw *s, const struct aoq_rec *rec);
-/* Waits for a daemon->client record (poll on the doorbell). 1, 0 timeout. */
+/* Waits for a daemon->client record (poll on the doorbell). 1, 0 timeout,
+ * -EPIPE when the daemon closed the doorbell (the session failed). */
 int aoqt_raw_pop(struct aoqt_raw *s, struct aoq_rec *rec, int timeout_ms);
 
 /* Hello{observer} + StatsRequest{all}; *env holds the Stats reply. */
