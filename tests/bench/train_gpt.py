@@ -50,7 +50,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "client", "python"))
 
-MODES = ["gpu-adamw", "aoq-fp32", "aoq-q8", "aoq-bf16master", "aoq-delayed", "aoq-delayed-q8"]
+MODES = ["gpu-adamw", "aoq-fp32", "aoq-q8", "aoq-bf16master", "aoq-delayed", "aoq-delayed-q8", "aoq-bf16-q8",
+         "aoq-delayed-bf16-q8", "torchao"]
 VARIANTS = ("swap", "attach", "compile", "rcompile")
 DROPIN = ["gpu-adamw", "gpu-adamw-compile", "gpu-adamw-rcompile", "aoq-fp32-swap", "aoq-fp32-attach",
           "aoq-fp32-compile", "aoq-fp32-rcompile", "aoq-q8-swap", "aoq-q8-attach", "aoq-q8-compile",
@@ -166,10 +167,17 @@ def make_optimizer(mode, model, args, socket):
     kw = dict(lr=args.lr, weight_decay=0.1, socket=socket, offload_gradients=args.offload_gradients,
               grad_accumulation_steps=args.grad_accum, job="bench-%s-%d" % (mode, os.getpid()),
               lease=None if args.lease else 0)
-    if mode in ("aoq-q8", "aoq-delayed-q8"):
+    if mode == "torchao":
+        # torchao's CPUOffloadOptimizer (the peer): the step on the trainer's CPU after backward.
+        from torchao.optim import CPUOffloadOptimizer
+        return CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, offload_gradients=args.offload_gradients,
+                                   fused=True, lr=args.lr, weight_decay=0.1)
+    if mode.endswith("q8"):
         kw["state_precision"] = "q8"
-    if mode == "aoq-bf16master":
+    if mode in ("aoq-bf16master", "aoq-bf16-q8", "aoq-delayed-bf16-q8"):
         kw["master_dtype"] = "bf16"
+    if args.staging_window is not None:
+        kw["staging_window"] = int(args.staging_window * 2 ** 30)
     if mode.startswith("aoq-delayed"):
         kw["delayed_update"] = True
     if args.gpu_state_budget == "auto":
@@ -207,10 +215,21 @@ def pcie_floor(model, device, reps=3):
 def run_mode(mode, args, socket):
     torch.manual_seed(0)
     dev = args.device
-    model = GPT(args.vocab, args.d_model, args.layers, args.heads, args.seq + 1)
-    if not args.amp:
-        model = model.to(torch.bfloat16)
-    model = model.to(dev)
+    if args.init_on_device:
+        # Built where it trains, in bf16: a model larger than host memory
+        # allows as fp32 on the CPU (the largest-model runs).
+        dtype = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float32 if args.amp else torch.bfloat16)
+        try:
+            with torch.device(dev):
+                model = GPT(args.vocab, args.d_model, args.layers, args.heads, args.seq + 1)
+        finally:
+            torch.set_default_dtype(dtype)
+    else:
+        model = GPT(args.vocab, args.d_model, args.layers, args.heads, args.seq + 1)
+        if not args.amp:
+            model = model.to(torch.bfloat16)
+        model = model.to(dev)
     nparams = sum(p.numel() for p in model.parameters())
     how = variant_flags(mode, args)[1]
     if how == "regional":
@@ -370,6 +389,40 @@ def run_dist(modes, args, socket):
     return results
 
 
+class RssPeak:
+    """The largest resident set of a process (aoqd: the host bytes a mode
+    costs), sampled every 0.2 s while the block runs."""
+
+    def __init__(self, pid):
+        self.pid, self.peak = pid, 0
+
+    def sample(self):
+        try:
+            with open("/proc/%d/status" % self.pid) as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        self.peak = max(self.peak, int(line.split()[1]) * 1024)
+        except OSError:
+            pass
+
+    def __enter__(self):
+        import threading
+        self.stop = threading.Event()
+        if self.pid:
+            def loop():
+                while not self.stop.wait(0.2):
+                    self.sample()
+            self.thread = threading.Thread(target=loop, daemon=True)
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        if self.pid:
+            self.thread.join()
+        return False
+
+
 def run_child(mode, args, socket):
     """One mode in a fresh process: its peak device memory is its own."""
     import subprocess
@@ -383,8 +436,12 @@ def run_child(mode, args, socket):
     argv.append("--attach" if args.attach else "--no-attach")
     if socket:
         argv += ["--socket", socket]
-    out = subprocess.run(argv, stdout=subprocess.PIPE, check=True).stdout.decode()
-    return json.loads(out.strip().splitlines()[-1])
+    proc = subprocess.run(argv, stdout=subprocess.PIPE)
+    if proc.returncode != 0:
+        # Its error (an out-of-memory above all: the largest-model runs) is on
+        # stderr above; the other modes go on.
+        return dict(mode=mode, failed="exit status %d" % proc.returncode)
+    return json.loads(proc.stdout.decode().strip().splitlines()[-1])
 
 
 def main():
@@ -401,6 +458,10 @@ def main():
                     help="aoq modes: GiB of optimizer state kept on the device, or auto (gpu_state_budget=)")
     ap.add_argument("--attach", action="store_true", default=True, help="per-module waits (default)")
     ap.add_argument("--no-attach", dest="attach", action="store_false")
+    ap.add_argument("--staging-window", type=float, default=None, metavar="GIB",
+                    help="aoq modes: the staging window in GiB (default: the optimizer's own default)")
+    ap.add_argument("--init-on-device", action="store_true",
+                    help="build the model on the device in its training dtype (models larger than host memory)")
     ap.add_argument("--d-model", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--heads", type=int, default=16)
@@ -454,7 +515,15 @@ def main():
     results = []
     try:
         for m in modes:
-            r = run_mode(m, args, socket) if args.in_process or len(modes) == 1 else run_child(m, args, socket)
+            with RssPeak(daemon.proc.pid if daemon is not None and m.startswith("aoq") else None) as rss:
+                r = run_mode(m, args, socket) if args.in_process or len(modes) == 1 else run_child(m, args, socket)
+            if rss.peak and not r.get("failed"):
+                r["daemon_rss_gib"] = rss.peak / 2 ** 30
+                print("%-16s aoqd peak RSS %.2f GiB = %.2f B per parameter" % (
+                    m, rss.peak / 2 ** 30, rss.peak / r["params"]), flush=True)
+            if r.get("failed"):
+                print("%-16s FAILED (%s; its error is above)" % (m, r["failed"]), flush=True)
+                continue
             results.append(r)
             print("%-16s params %.3fB  step %.3f s (min %.3f)  peak %.2f GiB (allocated after the loss %.2f, "
                   "after backward %.2f)  loss %.4f%s" % (

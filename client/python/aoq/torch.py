@@ -443,6 +443,26 @@ _AUTO_PROBE_STEP = 3      # "auto" measures the third step: the first learns the
 _AUTO_LATE_S = 1e-3       # a tail shorter than this is none
 
 
+def _auto_late(total, span, tail, fwd=None):
+    """gpu_state_budget="auto": (late, B0), the number of the total offloaded
+    parameters whose update ends too late, from the probe step's timeline:
+    span B (the first final push to the end of backward, on the device),
+    tail T (the end of backward to the last update landed) and, with a
+    staging window, fwd F (the forward's start to the first final push).
+
+    The daemon updated the total in B + T at one pace; it can keep what it
+    does within B0, the backward the device alone would take, and the rest
+    is late.  Without a window B0 = B.  With one, a daemon slower than
+    backward holds gradients back (a push waits for a free slot): backward
+    stretches to the daemon's pace and the tail stays short.  The forward is
+    not held back, and backward takes about twice a forward's time (twice
+    its FLOPs): B0 = min(B, 2 F)."""
+    b0 = span if fwd is None else min(span, 2 * fwd)
+    if span + tail <= 0 or (tail <= _AUTO_LATE_S and b0 >= span):
+        return 0, b0
+    return max(0, total - int(total * b0 / (span + tail))), b0
+
+
 def _auto_choice(numels, costs, late, cap, margin=1.1):
     """gpu_state_budget="auto": indices (into push order) of the parameters
     to keep on the device: the parameters pushed last first, until they hold
@@ -684,6 +704,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._nstep = 0
         self._push_log = None           # "auto": the slots in the order of their final push, on the probe step
         self.auto_split = None          # "auto": what the probe measured and chose (a dict)
+        self._probe_fwd_armed = False   # "auto": mark the next forward's start (the probe step's)
         share_left = 0 if offload_all or gpu_state_budget == "auto" else gpu_state_budget
         share = []                                 # (group, parameter)
         for gi, g in enumerate(self.param_groups):
@@ -1085,6 +1106,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         it runs; the forward post-hook then checks that the op reached them
         all, and from the next call on the compiled graph waits alone."""
         slot_of = self._slot_of
+        if self._probe_fwd_armed and not _is_compiling():   # "auto": the probe step's forward starts
+            self._probe_fwd_armed = False
+            self._probe_fwd = self._mark()
         if mod not in self._hooked:
             self._hook_module(mod)
             orig = getattr(mod, "_orig_mod", None)
@@ -1371,6 +1395,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self._auto_split(t_backward)
             elif self._auto and self._nstep == _AUTO_PROBE_STEP - 1:
                 self._push_log = []
+                self._probe_fwd, self._probe_fwd_armed = None, True   # marked at the probe step's first forward hook
         return loss
 
     def _mark(self):
@@ -1392,12 +1417,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """gpu_state_budget="auto", at the end of the probe step.  Measures
         B, from the step's first final push to the end of backward (on the
         device), and T, from there until every update has landed (the
-        step's tail, host-synchronous once).  The daemon updated the N
-        offloaded parameters in B + T at one rate, so T held N * T / (B + T)
-        of them: the parameters pushed last (the first layers), that many
-        plus 10%, move with their state to the device share, within the
-        device's free memory less a margin."""
+        step's tail, host-synchronous once), and with a staging window F,
+        the forward's start to the first final push; _auto_late says how
+        many parameters' updates end late.  The parameters pushed last (the
+        first layers), that many plus 10%, move with their state to the
+        device share, within the device's free memory less a margin."""
         log, self._push_log = self._push_log, None
+        self._probe_fwd_armed = False
         pushed = set(log)
         order = [s for s in log if not s.moved] + [s for s in self._slots if s not in pushed]
         if self.device.type == "cuda":
@@ -1408,7 +1434,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         start = getattr(self, "_probe_start", None)
         span = self._since(start, t_backward) if start is not None else 0.0
         total = sum(s.numel for s in order)
-        late = int(total * tail / (span + tail)) if span + tail > 0 and tail > _AUTO_LATE_S else 0
+        fwd_start = getattr(self, "_probe_fwd", None)
+        fwd = None
+        if self.staging_window and fwd_start is not None and start is not None:
+            fwd = self._since(fwd_start, start)
+        late, b0 = _auto_late(total, span, tail, fwd)
         cap = float("inf")
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
@@ -1419,7 +1449,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         moved = [order[i] for i in chosen]
         if moved:
             self._move_to_share(moved)
-        self.auto_split = dict(backward_seconds=span, tail_seconds=tail, late_params=late, params=total,
+        self.auto_split = dict(backward_seconds=span, tail_seconds=tail, forward_seconds=fwd,
+                               device_backward_seconds=b0, late_params=late, params=total,
                                device_params=sum(s.numel for s in moved),
                                device_bytes=sum(_share_bytes(s.p, self._kind, master) for s in moved))
         logging.getLogger("aoq").info(

@@ -622,6 +622,13 @@ def case_gpu_share():
     assert at._auto_choice([10, 10, 10, 10], [80] * 4, 20, float("inf")) == [3, 2, 1]
     assert at._auto_choice([10, 10, 10, 10], [80] * 4, 20, 200) == [3, 2]
     assert at._auto_choice([10, 10, 10, 10], [80] * 4, 0, float("inf")) == []
+    # how many are late: the tail's share without a window (B0 = B)...
+    assert at._auto_late(1000, 0.3, 0.1) == (250, 0.3)
+    assert at._auto_late(1000, 0.3, 0.0005) == (0, 0.3)
+    # ...and with one, a backward held back to the daemon's pace (B 0.75 s, a
+    # forward of 0.1 s: B0 = 0.2 s) leaves late what it could not do in B0
+    assert at._auto_late(1000, 0.75, 0.01, fwd=0.1) == (1000 - int(1000 * 0.2 / 0.76), 0.2)
+    assert at._auto_late(1000, 0.3, 0.1, fwd=0.2) == (250, 0.3)    # not held back: as without a window
     # ...and the move of the chosen state out of aoqd at the probe step, training on equal to AdamW
     m1 = make_model(W, DEV)
     loop(m1, torch.optim.AdamW(trainable(m1), lr=1e-2), STEPS + 2)
