@@ -389,6 +389,16 @@ def run_dist(modes, args, socket):
     return results
 
 
+def spawn_daemon(args):
+    """--spawn-daemon: a private aoqd (its own state directory)."""
+    import tempfile
+    import aoq
+    extra = []
+    if args.daemon_config:
+        extra = ["--config", args.daemon_config, "--state-dir", tempfile.mkdtemp(prefix="aoq-bench-state-")]
+    return aoq.Daemon(threads=args.daemon_threads, args=extra)
+
+
 class RssPeak:
     """The largest resident set of a process (aoqd: the host bytes a mode
     costs), sampled every 0.2 s while the block runs."""
@@ -474,6 +484,9 @@ def main():
     ap.add_argument("--socket", default=None, help="aoqd socket (default: $AOQ_SOCKET)")
     ap.add_argument("--spawn-daemon", action="store_true", help="start a private aoqd ($AOQD or the build tree)")
     ap.add_argument("--daemon-threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    ap.add_argument("--daemon-config", default=None, metavar="FILE",
+                    help="--spawn-daemon: aoqd's configuration (e.g. a larger max_state_bytes_per_uid than the "
+                         "default 50%% of RAM, for the largest models)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--in-process", action="store_true", help="every mode in this process (default: one each)")
@@ -492,8 +505,7 @@ def main():
             if m not in DIST_MODES:
                 ap.error("unknown multi-rank mode %r (modes: %s)" % (m, ", ".join(DIST_MODES)))
         if args.spawn_daemon and any("aoq" in m for m in modes):
-            import aoq
-            daemon = aoq.Daemon(threads=args.daemon_threads)
+            daemon = spawn_daemon(args)
             socket = daemon.socket
         try:
             results = run_dist(modes, args, socket)
@@ -509,8 +521,7 @@ def main():
             ap.error("unknown mode %r (modes: %s, each may end in -swap, -attach or -compile; gpu-adamw only in "
                      "-compile)" % (m, ", ".join(MODES)))
     if any(m.startswith("aoq") for m in modes) and args.spawn_daemon:
-        import aoq
-        daemon = aoq.Daemon(threads=args.daemon_threads)
+        daemon = spawn_daemon(args)
         socket = daemon.socket
     results = []
     try:
