@@ -186,9 +186,9 @@ static void chunk_run(struct aoqd_task *task, unsigned worker)
 			k->sumsq(grad, t->grad_dtype, acc, 1.0f, c->count, &c->rep);
 			break;
 		case PHASE_UPDATE: {
-			/* a snapshot's capture takes the tensor before its
-			 * first update after the boundary (snapshot.h) */
-			aoqd_snapshot_guard(&s->st, j->rec.tensor, j->rec.step);
+			/* a snapshot's capture takes the chunk's blocks before
+			 * their first update after the boundary (snapshot.h) */
+			aoqd_snapshot_guard(&s->st, j->rec.tensor, j->rec.step, begin, c->count);
 			struct aoqk_chunk ch = {
 				.begin = begin,
 				.count = c->count,

@@ -995,15 +995,24 @@ int aoqd_snapshot_restore_all(const char *dir, int lock_memory, _Atomic uint64_t
 
 enum { T_PENDING, T_COPYING, T_DONE };
 
+/* The capture copies a tensor in blocks of this many elements (a multiple
+ * of AOQK_Q8_BLOCK), each before its first update after the boundary: the
+ * workers that update a block copy it, in parallel, and only what they
+ * touch; a whole tensor at a time made every other worker wait for one
+ * copy of it (0.8-0.96 s added to the first step after a request at 64 Mi
+ * parameters in 16 tensors on the H200 host). */
+#define CAPTURE_BLOCK (1u << 18)
+
 struct aoqd_capture {
 	pthread_mutex_t lock;   /* ts[], and snap_after's changes */
-	pthread_cond_t cond;    /* a tensor's copy is done */
+	pthread_cond_t cond;    /* a block's copy is done */
 	struct aoqd_state *st;
 	struct aoqd_snapshotter *w;
 	uint32_t n;
-	uint8_t *ts;            /* per tensor: T_* */
-	void **copy;            /* per tensor: a copy of its state mapping */
-	_Atomic bool copy_failed;
+	uint64_t nblocks;
+	uint64_t *first;        /* per tensor: its first block's index in ts[] */
+	uint8_t *ts;            /* per block: T_* */
+	void **copy;            /* per tensor: a copy of its state mapping (mapped at arm) */
 	uint64_t *steps;        /* per tensor: steps at the boundary */
 	uint64_t boundary;
 	bool armed, ready;      /* loop thread */
@@ -1028,40 +1037,47 @@ struct aoqd_snapshotter {
 	uv_async_t async;
 };
 
-/* Copies tensor i's state mapping (called with c->lock not held). */
-static void copy_tensor(struct aoqd_capture *c, uint32_t i)
+/* Takes block k of tensor i unless it is taken (with c->lock held; may
+ * wait for a copy in progress): true when the caller copies it. */
+static bool block_take(struct aoqd_capture *c, uint64_t k)
 {
-	const struct aoqd_tensor *t = &c->st->tensors[i];
-	void *p = mmap(NULL, t->state_len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-	if (p == MAP_FAILED) {
-		c->copy_failed = true; /* only ever set to true, read after every copy is done */
-		return;
-	}
-	memcpy(p, t->state_mem, t->state_len);
-	c->copy[i] = p;
+	while (c->ts[k] == T_COPYING)
+		pthread_cond_wait(&c->cond, &c->lock);
+	if (c->ts[k] == T_DONE)
+		return false;
+	c->ts[k] = T_COPYING;
+	return true;
 }
 
-void aoqd_snapshot_capture(struct aoqd_state *st, uint32_t i, uint64_t step)
+/* Copies block b of tensor i (called with c->lock not held), then marks it
+ * done. */
+static void block_copy(struct aoqd_capture *c, uint32_t i, uint64_t b)
+{
+	const struct aoqd_tensor *t = &c->st->tensors[i];
+	uint64_t e = b * CAPTURE_BLOCK;
+	uint64_t n = t->numel - e < CAPTURE_BLOCK ? t->numel - e : CAPTURE_BLOCK;
+	aoqd_state_copy_out(t, e, n, c->copy[i]);
+	pthread_mutex_lock(&c->lock);
+	c->ts[c->first[i] + b] = T_DONE;
+	pthread_cond_broadcast(&c->cond);
+	pthread_mutex_unlock(&c->lock);
+}
+
+void aoqd_snapshot_capture(struct aoqd_state *st, uint32_t i, uint64_t step, uint64_t begin, uint64_t count)
 {
 	struct aoqd_capture *c = st->snap;
-	pthread_mutex_lock(&c->lock);
-	for (;;) {
-		uint64_t after = atomic_load_explicit(&st->snap_after, memory_order_relaxed);
-		if (!after || step < after || i >= c->n || c->ts[i] == T_DONE)
-			break;
-		if (c->ts[i] == T_COPYING) {
-			pthread_cond_wait(&c->cond, &c->lock);
-			continue;
-		}
-		c->ts[i] = T_COPYING;
-		pthread_mutex_unlock(&c->lock);
-		copy_tensor(c, i);
+	if (count == 0)
+		return;
+	uint64_t b0 = begin / CAPTURE_BLOCK, b1 = (begin + count - 1) / CAPTURE_BLOCK;
+	for (uint64_t b = b0; b <= b1; b++) {
 		pthread_mutex_lock(&c->lock);
-		c->ts[i] = T_DONE;
-		pthread_cond_broadcast(&c->cond);
-		break;
+		uint64_t after = atomic_load_explicit(&st->snap_after, memory_order_relaxed);
+		bool mine = after && step >= after && i < c->n && c->first[i] + b < c->first[i + 1] &&
+		            block_take(c, c->first[i] + b);
+		pthread_mutex_unlock(&c->lock);
+		if (mine)
+			block_copy(c, i, b);
 	}
-	pthread_mutex_unlock(&c->lock);
 }
 
 /* Ends the guards: no update waits for this capture any more; waits for
@@ -1070,8 +1086,8 @@ static void capture_disarm(struct aoqd_capture *c)
 {
 	pthread_mutex_lock(&c->lock);
 	atomic_store_explicit(&c->st->snap_after, 0, memory_order_release);
-	for (uint32_t i = 0; i < c->n; i++)
-		while (c->ts[i] == T_COPYING)
+	for (uint64_t k = 0; k < c->nblocks; k++)
+		while (c->ts[k] == T_COPYING)
 			pthread_cond_wait(&c->cond, &c->lock);
 	pthread_mutex_unlock(&c->lock);
 }
@@ -1083,11 +1099,14 @@ static void capture_release(struct aoqd_capture *c)
 			munmap(c->copy[i], c->st->tensors[i].state_len);
 	free(c->copy);
 	free(c->ts);
+	free(c->first);
 	free(c->steps);
 	free(c->dir);
 	aoqd_snapfile_free(c->file);
 	c->copy = NULL;
 	c->ts = NULL;
+	c->first = NULL;
+	c->nblocks = 0;
 	c->steps = NULL;
 	c->dir = NULL;
 	c->file = NULL;
@@ -1128,15 +1147,33 @@ int aoqd_snapshot_arm(struct aoqd_snapshotter *w, struct aoqd_state *st, const s
 	if (c->armed)
 		return AOQD_REFUSE(err, BUSY, "a snapshot of this session is being taken");
 	uint32_t n = st->ntensors;
-	c->ts = calloc(n ? n : 1, 1);
+	c->first = calloc((size_t)n + 1, sizeof(uint64_t));
 	c->copy = calloc(n ? n : 1, sizeof(void *));
 	c->steps = calloc(n ? n : 1, sizeof(uint64_t));
 	c->dir = strdup(dir);
-	if (!c->ts || !c->copy || !c->steps || !c->dir) {
+	if (!c->first || !c->copy || !c->steps || !c->dir) {
 		capture_release(c);
 		return AOQD_REFUSE(err, NO_MEMORY, "out of memory");
 	}
 	c->n = n;
+	for (uint32_t i = 0; i < n; i++)
+		c->first[i + 1] = c->first[i] + (st->tensors[i].numel + CAPTURE_BLOCK - 1) / CAPTURE_BLOCK;
+	c->nblocks = c->first[n];
+	c->ts = calloc(c->nblocks ? c->nblocks : 1, 1);
+	if (!c->ts) {
+		capture_release(c);
+		return AOQD_REFUSE(err, NO_MEMORY, "out of memory");
+	}
+	/* The copies' address space now (pages come as blocks are copied), so
+	 * that no update finds it missing. */
+	for (uint32_t i = 0; i < n; i++) {
+		void *p = mmap(NULL, st->tensors[i].state_len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+		if (p == MAP_FAILED) {
+			capture_release(c);
+			return AOQD_REFUSE(err, NO_MEMORY, "snapshot: no memory for a copy of the state");
+		}
+		c->copy[i] = p;
+	}
 	c->w = w;
 	c->boundary = boundary;
 	c->key = *key;
@@ -1144,7 +1181,6 @@ int aoqd_snapshot_arm(struct aoqd_snapshotter *w, struct aoqd_state *st, const s
 	c->arg = arg;
 	c->result = 0;
 	c->why[0] = c->path[0] = 0;
-	c->copy_failed = false;
 	c->armed = true;
 	c->ready = false;
 	atomic_store_explicit(&st->snap_after, boundary + 1, memory_order_release);
@@ -1232,28 +1268,16 @@ static void capture_write(struct aoqd_capture *c)
 {
 	struct aoqd_error err;
 	struct aoqd_state *st = c->st;
-	for (uint32_t k = 0; k < c->n; k++) {
-		pthread_mutex_lock(&c->lock);
-		while (c->ts[k] == T_COPYING)
-			pthread_cond_wait(&c->cond, &c->lock);
-		bool mine = c->ts[k] == T_PENDING;
-		if (mine)
-			c->ts[k] = T_COPYING;
-		pthread_mutex_unlock(&c->lock);
-		if (!mine)
-			continue;
-		copy_tensor(c, k);
-		pthread_mutex_lock(&c->lock);
-		c->ts[k] = T_DONE;
-		pthread_cond_broadcast(&c->cond);
-		pthread_mutex_unlock(&c->lock);
+	for (uint32_t i = 0; i < c->n; i++) {
+		for (uint64_t b = 0; c->first[i] + b < c->first[i + 1]; b++) {
+			pthread_mutex_lock(&c->lock);
+			bool mine = block_take(c, c->first[i] + b);
+			pthread_mutex_unlock(&c->lock);
+			if (mine)
+				block_copy(c, i, b);
+		}
 	}
 	capture_disarm(c);
-	if (c->copy_failed) {
-		c->result = -ENOMEM;
-		snprintf(c->why, sizeof(c->why), "snapshot: no memory for a copy of the state");
-		return;
-	}
 	int r = aoqd_snapfile_open(c->file, c->dir, &err);
 	for (uint32_t i = 0; r == 0 && i < c->n; i++) {
 		const struct aoqd_tensor *t = &st->tensors[i];

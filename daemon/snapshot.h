@@ -149,7 +149,7 @@ uint64_t aoqd_snapshot_pending_boundary(const struct aoqd_state *st);
  * runs). */
 void aoqd_snapshot_state_free(struct aoqd_state *st);
 
-void aoqd_snapshot_capture(struct aoqd_state *st, uint32_t tensor, uint64_t step);
+void aoqd_snapshot_capture(struct aoqd_state *st, uint32_t tensor, uint64_t step, uint64_t begin, uint64_t count);
 
 /* A capture is armed and has not taken every tensor yet: loads and step
  * changes wait (BUSY). */
@@ -158,16 +158,18 @@ static inline bool aoqd_snapshot_capturing(struct aoqd_state *st)
 	return atomic_load_explicit(&st->snap_after, memory_order_acquire) != 0;
 }
 
-/* Before an update of tensor `tensor` in step `step` touches its state
- * (workers, or the loop thread before a load): copies it into the capture
- * first when a capture of an earlier boundary has not taken it yet, or
- * waits while another thread copies it.  Costs one atomic load when no
+/* Before an update of elements [begin, begin + count) of tensor `tensor`
+ * in step `step` touches its state (workers): copies the capture's blocks
+ * that hold them (snapshot.c, CAPTURE_BLOCK) first when a capture of an
+ * earlier boundary has not taken them yet, or waits while another thread
+ * copies one.  Costs one atomic load when no
  * capture runs. */
-static inline void aoqd_snapshot_guard(struct aoqd_state *st, uint32_t tensor, uint64_t step)
+static inline void aoqd_snapshot_guard(struct aoqd_state *st, uint32_t tensor, uint64_t step, uint64_t begin,
+                                       uint64_t count)
 {
 	uint64_t after = atomic_load_explicit(&st->snap_after, memory_order_acquire);
 	if (after && step >= after)
-		aoqd_snapshot_capture(st, tensor, step);
+		aoqd_snapshot_capture(st, tensor, step, begin, count);
 }
 
 #endif

@@ -301,11 +301,11 @@ void aoqd_state_io(struct aoqd_tensor *t, int what, bool load, float *buf, uint6
 	}
 }
 
-/* Copies elements [b, b + n) of every array of t between the state and its
- * undo copy (save: state -> undo). */
-static void undo_copy(struct aoqd_tensor *t, uint64_t b, uint64_t n, bool save)
+/* Copies elements [b, b + n) of every array of t between the state and
+ * other, a region laid out as the state mapping (out: state -> other). */
+static void range_copy(const struct aoqd_tensor *t, uint64_t b, uint64_t n, uint8_t *other, bool out)
 {
-	uint8_t *base = t->state_mem, *u = base + t->undo_off;
+	const uint8_t *base = t->state_mem;
 	enum aoqk_precision p = t->st.precision;
 	struct {
 		void *arr;
@@ -323,12 +323,22 @@ static void undo_copy(struct aoqd_tensor *t, uint64_t b, uint64_t n, bool save)
 		if (!part[i].arr)
 			continue;
 		uint8_t *live = (uint8_t *)part[i].arr + part[i].b * part[i].el;
-		uint8_t *copy = u + (live - base);
-		if (save)
+		uint8_t *copy = other + (live - base);
+		if (out)
 			memcpy(copy, live, part[i].n * part[i].el);
 		else
 			memcpy(live, copy, part[i].n * part[i].el);
 	}
+}
+
+static void undo_copy(struct aoqd_tensor *t, uint64_t b, uint64_t n, bool save)
+{
+	range_copy(t, b, n, (uint8_t *)t->state_mem + t->undo_off, save);
+}
+
+void aoqd_state_copy_out(const struct aoqd_tensor *t, uint64_t b, uint64_t n, void *dst)
+{
+	range_copy(t, b, n, dst, true);
 }
 
 void aoqd_state_save(struct aoqd_tensor *t, uint64_t b, uint64_t n)

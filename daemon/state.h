@@ -124,6 +124,10 @@ int aoqd_state_acc(struct aoqd_state *st, struct aoqd_tensor *t);
  * step counters, so that no part of an interrupted step stays (loop
  * thread, nothing in flight). */
 void aoqd_state_save(struct aoqd_tensor *t, uint64_t b, uint64_t n);
+/* Copies elements [b, b + n) of every array of t's state (q8 scales: the
+ * blocks they touch; b on a q8 block) into dst, a region of t->state_len
+ * bytes laid out as t's state mapping (snapshot captures). */
+void aoqd_state_copy_out(const struct aoqd_tensor *t, uint64_t b, uint64_t n, void *dst);
 void aoqd_state_rollback(struct aoqd_state *st);
 /* Whether st (a new registration's tables) has the layout of the leased
  * state `old`: 0, or -EINVAL with the first difference in why. */
