@@ -7,23 +7,13 @@ through OffloadOptimizer equal torch.optim.SGD / aoq.torch.Lion on the CPU
 state_dict holds torch's keys; aoq.torch.Lion equals a reference Lion; SGD
 with maximize=True falls back with a warning.
 Exit 0 ok, 1 fail, 77 skip without torch (1 when CI / AOQ_REQUIRE_TORCH is set)."""
-import os
 import sys
 import traceback
 import warnings
 
-try:
-    import torch
-except ImportError as e:
-    if any(os.environ.get(v, "").lower() not in ("", "0", "false", "no") for v in ("CI", "AOQ_REQUIRE_TORCH")):
-        print("FAIL: torch is required here (CI / AOQ_REQUIRE_TORCH is set): %s" % e)
-        sys.exit(1)
-    print("SKIP: torch is not installed")
-    sys.exit(77)
+from testenv import require_torch  # sets sys.path: this folder and the package
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, ".."))
+torch = require_torch()
 import aoq  # noqa: E402
 from aoq.torch import OffloadOptimizer  # noqa: E402
 from torch_cases import batches, make_model, same  # noqa: E402
