@@ -79,36 +79,32 @@ static const char usage_text[] =
 
 /* ---- formatting helpers ------------------------------------------------ */
 
-/* "1.50 GiB", "512 B". */
-static void fmt_bytes(char *buf, size_t len, uint64_t v)
+/* v in units of base (1024: "1.50 GiB", "512 B"; 1000: "12.3k", "999"):
+ * three significant digits past the first unit. */
+static void fmt_scaled(char *buf, size_t len, uint64_t v, double base, const char *const unit[7], const char *sep)
 {
-	static const char *const unit[] = { "B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB" };
 	double d = (double)v;
 	unsigned u = 0;
-	while (d >= 1024.0 && u + 1 < sizeof(unit) / sizeof(unit[0])) {
-		d /= 1024.0;
+	while (d >= base && u + 1 < 7) {
+		d /= base;
 		u++;
 	}
 	if (u == 0)
-		snprintf(buf, len, "%" PRIu64 " B", v);
+		snprintf(buf, len, "%" PRIu64 "%s%s", v, sep, unit[0]);
 	else
-		snprintf(buf, len, "%.*f %s", d < 10.0 ? 2 : d < 100.0 ? 1 : 0, d, unit[u]);
+		snprintf(buf, len, "%.*f%s%s", d < 10.0 ? 2 : d < 100.0 ? 1 : 0, d, sep, unit[u]);
 }
 
-/* "12.3k", "4.10M", "999". */
+static void fmt_bytes(char *buf, size_t len, uint64_t v)
+{
+	static const char *const unit[7] = { "B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB" };
+	fmt_scaled(buf, len, v, 1024.0, unit, " ");
+}
+
 static void fmt_count(char *buf, size_t len, uint64_t v)
 {
-	static const char *const unit[] = { "", "k", "M", "G", "T", "P", "E" };
-	double d = (double)v;
-	unsigned u = 0;
-	while (d >= 1000.0 && u + 1 < sizeof(unit) / sizeof(unit[0])) {
-		d /= 1000.0;
-		u++;
-	}
-	if (u == 0)
-		snprintf(buf, len, "%" PRIu64, v);
-	else
-		snprintf(buf, len, "%.*f%s", d < 10.0 ? 2 : d < 100.0 ? 1 : 0, d, unit[u]);
+	static const char *const unit[7] = { "", "k", "M", "G", "T", "P", "E" };
+	fmt_scaled(buf, len, v, 1000.0, unit, "");
 }
 
 /* "3d 04:05:06", "04:05:06". */
@@ -1052,73 +1048,83 @@ static void trace_add(json_object *events, const Aoq__Trace *t, char **names, si
 
 /* ---- snapshot ---------------------------------------------------------- */
 
-static int run_snapshot(const char *path, uint64_t session)
+/* Connects as an observer, sends env and takes the reply, which must be a
+ * `want` message: EXIT_OK with *rep (the caller frees it and closes
+ * *sock), else the failure said on stderr (`what` names the request). */
+static int observer_request(const char *path, const Aoq__Envelope *env, Aoq__Envelope__MsgCase want,
+                            const char *what, int *sock_out, Aoq__Envelope **rep)
 {
 	int sock;
 	int ret = observer_connect(path, &sock);
 	if (ret != EXIT_OK)
 		return ret;
-	Aoq__SnapshotRequest req = AOQ__SNAPSHOT_REQUEST__INIT;
-	req.session = session;
-	Aoq__Envelope env = AOQ__ENVELOPE__INIT;
-	env.msg_case = AOQ__ENVELOPE__MSG_SNAPSHOT_REQUEST;
-	env.snapshot_request = &req;
 	char *msg = NULL;
-	Aoq__Envelope *rep = NULL;
+	*rep = NULL;
+	int r = aoq_call(sock, env, rep, &msg);
 	ret = EXIT_UNREACHABLE;
-	int r = aoq_call(sock, &env, &rep, &msg);
 	if (r < 0) {
 		if (msg)
-			fprintf(stderr, "aoqctl: snapshot of session %" PRIu64 " failed: %s\n", session, msg);
+			fprintf(stderr, "aoqctl: %s failed: %s\n", what, msg);
 		else
-			fail_unreachable(path, r, "snapshot request failed at", msg);
-	} else if (rep->msg_case != AOQ__ENVELOPE__MSG_SNAPSHOT_DONE || !rep->snapshot_done) {
-		fprintf(stderr, "aoqctl: aoqd at %s answered SnapshotRequest with message %d, not SnapshotDone\n", path,
-		        (int)rep->msg_case);
+			fail_unreachable(path, r, "request failed at", msg);
+	} else if ((*rep)->msg_case != want) {
+		fprintf(stderr, "aoqctl: aoqd at %s answered the %s with message %d, not %d\n", path, what,
+		        (int)(*rep)->msg_case, (int)want);
+		aoq_envelope_free(*rep);
+		*rep = NULL;
 	} else {
-		printf("%s\n", rep->snapshot_done->path);
-		fprintf(stderr, "aoqctl: session %" PRIu64 " at step %" PRIu64 " written in %.3f s\n", session,
-		        rep->snapshot_done->step, rep->snapshot_done->seconds);
 		ret = EXIT_OK;
 	}
-	if (rep)
-		aoq_envelope_free(rep);
 	free(msg);
+	if (ret != EXIT_OK) {
+		close(sock);
+		return ret;
+	}
+	*sock_out = sock;
+	return EXIT_OK;
+}
+
+static int run_snapshot(const char *path, uint64_t session)
+{
+	Aoq__SnapshotRequest req = AOQ__SNAPSHOT_REQUEST__INIT;
+	req.session = session;
+	Aoq__Envelope env = AOQ__ENVELOPE__INIT, *rep;
+	env.msg_case = AOQ__ENVELOPE__MSG_SNAPSHOT_REQUEST;
+	env.snapshot_request = &req;
+	char what[64];
+	snprintf(what, sizeof(what), "snapshot of session %" PRIu64, session);
+	int sock;
+	int ret = observer_request(path, &env, AOQ__ENVELOPE__MSG_SNAPSHOT_DONE, what, &sock, &rep);
+	if (ret != EXIT_OK)
+		return ret;
+	printf("%s\n", rep->snapshot_done->path);
+	fprintf(stderr, "aoqctl: session %" PRIu64 " at step %" PRIu64 " written in %.3f s\n", session,
+	        rep->snapshot_done->step, rep->snapshot_done->seconds);
+	aoq_envelope_free(rep);
 	close(sock);
-	return ret;
+	return EXIT_OK;
 }
 
 /* ---- drop -------------------------------------------------------------- */
 
 static int run_drop(const char *path, uint64_t session)
 {
-	int sock;
-	int ret = observer_connect(path, &sock);
-	if (ret != EXIT_OK)
-		return ret;
 	Aoq__DropRequest req = AOQ__DROP_REQUEST__INIT;
 	req.session = session;
-	Aoq__Envelope env = AOQ__ENVELOPE__INIT, *rep = NULL;
+	Aoq__Envelope env = AOQ__ENVELOPE__INIT, *rep;
 	env.msg_case = AOQ__ENVELOPE__MSG_DROP_REQUEST;
 	env.drop_request = &req;
-	char *msg = NULL;
-	int r = aoq_call(sock, &env, &rep, &msg);
-	if (r < 0) {
-		fprintf(stderr, "aoqctl: drop %" PRIu64 ": %s\n", session, msg ? msg : strerror(-r));
-		ret = EXIT_UNREACHABLE;
-	} else if (rep->msg_case != AOQ__ENVELOPE__MSG_DONE) {
-		fprintf(stderr, "aoqctl: aoqd at %s answered DropRequest with message %d, not Done\n", path,
-		        (int)rep->msg_case);
-		ret = EXIT_UNREACHABLE;
-	} else {
-		printf("session %" PRIu64 " dropped\n", session);
-	}
-	free(msg);
-	if (r == 0)
-		aoq_envelope_free(rep);
+	char what[64];
+	snprintf(what, sizeof(what), "drop of session %" PRIu64, session);
+	int sock;
+	int ret = observer_request(path, &env, AOQ__ENVELOPE__MSG_DONE, what, &sock, &rep);
+	if (ret != EXIT_OK)
+		return ret;
+	printf("session %" PRIu64 " dropped\n", session);
+	aoq_envelope_free(rep);
 	say_bye(sock);
 	close(sock);
-	return ret;
+	return EXIT_OK;
 }
 
 static int run_trace(const char *path, uint64_t session, uint32_t steps, const char *output)
