@@ -65,84 +65,25 @@ struct trainer {
 	uint64_t final_steps;
 };
 
-static struct aoq_group thp(uint32_t g, uint64_t k)
-{
-	struct aoq_group h = g == 0
-		? (struct aoq_group){ .size = sizeof(struct aoq_group), .kind = AOQ_ADAMW, .lr = 2e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
-		                      .weight_decay = 0.02 }
-		: (struct aoq_group){ .size = sizeof(struct aoq_group), .kind = AOQ_ADAM, .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.98, .eps = 1e-6,
-		                      .weight_decay = 0.01 };
-	h.lr *= 1.0 + 0.5 * sin(0.3 * (double)k);
-	return h;
-}
-
 static void *trainer_run(void *arg)
 {
 	struct trainer *tr = arg;
-	struct aoq_options o = AOQ_OPTIONS_INIT;
-	o.socket = daemon_.socket;
-	o.job = tr->job;
-	o.device = "cpu";
-	struct aoq_client *c = NULL;
-	CHECK_OK(aoq_connect(&c, &o));
-	for (uint32_t g = 0; g < 2; g++) {
-		struct aoq_group h = thp(g, 1);
-		CHECK_OK(aoq_add_group(c, &h));
-	}
-	void *grad[TT];
-	float *gval[TT];
-	struct aoqt_ref ref[TT];
-	aoqt_victim_tensors(c, tdesc, TT, 0x1111, tr->param, grad, gval, ref);
-	CHECK_OK(aoq_register(c));
+	struct aoqt_victim v;
+	aoqt_victim_open(&v, daemon_.socket, tr->job, 0, tdesc, TT, 0x1111, 0x2222, tr->param);
 	uint64_t k = 0;
 	for (;;) {
 		if (tr->steps ? k >= tr->steps : (atomic_load(tr->stop) && k >= tr->min_steps))
 			break;
 		k++;
 		CHECK(k < 100000, "trainer: runaway");
-		if (k > 1)
-			for (uint32_t g = 0; g < 2; g++) {
-				struct aoq_group h = thp(g, k);
-				CHECK_OK(aoq_set_hyperparams(c, g, &h));
-			}
-		for (int t = 0; t < TT; t++) {
-			const struct aoqt_tdesc *d = &tdesc[t];
-			struct aoqt_rng rng = aoqt_rng_for(0x2222 + k, (uint64_t)t, 0);
-			for (uint64_t i = 0; i < d->n; i++) {
-				aoqt_store(grad[t], i, d->gd, 0.1 * aoqt_uniform(&rng));
-				gval[t][i] = (float)aoqt_load(grad[t], i, d->gd);
-			}
-			CHECK_OK(aoq_push_grad(c, (uint32_t)t, 0, NULL));
-		}
-		CHECK_OK(aoq_step_end(c));
-		struct aoq_step_result res = AOQ_STEP_RESULT_INIT;
-		CHECK_OK(aoq_sync(c, &res));
-		CHECK(res.step == k && res.tensors_updated == TT,
-		      "trainer %s: step result %" PRIu64 " with %" PRIu64 " tensors, want %" PRIu64 " with %d", tr->job,
-		      res.step, res.tensors_updated, k, TT);
-		size_t bad = 0;
-		for (int t = 0; t < TT; t++) {
-			struct aoq_group h = thp(tdesc[t].group, k);
-			aoqt_ref_step(&ref[t], &h, gval[t]);
-			char what[64];
-			snprintf(what, sizeof(what), "trainer %s step %" PRIu64 " tensor %d", tr->job, k, t);
-			bad += aoqt_check_param(what, &ref[t], tr->param[t], tdesc[t].pd);
-			if (tdesc[t].pd == AOQ_FP32)
-				aoqt_ref_resync(&ref[t], tr->param[t]);
-		}
-		CHECK(bad == 0, "trainer %s step %" PRIu64 ": %zu parameters differ from the reference", tr->job, k, bad);
+		aoqt_victim_step(&v, k);
 		pthread_mutex_lock(&tr->lock);
 		atomic_store(&tr->done, k);
 		pthread_cond_broadcast(&tr->cond);
 		pthread_mutex_unlock(&tr->lock);
 	}
 	tr->final_steps = k;
-	aoq_close(c);
-	for (int t = 0; t < TT; t++) {
-		free(grad[t]);
-		free(gval[t]);
-		aoqt_ref_free(&ref[t]);
-	}
+	aoqt_victim_close(&v);
 	return NULL;
 }
 

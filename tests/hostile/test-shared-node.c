@@ -105,38 +105,13 @@ struct victim {
 	int err;                   /* a failure of the connection itself */
 };
 
-static struct aoq_group vhp(uint32_t g, uint64_t k)
-{
-	struct aoq_group h = g == 0
-		? (struct aoq_group){ .size = sizeof(struct aoq_group), .kind = AOQ_ADAMW, .lr = 2e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
-		                      .weight_decay = 0.02 }
-		: (struct aoq_group){ .size = sizeof(struct aoq_group), .kind = AOQ_ADAM, .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.98, .eps = 1e-6,
-		                      .weight_decay = 0.01 };
-	h.lr *= 1.0 + 0.5 * sin(0.3 * (double)k);
-	return h;
-}
-
 static void *victim_run(void *arg)
 {
 	struct victim *v = arg;
-	struct aoq_options o = AOQ_OPTIONS_INIT;
-	o.socket = daemon_.socket;
-	o.job = v->job;
-	o.device = "cpu";
-	/* A stalled daemon fails the step instead of hanging the test. */
-	o.timeout_ms = slow ? 120000 : 30000;
-	struct aoq_client *c = NULL;
-	CHECK_OK(aoq_connect(&c, &o));
-	for (uint32_t g = 0; g < 2; g++) {
-		struct aoq_group h = vhp(g, 1);
-		CHECK_OK(aoq_add_group(c, &h));
-	}
-	void *grad[TT];
-	float *gval[TT];
-	struct aoqt_ref ref[TT];
+	struct aoqt_victim vt;
 	v->lat_ms = aoqt_xcalloc(MAX_STEPS + 2, sizeof(double));
-	aoqt_victim_tensors(c, tdesc, TT, 0x5151, v->param, grad, gval, ref);
-	CHECK_OK(aoq_register(c));
+	/* A stalled daemon fails the step instead of hanging the test. */
+	aoqt_victim_open(&vt, daemon_.socket, v->job, slow ? 120000 : 30000, tdesc, TT, 0x5151, 0x6262, v->param);
 	uint64_t k = 0;
 	for (;;) {
 		if (v->steps ? k >= v->steps : (atomic_load(&v->stop) && k >= atomic_load(&v->min_steps)))
@@ -144,46 +119,12 @@ static void *victim_run(void *arg)
 		k++;
 		CHECK(k < MAX_STEPS, "victim: runaway");
 		double t0 = aoqt_now();
-		if (k > 1)
-			for (uint32_t g = 0; g < 2; g++) {
-				struct aoq_group h = vhp(g, k);
-				CHECK_OK(aoq_set_hyperparams(c, g, &h));
-			}
-		for (int t = 0; t < TT; t++) {
-			const struct aoqt_tdesc *d = &tdesc[t];
-			struct aoqt_rng rng = aoqt_rng_for(0x6262 + k, (uint64_t)t, 0);
-			for (uint64_t i = 0; i < d->n; i++) {
-				aoqt_store(grad[t], i, d->gd, 0.1 * aoqt_uniform(&rng));
-				gval[t][i] = (float)aoqt_load(grad[t], i, d->gd);
-			}
-			CHECK_OK(aoq_push_grad(c, (uint32_t)t, 0, NULL));
-		}
-		CHECK_OK(aoq_step_end(c));
-		struct aoq_step_result res = AOQ_STEP_RESULT_INIT;
-		CHECK_OK(aoq_sync(c, &res));
+		aoqt_victim_step(&vt, k);
 		v->lat_ms[k] = (aoqt_now() - t0) * 1e3;
-		CHECK(res.step == k && res.tensors_updated == TT, "victim %s: step result %" PRIu64 " with %" PRIu64
-		      " tensors, want %" PRIu64 " with %d", v->job, res.step, res.tensors_updated, k, TT);
-		size_t bad = 0;
-		for (int t = 0; t < TT; t++) {
-			struct aoq_group h = vhp(tdesc[t].group, k);
-			aoqt_ref_step(&ref[t], &h, gval[t]);
-			char what[64];
-			snprintf(what, sizeof(what), "victim %s step %" PRIu64 " tensor %d", v->job, k, t);
-			bad += aoqt_check_param(what, &ref[t], v->param[t], tdesc[t].pd);
-			if (tdesc[t].pd == AOQ_FP32)
-				aoqt_ref_resync(&ref[t], v->param[t]);
-		}
-		CHECK(bad == 0, "victim %s step %" PRIu64 ": %zu parameters off the reference", v->job, k, bad);
 		atomic_store(&v->done, k);
 	}
 	v->final_steps = k;
-	aoq_close(c);
-	for (int t = 0; t < TT; t++) {
-		free(grad[t]);
-		free(gval[t]);
-		aoqt_ref_free(&ref[t]);
-	}
+	aoqt_victim_close(&vt);
 	return NULL;
 }
 

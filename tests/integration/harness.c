@@ -1031,3 +1031,91 @@ void aoqt_victim_tensors(struct aoq_client *c, const struct aoqt_tdesc *d, int n
 			aoqt_fail("aoq_add_tensor w%d = %d: %s", t, r, aoq_last_error());
 	}
 }
+
+struct aoq_group aoqt_victim_group(uint32_t g, uint64_t k)
+{
+	struct aoq_group h = g == 0
+		? (struct aoq_group){ .size = sizeof(struct aoq_group), .kind = AOQ_ADAMW, .lr = 2e-3, .beta1 = 0.9,
+		                      .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.02 }
+		: (struct aoq_group){ .size = sizeof(struct aoq_group), .kind = AOQ_ADAM, .lr = 1e-3, .beta1 = 0.9,
+		                      .beta2 = 0.98, .eps = 1e-6, .weight_decay = 0.01 };
+	h.lr *= 1.0 + 0.5 * sin(0.3 * (double)k);
+	return h;
+}
+
+void aoqt_victim_open(struct aoqt_victim *v, const char *socket, const char *job, int timeout_ms,
+                      const struct aoqt_tdesc *d, int n, uint64_t seed, uint64_t gseed, void **param)
+{
+	*v = (struct aoqt_victim){ .job = job, .d = d, .n = n, .gseed = gseed, .param = param };
+	struct aoq_options o = AOQ_OPTIONS_INIT;
+	o.socket = socket;
+	o.job = job;
+	o.device = "cpu";
+	if (timeout_ms > 0)
+		o.timeout_ms = (uint32_t)timeout_ms;
+	if (aoq_connect(&v->c, &o) < 0)
+		aoqt_fail("victim %s: aoq_connect: %s", job, aoq_last_error());
+	for (uint32_t g = 0; g < 2; g++) {
+		struct aoq_group h = aoqt_victim_group(g, 1);
+		if (aoq_add_group(v->c, &h) < 0)
+			aoqt_fail("victim %s: aoq_add_group: %s", job, aoq_last_error());
+	}
+	v->grad = aoqt_xcalloc((size_t)n, sizeof(*v->grad));
+	v->gval = aoqt_xcalloc((size_t)n, sizeof(*v->gval));
+	v->ref = aoqt_xcalloc((size_t)n, sizeof(*v->ref));
+	aoqt_victim_tensors(v->c, d, n, seed, param, v->grad, v->gval, v->ref);
+	if (aoq_register(v->c) < 0)
+		aoqt_fail("victim %s: aoq_register: %s", job, aoq_last_error());
+}
+
+void aoqt_victim_step(struct aoqt_victim *v, uint64_t k)
+{
+	if (k > 1)
+		for (uint32_t g = 0; g < 2; g++) {
+			struct aoq_group h = aoqt_victim_group(g, k);
+			if (aoq_set_hyperparams(v->c, g, &h) < 0)
+				aoqt_fail("victim %s step %" PRIu64 ": aoq_set_hyperparams: %s", v->job, k, aoq_last_error());
+		}
+	for (int t = 0; t < v->n; t++) {
+		const struct aoqt_tdesc *d = &v->d[t];
+		struct aoqt_rng rng = aoqt_rng_for(v->gseed + k, (uint64_t)t, 0);
+		for (uint64_t i = 0; i < d->n; i++) {
+			aoqt_store(v->grad[t], i, d->gd, 0.1 * aoqt_uniform(&rng));
+			v->gval[t][i] = (float)aoqt_load(v->grad[t], i, d->gd);
+		}
+		if (aoq_push_grad(v->c, (uint32_t)t, 0, NULL) < 0)
+			aoqt_fail("victim %s step %" PRIu64 ": aoq_push_grad %d: %s", v->job, k, t, aoq_last_error());
+	}
+	struct aoq_step_result res = AOQ_STEP_RESULT_INIT;
+	if (aoq_step_end(v->c) < 0 || aoq_sync(v->c, &res) < 0)
+		aoqt_fail("victim %s step %" PRIu64 ": %s", v->job, k, aoq_last_error());
+	if (res.step != k || res.tensors_updated != (uint64_t)v->n)
+		aoqt_fail("victim %s: step result %" PRIu64 " with %" PRIu64 " tensors, want %" PRIu64 " with %d", v->job,
+		          res.step, res.tensors_updated, k, v->n);
+	size_t bad = 0;
+	for (int t = 0; t < v->n; t++) {
+		struct aoq_group h = aoqt_victim_group(v->d[t].group, k);
+		aoqt_ref_step(&v->ref[t], &h, v->gval[t]);
+		char what[96];
+		snprintf(what, sizeof(what), "victim %s step %" PRIu64 " tensor %d", v->job, k, t);
+		bad += aoqt_check_param(what, &v->ref[t], v->param[t], v->d[t].pd);
+		if (v->d[t].pd == AOQ_FP32)
+			aoqt_ref_resync(&v->ref[t], v->param[t]);
+	}
+	if (bad)
+		aoqt_fail("victim %s step %" PRIu64 ": %zu parameters differ from the reference", v->job, k, bad);
+}
+
+void aoqt_victim_close(struct aoqt_victim *v)
+{
+	aoq_close(v->c);
+	v->c = NULL;
+	for (int t = 0; t < v->n; t++) {
+		free(v->grad[t]);
+		free(v->gval[t]);
+		aoqt_ref_free(&v->ref[t]);
+	}
+	free(v->grad);
+	free(v->gval);
+	free(v->ref);
+}

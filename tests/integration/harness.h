@@ -97,6 +97,37 @@ struct aoq_client;
 void aoqt_victim_tensors(struct aoq_client *c, const struct aoqt_tdesc *d, int n, uint64_t seed, void **param,
                          void **grad, float **gval, struct aoqt_ref *ref);
 
+/*
+ * A victim trainer (the hostile tests: a session others attack, which must
+ * stay exact): two groups (0 AdamW, 1 Adam, lr varying with the step),
+ * d's n tensors, each step's gradients from aoqt_rng_for(gseed + k, t, 0),
+ * every parameter checked against the double reference after each step.
+ */
+struct aoqt_victim {
+	struct aoq_client *c;
+	const char *job;
+	const struct aoqt_tdesc *d;
+	int n;
+	uint64_t gseed;
+	void **param;          /* the caller's array of n (filled by open) */
+	void **grad;
+	float **gval;
+	struct aoqt_ref *ref;
+};
+/* Group g's hyperparameters at step k. */
+struct aoq_group aoqt_victim_group(uint32_t g, uint64_t k);
+/* Connects (device "cpu"; timeout_ms when > 0), adds the groups, describes
+ * the tensors (aoqt_victim_tensors with seed) and registers.  Fails the
+ * test on an error. */
+void aoqt_victim_open(struct aoqt_victim *v, const char *socket, const char *job, int timeout_ms,
+                      const struct aoqt_tdesc *d, int n, uint64_t seed, uint64_t gseed, void **param);
+/* Step k (1-based): hyperparameters, every gradient pushed, StepEnd, sync,
+ * then the parameters checked against the reference.  Fails the test on
+ * an error or a difference. */
+void aoqt_victim_step(struct aoqt_victim *v, uint64_t k);
+/* aoq_close and the buffers (the params stay the caller's). */
+void aoqt_victim_close(struct aoqt_victim *v);
+
 /* ---- the daemon -------------------------------------------------------- */
 
 struct aoqt_daemon {
