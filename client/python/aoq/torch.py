@@ -499,21 +499,14 @@ class _DeviceShare:
 
     def __init__(self, share, groups, optimizer_class, kwargs, kind, fp32_master):
         self.fp32_master = fp32_master
-        self.params = [p for _, p in share]
+        self.params = []
         self.master = {}
-        per_group = {}
-        for gi, p in share:
-            t = p
-            if fp32_master and p.dtype != torch.float32:
-                t = p.detach().to(torch.float32).clone()
-                self.master[p] = t
-            per_group.setdefault(gi, []).append(t)
-        self.group_of = sorted(per_group)
+        self.group_of = []
+        per_group = self._take(share)
         opt_groups = []
-        for gi in self.group_of:
-            g = {k: v for k, v in groups[gi].items() if k != "params"}
-            g["params"] = per_group[gi]
-            opt_groups.append(g)
+        for gi in sorted(per_group):
+            opt_groups.append(self._group(groups, gi, per_group[gi]))
+            self.group_of.append(gi)
         kw = {k: v for k, v in kwargs.items()
               if k not in ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov")}
         dev = self.params[0].device
@@ -521,8 +514,9 @@ class _DeviceShare:
             kw["fused"] = True
         self.opt = optimizer_class(opt_groups, **kw)
 
-    def add(self, share, groups):
-        """More parameters (gpu_state_budget="auto" moves them in)."""
+    def _take(self, share):
+        """The tensors the device optimizer steps for share's (group,
+        parameter) pairs, by group: the parameter, or its fp32 master."""
         per_group = {}
         for gi, p in share:
             t = p
@@ -531,13 +525,21 @@ class _DeviceShare:
                 self.master[p] = t
             self.params.append(p)
             per_group.setdefault(gi, []).append(t)
-        for gi, ts in sorted(per_group.items()):
+        return per_group
+
+    @staticmethod
+    def _group(groups, gi, tensors):
+        g = {k: v for k, v in groups[gi].items() if k != "params"}
+        g["params"] = tensors
+        return g
+
+    def add(self, share, groups):
+        """More parameters (gpu_state_budget="auto" moves them in)."""
+        for gi, ts in sorted(self._take(share).items()):
             if gi in self.group_of:
                 self.opt.param_groups[self.group_of.index(gi)]["params"].extend(ts)
             else:
-                g = {k: v for k, v in groups[gi].items() if k != "params"}
-                g["params"] = ts
-                self.opt.add_param_group(g)
+                self.opt.add_param_group(self._group(groups, gi, ts))
                 self.group_of.append(gi)
 
     def step(self, groups):
