@@ -364,18 +364,25 @@ def _dist_rank(rank, mode, args, socket, store, out):
     dist.destroy_process_group()
 
 
-def run_dist(modes, args, socket):
-    """The multi-rank modes, each in --ranks fresh processes."""
+def run_dist(modes, args, socket, daemon_pid=None):
+    """The multi-rank modes, each in --ranks fresh processes (aoqd's peak RSS
+    per aoq mode when daemon_pid is given)."""
     import tempfile
     import torch.multiprocessing as tmp_mp
     results = []
     for mode in modes:
         with tempfile.TemporaryDirectory(prefix="aoq-bench-") as d:
             out = os.path.join(d, "result.json")
-            tmp_mp.spawn(_dist_rank, args=(mode, args, socket, os.path.join(d, "store"), out), nprocs=args.ranks)
+            with RssPeak(daemon_pid if "aoq" in mode else None) as rss:
+                tmp_mp.spawn(_dist_rank, args=(mode, args, socket, os.path.join(d, "store"), out),
+                             nprocs=args.ranks)
             with open(out) as f:
                 r = json.load(f)
         results.append(r)
+        if rss.peak:
+            r["daemon_rss_gib"] = rss.peak / 2 ** 30
+            print("%-16s aoqd peak RSS %.2f GiB = %.2f B per parameter of the model" % (
+                mode, rss.peak / 2 ** 30, rss.peak / r["params"]), flush=True)
         print("%-16s %d ranks  params %.3fB  step %.3f s  peak %.2f GiB per rank  loss %.4f"
               % (mode, r["ranks"], r["params"] / 1e9, r["step_s"], r["peak_gib"], r["loss"]), flush=True)
     for kind in ("ddp", "fsdp"):
@@ -508,7 +515,7 @@ def main():
             daemon = spawn_daemon(args)
             socket = daemon.socket
         try:
-            results = run_dist(modes, args, socket)
+            results = run_dist(modes, args, socket, daemon.proc.pid if daemon is not None else None)
         finally:
             if daemon is not None:
                 daemon.stop()
