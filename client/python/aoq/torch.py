@@ -120,7 +120,8 @@ _PRECISION = {("fp32", None): _lib.STATE_FP32, ("q8", None): _lib.STATE_Q8, (Non
 class _Slot:
     """One parameter stepped by aoqd."""
     __slots__ = ("t", "p", "x", "name", "group", "numel", "host_param", "host_grad", "count", "final", "held",
-                 "inflight", "wait", "covered", "seen", "seen_ver", "fwd", "ver", "ddp", "in_graph", "moved")
+                 "inflight", "wait", "covered", "seen", "seen_ver", "fwd", "ver", "ddp", "in_graph", "moved",
+                 "graph_calls", "graph_ok", "graph_pushed")
 
     def __init__(self, t, p, name, group):
         self.t, self.p, self.name, self.group = t, p, name, group
@@ -140,6 +141,9 @@ class _Slot:
         self.ver = self.x._version   # x's version counter after our last write: another value is a user write
         self.in_graph = False   # the in-graph wait (aoq::wait_params) reached it since the last probe
         self.moved = False      # gpu_state_budget="auto" moved its state to the device share
+        self.graph_calls = 0    # aoq::push_grad calls this step (compiled backward)
+        self.graph_ok = None    # one call per backward pass (not tied twice into a graph): may push in-graph
+        self.graph_pushed = False   # this step's final gradient went from the compiled backward
 
 
 def _is_dtensor(t):
@@ -417,6 +421,63 @@ def _define_wait_op():
 _WAIT_OP = _define_wait_op()
 
 
+# Pushes inside torch.compile'd backward.  A compiled model's backward is
+# one graph: the post-accumulate-grad hooks fire only after all of it, so
+# the update of the first gradient would start at the end of backward.  In
+# compiled code the global forward pre-hook hands the module a view of
+# each parameter through _GraphTap (in the module's __dict__, which
+# attribute lookup reads before _parameters; the forward hook removes it);
+# the view's backward calls aoq::push_grad on the parameter's gradient as
+# soon as the graph has computed it, and returns the gradient unchanged.
+# The op "mutates" the gradient so that nothing removes or moves it.  The
+# parameter is named by an int, (optimizer id << 32) | aoq tensor id, which
+# the pre-hook reads from the parameter's _aoq_tap attribute (with the
+# parameter's id(), so that a deepcopy of the model is not taken for it)
+# while tracing:
+# in the graph the parameter itself may be a copy (the in-graph wait's
+# declared mutation, functionalized), so its address names nothing.
+def _push_grad_impl(grad: torch.Tensor, tap: int) -> None:
+    ref = _OPTIMIZERS.get(tap >> 32)
+    o = ref() if ref is not None else None
+    if o is not None:
+        o._push_in_graph(grad, tap & 0xFFFFFFFF)
+
+
+def _define_push_op():
+    if hasattr(getattr(torch.ops, "aoq", None), "push_grad"):
+        return None
+    custom_op = getattr(torch.library, "custom_op", None)
+    if custom_op is None:
+        return None
+    try:
+        op = custom_op("aoq::push_grad", _push_grad_impl, mutates_args=("grad",),
+                       schema="(Tensor(a!) grad, int tap) -> ()")
+        op.register_fake(lambda grad, tap: None)
+    except Exception as e:   # noqa: BLE001 -- any failure only costs the in-graph pushes
+        warnings.warn("aoq: cannot define the in-graph push op (%s); compiled models push their gradients "
+                      "after backward" % (e,), RuntimeWarning)
+        return None
+    return torch.ops.aoq.push_grad.default
+
+
+_PUSH_OP = _define_push_op()
+
+
+class _GraphTap(torch.autograd.Function):
+    """A parameter's view whose backward pushes the parameter's gradient
+    (aoq::push_grad) inside the compiled backward."""
+
+    @staticmethod
+    def forward(ctx, p, tap):
+        ctx.tap = tap
+        return p.view_as(p)
+
+    @staticmethod
+    def backward(ctx, g):
+        _PUSH_OP(g, ctx.tap)
+        return g, None
+
+
 def _canon_fqn(name):
     """A parameter name without the wrappers' components (DDP's "module.",
     torch.compile's "_orig_mod."), as torch.distributed.checkpoint names
@@ -621,13 +682,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
     gradients and parameters stream through; 0 = a copy of every gradient
     and parameter on the host; None (default): 0 when that is at most
     STAGING_BUDGET (1 GiB), else 1 GiB (see staging_window_for).
+    graph_push: inside a torch.compile'd backward, push each gradient as
+    the graph computes it (aoq::push_grad) instead of from the hook after
+    the whole graph (default True; docs/python.md, "Import swap").
     """
 
     def __init__(self, params, optimizer_class=torch.optim.AdamW, *, offload_gradients=False, minimal_size=4096,
                  device=None, socket=None, state_precision=None, master_dtype=None, max_grad_norm=None,
                  delayed_update=False, skip_nonfinite=False, grad_accumulation_steps=None, copy_mode=None,
                  seed=0, job=None, rank=None, model=None, grad_edits=None, gpu_state_budget=0, lease=None,
-                 staging_window=None, timeout=None, **kwargs):
+                 staging_window=None, timeout=None, graph_push=True, **kwargs):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise ValueError("optimizer_class must be a torch.optim.Optimizer subclass, got %r" % (optimizer_class,))
         if master_dtype not in _MASTER_DTYPES:
@@ -653,7 +717,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             check_device(device)
         self._constructed = False
         self._fallback = None
-        self._global_hook = None
+        self._global_hook = self._global_post = None
         self._slots = []
         self._share = None
         self._client = None
@@ -846,6 +910,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._slot_by_addr = {}           # data_ptr -> slot, for the in-graph waits
         self._not_slots = set()           # data_ptrs of parameters in compiled graphs that are not ours
         self._graph_waits = weakref.WeakSet()   # compiled modules whose graphs wait per module (aoq::wait_params)
+        self._tapped = weakref.WeakKeyDictionary()   # compiled module -> its (module, name) of our parameters
         self._constructed = True
         if self._slots:
             # Import swap = attach: before any module runs, the current stream
@@ -857,6 +922,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
             _OPTIMIZERS[oid] = ref
             self._oid = oid
             wait_op = _WAIT_OP
+            taps = _PUSH_OP is not None and graph_push
+            self._slot_by_t = {}
+            if taps:
+                for s in self._slots:
+                    if s.x is s.p:        # not an FSDP2 shard (DTensor)
+                        s.p._aoq_tap = ((oid << 32) | s.t, id(s.p))   # id: not a deepcopy of it
+                        self._slot_by_t[s.t] = s
 
             def pre(mod, args):
                 if _is_compiling():
@@ -868,11 +940,26 @@ class OffloadOptimizer(torch.optim.Optimizer):
                         if ps:
                             with torch.no_grad():
                                 wait_op(ps, ps, oid)
+                    if taps and torch.is_grad_enabled():
+                        for name, p in mod._parameters.items():
+                            tap = getattr(p, "_aoq_tap", None) if p is not None else None
+                            if tap is not None and tap[1] == id(p) and tap[0] >> 32 == oid and p.requires_grad:
+                                mod.__dict__[name] = _GraphTap.apply(p, tap[0])
                     return
                 opt = ref()
                 if opt is not None:
                     opt._global_pre(mod, args)
+
+            def post(mod, args, out):
+                # The view goes; the parameter itself stays in __dict__ (torch
+                # 2.11's dynamo cannot trace a __dict__ deletion), removed by
+                # the eager pre-hook of the compiled module before its next call.
+                if taps and _is_compiling():
+                    for name, p in mod._parameters.items():
+                        if name in mod.__dict__:
+                            mod.__dict__[name] = p
             self._global_hook = torch.nn.modules.module.register_module_forward_pre_hook(pre)
+            self._global_post = torch.nn.modules.module.register_module_forward_hook(post) if taps else None
             # torch warns at every compiled module's call that a global hook
             # fires for the OptimizedModule too: ours is meant to (it waits
             # there on the first call, then leaves the waits to the graph).
@@ -1074,6 +1161,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         s.seen, s.seen_ver = g, g._version
         if s.x is not s.p:
             self._queue_seen()
+        if s.graph_pushed:      # pushed from the compiled backward (aoq::push_grad); p.grad holds the same values
+            return
         # Final pushes from the hook only once the loop is known not to edit
         # gradients between backward and step() (else step() pushes them).
         k = self._learned if self._edits is False else None
@@ -1126,6 +1215,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if unit is not None:
             params = unit
         elif type(mod).__name__ == "OptimizedModule":
+            self._untap(mod)
             if mod in self._graph_waits:
                 return
             for p in mod.parameters():
@@ -1153,6 +1243,55 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if all(s.in_graph for s in slots):
             self._graph_waits.add(mod)
 
+    def _untap(self, compiled):
+        """Before a compiled module's call (eager): the parameters its last
+        call left in its modules' __dict__ (the global forward hook puts
+        them back there after their _GraphTap views) go, so attribute lookup
+        finds _parameters again as it did when the graph was traced."""
+        pairs = self._tapped.get(compiled)
+        if pairs is None:
+            orig = getattr(compiled, "_orig_mod", None)
+            pairs = [] if not isinstance(orig, torch.nn.Module) else [
+                (m, name) for m in orig.modules() for name, p in m._parameters.items() if p in self._slot_of]
+            self._tapped[compiled] = pairs
+        for m, name in pairs:
+            d = m.__dict__
+            if name in d and d[name] is m._parameters.get(name):
+                del d[name]
+
+    def _slot_at(self, addr):
+        """The slot whose parameter's data is at addr (compiled code hands
+        the parameters over as tensors), or None."""
+        s = self._slot_by_addr.get(addr)
+        if s is None or s.x.data_ptr() != addr:
+            if s is None and addr in self._not_slots:
+                return None                   # a parameter this optimizer does not step
+            # first use, or a parameter's storage was replaced (p.data = ...)
+            self._slot_by_addr = {x.x.data_ptr(): x for x in self._slots}
+            self._not_slots = set()
+            s = self._slot_by_addr.get(addr)
+            if s is None:
+                self._not_slots.add(addr)
+        return s
+
+    def _push_in_graph(self, grad, t):
+        """aoq::push_grad at run time (compiled backward): param's gradient
+        of this backward pass, as soon as the graph has it.  Pushed as the
+        step's final gradient where the hook would push this very gradient:
+        once gradients stream (after the first step), one backward pass per
+        step, no gradient offload, no DDP, and one call per backward for
+        this parameter (a parameter tied into the graph twice gets two
+        partial gradients: its hook pushes the sum as before)."""
+        s = self._slot_by_t.get(t)
+        if s is None or s.moved or self._client is None:
+            return
+        s.graph_calls += 1
+        k = self._learned if self._edits is False else None
+        if (s.graph_ok and k == 1 and s.count == 0 and not s.final and not s.ddp and not self.offload_gradients
+                and grad.shape == s.p.shape):
+            self._push(s, grad, final=True)
+            s.graph_pushed = True
+
     def _wait_in_graph(self, params, originals):
         """aoq::wait_params at run time (compiled code): the per-module wait.
 
@@ -1162,20 +1301,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         mutation without putting it back in place, copies taken before it.
         The op must leave the updated values in what it was given, so a copy
         gets them from the parameter (stream-ordered after the wait)."""
-        by_addr = self._slot_by_addr
         for t, p in zip(params, originals):
             addr = p.data_ptr()
-            s = by_addr.get(addr)
-            if s is None or s.x.data_ptr() != addr:
-                if s is None and addr in self._not_slots:
-                    continue                  # a parameter this optimizer does not step
-                # first use, or a parameter's storage was replaced (p.data = ...)
-                by_addr = self._slot_by_addr = {x.x.data_ptr(): x for x in self._slots}
-                self._not_slots = set()
-                s = by_addr.get(addr)
-                if s is None:
-                    self._not_slots.add(addr)
-                    continue
+            s = self._slot_at(addr)
+            if s is None:
+                continue
             s.fwd = True
             s.in_graph = True
             if s.wait:
@@ -1326,6 +1456,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 for s in self._slots:
                     if not s.final:
                         s.count, s.held, s.seen = 0, None, None
+                        s.graph_calls = 0
                 return loss
             scale = getattr(self, "grad_scale", None)
             if scale is not None:           # not unscaled yet: unscale as GradScaler.unscale_ does
@@ -1388,6 +1519,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if self._inflight_fifo:
                 self._reap()
             for s in self._slots:
+                if s.graph_calls and s.graph_ok is None:
+                    s.graph_ok = s.graph_calls == s.count
+                s.graph_calls, s.graph_pushed = 0, False
                 s.count, s.final, s.held, s.seen = 0, False, None, None
                 if not (s.covered or s.fwd):
                     self._wait(s)
@@ -1534,11 +1668,21 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     self._copy_in(s)
             self.synchronize()
 
+    def _remove_global_hooks(self):
+        for name in ("_global_hook", "_global_post"):
+            h = getattr(self, name, None)
+            if h is not None:
+                h.remove()
+                setattr(self, name, None)
+        for s in getattr(self, "_slot_by_t", {}).values():
+            tap = getattr(s.p, "_aoq_tap", None)
+            if tap is not None and tap[0] >> 32 == getattr(self, "_oid", None):
+                del s.p._aoq_tap
+        self._slot_by_t = {}
+
     def close(self):
         """Ends the daemon session (also done at exit)."""
-        if self._global_hook is not None:
-            self._global_hook.remove()
-            self._global_hook = None
+        self._remove_global_hooks()
         _OPTIMIZERS.pop(getattr(self, "_oid", None), None)
         for h in getattr(self, "_mod_handles", ()):
             h.remove()
@@ -1781,8 +1925,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def __del__(self):
         try:
-            if getattr(self, "_global_hook", None) is not None:
-                self._global_hook.remove()
+            self._remove_global_hooks()
             _OPTIMIZERS.pop(getattr(self, "_oid", None), None)
             if getattr(self, "_client", None) is not None:
                 self._client.close()

@@ -182,10 +182,86 @@ def case_import_swap():
     assert c2 in opt._graph_waits, "the compiled graph's own waits (aoq::wait_params) were not trusted"
     opt.close()
     compiled_waits_per_module("aot_eager")
+    compiled_pushes_in_graph("aot_eager")
     regional_compile()
     if torch.device(DEV).type == "cuda":
         compiled_waits_per_module("inductor")      # CPU inductor needs a C++ toolchain and minutes: GPU only
     print("ok: import swap (per-module waits, compile with %d frame(s))" % frames_ref)
+
+
+def compiled_pushes_in_graph(backend):
+    """A whole compiled model: backward is one graph, whose end the
+    post-accumulate-grad hooks wait for; the gradients are pushed from
+    inside it instead (aoq::push_grad, as the graph computes each), every
+    one before the first hook of the step, and training equals AdamW.  With
+    graph_push=False the hooks push them, after the graph."""
+    for graph_push in (True, False):
+        torch._dynamo.reset()
+        m1 = make_model(W, DEV)
+        loop(m1, torch.optim.AdamW(trainable(m1), lr=1e-2), 5)
+        torch._dynamo.reset()
+        m2 = make_model(W, DEV)
+        opt = aoq_opt(m2, graph_push=graph_push)
+        c2 = torch.compile(m2, backend=backend)
+        loop_compiled(c2, m2, opt, 4)
+        events = []
+        real_push, real_on_grad = opt._push, opt._on_grad
+
+        def push(s, grad, final):
+            events.append(("push", s.name))
+            real_push(s, grad, final)
+
+        def on_grad(s, p):
+            events.append(("hook", s.name))
+            real_on_grad(s, p)
+        opt._push, opt._on_grad = push, on_grad
+        data = batches(8, DEV)
+        x, y = data[4 % len(data)]
+        torch.nn.functional.mse_loss(c2(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        opt._push, opt._on_grad = real_push, real_on_grad
+        opt.synchronize()
+        same(m2, m1, "torch.compile, whole model, graph_push=%s" % graph_push)
+        pushes = [i for i, e in enumerate(events) if e[0] == "push"]
+        hooks = [i for i, e in enumerate(events) if e[0] == "hook"]
+        assert len(pushes) == len(opt._slots), ("one final push per parameter", events)
+        if graph_push:
+            assert all(s.graph_ok for s in opt._slots), [(s.name, s.graph_ok) for s in opt._slots]
+            assert max(pushes) < min(hooks), ("gradients pushed after the compiled backward", events)
+        else:
+            assert min(pushes) > min(hooks), ("pushed without the hooks", events)
+        opt.close()
+
+    # A weight tied into two modules gets two partial gradients in the graph:
+    # the hook pushes their sum, as without compile; the others go in-graph.
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(32, 32, bias=False)
+            self.b = torch.nn.Linear(32, 32, bias=False)
+            self.b.weight = self.a.weight
+            self.c = torch.nn.Linear(32, 128)
+
+        def forward(self, x):
+            return self.c(self.b(torch.relu(self.a(x))))
+
+    def tied():
+        torch.manual_seed(5)
+        return Tied().to(DEV)
+    data = batches(8, DEV)
+    torch._dynamo.reset()
+    m1 = tied()
+    loop(m1, torch.optim.AdamW(m1.parameters(), lr=1e-2), 4)
+    torch._dynamo.reset()
+    m2 = tied()
+    opt = aoq_opt(m2, minimal_size=1)
+    loop_compiled(torch.compile(m2, backend=backend), m2, opt, 4)
+    opt.synchronize()
+    same(m2, m1, "torch.compile, a tied weight")
+    ok = {s.name: s.graph_ok for s in opt._slots}
+    assert ok["a.weight"] is False and ok["c.weight"] is True and ok["c.bias"] is True, ok
+    opt.close()
 
 
 def regional_compile():
