@@ -187,7 +187,7 @@ static AOQK_ALWAYS_INLINE void vstep(const struct kvec kc, const struct kptrs *p
                                      size_t j, uint64_t gi, const int prec, const int gd,
                                      const int pd, const int nt, int want_ss, vacc *ss,
                                      float *bm, float *bu, uint32_t *hb, vi *xs, vf sm, vf su,
-                                     vf *mx_m, vf *mx_u)
+                                     vf *mx_m, vf *mx_u, const int fast)
 {
 	const int q8 = aoqk_precision_q8(prec);
 	const int bfm = aoqk_precision_bf16_master(prec);
@@ -195,12 +195,15 @@ static AOQK_ALWAYS_INLINE void vstep(const struct kvec kc, const struct kptrs *p
 	vf g = load_grad(p->grad, j, gd);
 	vf pw, m, v, u;
 
-	if (p->acc) {
+	/* fast (a compile-time 1): the common case's flags are constants, no
+	 * accumulator, the report wanted, AdamW, the small-weight lerp (the
+	 * tests of the runtime flags cost q8's vector ports; run_chunk) */
+	if (!fast && p->acc) {
 		g = vf_add(vf_loadu(p->acc + j), g);
 		vf_storeu(p->acc + j, vf_zero());
 	}
 	g = vf_mul(g, kc.gscale);
-	if (want_ss)
+	if (fast || want_ss)
 		vacc_add_sq(ss, g);
 
 	if (bfm)
@@ -208,9 +211,9 @@ static AOQK_ALWAYS_INLINE void vstep(const struct kvec kc, const struct kptrs *p
 	else
 		pw = vf_loadu((const float *)p->master + j);
 	/* torch: grad + wd * param (_foreach_add, alpha) */
-	if (kc.l2)
+	if (!fast && kc.l2)
 		g = vf_fma(kc.wd, pw, g);
-	if (kc.adamw)
+	if (fast || kc.adamw)
 		pw = vf_mul(pw, kc.decay);
 
 	if (q8 && AOQK_DROP_DECODE) {
@@ -231,7 +234,7 @@ static AOQK_ALWAYS_INLINE void vstep(const struct kvec kc, const struct kptrs *p
 	/* The roundings of torch's foreach AdamW on CUDA, whose kernels
 	 * contract a * b + c into one FMA (README.md, "Numerics").
 	 * exp_avg.lerp_(grad, 1 - beta1): */
-	if (kc.lerp_small)
+	if (fast || kc.lerp_small)
 		m = vf_fma(kc.w1, vf_sub(g, m), m);
 	else
 		m = vf_fnma(vf_sub(g, m), kc.w1c, g);
@@ -356,6 +359,9 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 	vacc ss = vacc_zero();
 	const struct kvec kc = kvec_make(k);
 	const size_t blk = q8 ? AOQK_Q8_BLOCK : n;
+	/* q8 is compute-bound: its update loop has a twin for the common
+	 * case with the flags as constants */
+	const int fast = q8 && !d.acc && want_ss && !kc.l2 && kc.adamw && kc.lerp_small;
 
 	for (size_t jb = 0; jb < n; jb += blk) {
 		size_t len = n - jb < blk ? n - jb : blk;
@@ -369,9 +375,14 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 			su = vf_set1(st->v_scale[bidx] / AOQK_Q8_U_TOP);
 		}
 		size_t t = 0;
-		for (; t + W <= len; t += W)
-			vstep(kc, &d, jb + t, b0 + jb + t, prec, gd, pd, nt, want_ss, &ss, bm + t, bu + t,
-			      hb + t, &xs[(t / W) % XS_N], sm, su, &mx_m, &mx_u);
+		if (q8 && fast)
+			for (; t + W <= len; t += W)
+				vstep(kc, &d, jb + t, b0 + jb + t, prec, gd, pd, nt, want_ss, &ss, bm + t,
+				      bu + t, hb + t, &xs[(t / W) % XS_N], sm, su, &mx_m, &mx_u, 1);
+		else
+			for (; t + W <= len; t += W)
+				vstep(kc, &d, jb + t, b0 + jb + t, prec, gd, pd, nt, want_ss, &ss, bm + t,
+				      bu + t, hb + t, &xs[(t / W) % XS_N], sm, su, &mx_m, &mx_u, 0);
 		if (t < len) {
 			size_t j = jb + t;
 			/* the tail: run the same step on zero-padded copies */
@@ -398,7 +409,7 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 				.param = lp,
 			};
 			vstep(kc, &l, 0, b0 + j, prec, gd, pd, 0, want_ss, &ss, bm + t, bu + t,
-			      hb + t, &xs[(t / W) % XS_N], sm, su, &mx_m, &mx_u);
+			      hb + t, &xs[(t / W) % XS_N], sm, su, &mx_m, &mx_u, 0);
 			if (d.acc)
 				memset(d.acc + j, 0, r * 4);
 			memcpy((char *)d.master + j * sz.master, lmst, r * sz.master);
