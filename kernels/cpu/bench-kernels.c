@@ -3,6 +3,16 @@
  * Kernel benchmark (not a test).
  *
  *   bench-kernels [-n PARAMS] [-t THREADS] [-r REPS] [-c CHUNK] [-k VARIANT,...]
+ *   bench-kernels --resident[=N] [-r REPS] [-c CHUNK] [-k VARIANT,...]
+ *
+ * --resident: compute only, one thread: every Adam state precision (bf16
+ * grad in, bf16 param out) on one N-element tensor (default 64 Ki: all of
+ * its arrays stay in L2) updated over and over, timed in thread CPU time
+ * (a shared machine's other processes do not count); per variant and
+ * precision the best and the median of REPS runs of about 16 M elements
+ * each, in G params/s per thread, ns and core cycles per element (the clock
+ * estimated from a chain of dependent integer adds, one per cycle).  Lines
+ *   RESIDENT <name> gparams_per_s=<best> ns_per_param=<best> cycles_per_param=<best> median_gparams_per_s=<m>
  *
  * Defaults: 256M parameters, one thread per CPU this process may use, 5 timed
  * repetitions (the median counts), chunks of 32768 elements.  Every runnable
@@ -296,6 +306,54 @@ static void next_step(void)
 	cur_hp.step++;
 }
 
+/* --resident: passes over the whole (small) tensor in chunks, timed in
+ * the worker's CPU time. */
+static size_t res_passes;
+static double res_seconds;
+
+static double thread_cpu_now(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+	return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void resident_job(int tid)
+{
+	double t0 = thread_cpu_now();
+	for (size_t p = 0; p < res_passes; p++) {
+		kernel_job(tid);
+		cur_hp.step++;
+	}
+	res_seconds = thread_cpu_now() - t0;
+}
+
+/* The core clock in GHz: 200 dependent register-register integer adds per
+ * iteration run at one per cycle (the loop's own counter runs beside them;
+ * adds of an immediate are not used: recent cores fold chains of them at
+ * rename). */
+static void clock_job(int tid)
+{
+	uint64_t x = (uint64_t)tid, one = 1;
+	const size_t iters = 1000000;
+	double t0 = thread_cpu_now();
+	for (size_t i = 0; i < iters; i++)
+		__asm__ volatile(".rept 200\n\taddq %1, %0\n\t.endr" : "+r"(x) : "r"(one));
+	res_seconds = thread_cpu_now() - t0;
+}
+
+static double core_ghz(void)
+{
+	double best = 0;
+	for (int i = 0; i < 5; i++) {
+		run_job(clock_job);
+		double g = 200e6 / res_seconds * 1e-9;
+		if (g > best)
+			best = g;
+	}
+	return best;
+}
+
 /* ------------------------------------------------------------------ */
 /* STREAM-like copy and triad over fp32 arrays, and "memory only": the
  * headline job's loads and stores with the math dropped. */
@@ -490,6 +548,41 @@ static void bench_kernel(const struct aoqk_kernel *k, enum aoqk_precision p, enu
 	record(name, t, (double)N, job_bytes_opt(p, gd, pd, cur_opt));
 }
 
+/* One variant x precision on the resident tensor: REPS timed runs of
+ * about 16 M elements after a warm-up run; the best and the median. */
+static void bench_resident(const struct aoqk_kernel *k, enum aoqk_precision p, double ghz)
+{
+	char name[96];
+	double t[64];
+	int reps = REPS < 64 ? REPS : 64;
+
+	cur_k = k;
+	cur_prec = p;
+	cur_gd = AOQK_BF16;
+	cur_pd = AOQK_BF16;
+	cur_skip = 0;
+	cur_chunk = CHUNK;
+	cur_opt = OPT_ADAM;
+	cur_hp = (struct aoqk_hparams){ .lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
+	                                .weight_decay = 0.01f, .decoupled = true, .step = 1,
+	                                .grad_scale = 1.0f };
+	res_passes = ((size_t)16 << 20) / N + 1;
+	run_job(resident_job);
+	for (int i = 0; i < reps; i++) {
+		run_job(resident_job);
+		t[i] = res_seconds / ((double)res_passes * (double)N);
+	}
+	qsort(t, (size_t)reps, sizeof(double), cmp_double);
+	snprintf(name, sizeof(name), "%s_%s_bf16_bf16", k->name, prec_name(p));
+	for (char *c = name; *c; c++)
+		if (*c == '-')
+			*c = '_';
+	printf("RESIDENT %-32s gparams_per_s=%.3f ns_per_param=%.3f cycles_per_param=%.2f "
+	       "median_gparams_per_s=%.3f\n",
+	       name, 1e-9 / t[0], t[0] * 1e9, t[0] * 1e9 * ghz, 1e-9 / t[reps / 2]);
+	fflush(stdout);
+}
+
 static int wanted(const char *list, const char *name)
 {
 	if (!list)
@@ -523,6 +616,8 @@ static const char bench_usage[] =
 	"  -r N       repetitions; the median is reported (default 5)\n"
 	"  -c N       chunk elements (default 32768)\n"
 	"  -k LIST    kernel variants to run, comma separated\n"
+	"  --resident[=N]  compute only: one thread, one N-element tensor (default 65536)\n"
+	"             updated over and over in cache; per precision G params/s, ns and cycles\n"
 	"  -h, --help this text\n";
 
 /* A decimal or 0x number in [lo, hi]; otherwise names the option and fails. */
@@ -544,6 +639,8 @@ int main(int argc, char **argv)
 {
 	const char *klist = NULL;
 	int opt;
+	bool resident = false;
+	size_t res_n = 0;
 	cpu_set_t set;
 
 	sched_getaffinity(0, sizeof(set), &set);
@@ -553,6 +650,7 @@ int main(int argc, char **argv)
 	int ncpu = T;
 	static const struct option longopts[] = {
 		{ "help", no_argument, NULL, 'h' },
+		{ "resident", optional_argument, NULL, 'R' },
 		{ NULL, 0, NULL, 0 },
 	};
 	unsigned long long v;
@@ -581,6 +679,12 @@ int main(int argc, char **argv)
 		case 'k':
 			klist = optarg;
 			break;
+		case 'R':
+			resident = true;
+			if (optarg && !bench_arg(optarg, "--resident", AOQK_Q8_BLOCK, (size_t)1 << 30, &v))
+				return 2;
+			res_n = optarg ? (size_t)v : 65536;
+			break;
 		case 'h':
 			fputs(bench_usage, stdout);
 			return 0;
@@ -592,6 +696,11 @@ int main(int argc, char **argv)
 	if (optind < argc) {
 		fprintf(stderr, "bench-kernels: unexpected argument '%s'\n", argv[optind]);
 		return 2;
+	}
+	if (resident) {
+		N = res_n;
+		T = 1;
+		cpus[0] = sched_getcpu() >= 0 ? sched_getcpu() : cpus[0];
 	}
 	for (int i = ncpu; i < T; i++)
 		cpus[i] = cpus[i % ncpu];
@@ -623,6 +732,38 @@ int main(int argc, char **argv)
 	double t0 = now();
 	run_job(init_job);
 	printf("init %.2f s\n", now() - t0);
+
+	if (resident) {
+		/* normal gradients: with zeros the moments decay into denormals */
+		set_grad_dtype(AOQK_BF16);
+		double ghz = core_ghz();
+		printf("resident: %zu elements, chunks of %zu, one thread, core clock %.2f GHz "
+		       "(dependent adds)\n", N, CHUNK, ghz);
+		size_t nv;
+		const struct aoqk_variant *vars = aoqk_variants(&nv);
+		const struct aoqk_kernel *extra[] = { &aoqk_kernel_q8_nodecode, &aoqk_kernel_q8_nohash,
+		                                      &aoqk_kernel_q8_noencode };
+		for (size_t i = 0; i < nv; i++) {
+			const struct aoqk_kernel *k = vars[i].kernel;
+			/* default: the best variant only */
+			if (!vars[i].runnable || (klist ? !wanted(klist, k->name) : k != aoqk_select(NULL)))
+				continue;
+			for (int p = 0; p <= AOQK_STATE_BF16_ALL; p++)
+				bench_resident(k, (enum aoqk_precision)p, ghz);
+		}
+		for (size_t i = 0; i < 3; i++) {
+			if (!extra[i] || !__builtin_cpu_supports("avx512bf16") ||
+			    (klist && !wanted(klist, extra[i]->name)))
+				continue;
+			bench_resident(extra[i], AOQK_STATE_Q8, ghz);
+			bench_resident(extra[i], AOQK_STATE_BF16_Q8, ghz);
+		}
+		printf("resident: core clock %.2f GHz after the runs\n", core_ghz());
+		quit = 1;
+		pthread_barrier_wait(&bar_start);
+		pthread_join(th[0], NULL);
+		return 0;
+	}
 
 	stream_all("");
 
@@ -690,15 +831,24 @@ int main(int argc, char **argv)
 	for (int i = 0; i < T; i++)
 		pthread_join(th[i], NULL);
 
-	double triad = 0;
-	for (int i = 0; i < nresults; i++)
+	double triad = 0, triad_end = 0;
+	for (int i = 0; i < nresults; i++) {
 		if (!strcmp(results[i].name, "stream_triad_nt"))
 			triad = results[i].gbps;
+		if (!strcmp(results[i].name, "stream_triad_nt_again"))
+			triad_end = results[i].gbps;
+	}
 	/* every Adam state precision of the default kernel, bf16 grad in and
 	 * bf16 param out: bytes per parameter per step and the ratio to the
 	 * triad (the delayed update moves the same bytes as its precision: the
 	 * param goes to the other of two buffers) */
-	printf("MODE %-10s %14s %10s %8s %8s\n", "precision", "bytes/param", "Gparam/s", "GB/s", "triad");
+	/* the triad moves within one run (on the H200 host 159.5 -> 114.5
+	 * GB/s): the ratio to the triad at the start, at the end, and to the
+	 * better of the two */
+	double triad_best = triad > triad_end ? triad : triad_end;
+	printf("MODE triad_nt start %.1f GB/s, end %.1f GB/s\n", triad, triad_end);
+	printf("MODE %-10s %14s %10s %8s %8s %8s %8s\n", "precision", "bytes/param", "Gparam/s", "GB/s",
+	       "/start", "/end", "/best");
 	for (int p = 0; p <= AOQK_STATE_BF16_ALL; p++) {
 		char name[96];
 		snprintf(name, sizeof(name), "%s_%s_bf16_bf16", best->name, prec_name((enum aoqk_precision)p));
@@ -707,9 +857,12 @@ int main(int argc, char **argv)
 				*c = '_';
 		for (int i = 0; i < nresults; i++)
 			if (!strcmp(results[i].name, name))
-				printf("MODE %-10s %14.4f %10.3f %8.1f %8.3f\n", prec_name((enum aoqk_precision)p),
+				printf("MODE %-10s %14.4f %10.3f %8.1f %8.3f %8.3f %8.3f\n",
+				       prec_name((enum aoqk_precision)p),
 				       job_bytes((enum aoqk_precision)p, AOQK_BF16, AOQK_BF16), results[i].gps,
-				       results[i].gbps, triad > 0 ? results[i].gbps / triad : 0.0);
+				       results[i].gbps, triad > 0 ? results[i].gbps / triad : 0.0,
+				       triad_end > 0 ? results[i].gbps / triad_end : 0.0,
+				       triad_best > 0 ? results[i].gbps / triad_best : 0.0);
 	}
 	for (int i = 0; i < nresults; i++)
 		printf("RESULT %s gparams_per_s=%.4f gbps=%.2f ratio_to_triad=%.3f\n", results[i].name,

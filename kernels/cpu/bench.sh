@@ -5,9 +5,12 @@
 # same size and threads, and write the logs to $OUT (default ./bench-out).
 # The last lines (MODE, also in $OUT/modes.txt) give, for the default
 # kernel, every state precision's bytes per parameter per step, G params/s,
-# GB/s and ratio to the non-temporal STREAM triad of the same run.
+# GB/s and ratio to the non-temporal STREAM triad of the same run (measured
+# at the start and at the end of the run: the ratio to each and to the
+# better of the two).
 #
 #   kernels/cpu/bench.sh [-n PARAMS] [-t THREADS] [-r REPS] [extra bench-kernels args]
+#   kernels/cpu/bench.sh --resident [-r REPS]    # one thread, cache-resident (compute only)
 #
 # KEEP_BIN=path keeps the built bench-kernels there for more runs.
 set -eu
@@ -18,9 +21,11 @@ params=$((256 << 20))
 threads=$(nproc)
 reps=5
 extra=""
+resident=""
 while [ $# -gt 0 ]; do
 	case "$1" in
 	-n) params=$2; shift 2 ;;
+	--resident*) resident=$1; shift ;;
 	-t) threads=$2; shift 2 ;;
 	-r) reps=$2; shift 2 ;;
 	*) extra="$extra $1"; shift ;;
@@ -54,6 +59,12 @@ wait
 $cc "$tmp"/*.o -lpthread -lm -o "$tmp/bench-kernels"
 [ -n "${KEEP_BIN:-}" ] && cp "$tmp/bench-kernels" "$KEEP_BIN"
 echo "# built in $(( $(date +%s) - t0 )) s"
+if [ -n "$resident" ]; then
+	# compute only, one thread: every precision of the default kernel and
+	# the stage-dropping builds (q8_no*), per element
+	"$tmp/bench-kernels" "$resident" -r "$reps" $extra | tee "$out/bench-resident.log"
+	exit 0
+fi
 "$tmp/bench-kernels" -n "$params" -t "$threads" -r "$reps" $extra | tee "$out/bench-kernels.log"
 triad=$(sed -n 's/^RESULT stream_triad_nt gparams_per_s=[^ ]* gbps=\([^ ]*\) .*/\1/p' "$out/bench-kernels.log")
 if python3 -c 'import torch' 2>/dev/null; then

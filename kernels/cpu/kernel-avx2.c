@@ -72,6 +72,16 @@ KI vi vi_max_s(vi a, vi b) { return _mm256_max_epi32(a, b); }
 KI vi vi_min_u(vi a, vi b) { return _mm256_min_epu32(a, b); }
 KI vi vi_or(vi a, vi b) { return _mm256_or_si256(a, b); }
 KI vi vi_mullo(vi a, vi b) { return _mm256_mullo_epi32(a, b); }
+/* (a & m) | c,  (a & m) | (b & ~m),  a ^ (b & m) */
+KI vi vi_andor(vi a, vi m, vi c) { return _mm256_or_si256(_mm256_and_si256(a, m), c); }
+KI vi vi_bitsel(vi m, vi a, vi b) { return _mm256_or_si256(_mm256_and_si256(a, m), _mm256_andnot_si256(m, b)); }
+KI vi vi_xorand(vi a, vi b, vi m) { return _mm256_xor_si256(a, _mm256_and_si256(b, m)); }
+/* isnan(x) ? b | 0x400000 (the quiet bit) : b + r, lane-wise */
+KI vi vi_add_or_quiet(vf x, vi b, vi r)
+{
+	return _mm256_blendv_epi8(_mm256_or_si256(b, _mm256_set1_epi32(0x400000)), _mm256_add_epi32(b, r),
+	                          _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q)));
+}
 #define vi_srli(a, s) _mm256_srli_epi32((a), (s))
 #define vi_slli(a, s) _mm256_slli_epi32((a), (s))
 KI vi vf_as_vi(vf a) { return _mm256_castps_si256(a); }
@@ -124,8 +134,10 @@ KI void vacc_add_sq(vacc *a, vf g)
 {
 	__m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(g));
 	__m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(g, 1));
-	a->a = _mm256_add_pd(a->a, _mm256_mul_pd(lo, lo));
-	a->b = _mm256_add_pd(a->b, _mm256_mul_pd(hi, hi));
+	/* the product of two floats is exact in double: the FMA rounds as
+	 * the multiply and add of the plain C kernel */
+	a->a = _mm256_fmadd_pd(lo, lo, a->a);
+	a->b = _mm256_fmadd_pd(hi, hi, a->b);
 }
 KI double vacc_sum(vacc a)
 {

@@ -76,6 +76,16 @@ KI vi vi_max_s(vi a, vi b) { return _mm512_max_epi32(a, b); }
 KI vi vi_min_u(vi a, vi b) { return _mm512_min_epu32(a, b); }
 KI vi vi_or(vi a, vi b) { return _mm512_or_si512(a, b); }
 KI vi vi_mullo(vi a, vi b) { return _mm512_mullo_epi32(a, b); }
+/* (a & m) | c,  (a & m) | (b & ~m),  a ^ (b & m): one vpternlogd each */
+KI vi vi_andor(vi a, vi m, vi c) { return _mm512_ternarylogic_epi32(a, m, c, 0xea); }
+KI vi vi_bitsel(vi m, vi a, vi b) { return _mm512_ternarylogic_epi32(m, a, b, 0xca); }
+KI vi vi_xorand(vi a, vi b, vi m) { return _mm512_ternarylogic_epi32(a, b, m, 0x78); }
+/* isnan(x) ? b | 0x400000 (the quiet bit) : b + r, lane-wise */
+KI vi vi_add_or_quiet(vf x, vi b, vi r)
+{
+	return _mm512_mask_add_epi32(_mm512_or_si512(b, _mm512_set1_epi32(0x400000)),
+	                             _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), b, r);
+}
 #define vi_srli(a, s) _mm512_srli_epi32((a), (s))
 #define vi_slli(a, s) _mm512_slli_epi32((a), (s))
 KI vi vf_as_vi(vf a) { return _mm512_castps_si512(a); }
@@ -118,8 +128,10 @@ KI void vacc_add_sq(vacc *a, vf g)
 {
 	__m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(g));
 	__m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(g), 1)));
-	a->a = _mm512_add_pd(a->a, _mm512_mul_pd(lo, lo));
-	a->b = _mm512_add_pd(a->b, _mm512_mul_pd(hi, hi));
+	/* the product of two floats is exact in double: the FMA rounds as
+	 * the multiply and add of the plain C kernel */
+	a->a = _mm512_fmadd_pd(lo, lo, a->a);
+	a->b = _mm512_fmadd_pd(hi, hi, a->b);
 }
 KI double vacc_sum(vacc a) { return _mm512_reduce_add_pd(_mm512_add_pd(a.a, a.b)); }
 

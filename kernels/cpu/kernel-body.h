@@ -107,14 +107,18 @@ static AOQK_ALWAYS_INLINE vi xs_next(vi x)
 	return vi_xor(x, vi_slli(x, 5));
 }
 
-/* Stochastic rounding of x to bf16 with 16 random bits per lane in r. */
+/* Stochastic rounding of x to bf16 with 16 random bits per lane in r;
+ * NaN lanes: the top half quieted (as vcvtneps2bf16), not b + r, which
+ * could carry out of the NaN. */
 static AOQK_ALWAYS_INLINE vi sr_bf16(vf x, vi r)
 {
-	vi b = vf_as_vi(x);
-	vi s = vi_srli(vi_add(b, r), 16);
-	vi q = vi_or(vi_srli(b, 16), vi_set1(0x40u));
-	return vi_select_nan(x, q, s); /* NaN lanes: q, others: s */
+	return vi_srli(vi_add_or_quiet(x, vf_as_vi(x), r), 16);
 }
+
+/* Format 2's code offsets have zero low bits, so c + C0 = c | C0: the
+ * decode puts the code in with one and-or (vpternlogd), and the encode's
+ * low 7 (m) or 8 (v) bits of the shifted pattern are the code itself. */
+_Static_assert((AOQK_Q8_M_C0 & 0x7fu) == 0 && (AOQK_Q8_U_C0 & 0xffu) == 0, "q8 code offsets");
 
 /* Decode q8 codes (format 2, aoq-convert.h): m = +-(F(c) - K) * sm,
  * u = sqrt(v) = (F(c) - K) * su, with sm, su = scale / TOP.  F - K is
@@ -122,10 +126,11 @@ static AOQK_ALWAYS_INLINE vi sr_bf16(vf x, vi r)
 static AOQK_ALWAYS_INLINE vf q8_m_decode(const uint8_t *p, vf sm)
 {
 	vi b = vb_load_u8(p);
-	vi e = vi_add(vi_slli(vi_and(b, vi_set1(0x7fu)), AOQK_Q8_M_SHIFT),
-	              vi_set1(AOQK_Q8_M_C0 << AOQK_Q8_M_SHIFT));
+	vi e = vi_andor(vi_slli(b, AOQK_Q8_M_SHIFT), vi_set1(0x7fu << AOQK_Q8_M_SHIFT),
+	                vi_set1(AOQK_Q8_M_C0 << AOQK_Q8_M_SHIFT));
 	vf x = vf_mul(vf_sub(vi_as_vf(e), vf_set1(AOQK_Q8_M_K)), sm);
-	return vi_as_vf(vi_xor(vf_as_vi(x), vi_slli(vi_and(b, vi_set1(0x80u)), 24)));
+	/* the code's bit 7 is the sign */
+	return vi_as_vf(vi_xorand(vf_as_vi(x), vi_slli(b, 24), vi_set1(0x80000000u)));
 }
 
 static AOQK_ALWAYS_INLINE vf q8_u_decode(const uint8_t *p, vf su)
@@ -182,7 +187,7 @@ static AOQK_ALWAYS_INLINE void vstep(const struct kvec kc, const struct kptrs *p
                                      size_t j, uint64_t gi, const int prec, const int gd,
                                      const int pd, const int nt, int want_ss, vacc *ss,
                                      float *bm, float *bu, uint32_t *hb, vi *xs, vf sm, vf su,
-                                     vf *mx_m, vf *mx_u)
+                                     vf *mx_m, vf *mx_u, const int fast)
 {
 	const int q8 = aoqk_precision_q8(prec);
 	const int bfm = aoqk_precision_bf16_master(prec);
@@ -190,12 +195,15 @@ static AOQK_ALWAYS_INLINE void vstep(const struct kvec kc, const struct kptrs *p
 	vf g = load_grad(p->grad, j, gd);
 	vf pw, m, v, u;
 
-	if (p->acc) {
+	/* fast (a compile-time 1): the common case's flags are constants, no
+	 * accumulator, the report wanted, AdamW, the small-weight lerp (the
+	 * tests of the runtime flags cost q8's vector ports; run_chunk) */
+	if (!fast && p->acc) {
 		g = vf_add(vf_loadu(p->acc + j), g);
 		vf_storeu(p->acc + j, vf_zero());
 	}
 	g = vf_mul(g, kc.gscale);
-	if (want_ss)
+	if (fast || want_ss)
 		vacc_add_sq(ss, g);
 
 	if (bfm)
@@ -203,9 +211,9 @@ static AOQK_ALWAYS_INLINE void vstep(const struct kvec kc, const struct kptrs *p
 	else
 		pw = vf_loadu((const float *)p->master + j);
 	/* torch: grad + wd * param (_foreach_add, alpha) */
-	if (kc.l2)
+	if (!fast && kc.l2)
 		g = vf_fma(kc.wd, pw, g);
-	if (kc.adamw)
+	if (fast || kc.adamw)
 		pw = vf_mul(pw, kc.decay);
 
 	if (q8 && AOQK_DROP_DECODE) {
@@ -226,7 +234,7 @@ static AOQK_ALWAYS_INLINE void vstep(const struct kvec kc, const struct kptrs *p
 	/* The roundings of torch's foreach AdamW on CUDA, whose kernels
 	 * contract a * b + c into one FMA (README.md, "Numerics").
 	 * exp_avg.lerp_(grad, 1 - beta1): */
-	if (kc.lerp_small)
+	if (fast || kc.lerp_small)
 		m = vf_fma(kc.w1, vf_sub(g, m), m);
 	else
 		m = vf_fnma(vf_sub(g, m), kc.w1c, g);
@@ -234,10 +242,10 @@ static AOQK_ALWAYS_INLINE void vstep(const struct kvec kc, const struct kptrs *p
 	v = vf_fma(kc.w2, vf_mul(g, g), vf_mul(v, kc.b2));
 	u = vf_sqrt(v);
 	/* denom = sqrt(v) / sqrt(bc2) + eps; param.addcdiv_(m, denom, -step_size).
-	 * q8 is compute-bound (its encode adds two square roots to the
-	 * divider), so it multiplies by 1 / sqrt(bc2) instead: within about
-	 * 1 ulp of the division. */
-	vf den = q8 ? vf_add(vf_mul(u, kc.inv_bc2s), kc.eps) : vf_add(vf_div(u, kc.bc2s), kc.eps);
+	 * q8 is compute-bound, so it computes fma(sqrt(v), 1 / sqrt(bc2), eps)
+	 * instead: one divider operation and one vector operation less, within
+	 * about 1 ulp of torch's denom. */
+	vf den = q8 ? vf_fma(u, kc.inv_bc2s, kc.eps) : vf_add(vf_div(u, kc.bc2s), kc.eps);
 	pw = vf_fma(kc.nstep, vf_div(m, den), pw);
 
 	if (q8) {
@@ -251,15 +259,16 @@ static AOQK_ALWAYS_INLINE void vstep(const struct kvec kc, const struct kptrs *p
 	}
 
 	/* one hash per element: bits 16..31 round the bf16 master, bits 0..15
-	 * the two q8 codes (in q8_encode, through hb) or the two bf16 moments
-	 * (8 random bits each, the rest of the 16 at one half: P(up) within
-	 * 2^-9 of exact) */
+	 * the two q8 codes (in q8_encode) or the two bf16 moments (8 random
+	 * bits each, the rest of the 16 at one half: P(up) within 2^-9 of
+	 * exact).  q8 with an fp32 master steps its xorshift in q8_encode
+	 * only; with a bf16 master here, and hands the bits on through hb. */
 	vi h = vi_zero();
-	if (q8 && !AOQK_DROP_HASH)
+	if (q8 && bfm && !AOQK_DROP_HASH)
 		h = *xs = xs_next(*xs);
-	else if (bfm && !AOQK_DROP_HASH)
+	else if (bfm && !q8 && !AOQK_DROP_HASH)
 		h = sr_hash(kc.srkey, gi);
-	if (q8)
+	if (q8 && bfm)
 		vi_storeu(hb, h);
 	if (bfmom) {
 		vi rm = vi_or(vi_slli(vi_and(h, vi_set1(0xffu)), 8), vi_set1(0x80u));
@@ -287,29 +296,34 @@ static AOQK_ALWAYS_INLINE void vstep(const struct kvec kc, const struct kptrs *p
  * shift, so P(up) is within 2^-9 of the discarded fraction (E[code] is the
  * exact code position to that much) and the moments do not stick (a step
  * moves v by 1 - beta2 = 0.1%, far below one code's spacing). */
-static AOQK_ALWAYS_INLINE void q8_encode(const float *bm, const float *bu, const uint32_t *hb,
-                                         uint8_t *cm, uint8_t *cu, vf inv_m, vf inv_u)
+static AOQK_ALWAYS_INLINE void q8_encode(const float *bm, const float *bu, vi h, uint8_t *cm,
+                                         uint8_t *cu, vf inv_m, vf inv_u)
 {
-	vi h = vi_loadu(hb);
-	vi rm = vi_or(vi_slli(vi_and(h, vi_set1(0xffu)), AOQK_Q8_M_SHIFT - 8),
-	              vi_set1(1u << (AOQK_Q8_M_SHIFT - 9)));
-	vi ru = vi_or(vi_and(vi_slli(h, AOQK_Q8_U_SHIFT - 16), vi_set1(0xffu << (AOQK_Q8_U_SHIFT - 8))),
-	              vi_set1(1u << (AOQK_Q8_U_SHIFT - 9)));
+	/* r = 8 random bits at the top of the discarded ones, the rest at
+	 * one half: (h << s) & mask | half, one vpternlogd */
+	vi rm = vi_andor(vi_slli(h, AOQK_Q8_M_SHIFT - 8), vi_set1(0xffu << (AOQK_Q8_M_SHIFT - 8)),
+	                 vi_set1(1u << (AOQK_Q8_M_SHIFT - 9)));
+	vi ru = vi_andor(vi_slli(h, AOQK_Q8_U_SHIFT - 16), vi_set1(0xffu << (AOQK_Q8_U_SHIFT - 8)),
+	                 vi_set1(1u << (AOQK_Q8_U_SHIFT - 9)));
 	vf m = vf_loadu(bm);
-	vf x = vf_add(vf_mul(vf_abs(m), inv_m), vf_set1(AOQK_Q8_M_K));
+	vf x = vf_fma(vf_abs(m), inv_m, vf_set1(AOQK_Q8_M_K));
 	/* no clamp to the top code: |m| <= the block max s and inv = TOP / s
-	 * rounded, so x <= TOP + K + 2 ulp, whose bits plus r stay below the
-	 * next binade (README.md; a NaN m gives the low 8 bits of its code,
-	 * stored alike by every variant's vb_store_u8) */
-	vi c = vi_sub(vi_srli(vi_add(vf_as_vi(x), rm), AOQK_Q8_M_SHIFT), vi_set1(AOQK_Q8_M_C0));
-	vb_store_u8(cm, vi_or(c, vi_and(vi_srli(vf_as_vi(m), 24), vi_set1(0x80u))));
+	 * rounded, so x <= TOP + K + 1 ulp, whose bits plus r stay below the
+	 * next binade.  The shifted pattern is c | C0 (C0's low 7 bits are
+	 * zero): its low 7 bits are the code, bit 7 comes from m's sign.  (A
+	 * NaN m gives the low 7 bits of its out-of-range pattern, alike in
+	 * every variant.) */
+	vi c = vi_srli(vi_add(vf_as_vi(x), rm), AOQK_Q8_M_SHIFT);
+	vb_store_u8(cm, vi_bitsel(vi_set1(0x7fu), c, vi_srli(vf_as_vi(m), 24)));
 
 	vf u = vf_loadu(bu);
-	vf y = vf_add(vf_mul(u, inv_u), vf_set1(AOQK_Q8_U_K));
-	vi q = vi_sub(vi_srli(vi_add(vf_as_vi(y), ru), AOQK_Q8_U_SHIFT), vi_set1(AOQK_Q8_U_C0));
-	/* a non-zero v never becomes code 0: u >= 0, so its bits are > 0 iff
-	 * u > 0, and min(bits, 1) is the smallest code allowed */
-	q = vi_max_s(q, vi_min_u(vf_as_vi(u), vi_set1(1)));
+	vf y = vf_fma(u, inv_u, vf_set1(AOQK_Q8_U_K));
+	vi q = vi_srli(vi_add(vf_as_vi(y), ru), AOQK_Q8_U_SHIFT);
+	/* q = code | C0, stored by its low 8 bits.  A non-zero v never
+	 * becomes code 0: u = sqrt(v) >= 0, and a non-zero u is at least
+	 * sqrt(2^-149), whose bits exceed C0 + 1, so max(q, min(bits(u),
+	 * C0 + 1)) is q, or C0 + 1 (code 1) where u > 0 and q is code 0. */
+	q = vi_max_s(q, vi_min_u(vf_as_vi(u), vi_set1(AOQK_Q8_U_C0 + 1)));
 	vb_store_u8(cu, q);
 }
 
@@ -345,6 +359,9 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 	vacc ss = vacc_zero();
 	const struct kvec kc = kvec_make(k);
 	const size_t blk = q8 ? AOQK_Q8_BLOCK : n;
+	/* q8 is compute-bound: its update loop has a twin for the common
+	 * case with the flags as constants */
+	const int fast = q8 && !d.acc && want_ss && !kc.l2 && kc.adamw && kc.lerp_small;
 
 	for (size_t jb = 0; jb < n; jb += blk) {
 		size_t len = n - jb < blk ? n - jb : blk;
@@ -358,9 +375,14 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 			su = vf_set1(st->v_scale[bidx] / AOQK_Q8_U_TOP);
 		}
 		size_t t = 0;
-		for (; t + W <= len; t += W)
-			vstep(kc, &d, jb + t, b0 + jb + t, prec, gd, pd, nt, want_ss, &ss, bm + t, bu + t,
-			      hb + t, &xs[(t / W) % XS_N], sm, su, &mx_m, &mx_u);
+		if (q8 && fast)
+			for (; t + W <= len; t += W)
+				vstep(kc, &d, jb + t, b0 + jb + t, prec, gd, pd, nt, want_ss, &ss, bm + t,
+				      bu + t, hb + t, &xs[(t / W) % XS_N], sm, su, &mx_m, &mx_u, 1);
+		else
+			for (; t + W <= len; t += W)
+				vstep(kc, &d, jb + t, b0 + jb + t, prec, gd, pd, nt, want_ss, &ss, bm + t,
+				      bu + t, hb + t, &xs[(t / W) % XS_N], sm, su, &mx_m, &mx_u, 0);
 		if (t < len) {
 			size_t j = jb + t;
 			/* the tail: run the same step on zero-padded copies */
@@ -387,7 +409,7 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 				.param = lp,
 			};
 			vstep(kc, &l, 0, b0 + j, prec, gd, pd, 0, want_ss, &ss, bm + t, bu + t,
-			      hb + t, &xs[(t / W) % XS_N], sm, su, &mx_m, &mx_u);
+			      hb + t, &xs[(t / W) % XS_N], sm, su, &mx_m, &mx_u, 0);
 			if (d.acc)
 				memset(d.acc + j, 0, r * 4);
 			memcpy((char *)d.master + j * sz.master, lmst, r * sz.master);
@@ -407,14 +429,21 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 			uint8_t *cm = (uint8_t *)d.m + jb;
 			uint8_t *cu = (uint8_t *)d.v + jb;
 			size_t e = 0;
+			/* the random bits: with a bf16 master the update's
+			 * (it rounded the master with their top half), else
+			 * the xorshift steps here */
+#define Q8_BITS(e) \
+	(aoqk_precision_bf16_master(prec) ? vi_loadu(hb + (e)) \
+	 : AOQK_DROP_HASH ? vi_zero() : (xs[((e) / W) % XS_N] = xs_next(xs[((e) / W) % XS_N])))
 			for (; e + W <= len && !AOQK_DROP_ENCODE; e += W)
-				q8_encode(bm + e, bu + e, hb + e, cm + e, cu + e, im, iu);
+				q8_encode(bm + e, bu + e, Q8_BITS(e), cm + e, cu + e, im, iu);
 			if (e < len && !AOQK_DROP_ENCODE) {
 				_Alignas(64) uint8_t tm[W];
 				_Alignas(64) uint8_t tu[W];
 				/* lanes past len hold zeros from the padded step */
 				size_t rem = len - e < W ? len - e : W;
-				q8_encode(bm + e, bu + e, hb + e, tm, tu, im, iu);
+				q8_encode(bm + e, bu + e, Q8_BITS(e), tm, tu, im, iu);
+#undef Q8_BITS
 				memcpy(cm + e, tm, rem);
 				memcpy(cu + e, tu, rem);
 			}

@@ -54,6 +54,13 @@ static AOQK_ALWAYS_INLINE vi vi_max_s(vi a, vi b) { return (int32_t)a > (int32_t
 static AOQK_ALWAYS_INLINE vi vi_min_u(vi a, vi b) { return a < b ? a : b; }
 static AOQK_ALWAYS_INLINE vi vi_or(vi a, vi b) { return a | b; }
 static AOQK_ALWAYS_INLINE vi vi_mullo(vi a, vi b) { return a * b; }
+static AOQK_ALWAYS_INLINE vi vi_andor(vi a, vi m, vi c) { return (a & m) | c; }
+static AOQK_ALWAYS_INLINE vi vi_bitsel(vi m, vi a, vi b) { return (a & m) | (b & ~m); }
+static AOQK_ALWAYS_INLINE vi vi_xorand(vi a, vi b, vi m) { return a ^ (b & m); }
+static AOQK_ALWAYS_INLINE vi vi_add_or_quiet(vf x, vi b, vi r)
+{
+	return x != x ? b | 0x400000u : b + r;
+}
 static AOQK_ALWAYS_INLINE vi vi_srli(vi a, int s) { return a >> s; }
 static AOQK_ALWAYS_INLINE vi vi_slli(vi a, int s) { return a << s; }
 static AOQK_ALWAYS_INLINE vi vf_as_vi(vf a) { return aoqk_f2u(a); }
