@@ -1104,13 +1104,41 @@ static void case_restart(const char *exe)
 	CHECK(strstr(line, aside), "restart: the log does not say where the damaged file went");
 	free(log);
 
-	/* Each trainer resumes at the snapshot's step and trains on, bit-exact. */
+	/* rs-q8 first: a trainer process resumes it, and dies in step RS_K + 3:
+	 * the restored state, once resumed, is leased again (it was given an
+	 * undo copy), at RS_K + 2 with step RS_K + 3 rolled back. */
+	char shm[256];
+	snprintf(shm, sizeof(shm), "%s/shared-rs", daemon_.dir);
+	int fd = open(shm, O_RDWR | O_CREAT | O_TRUNC, 0600);
+	CHECK(fd >= 0 && ftruncate(fd, 4096) == 0, "shared file");
+	struct shared *sh = mmap(NULL, sizeof(*sh), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	CHECK(sh != MAP_FAILED, "mmap");
+	close(fd);
+	pid_t pid = spawn_trainer(shm, "rs-q8", RS_K + RS_M, RS_K + 3, 1, NULL);
+	t0 = aoqt_now();
+	while (!atomic_load(&sh->paused) && aoqt_now() - t0 < 30)
+		usleep(200);
+	CHECK(atomic_load(&sh->paused), "restart: the rs-q8 trainer process never reached step %d", RS_K + 3);
+	CHECK(atomic_load(&sh->resumed) == RS_K + 1, "restart: the rs-q8 trainer process resumed %" PRIu64 " - 1",
+	      atomic_load(&sh->resumed));
+	kill(pid, SIGKILL);
+	waitpid(pid, NULL, 0);
+	munmap(sh, sizeof(*sh));
+	e = NULL;
+	const Aoq__SessionStats *ls = wait_state(&e, "rs-q8", "leased");
+	CHECK(ls->last_step == RS_K + 2, "restart: rs-q8 leased again at step %" PRIu64 ", expected %d", ls->last_step,
+	      RS_K + 2);
+	aoq_envelope_free(e);
+
+	/* Each trainer resumes at the snapshot's step (rs-q8: at RS_K + 2) and
+	 * trains on, bit-exact. */
 	for (int i = 0; i < RS; i++) {
 		struct trainer tr;
 		CHECK_OK(trainer_open_window(&tr, rs_desc[i].job, rs_desc[i].prec, 0, rs_desc[i].window));
 		tr.fixed_hp = rs_desc[i].window != 0;
-		CHECK(tr.resumed && tr.resumed_at == RS_K, "restart: %s: resumed %d at step %" PRIu64 ", expected %d",
-		      rs_desc[i].job, tr.resumed, tr.resumed_at, RS_K);
+		uint64_t at = i == 1 ? RS_K + 2 : RS_K;
+		CHECK(tr.resumed && tr.resumed_at == at, "restart: %s: resumed %d at step %" PRIu64 ", expected %" PRIu64,
+		      rs_desc[i].job, tr.resumed, tr.resumed_at, at);
 		while (tr.step < RS_K + RS_M)
 			CHECK_OK(trainer_step(&tr, -1));
 		struct image got, want;
@@ -1129,8 +1157,8 @@ static void case_restart(const char *exe)
 		free(got.bytes);
 		free(want.bytes);
 	}
-	printf("restart: fp32, q8 and bf16 sessions resumed at step %d from their snapshots and equal "
-	       "undisturbed runs of %d steps bit for bit\n", RS_K, RS_K + RS_M);
+	printf("restart: fp32, q8 and bf16 sessions resumed at step %d from their snapshots (q8 killed again, "
+	       "leased and resumed once more) and equal undisturbed runs of %d steps bit for bit\n", RS_K, RS_K + RS_M);
 	free(cl);
 	CHECK(aoqt_daemon_alive(&daemon_), "aoqd died");
 	rm_tree_flat(sd);
