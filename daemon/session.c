@@ -182,6 +182,10 @@ static int lease_adopt_cb(struct aoqd_session *s, struct aoqd_error *err)
 	if (aoqd_state_same_layout(&s->st, &l->st, why, sizeof(why)) < 0)
 		return AOQD_FAIL(err, INVALID, "cannot resume job '%s' rank %u (leased session %" PRIu64 "): %s; "
 		                 "'aoqctl drop %" PRIu64 "' ends it", s->conn.job, s->conn.rank, l->id, why, l->id);
+	/* The leased state's capture (idle: a settled lease has no snapshot
+	 * in flight) points at l->st: freed here, the resumed session makes
+	 * its own at its first snapshot. */
+	aoqd_snapshot_state_free(&l->st);
 	struct aoqd_state mine = s->st, old = l->st;
 	/* The state carries over (arrays, steps, hyperparameters, seed); the
 	 * options that shape the arena and the steps are the new trainer's. */

@@ -1159,6 +1159,37 @@ static void case_restart(const char *exe)
 	}
 	printf("restart: fp32, q8 and bf16 sessions resumed at step %d from their snapshots (q8 killed again, "
 	       "leased and resumed once more) and equal undisturbed runs of %d steps bit for bit\n", RS_K, RS_K + RS_M);
+	/* A session snapshot before its trainer died, resumed, snapshot
+	 * again: the capture moves with the state to the new session. */
+	memset(shm, 0, sizeof(shm));
+	snprintf(shm, sizeof(shm), "%s/shared-snl", daemon_.dir);
+	fd = open(shm, O_RDWR | O_CREAT | O_TRUNC, 0600);
+	CHECK(fd >= 0 && ftruncate(fd, 4096) == 0, "shared file");
+	sh = mmap(NULL, sizeof(*sh), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	CHECK(sh != MAP_FAILED, "mmap");
+	close(fd);
+	pid = spawn_trainer(shm, "snl", 10, 3, 0, NULL);
+	t0 = aoqt_now();
+	while (!atomic_load(&sh->paused) && aoqt_now() - t0 < 30)
+		usleep(200);
+	CHECK(atomic_load(&sh->paused), "restart: the snl trainer never reached step 3");
+	char p1[512], p2[512];
+	CHECK(rs_snapshot("snl", p1, sizeof(p1)) == 2, "restart: snl: snapshot not at step 2");
+	kill(pid, SIGKILL);
+	waitpid(pid, NULL, 0);
+	munmap(sh, sizeof(*sh));
+	e = NULL;
+	wait_state(&e, "snl", "leased");
+	aoq_envelope_free(e);
+	{
+		struct trainer tr;
+		CHECK_OK(trainer_open(&tr, "snl", AOQ_STATE_Q8, 0));
+		CHECK(tr.resumed && tr.resumed_at == 2, "restart: snl did not resume at step 2");
+		CHECK_OK(trainer_step(&tr, -1));
+		CHECK(rs_snapshot("snl", p2, sizeof(p2)) == 3, "restart: snl: second snapshot not at step 3");
+		CHECK_OK(trainer_step(&tr, -1));
+		trainer_close(&tr);
+	}
 	free(cl);
 	CHECK(aoqt_daemon_alive(&daemon_), "aoqd died");
 	rm_tree_flat(sd);
