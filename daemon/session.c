@@ -182,6 +182,10 @@ static int lease_adopt_cb(struct aoqd_session *s, struct aoqd_error *err)
 	if (aoqd_state_same_layout(&s->st, &l->st, why, sizeof(why)) < 0)
 		return AOQD_FAIL(err, INVALID, "cannot resume job '%s' rank %u (leased session %" PRIu64 "): %s; "
 		                 "'aoqctl drop %" PRIu64 "' ends it", s->conn.job, s->conn.rank, l->id, why, l->id);
+	/* The leased state's capture (idle: a settled lease has no snapshot
+	 * in flight) points at l->st: freed here, the resumed session makes
+	 * its own at its first snapshot. */
+	aoqd_snapshot_state_free(&l->st);
 	struct aoqd_state mine = s->st, old = l->st;
 	/* The state carries over (arrays, steps, hyperparameters, seed); the
 	 * options that shape the arena and the steps are the new trainer's. */
@@ -191,9 +195,16 @@ static int lease_adopt_cb(struct aoqd_session *s, struct aoqd_error *err)
 	old.defer = mine.defer;
 	old.delayed = mine.delayed;
 	old.quota = mine.quota;
+	bool want_undo = mine.undo;
 	aoqd_state_free(&mine, &s->srv->locked_bytes);
 	s->st = old;
 	memset(&l->st, 0, sizeof(l->st));
+	/* A state restored from a snapshot has no undo copy: it gets one
+	 * now, so that this trainer's session is leased in turn. */
+	int u = want_undo ? aoqd_state_add_undo(&s->st, &s->srv->locked_bytes) : 0;
+	if (u < 0)
+		aoqd_warn("session", "session %" PRIu64 ": no undo copy for the resumed state (%s): not leased if its "
+		          "trainer dies", s->id, strerror(-u));
 	s->steps.next_step = s->st.last_step + 1;
 	s->resumed_from = l->id;
 	aoqd_info("session", "session %" PRIu64 ": resumes session %" PRIu64 " (job '%s' rank %u) at step %" PRIu64,

@@ -112,8 +112,9 @@ struct aoqd_lease_key {
  * trainer that reconnects with that key and layout resumes it at
  * st->last_step.  The state is taken over: on success *st is zeroed and
  * the session owns its arrays; on failure *st is left to the caller.  st
- * must have been made with aoqd_state_alloc (undo copy or not: a resumed
- * state without one simply cannot be leased again) and be whole at the end
+ * must have been made with aoqd_state_alloc (undo copy or not: a trainer
+ * with a lease that resumes a state without one gives it one,
+ * aoqd_state_add_undo) and be whole at the end
  * of st->last_step (no open step: every tensor's cur_step at most
  * last_step).  Its mappings are charged to the uid's account (over any
  * quota: the daemon restored them) unless st->account is set already.

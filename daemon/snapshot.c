@@ -973,8 +973,23 @@ int aoqd_snapshot_restore_all(const char *dir, int lock_memory, _Atomic uint64_t
 		if (!st)
 			break;
 		int r = aoqd_snapshot_load(path, lock_memory, locked_total, &key, &step, st, why, sizeof(why));
+		if (r == -EINVAL) {
+			/* The file itself is refused (damaged, another format):
+			 * renamed aside, kept for inspection, so that the key's
+			 * next snapshot does not replace it and the next start
+			 * does not try it again (docs/snapshots.md). */
+			char aside[PATH_MAX + 16];
+			snprintf(aside, sizeof(aside), "%s.rejected", path);
+			if (renameat2(AT_FDCWD, path, AT_FDCWD, aside, RENAME_NOREPLACE) == 0)
+				aoqd_warn("snapshot", "not restored: %s; renamed to %s", why, aside);
+			else
+				aoqd_warn("snapshot", "not restored: %s; left in place (rename to %s: %s)", why, aside,
+				          strerror(errno));
+			free(st);
+			continue;
+		}
 		if (r < 0) {
-			aoqd_warn("snapshot", "not restored: %s", why);
+			aoqd_warn("snapshot", "not restored: %s (tried again at the next start)", why);
 			free(st);
 			continue;
 		}

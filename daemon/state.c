@@ -167,6 +167,7 @@ int aoqd_state_alloc(struct aoqd_state *st, int lock_memory, _Atomic uint64_t *l
 		x->state_mem = p;
 		x->state_len = whole;
 		x->undo_off = st->undo ? len : 0;
+		x->locked = locked;
 		len = whole;
 		if (locked) {
 			st->locked_bytes += len;
@@ -345,6 +346,75 @@ void aoqd_state_save(struct aoqd_tensor *t, uint64_t b, uint64_t n)
 {
 	if (t->undo_off)
 		undo_copy(t, b, n, true);
+}
+
+/* Moves tensor t's mapping to p, keeping every array's offset. */
+static void rebase(struct aoqd_tensor *t, uint8_t *p)
+{
+	uint8_t *o = t->state_mem;
+	void **arr[3] = { &t->st.master, &t->st.m, &t->st.v };
+	for (int k = 0; k < 3; k++)
+		if (*arr[k])
+			*arr[k] = p + ((uint8_t *)*arr[k] - o);
+	if (t->st.m_scale)
+		t->st.m_scale = (float *)(void *)(p + ((uint8_t *)t->st.m_scale - o));
+	if (t->st.v_scale)
+		t->st.v_scale = (float *)(void *)(p + ((uint8_t *)t->st.v_scale - o));
+	t->state_mem = p;
+}
+
+int aoqd_state_add_undo(struct aoqd_state *st, _Atomic uint64_t *locked_total)
+{
+	if (st->undo)
+		return 0;
+	uint64_t extra = 0;
+	for (uint32_t i = 0; i < st->ntensors; i++)
+		extra += aoqd_page_round(2 * st->tensors[i].state_len) - aoqd_page_round(st->tensors[i].state_len);
+	if (aoqd_state_charge(st, extra) < 0)
+		return -EDQUOT;
+	uint32_t i;
+	int err = 0;
+	for (i = 0; i < st->ntensors; i++) {
+		struct aoqd_tensor *t = &st->tensors[i];
+		size_t len = t->state_len;
+		/* a locked mapping's new pages are locked (and counted against
+		 * RLIMIT_MEMLOCK: EAGAIN past it) */
+		void *p = mremap(t->state_mem, len, 2 * len, MREMAP_MAYMOVE);
+		if (p == MAP_FAILED) {
+			err = -errno;
+			break;
+		}
+		rebase(t, p);
+		t->state_len = 2 * len;
+		t->undo_off = len;
+		st->state_bytes += len;
+		if (t->locked) {
+			st->locked_bytes += len;
+			atomic_fetch_add(locked_total, len);
+		}
+	}
+	if (!err) {
+		st->undo = true;
+		return 0;
+	}
+	while (i-- > 0) {
+		struct aoqd_tensor *t = &st->tensors[i];
+		size_t len = t->undo_off;
+		void *p = mremap(t->state_mem, 2 * len, len, 0); /* shrinking in place cannot fail */
+		if (p != MAP_FAILED)
+			rebase(t, p);
+		t->state_len = len;
+		t->undo_off = 0;
+		st->state_bytes -= len;
+		if (t->locked) {
+			st->locked_bytes -= len;
+			atomic_fetch_sub(locked_total, len);
+		}
+	}
+	if (st->account)
+		aoqd_account_uncharge(st->account, extra);
+	st->charged -= extra;
+	return err;
 }
 
 void aoqd_state_rollback(struct aoqd_state *st)

@@ -33,6 +33,7 @@ struct aoqd_tensor {
 	void *state_mem;       /* one mapping holding master, m, v, scales */
 	size_t state_len;      /* (and their undo copy at undo_off, when kept) */
 	size_t undo_off;       /* 0: no undo copy */
+	bool locked;           /* the mapping is locked (mlock) */
 	float *acc;            /* fp32 micro-batch accumulator, allocated on first use */
 	uint64_t acc_step;     /* step whose micro-batches acc holds */
 	uint64_t steps;        /* updates applied (bias correction) */
@@ -128,6 +129,12 @@ void aoqd_state_save(struct aoqd_tensor *t, uint64_t b, uint64_t n);
  * blocks they touch; b on a q8 block) into dst, a region of t->state_len
  * bytes laid out as t's state mapping (snapshot captures). */
 void aoqd_state_copy_out(const struct aoqd_tensor *t, uint64_t b, uint64_t n, void *dst);
+/* Gives a state without undo copy one (a state restored from a snapshot,
+ * resumed by a trainer with a lease): each mapping grows in place or moves
+ * (mremap, no copy of the arrays), locked when it was, charged to the uid.
+ * 0, or -EDQUOT / -errno with the state as it was.  Loop thread, nothing
+ * in flight. */
+int aoqd_state_add_undo(struct aoqd_state *st, _Atomic uint64_t *locked_total);
 void aoqd_state_rollback(struct aoqd_state *st);
 /* Whether st (a new registration's tables) has the layout of the leased
  * state `old`: 0, or -EINVAL with the first difference in why. */

@@ -18,6 +18,7 @@
  *
  * Run one case by hand: test-faults build/daemon/aoqd --case NAME.
  */
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -31,6 +32,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "aoq/aoq.h"
@@ -89,9 +91,11 @@ struct trainer {
 	uint64_t step; /* last step completed */
 	uint64_t resumed_at;
 	bool resumed;
+	bool fixed_hp; /* the registration's hyperparameters throughout */
 };
 
-static int trainer_open(struct trainer *tr, const char *job, enum aoq_precision prec, uint32_t lease_s)
+static int trainer_open_window(struct trainer *tr, const char *job, enum aoq_precision prec, uint32_t lease_s,
+                               uint64_t window)
 {
 	memset(tr, 0, sizeof(*tr));
 	tr->job = job;
@@ -103,6 +107,7 @@ static int trainer_open(struct trainer *tr, const char *job, enum aoq_precision 
 	o.seed = 77;
 	o.lease_seconds = lease_s;
 	o.timeout_ms = 60000;
+	o.window = window;
 	int r = aoq_connect(&tr->c, &o);
 	if (r < 0)
 		return r;
@@ -137,6 +142,11 @@ static int trainer_open(struct trainer *tr, const char *job, enum aoq_precision 
 	return 0;
 }
 
+static int trainer_open(struct trainer *tr, const char *job, enum aoq_precision prec, uint32_t lease_s)
+{
+	return trainer_open_window(tr, job, prec, lease_s, 0);
+}
+
 /* One step; stop_after >= 0: stop (return 1) after that many pushes, or
  * after StepEnd when it is TT, without syncing: the kill point. */
 static int trainer_step(struct trainer *tr, int stop_after)
@@ -145,7 +155,7 @@ static int trainer_step(struct trainer *tr, int stop_after)
 	int r;
 	CHECK(aoq_current_step(tr->c) == k, "%s: current step %" PRIu64 ", expected %" PRIu64, tr->job,
 	      aoq_current_step(tr->c), k);
-	for (uint32_t g = 0; g < 2; g++) {
+	for (uint32_t g = 0; g < 2 && !tr->fixed_hp; g++) {
 		struct aoq_group h = hp_of(g, k);
 		if ((r = aoq_set_hyperparams(tr->c, g, &h)) < 0)
 			return r;
@@ -754,6 +764,437 @@ static void case_memlock(const char *exe)
 	unlink(wrap);
 }
 
+/* ---- case restart ---- */
+
+/*
+ * aoqd killed (SIGKILL) under three training sessions (fp32 state with a
+ * window of two staging slots, q8 moments, bf16 master: the three snapshot
+ * formats), after a snapshot of each at step RS_K.  aoqd is stopped
+ * (SIGSTOP) first, so that every trainer is inside a libaoq call waiting for
+ * it (a push waiting for a staging slot, a request's reply, aoq_sync) when
+ * the kill comes.  Every such call, and every call after it, must fail
+ * within RS_BOUND s of the kill (no hang; libaoq's 60 s timeout cannot
+ * produce that).  A restarted aoqd on the same state_dir, which also holds
+ * a damaged snapshot (CRC mismatch) of a fourth key, must skip that file,
+ * say so and rename it aside, and offer the three snapshots as leased
+ * sessions: each trainer reconnects with its key and layout, resumes at
+ * RS_K and trains on to RS_K + RS_M, bit for bit like an undisturbed run.
+ */
+#define RS 3
+#define RS_K 4
+#define RS_M 6
+/* The bound: the kernel closes a killed aoqd's sockets at once; libaoq's
+ * progress thread polls the doorbell and the control socket and fails every
+ * wait when either closes, and requests read EOF.  What takes time is
+ * scheduling on a loaded 2-core machine (and ASan's slower code): measured
+ * in milliseconds here, so 1 s leaves a wide margin without hiding a wait
+ * that does not look at the socket (its deadline is 60 s). */
+#define RS_BOUND 1.0
+static const struct {
+	const char *job;
+	enum aoq_precision prec;
+	uint64_t window;
+} rs_desc[RS] = {
+	/* 2 staging slots for 3 tensors and no SetHyperparams: when aoqd
+	 * stops, this trainer waits in aoq_push_grad for a slot (a wait on
+	 * the ring, not on the socket) */
+	{ "rs-fp32", AOQ_STATE_FP32, 1 },
+	{ "rs-q8", AOQ_STATE_Q8, 0 },
+	{ "rs-bf16", AOQ_STATE_BF16, 0 },
+};
+
+struct rs_client {
+	pthread_t th;
+	int i;
+	struct trainer tr;
+	_Atomic int paused; /* at step RS_K, waiting for go */
+	_Atomic int go;
+	_Atomic int paused2, go2; /* rs-fp32: at step RS_K + 2, until aoqd is stopped */
+	_Atomic uint64_t step;
+	_Atomic int64_t call_since; /* start of the call in progress (ns), 0: none */
+	_Atomic(const char *) call;
+	/* the first failed call */
+	int64_t err_at, err_start;
+	const char *err_call;
+	int err;
+	char errmsg[256];
+	double after_max; /* the longest call after it */
+	int after_ok;     /* calls after it that did not fail */
+	const char *ok_call;
+	_Atomic int done;
+};
+
+static int64_t now_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+#define TIMED(c, name, expr)                                                                   \
+	do {                                                                                   \
+		atomic_store(&(c)->call, name);                                               \
+		int64_t t0_ = now_ns();                                                        \
+		atomic_store(&(c)->call_since, t0_);                                           \
+		int r_ = (expr);                                                               \
+		atomic_store(&(c)->call_since, 0);                                             \
+		if (r_ < 0) {                                                                  \
+			(c)->err_at = now_ns();                                                \
+			(c)->err_start = t0_;                                                  \
+			(c)->err_call = name;                                                  \
+			(c)->err = r_;                                                         \
+			snprintf((c)->errmsg, sizeof((c)->errmsg), "%s", aoq_last_error());    \
+			return r_;                                                             \
+		}                                                                              \
+	} while (0)
+
+static int rs_step(struct rs_client *c)
+{
+	struct trainer *tr = &c->tr;
+	uint64_t k = tr->step + 1;
+	for (uint32_t g = 0; g < 2 && !tr->fixed_hp; g++) {
+		struct aoq_group h = hp_of(g, k);
+		TIMED(c, "aoq_set_hyperparams", aoq_set_hyperparams(tr->c, g, &h));
+	}
+	for (int t = TT - 1; t >= 0; t--) {
+		grad_of(k, t, tr->grad[t]);
+		TIMED(c, "aoq_push_grad", aoq_push_grad(tr->c, (uint32_t)t, 0, NULL));
+		TIMED(c, "aoq_grad_copied", aoq_grad_copied(tr->c, (uint32_t)t));
+	}
+	TIMED(c, "aoq_step_end", aoq_step_end(tr->c));
+	TIMED(c, "aoq_sync", aoq_sync(tr->c, NULL));
+	tr->step = k;
+	return 0;
+}
+
+/* A call after the session failed: must fail, and at once. */
+static void rs_after(struct rs_client *c, const char *name, int r, int64_t t0)
+{
+	double s = (double)(now_ns() - t0) * 1e-9;
+	c->after_max = s > c->after_max ? s : c->after_max;
+	if (r >= 0 && !c->after_ok++)
+		c->ok_call = name;
+}
+
+static void *rs_run(void *arg)
+{
+	struct rs_client *c = arg;
+	struct trainer *tr = &c->tr;
+	CHECK_OK(trainer_open_window(tr, rs_desc[c->i].job, rs_desc[c->i].prec, 0, rs_desc[c->i].window));
+	tr->fixed_hp = rs_desc[c->i].window != 0;
+	for (;;) {
+		if (tr->step == RS_K && !atomic_load(&c->go)) {
+			atomic_store(&c->paused, 1);
+			while (!atomic_load(&c->go))
+				usleep(1000);
+		}
+		if (c->i == 0 && tr->step == RS_K + 2 && !atomic_load(&c->go2)) {
+			atomic_store(&c->paused2, 1);
+			while (!atomic_load(&c->go2))
+				usleep(1000);
+		}
+		if (rs_step(c) < 0)
+			break;
+		atomic_store(&c->step, tr->step);
+	}
+	struct aoq_group h = hp_of(0, tr->step + 1);
+	int64_t t0 = now_ns();
+	rs_after(c, "aoq_push_grad", aoq_push_grad(tr->c, 0, 0, NULL), t0);
+	t0 = now_ns();
+	rs_after(c, "aoq_step_end", aoq_step_end(tr->c), t0);
+	t0 = now_ns();
+	rs_after(c, "aoq_sync", aoq_sync(tr->c, NULL), t0);
+	t0 = now_ns();
+	rs_after(c, "aoq_set_hyperparams", aoq_set_hyperparams(tr->c, 0, &h), t0);
+	/* A wait for an update already answered may succeed (the value is
+	 * there); it must not hang. */
+	t0 = now_ns();
+	int wr = aoq_wait_param(tr->c, 1, NULL);
+	rs_after(c, "aoq_wait_param", wr < 0 ? wr : -1, t0);
+	t0 = now_ns();
+	aoq_close(tr->c);
+	rs_after(c, "aoq_close", -1, t0);
+	for (int t = 0; t < TT; t++) {
+		free(tr->param[t]);
+		free(tr->grad[t]);
+	}
+	atomic_store(&c->done, 1);
+	return NULL;
+}
+
+/* SnapshotRequest for the session of `job` (as aoqctl snapshot): its step. */
+static uint64_t rs_snapshot(const char *job, char *path, size_t plen)
+{
+	Aoq__Envelope *e = NULL;
+	uint64_t id = wait_state(&e, job, "training")->id;
+	aoq_envelope_free(e);
+	int fd = aoqt_raw_connect(daemon_.socket);
+	CHECK(fd >= 0, "snapshot: connect: %s", strerror(-fd));
+	CHECK_OK(aoqt_raw_hello(fd, "aoqctl", 0, true, NULL));
+	Aoq__SnapshotRequest q = AOQ__SNAPSHOT_REQUEST__INIT;
+	q.session = id;
+	Aoq__Envelope env = AOQ__ENVELOPE__INIT, *rep = NULL;
+	env.msg_case = AOQ__ENVELOPE__MSG_SNAPSHOT_REQUEST;
+	env.snapshot_request = &q;
+	char *em = NULL;
+	int r = aoq_call(fd, &env, &rep, &em);
+	CHECK(r == 0 && rep->msg_case == AOQ__ENVELOPE__MSG_SNAPSHOT_DONE, "snapshot of %s: %d %s", job, r,
+	      em ? em : "");
+	uint64_t step = rep->snapshot_done->step;
+	snprintf(path, plen, "%s", rep->snapshot_done->path);
+	aoq_envelope_free(rep);
+	free(em);
+	close(fd);
+	return step;
+}
+
+/* A copy of snapshot `from` as `to`, its job renamed (the same length, in
+ * the header, which the CRC does not cover) and one data byte flipped. */
+static void rs_damage(const char *from, const char *to, const char *job, const char *newjob)
+{
+	FILE *f = fopen(from, "rb");
+	CHECK(f, "%s: %s", from, strerror(errno));
+	CHECK(fseek(f, 0, SEEK_END) == 0, "seek");
+	long len = ftell(f);
+	rewind(f);
+	uint8_t *b = aoqt_xmalloc((size_t)len);
+	CHECK(fread(b, 1, (size_t)len, f) == (size_t)len, "read %s", from);
+	fclose(f);
+	uint64_t hlen = 0;
+	for (int i = 0; i < 8; i++)
+		hlen |= (uint64_t)b[i] << (8 * i);
+	CHECK(hlen + 8 < (uint64_t)len, "%s: header", from);
+	char pat[64];
+	snprintf(pat, sizeof(pat), "\"%s\"", job);
+	char *h = (char *)b + 8, *p = memmem(h, hlen, pat, strlen(pat));
+	CHECK(p && strlen(newjob) == strlen(job), "%s: no %s in the header", from, pat);
+	memcpy(p + 1, newjob, strlen(newjob));
+	b[8 + hlen + (uint64_t)(len - 8 - (long)hlen) / 2] ^= 0x10;
+	f = fopen(to, "wb");
+	CHECK(f && fwrite(b, 1, (size_t)len, f) == (size_t)len && fclose(f) == 0, "write %s", to);
+	free(b);
+}
+
+static void rm_tree_flat(const char *dir)
+{
+	DIR *d = opendir(dir);
+	if (!d)
+		return;
+	struct dirent *e;
+	while ((e = readdir(d))) {
+		if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0)
+			continue;
+		char p[512];
+		snprintf(p, sizeof(p), "%s/%s", dir, e->d_name);
+		unlink(p);
+	}
+	closedir(d);
+	rmdir(dir);
+}
+
+static void case_restart(const char *exe)
+{
+	char sd[] = "/tmp/aoqt-state-XXXXXX";
+	CHECK(mkdtemp(sd), "mkdtemp: %s", strerror(errno));
+	aoqt_daemon_stop(&daemon_, 10000, true); /* may still be starting: any status */
+	const char *args[] = { "--threads", "1", "--state-dir", sd, NULL };
+	CHECK_OK(aoqt_daemon_start(&daemon_, exe, args));
+	struct rs_client *cl = aoqt_xcalloc(RS, sizeof(*cl));
+	for (int i = 0; i < RS; i++) {
+		cl[i].i = i;
+		CHECK(pthread_create(&cl[i].th, NULL, rs_run, &cl[i]) == 0, "pthread_create");
+	}
+	double t0 = aoqt_now();
+	for (int i = 0; i < RS; i++)
+		while (!atomic_load(&cl[i].paused)) {
+			CHECK(aoqt_now() - t0 < 60, "restart: %s never reached step %d", rs_desc[i].job, RS_K);
+			usleep(1000);
+		}
+	char snap[RS][512];
+	for (int i = 0; i < RS; i++) {
+		uint64_t at = rs_snapshot(rs_desc[i].job, snap[i], sizeof(snap[i]));
+		CHECK(at == RS_K, "restart: %s: snapshot at step %" PRIu64 ", expected %d", rs_desc[i].job, at, RS_K);
+		atomic_store(&cl[i].go, 1);
+	}
+	/* Train past the snapshot: the restored state must be the snapshot's. */
+	t0 = aoqt_now();
+	for (int i = 0; i < RS; i++)
+		while (atomic_load(&cl[i].step) < RS_K + 2) {
+			CHECK(aoqt_now() - t0 < 60, "restart: %s stuck at step %" PRIu64, rs_desc[i].job,
+			      atomic_load(&cl[i].step));
+			usleep(1000);
+		}
+	/* Stopped, then killed: every trainer is in a call that waits for aoqd.
+	 * rs-fp32 starts its step once aoqd is stopped: its third push waits
+	 * for a staging slot. */
+	while (!atomic_load(&cl[0].paused2)) {
+		CHECK(aoqt_now() - t0 < 60, "restart: rs-fp32 never reached step %d", RS_K + 2);
+		usleep(1000);
+	}
+	CHECK(kill(daemon_.pid, SIGSTOP) == 0, "SIGSTOP: %s", strerror(errno));
+	atomic_store(&cl[0].go2, 1);
+	t0 = aoqt_now();
+	for (int i = 0; i < RS; i++)
+		for (;;) {
+			int64_t since = atomic_load(&cl[i].call_since);
+			if (since && now_ns() - since > 100000000)
+				break;
+			CHECK(aoqt_now() - t0 < 10, "restart: %s is not waiting for the stopped aoqd", rs_desc[i].job);
+			usleep(1000);
+		}
+	const char *blocked[RS];
+	for (int i = 0; i < RS; i++)
+		blocked[i] = atomic_load(&cl[i].call);
+	CHECK(strcmp(blocked[0], "aoq_push_grad") == 0, "restart: rs-fp32 waits in %s, not for a staging slot",
+	      blocked[0]);
+	int64_t t_kill = now_ns();
+	CHECK(kill(daemon_.pid, SIGKILL) == 0, "SIGKILL: %s", strerror(errno));
+	t0 = aoqt_now();
+	for (int i = 0; i < RS; i++)
+		while (!atomic_load(&cl[i].done)) {
+			CHECK(aoqt_now() - t0 < 5, "restart: %s still in %s 5 s after aoqd was killed", rs_desc[i].job,
+			      atomic_load(&cl[i].call));
+			usleep(1000);
+		}
+	for (int i = 0; i < RS; i++) {
+		pthread_join(cl[i].th, NULL);
+		struct rs_client *c = &cl[i];
+		double s = (double)(c->err_at - (c->err_start > t_kill ? c->err_start : t_kill)) * 1e-9;
+		printf("restart: %s waiting in %s at the kill: %s failed %.1f ms after it (%d: %s); "
+		       "later calls failed within %.1f ms\n", rs_desc[i].job, blocked[i], c->err_call,
+		       (double)(c->err_at - t_kill) * 1e-6, c->err, c->errmsg, c->after_max * 1e3);
+		CHECK(c->err_at >= t_kill, "restart: %s: %s failed before the kill (%d: %s)", rs_desc[i].job, c->err_call,
+		      c->err, c->errmsg);
+		CHECK(s <= RS_BOUND, "restart: %s: %s took %.3f s to fail after aoqd was killed", rs_desc[i].job,
+		      c->err_call, s);
+		CHECK(c->after_ok == 0, "restart: %s: %d calls succeeded on a dead daemon (%s)", rs_desc[i].job, c->after_ok,
+		      c->ok_call);
+		CHECK(c->after_max <= RS_BOUND, "restart: %s: a call on the dead session took %.3f s", rs_desc[i].job,
+		      c->after_max);
+	}
+	int st;
+	CHECK(waitpid(daemon_.pid, &st, 0) == daemon_.pid && WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL,
+	      "restart: aoqd did not die of SIGKILL (%d)", st);
+	if (daemon_.pidfd >= 0)
+		close(daemon_.pidfd);
+	daemon_.pid = -1;
+	rm_tree_flat(daemon_.dir);
+
+	/* A damaged snapshot of another key beside the three. */
+	char bad[600], aside[620];
+	snprintf(bad, sizeof(bad), "%s/%u-rs-fpXX-0.safetensors", sd, (unsigned)getuid());
+	rs_damage(snap[0], bad, "rs-fp32", "rs-fpXX");
+	CHECK_OK(aoqt_daemon_start(&daemon_, exe, args));
+	/* Restored before the daemon listens: once it answers, they are there. */
+	Aoq__Envelope *e = NULL;
+	for (int i = 0; i < RS; i++) {
+		const Aoq__SessionStats *s = wait_state(&e, rs_desc[i].job, "leased");
+		CHECK(s->last_step == RS_K, "restart: %s restored at step %" PRIu64, rs_desc[i].job, s->last_step);
+	}
+	CHECK(!find_stats(e, "rs-fpXX"), "restart: the damaged snapshot was restored");
+	aoq_envelope_free(e);
+	char *log = aoqt_daemon_log(&daemon_);
+	char *line = log ? strstr(log, "rs-fpXX-0.safetensors: checksum mismatch") : NULL;
+	CHECK(line, "restart: the damaged snapshot is not named in the log");
+	char *eol = strchr(line, '\n');
+	printf("restart: log: ...%.*s\n", eol ? (int)(eol - line) : 200, line);
+	snprintf(aside, sizeof(aside), "%s.rejected", bad);
+	struct stat sb;
+	CHECK(stat(bad, &sb) < 0 && stat(aside, &sb) == 0, "restart: the damaged snapshot was not renamed to %s", aside);
+	CHECK(strstr(line, aside), "restart: the log does not say where the damaged file went");
+	free(log);
+
+	/* rs-q8 first: a trainer process resumes it, and dies in step RS_K + 3:
+	 * the restored state, once resumed, is leased again (it was given an
+	 * undo copy), at RS_K + 2 with step RS_K + 3 rolled back. */
+	char shm[256];
+	snprintf(shm, sizeof(shm), "%s/shared-rs", daemon_.dir);
+	int fd = open(shm, O_RDWR | O_CREAT | O_TRUNC, 0600);
+	CHECK(fd >= 0 && ftruncate(fd, 4096) == 0, "shared file");
+	struct shared *sh = mmap(NULL, sizeof(*sh), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	CHECK(sh != MAP_FAILED, "mmap");
+	close(fd);
+	pid_t pid = spawn_trainer(shm, "rs-q8", RS_K + RS_M, RS_K + 3, 1, NULL);
+	t0 = aoqt_now();
+	while (!atomic_load(&sh->paused) && aoqt_now() - t0 < 30)
+		usleep(200);
+	CHECK(atomic_load(&sh->paused), "restart: the rs-q8 trainer process never reached step %d", RS_K + 3);
+	CHECK(atomic_load(&sh->resumed) == RS_K + 1, "restart: the rs-q8 trainer process resumed %" PRIu64 " - 1",
+	      atomic_load(&sh->resumed));
+	kill(pid, SIGKILL);
+	waitpid(pid, NULL, 0);
+	munmap(sh, sizeof(*sh));
+	e = NULL;
+	const Aoq__SessionStats *ls = wait_state(&e, "rs-q8", "leased");
+	CHECK(ls->last_step == RS_K + 2, "restart: rs-q8 leased again at step %" PRIu64 ", expected %d", ls->last_step,
+	      RS_K + 2);
+	aoq_envelope_free(e);
+
+	/* Each trainer resumes at the snapshot's step (rs-q8: at RS_K + 2) and
+	 * trains on, bit-exact. */
+	for (int i = 0; i < RS; i++) {
+		struct trainer tr;
+		CHECK_OK(trainer_open_window(&tr, rs_desc[i].job, rs_desc[i].prec, 0, rs_desc[i].window));
+		tr.fixed_hp = rs_desc[i].window != 0;
+		uint64_t at = i == 1 ? RS_K + 2 : RS_K;
+		CHECK(tr.resumed && tr.resumed_at == at, "restart: %s: resumed %d at step %" PRIu64 ", expected %" PRIu64,
+		      rs_desc[i].job, tr.resumed, tr.resumed_at, at);
+		while (tr.step < RS_K + RS_M)
+			CHECK_OK(trainer_step(&tr, -1));
+		struct image got, want;
+		trainer_image(&tr, &got);
+		trainer_close(&tr);
+		char job[32];
+		snprintf(job, sizeof(job), "base-%s", rs_desc[i].job);
+		struct trainer b;
+		CHECK_OK(trainer_open_window(&b, job, rs_desc[i].prec, AOQ_LEASE_NONE, rs_desc[i].window));
+		b.fixed_hp = rs_desc[i].window != 0;
+		while (b.step < RS_K + RS_M)
+			CHECK_OK(trainer_step(&b, -1));
+		trainer_image(&b, &want);
+		trainer_close(&b);
+		image_compare(rs_desc[i].job, &got, &want);
+		free(got.bytes);
+		free(want.bytes);
+	}
+	printf("restart: fp32, q8 and bf16 sessions resumed at step %d from their snapshots (q8 killed again, "
+	       "leased and resumed once more) and equal undisturbed runs of %d steps bit for bit\n", RS_K, RS_K + RS_M);
+	/* A session snapshot before its trainer died, resumed, snapshot
+	 * again: the capture moves with the state to the new session. */
+	memset(shm, 0, sizeof(shm));
+	snprintf(shm, sizeof(shm), "%s/shared-snl", daemon_.dir);
+	fd = open(shm, O_RDWR | O_CREAT | O_TRUNC, 0600);
+	CHECK(fd >= 0 && ftruncate(fd, 4096) == 0, "shared file");
+	sh = mmap(NULL, sizeof(*sh), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	CHECK(sh != MAP_FAILED, "mmap");
+	close(fd);
+	pid = spawn_trainer(shm, "snl", 10, 3, 0, NULL);
+	t0 = aoqt_now();
+	while (!atomic_load(&sh->paused) && aoqt_now() - t0 < 30)
+		usleep(200);
+	CHECK(atomic_load(&sh->paused), "restart: the snl trainer never reached step 3");
+	char p1[512], p2[512];
+	CHECK(rs_snapshot("snl", p1, sizeof(p1)) == 2, "restart: snl: snapshot not at step 2");
+	kill(pid, SIGKILL);
+	waitpid(pid, NULL, 0);
+	munmap(sh, sizeof(*sh));
+	e = NULL;
+	wait_state(&e, "snl", "leased");
+	aoq_envelope_free(e);
+	{
+		struct trainer tr;
+		CHECK_OK(trainer_open(&tr, "snl", AOQ_STATE_Q8, 0));
+		CHECK(tr.resumed && tr.resumed_at == 2, "restart: snl did not resume at step 2");
+		CHECK_OK(trainer_step(&tr, -1));
+		CHECK(rs_snapshot("snl", p2, sizeof(p2)) == 3, "restart: snl: second snapshot not at step 3");
+		CHECK_OK(trainer_step(&tr, -1));
+		trainer_close(&tr);
+	}
+	free(cl);
+	CHECK(aoqt_daemon_alive(&daemon_), "aoqd died");
+	rm_tree_flat(sd);
+}
+
 int main(int argc, char **argv)
 {
 	if (argc > 2 && strcmp(argv[1], "--trainer") == 0) {
@@ -796,6 +1237,8 @@ int main(int argc, char **argv)
 		case_quota(exe);
 	if (all || strcmp(c, "memlock") == 0)
 		case_memlock(exe);
+	if (all || strcmp(c, "restart") == 0)
+		case_restart(exe);
 	CHECK(aoqt_daemon_alive(&daemon_), "aoqd died");
 	CHECK(aoqt_daemon_stop(&daemon_, 10000, true) == 0, "aoqd did not stop cleanly");
 	printf("ok\n");

@@ -341,6 +341,13 @@ static void restore(void)
 	int got = aoqd_snapshot_restore_all(rd, 0, &locked, on_restore, &r);
 	EXPECT(got == 1 && r.n == 2 && r.ranks == ((1u << 4) | (1u << 5)), "restore_all: %d taken, %d offered, ranks 0x%x",
 	       got, r.n, r.ranks);
+	/* the damaged file is renamed aside, not tried again */
+	char aside[4200];
+	snprintf(aside, sizeof(aside), "%s.rejected", path);
+	EXPECT(access(path, F_OK) < 0 && access(aside, F_OK) == 0, "the damaged file was not renamed to %s", aside);
+	r = (struct restored){ 0, 0 };
+	got = aoqd_snapshot_restore_all(rd, 0, &locked, on_restore, &r);
+	EXPECT(got == 1 && r.n == 2, "restore_all again: %d taken, %d offered", got, r.n);
 	EXPECT(aoqd_snapshot_restore_all("/nonexistent-aoq", 0, &locked, on_restore, &r) == -ENOENT, "no dir");
 }
 
