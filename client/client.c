@@ -3,7 +3,9 @@
  * libaoq: the session with aoqd.  The control socket carries requests and
  * replies (blocking, under ctl_lock); gradients and parameters move through
  * the arena's rings.  A progress thread sleeps on the daemon's doorbell,
- * takes param records and starts the copies back to the device.
+ * takes param records and starts the copies back to the device; a thread
+ * waiting for an answer polls the ring a short while first and takes them
+ * itself (spin_answers).
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -111,8 +113,12 @@ struct aoq_client {
 	 * or a waiting thread that polls it (wait_answered).  Taken before
 	 * c->lock, never while holding it. */
 	pthread_mutex_t drain_lock;
-	uint64_t spin_ns;     /* how long a waiting thread polls (AOQ_SPIN_US) */
+	uint64_t spin_ns;     /* how long a waiting thread polls at most (AOQ_SPIN_US) */
 	bool spinning;        /* a thread polls (under c->lock) */
+	/* The polling thread's own (spin_answers): the current budget and
+	 * the count of polls, for the periodic full-length probe. */
+	uint64_t spin_budget_ns;
+	uint64_t spin_polls;
 	struct aoq_ring_prod to_daemon;
 	struct aoq_ring_cons to_client;
 	struct slot *slots;   /* window mode */
@@ -393,7 +399,7 @@ int aoq_connect(struct aoq_client **out, const struct aoq_options *opts)
 	pthread_mutex_init(&c->ctl_lock, NULL);
 	pthread_mutex_init(&c->lock, NULL);
 	pthread_mutex_init(&c->drain_lock, NULL);
-	c->spin_ns = spin_ns_default();
+	c->spin_ns = c->spin_budget_ns = spin_ns_default();
 	pthread_condattr_t ca;
 	pthread_condattr_init(&ca);
 	pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
@@ -1258,9 +1264,18 @@ static inline void cpu_relax(void)
  * doorbell: no progress thread wakes, and the waiting thread does not
  * sleep, for an answer that comes within the spin.  It yields the CPU every
  * few microseconds, so on a box with few cores the daemon's threads still
- * run.  One thread polls at a time; the others sleep as before.  Caller
- * holds c->lock (dropped meanwhile); false when it did not poll.
+ * run.  One thread polls at a time; the others sleep as before.
+ *
+ * The budget adapts: a poll that ends without the answer halves it (down
+ * to SPIN_MIN_NS), one that gets it restores the whole AOQ_SPIN_US, and
+ * every SPIN_PROBE-th poll tries the whole length.  When answers take long
+ * (large tensors) or the daemon cannot run meanwhile (more runnable threads
+ * than cores: polling then only takes CPU time from the daemon), the
+ * thread soon polls for a few microseconds only.  Caller holds c->lock
+ * (dropped meanwhile); false when it did not poll.
  */
+#define SPIN_MIN_NS 2000u
+#define SPIN_PROBE 16u
 static bool spin_answers(struct aoq_client *c, const struct tensor *x)
 {
 	if (!c->spin_ns || c->spinning || !c->to_client.ring)
@@ -1269,14 +1284,15 @@ static bool spin_answers(struct aoq_client *c, const struct tensor *x)
 	pthread_mutex_unlock(&c->lock);
 	pthread_mutex_lock(&c->drain_lock);
 	aoq_ring_set_spinning(&c->to_client, true);
-	uint64_t end = mono_ns() + c->spin_ns;
-	bool ok = true;
+	uint64_t budget = c->spin_polls++ % SPIN_PROBE == 0 ? c->spin_ns : c->spin_budget_ns;
+	uint64_t end = mono_ns() + budget;
+	bool ok = true, done = false;
 	for (unsigned i = 1;; i++) {
 		if (atomic_load_explicit(&c->to_client.ring->head, memory_order_acquire) != c->to_client.tail) {
 			if (!(ok = drain_ring(c)))
 				break;
 			pthread_mutex_lock(&c->lock);
-			bool done = c->error || x->answered >= x->pushed;
+			done = c->error || x->answered >= x->pushed;
 			pthread_mutex_unlock(&c->lock);
 			if (done)
 				break;
@@ -1290,6 +1306,10 @@ static bool spin_answers(struct aoq_client *c, const struct tensor *x)
 		}
 	}
 	aoq_ring_set_spinning(&c->to_client, false);
+	if (done)
+		c->spin_budget_ns = c->spin_ns;
+	else if (c->spin_budget_ns / 2 >= SPIN_MIN_NS)
+		c->spin_budget_ns /= 2;
 	if (ok)
 		drain_ring(c); /* pushed before the daemon saw the word cleared: no ring came */
 	pthread_mutex_unlock(&c->drain_lock);
