@@ -3,13 +3,16 @@
  * libaoq: the session with aoqd.  The control socket carries requests and
  * replies (blocking, under ctl_lock); gradients and parameters move through
  * the arena's rings.  A progress thread sleeps on the daemon's doorbell,
- * takes param records and starts the copies back to the device.
+ * takes param records and starts the copies back to the device; a thread
+ * waiting for an answer polls the ring a short while first and takes them
+ * itself (spin_answers).
  */
 #include <errno.h>
 #include <inttypes.h>
 #include <poll.h>
 #include <stdarg.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -106,6 +109,16 @@ struct aoq_client {
 
 	pthread_mutex_t lock; /* tensors' counters, the rings, error */
 	pthread_cond_t cond;
+	/* The to-client ring's one consumer at a time: the progress thread,
+	 * or a waiting thread that polls it (wait_answered).  Taken before
+	 * c->lock, never while holding it. */
+	pthread_mutex_t drain_lock;
+	uint64_t spin_ns;     /* how long a waiting thread polls at most (AOQ_SPIN_US) */
+	bool spinning;        /* a thread polls (under c->lock) */
+	/* The polling thread's own (spin_answers): the current budget and
+	 * the count of polls, for the periodic full-length probe. */
+	uint64_t spin_budget_ns;
+	uint64_t spin_polls;
 	struct aoq_ring_prod to_daemon;
 	struct aoq_ring_cons to_client;
 	struct slot *slots;   /* window mode */
@@ -353,6 +366,24 @@ static int size_ok(uint32_t size, size_t want, const char *what)
 	                     what, size, AOQ_ABI_VERSION, want);
 }
 
+/* How long a thread waiting for an answer polls the to-client ring before
+ * it sleeps (README, "Waiting for an update"): AOQ_SPIN_US microseconds,
+ * default 50; none with one CPU, where polling only delays the daemon. */
+#define SPIN_US_DEFAULT 50u
+#define SPIN_US_MAX 10000u
+static uint64_t spin_ns_default(void)
+{
+	uint64_t us = SPIN_US_DEFAULT;
+	const char *e = getenv("AOQ_SPIN_US");
+	if (e && *e) {
+		char *end;
+		unsigned long v = strtoul(e, &end, 10);
+		if (*end == '\0')
+			us = v > SPIN_US_MAX ? SPIN_US_MAX : v;
+	}
+	return sysconf(_SC_NPROCESSORS_ONLN) < 2 ? 0 : us * 1000u;
+}
+
 int aoq_connect(struct aoq_client **out, const struct aoq_options *opts)
 {
 	struct aoq_options def = AOQ_OPTIONS_INIT;
@@ -367,6 +398,8 @@ int aoq_connect(struct aoq_client **out, const struct aoq_options *opts)
 	c->sock = c->bell_in = c->bell_out = c->wake_fd = -1;
 	pthread_mutex_init(&c->ctl_lock, NULL);
 	pthread_mutex_init(&c->lock, NULL);
+	pthread_mutex_init(&c->drain_lock, NULL);
+	c->spin_ns = c->spin_budget_ns = spin_ns_default();
 	pthread_condattr_t ca;
 	pthread_condattr_init(&ca);
 	pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
@@ -762,8 +795,9 @@ static void handle_record(struct aoq_client *c, const struct aoq_rec *r)
 	pthread_mutex_unlock(&c->lock);
 }
 
-/* Takes every param record off the ring.  False when the session broke. */
-static bool drain_params(struct aoq_client *c)
+/* Takes every param record off the ring.  False when the session broke.
+ * Caller holds drain_lock. */
+static bool drain_ring(struct aoq_client *c)
 {
 	for (;;) {
 		struct aoq_rec r;
@@ -804,6 +838,14 @@ static bool drain_params(struct aoq_client *c)
 			ring(c->bell_out);
 		handle_record(c, &r);
 	}
+}
+
+static bool drain_params(struct aoq_client *c)
+{
+	pthread_mutex_lock(&c->drain_lock);
+	bool ok = drain_ring(c);
+	pthread_mutex_unlock(&c->drain_lock);
+	return ok;
 }
 
 static void *progress_main(void *arg)
@@ -1198,6 +1240,84 @@ int aoq_grad_pending(struct aoq_client *c, uint32_t t)
 	return r;
 }
 
+static uint64_t mono_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+	__builtin_ia32_pause();
+#elif defined(__aarch64__)
+	__asm__ __volatile__("yield");
+#endif
+}
+
+/*
+ * A waiting thread takes the answers itself: it polls the to-client ring
+ * for at most spin_ns, handling every record that comes (drain_ring), until
+ * x's records are answered.  Meanwhile the ring says so
+ * (aoq_ring_set_spinning) and the daemon's worker does not ring the
+ * doorbell: no progress thread wakes, and the waiting thread does not
+ * sleep, for an answer that comes within the spin.  It yields the CPU every
+ * few microseconds, so on a box with few cores the daemon's threads still
+ * run.  One thread polls at a time; the others sleep as before.
+ *
+ * The budget adapts: a poll that ends without the answer halves it (down
+ * to SPIN_MIN_NS), one that gets it restores the whole AOQ_SPIN_US, and
+ * every SPIN_PROBE-th poll tries the whole length.  When answers take long
+ * (large tensors) or the daemon cannot run meanwhile (more runnable threads
+ * than cores: polling then only takes CPU time from the daemon), the
+ * thread soon polls for a few microseconds only.  Caller holds c->lock
+ * (dropped meanwhile); false when it did not poll.
+ */
+#define SPIN_MIN_NS 2000u
+#define SPIN_PROBE 16u
+static bool spin_answers(struct aoq_client *c, const struct tensor *x)
+{
+	if (!c->spin_ns || c->spinning || !c->to_client.ring)
+		return false;
+	c->spinning = true;
+	pthread_mutex_unlock(&c->lock);
+	pthread_mutex_lock(&c->drain_lock);
+	aoq_ring_set_spinning(&c->to_client, true);
+	uint64_t budget = c->spin_polls++ % SPIN_PROBE == 0 ? c->spin_ns : c->spin_budget_ns;
+	uint64_t end = mono_ns() + budget;
+	bool ok = true, done = false;
+	for (unsigned i = 1;; i++) {
+		if (atomic_load_explicit(&c->to_client.ring->head, memory_order_acquire) != c->to_client.tail) {
+			if (!(ok = drain_ring(c)))
+				break;
+			pthread_mutex_lock(&c->lock);
+			done = c->error || x->answered >= x->pushed;
+			pthread_mutex_unlock(&c->lock);
+			if (done)
+				break;
+		}
+		if (i % 64 == 0) {
+			if (mono_ns() >= end)
+				break;
+			sched_yield();
+		} else {
+			cpu_relax();
+		}
+	}
+	aoq_ring_set_spinning(&c->to_client, false);
+	if (done)
+		c->spin_budget_ns = c->spin_ns;
+	else if (c->spin_budget_ns / 2 >= SPIN_MIN_NS)
+		c->spin_budget_ns /= 2;
+	if (ok)
+		drain_ring(c); /* pushed before the daemon saw the word cleared: no ring came */
+	pthread_mutex_unlock(&c->drain_lock);
+	pthread_mutex_lock(&c->lock);
+	c->spinning = false;
+	return true;
+}
+
 /* Waits until tensor t's last record is answered (not with the delayed
  * update: its copy leaves at the next push) and takes a reference to the
  * last copy to the device. */
@@ -1208,8 +1328,12 @@ static int wait_answered(struct aoq_client *c, uint32_t t, struct evref **ev)
 		return aoq_set_error(-EINVAL, "no tensor %u", t);
 	struct tensor *x = &c->tensors[t];
 	pthread_mutex_lock(&c->lock);
-	while (!c->o.delayed_update && !c->error && x->answered < x->pushed)
+	bool spun = false;
+	while (!c->o.delayed_update && !c->error && x->answered < x->pushed) {
+		if (!spun && (spun = spin_answers(c, x)))
+			continue;
 		wait_daemon(c, &dl);
+	}
 	int r = !c->o.delayed_update && x->answered < x->pushed ? session_error(c) : 0;
 	*ev = r == 0 && x->h2d && x->h2d->ev ? x->h2d : NULL;
 	if (*ev)
@@ -1535,6 +1659,7 @@ void aoq_close(struct aoq_client *c)
 	free(c->socket_path);
 	pthread_mutex_destroy(&c->ctl_lock);
 	pthread_mutex_destroy(&c->lock);
+	pthread_mutex_destroy(&c->drain_lock);
 	pthread_cond_destroy(&c->cond);
 	free(c);
 }

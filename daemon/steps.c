@@ -157,6 +157,7 @@ static bool finish_step(struct aoqd_session *s)
 	pthread_mutex_unlock(&st->lock);
 	st->accepted[p] = 0;
 	st->end_pending = false;
+	atomic_store(&st->end_waits, false);
 	s->st.last_step = e.step;
 	s->st.dirty = false;
 	pthread_mutex_lock(&s->stats.lock);
@@ -181,6 +182,7 @@ int aoqd_on_step_end(struct aoqd_session *s, const Aoq__Envelope *env, struct ao
 	maybe_snapshot(s, m->step);
 	st->ending_step = m->step;
 	st->end_pending = true;
+	atomic_store(&st->end_waits, true); /* before finish_step() reads inflight */
 	st->next_step++;
 	/* Takes the step's records the ring still holds, then the next step's. */
 	st->held = false;

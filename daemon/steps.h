@@ -24,6 +24,10 @@ struct aoqd_steps {
 	bool space_wait;          /* waiting for the client to free param-ring space */
 	uint64_t ending_step;     /* StepEnd received, reply pending */
 	bool end_pending;
+	/* end_pending for the workers: the one that ends a step's last job
+	 * wakes the loop only while a StepEnd waits for it (set before the
+	 * loop looks at inflight, cleared with end_pending) */
+	_Atomic bool end_waits;
 	bool xfer_busy;                 /* a LoadState/ReadState runs on the pool */
 	_Atomic bool xfer_done;
 	uint64_t xfer_count;

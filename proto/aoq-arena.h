@@ -123,7 +123,12 @@ struct aoq_ring {
 	 * (daemon writes, client reads as a hint): the client then times its
 	 * copies and reports them (TraceSpans). */
 	_Atomic uint32_t trace;
-	uint8_t pad0[48];
+	/* The to-client ring only: nonzero while a client thread polls the
+	 * ring without sleeping (client writes, daemon reads as a hint): a
+	 * push then need not ring the doorbell (aoq_ring_consumer_spinning).
+	 * A client that lies only delays its own answers. */
+	_Atomic uint32_t consumer_spinning;
+	uint8_t pad0[44];
 	_Atomic uint64_t tail; /* written by the consumer only */
 	uint8_t pad1[56];
 	struct aoq_rec recs[];
@@ -279,6 +284,24 @@ static inline bool aoq_ring_wait_space(struct aoq_ring_prod *p, uint64_t need)
 	atomic_thread_fence(memory_order_seq_cst);
 	int64_t space = aoq_ring_space(p);
 	return space < 0 || (uint64_t)space >= need;
+}
+
+/* After a push that returned 1: false when the consumer announced that it
+ * polls the ring without sleeping, so the doorbell need not ring.  The
+ * fence in aoq_ring_push() and the one in aoq_ring_idle() (which a
+ * consumer calls after clearing the word, before it sleeps) make sure that
+ * either the consumer sees the record or the producer sees the cleared
+ * word and rings. */
+static inline bool aoq_ring_consumer_sleeps(const struct aoq_ring_prod *p)
+{
+	return atomic_load_explicit(&p->ring->consumer_spinning, memory_order_relaxed) == 0;
+}
+
+/* Consumer: announce (1) or withdraw (0) polling without sleeping.  After
+ * withdrawing, check the ring once more (aoq_ring_idle) before sleeping. */
+static inline void aoq_ring_set_spinning(struct aoq_ring_cons *c, bool on)
+{
+	atomic_store_explicit(&c->ring->consumer_spinning, on ? 1u : 0u, memory_order_relaxed);
 }
 
 /* Call before sleeping on the doorbell: true when the ring is still empty

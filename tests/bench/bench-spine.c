@@ -23,8 +23,11 @@
 #include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "aoq-kernel.h"
@@ -97,6 +100,31 @@ static Aoq__SessionStats *find_session(Aoq__Envelope *st, const char *job)
 
 /* ---- (a) latency ---------------------------------------------------------- */
 
+/* CPU seconds a process has used so far (utime + stime from /proc), or -1. */
+static double proc_cpu_s(pid_t pid)
+{
+	char path[64], buf[1024];
+	snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+	FILE *f = fopen(path, "r");
+	if (!f)
+		return -1;
+	size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+	fclose(f);
+	buf[n] = '\0';
+	const char *p = strrchr(buf, ')'); /* the name may hold spaces */
+	unsigned long ut, st;
+	if (!p || sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %lu %lu", &ut, &st) != 2)
+		return -1;
+	return (double)(ut + st) / (double)sysconf(_SC_CLK_TCK);
+}
+
+static double self_cpu_s(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+	return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
 static void bench_latency(struct aoqt_daemon *d, const struct aoqk_kernel *k)
 {
 	const uint32_t nt = opt.tensors;
@@ -156,6 +184,7 @@ static void bench_latency(struct aoqt_daemon *d, const struct aoqk_kernel *k)
 	double *rt = aoqt_xcalloc(samples, sizeof(double));
 	size_t rs = 0;
 	double step_sum = 0;
+	double cpu_c0 = self_cpu_s(), cpu_d0 = proc_cpu_s(d->pid), wall0 = aoqt_now();
 	for (int step = 1; step <= opt.lat_steps; step++) {
 		double s0 = aoqt_now();
 		for (uint32_t t = 0; t < nt; t++) {
@@ -171,6 +200,8 @@ static void bench_latency(struct aoqt_daemon *d, const struct aoqk_kernel *k)
 		if (step > 1)
 			step_sum += aoqt_now() - s0;
 	}
+	double cpu_c = self_cpu_s() - cpu_c0, cpu_d = proc_cpu_s(d->pid) - cpu_d0, wall = aoqt_now() - wall0;
+	double trips = (double)nt * opt.lat_steps;
 	/* Pipelined: every tensor pushed at once, as backward would. */
 	double p0 = aoqt_now();
 	for (int step = 0; step < opt.lat_steps - 1; step++) {
@@ -197,6 +228,9 @@ static void bench_latency(struct aoqt_daemon *d, const struct aoqk_kernel *k)
 	if (ss)
 		printf("    daemon's view: record accepted -> param posted  p50 %.1f us p99 %.1f us; chunk p50 %.1f us p99 %.1f us\n",
 		       ss->record_p50_us, ss->record_p99_us, ss->chunk_p50_us, ss->chunk_p99_us);
+	printf("    CPU per round trip, one at a time: trainer process %.1f us, aoqd %.1f us (wall %.1f us; the kernel "
+	       "and copies included)\n",
+	       cpu_c / trips * 1e6, cpu_d0 < 0 ? -1.0 : cpu_d / trips * 1e6, wall / trips * 1e6);
 	printf("    one tensor at a time: %.2f ms per step; all %u pushed at once: %.2f ms per step (%.1f us per tensor)\n",
 	       step_sum / (opt.lat_steps - 1) * 1e3, nt, pipe_s * 1e3, pipe_s * 1e6 / nt);
 	printf("    registration of %u tensors: %.1f ms\n", nt, reg_s * 1e3);

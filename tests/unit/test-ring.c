@@ -4,8 +4,9 @@
  * empty, the "wake the consumer" result of a push, 64-bit counter
  * wrap-around, impossible counters from a hostile peer, and a producer and
  * a consumer thread that sleep on eventfds exactly as the daemon and the
- * client do (a lost wake-up hangs the test).  Also the overflow-safe range
- * helpers.
+ * client do (a lost wake-up hangs the test), also with a consumer that
+ * polls the ring for a while (consumer_spinning: the producer then does not
+ * ring) and then sleeps.  Also the overflow-safe range helpers.
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -13,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/eventfd.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "aoq-arena.h"
@@ -81,6 +83,25 @@ static void test_basic(void)
 	x = rec_of(10);
 	EXPECT(aoq_ring_push(&p, &x) == 0, "push while the consumer holds a record");
 	free(r);
+}
+
+/* The consumer's polling word: a push onto an empty ring still says
+ * "wake", and the producer skips the doorbell only while the word is set. */
+static void test_spinning_hint(void)
+{
+	struct aoq_ring *ring = ring_new(4);
+	struct aoq_ring_prod p = { ring, 4, 0 };
+	struct aoq_ring_cons c = { ring, 4, 0 };
+	struct aoq_rec x = rec_of(1), y;
+	EXPECT(aoq_ring_consumer_sleeps(&p), "a new ring's consumer sleeps");
+	aoq_ring_set_spinning(&c, true);
+	EXPECT(aoq_ring_push(&p, &x) == 1, "push onto an empty ring wakes");
+	EXPECT(!aoq_ring_consumer_sleeps(&p), "the consumer polls: no doorbell");
+	aoq_ring_set_spinning(&c, false);
+	EXPECT(aoq_ring_consumer_sleeps(&p), "withdrawn: the doorbell rings again");
+	EXPECT(!aoq_ring_idle(&c), "the record is seen after withdrawing");
+	EXPECT(aoq_ring_peek(&c, &y) == 1 && rec_eq(&x, &y), "and read");
+	free(ring);
 }
 
 static void test_wrap(void)
@@ -166,7 +187,8 @@ struct pc {
 	int doorbell;  /* producer -> consumer */
 	int space;     /* consumer -> producer, when the producer waits */
 	atomic_int want_space;
-	uint64_t wakes, waits, bad;
+	bool spin;     /* the consumer polls before it sleeps, as libaoq's waiters */
+	uint64_t wakes, waits, bad, skipped, polled;
 };
 
 static void efd_wait(int fd)
@@ -189,8 +211,13 @@ static void *producer(void *arg)
 	struct aoq_ring_prod p = { s->ring, s->cap, 0 };
 	for (uint64_t i = 0; i < s->n;) {
 		struct aoq_rec x = rec_of(i);
+		if (s->spin && i % 8 == 0) /* let the ring run empty now and then */
+			for (volatile int k = 0; k < (int)(i % 5000); k++)
+				;
 		int r = aoq_ring_push(&p, &x);
-		if (r == 1) {
+		if (r == 1 && !aoq_ring_consumer_sleeps(&p)) {
+			s->skipped++;
+		} else if (r == 1) {
 			efd_ring(s->doorbell);
 			s->wakes++;
 		}
@@ -215,6 +242,13 @@ static void *producer(void *arg)
 	return NULL;
 }
 
+static double now_us(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec / 1e3;
+}
+
 static void *consumer(void *arg)
 {
 	struct pc *s = arg;
@@ -225,6 +259,19 @@ static void *consumer(void *arg)
 		if (r < 0) {
 			s->bad++;
 			return NULL;
+		}
+		if (r == 0 && s->spin && i % 3 != 0) {
+			/* Poll a short while (sometimes too short), then
+			 * withdraw and fall through to the sleeping path. */
+			aoq_ring_set_spinning(&c, true);
+			double until = now_us() + (double)(i % 100);
+			while (r == 0 && now_us() < until)
+				r = aoq_ring_peek(&c, &y);
+			aoq_ring_set_spinning(&c, false);
+			if (r == 1)
+				s->polled++;
+			if (r == 0)
+				r = aoq_ring_peek(&c, &y);
 		}
 		if (r == 0) {
 			if (aoq_ring_idle(&c))
@@ -243,9 +290,9 @@ static void *consumer(void *arg)
 	return NULL;
 }
 
-static void test_threads(uint32_t cap, uint64_t n)
+static void test_threads(uint32_t cap, uint64_t n, bool spin)
 {
-	struct pc s = { .ring = ring_new(cap), .cap = cap, .n = n };
+	struct pc s = { .ring = ring_new(cap), .cap = cap, .n = n, .spin = spin };
 	s.doorbell = eventfd(0, EFD_CLOEXEC);
 	s.space = eventfd(0, EFD_CLOEXEC);
 	pthread_t a, b;
@@ -254,8 +301,11 @@ static void test_threads(uint32_t cap, uint64_t n)
 	pthread_join(a, NULL);
 	pthread_join(b, NULL);
 	EXPECT(s.bad == 0, "cap %u: %" PRIu64 " records out of order or corrupt", cap, s.bad);
-	printf("threads, cap %u: %" PRIu64 " records, %" PRIu64 " wake-ups, %" PRIu64 " waits for space\n", cap, n,
-	       s.wakes, s.waits);
+	printf("threads, cap %u%s: %" PRIu64 " records, %" PRIu64 " wake-ups (%" PRIu64 " not needed: polled), %" PRIu64
+	       " taken while polling, %" PRIu64 " waits for space\n", cap, spin ? ", polling consumer" : "", n, s.wakes,
+	       s.skipped, s.polled, s.waits);
+	if (spin)
+		EXPECT(s.skipped > 0 && s.polled > 0, "cap %u: the polling consumer never took a record unrung", cap);
 	close(s.doorbell);
 	close(s.space);
 	free(s.ring);
@@ -264,13 +314,16 @@ static void test_threads(uint32_t cap, uint64_t n)
 int main(void)
 {
 	test_basic();
+	test_spinning_hint();
 	test_wrap();
 	test_bad_counters();
 	test_range();
 	bool slow = getenv("AOQ_TEST_SLOW") != NULL;
-	test_threads(64, slow ? 20000 : 200000);
-	test_threads(1, slow ? 5000 : 50000);
-	test_threads(7, slow ? 5000 : 50000);
+	test_threads(64, slow ? 20000 : 200000, false);
+	test_threads(1, slow ? 5000 : 50000, false);
+	test_threads(7, slow ? 5000 : 50000, false);
+	test_threads(64, slow ? 20000 : 200000, true);
+	test_threads(1, slow ? 5000 : 50000, true);
 	if (failures) {
 		fprintf(stderr, "%d failures\n", failures);
 		return 1;
