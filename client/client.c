@@ -119,6 +119,7 @@ struct aoq_client {
 	uint32_t *free_slots;
 	uint32_t nfree;
 	int error;            /* sticky: the session is over */
+	bool closed_error;    /* error is the daemon's Error read after it closed */
 	char errmsg[256];
 
 	struct cspan *spans;  /* trace pool (TRACE_POOL), allocated when first traced */
@@ -254,9 +255,12 @@ static int ctl_recv(struct aoq_client *c, int want, Aoq__Envelope **out, int *fd
 		}
 		if (r < 0) {
 			pthread_mutex_lock(&c->lock);
+			/* The progress thread read why the daemon closed (closed_why):
+			 * that is the answer. */
+			int why = c->closed_error ? session_error(c) : 0;
 			fail_session(c, r, "control socket: %s", strerror(-r));
 			pthread_mutex_unlock(&c->lock);
-			return aoq_set_error(r, "aoqd: control socket: %s", strerror(-r));
+			return why ? why : aoq_set_error(r, "aoqd: control socket: %s", strerror(-r));
 		}
 		if (rep->msg_case == AOQ__ENVELOPE__MSG_STEP_ENDED && c->step_ends_pending > 0) {
 			pthread_mutex_lock(&c->lock);
@@ -874,6 +878,8 @@ static void closed_why(struct aoq_client *c)
 		if (err) {
 			int r = aoq_error_to_errno(rep->error->code);
 			pthread_mutex_lock(&c->lock);
+			if (!c->error)
+				c->closed_error = true;
 			fail_session(c, r ? r : -EIO, "aoqd: %s: %s", aoq_error_name(rep->error->code), rep->error->message);
 			pthread_mutex_unlock(&c->lock);
 		}
