@@ -1383,7 +1383,17 @@ int aoq_step_end(struct aoq_client *c)
 		env.msg_case = AOQ__ENVELOPE__MSG_STEP_END;
 		env.step_end = &m;
 		r = aoq_send_frame(c->sock, &env, NULL, 0);
-		if (r < 0)
+		int why = 0;
+		if (r == -EPIPE || r == -ECONNRESET) {
+			/* The daemon closed the session, perhaps saying why
+			 * (PEER_LOST): that Error is the answer. */
+			int e = ctl_recv(c, AOQ__ENVELOPE__MSG_STEP_ENDED, NULL, NULL, NULL);
+			if (e < 0 && e != -EPIPE && e != -ECONNRESET)
+				why = e;
+		}
+		if (why)
+			r = why;
+		else if (r < 0)
 			aoq_set_error(r, "aoqd: send: %s", strerror(-r));
 	}
 	if (r == 0) {

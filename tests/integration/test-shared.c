@@ -42,6 +42,8 @@ static const struct aoqt_tdesc desc[NT] = {
 	{ 700, AOQ_FP32, AOQ_FP32, 1 },
 };
 
+static double clip; /* max_grad_norm of the sessions opened */
+
 struct rank {
 	struct aoq_client *c;
 	void *param[NT];
@@ -72,6 +74,7 @@ static int open_rank(struct rank *r, const char *sock, const char *job, uint32_t
 	o.local_rank = lr;
 	o.lease_seconds = AOQ_LEASE_NONE; /* R's state then has no undo copy, like a group's */
 	o.timeout_ms = 60000;
+	o.max_grad_norm = clip;
 	CHECK_OK(aoq_connect(&r->c, &o));
 	for (uint32_t g = 0; g < 2; g++) {
 		struct aoq_group h = hp_at(g, 1);
@@ -207,6 +210,50 @@ static void test_bitexact(const struct aoqt_daemon *d, uint32_t world)
 	aoq_envelope_free(env);
 	close_rank(&ref);
 	for (uint32_t q = 0; q < world; q++)
+		close_rank(&ranks[q]);
+}
+
+/* Clipping: the norm is summed over every rank's slice.  The sum's order
+ * differs from a lone session's, so the ranks are compared with each other
+ * bit for bit and with the lone session within rounding. */
+static void test_clip(const struct aoqt_daemon *d)
+{
+	char job[48], rjob[48];
+	snprintf(job, sizeof(job), "clip-%d", (int)getpid());
+	snprintf(rjob, sizeof(rjob), "clipref-%d", (int)getpid());
+	clip = 5.0;
+	struct rank ref, ranks[2];
+	CHECK_OK(open_rank(&ref, d->socket, rjob, 0, 0, desc, init_vals));
+	for (uint32_t q = 0; q < 2; q++)
+		CHECK_OK(open_rank(&ranks[q], d->socket, job, 2, q, desc, init_vals));
+	clip = 0;
+	for (uint64_t k = 1; k <= 3; k++) {
+		push_step(&ref, 1, k, NT);
+		push_step(ranks, 2, k, NT);
+		struct aoq_step_result res[2] = { AOQ_STEP_RESULT_INIT, AOQ_STEP_RESULT_INIT }, rres = AOQ_STEP_RESULT_INIT;
+		CHECK_OK(aoq_step_end(ref.c));
+		for (uint32_t q = 0; q < 2; q++)
+			CHECK_OK(aoq_step_end(ranks[q].c));
+		CHECK_OK(aoq_sync(ref.c, &rres));
+		for (uint32_t q = 0; q < 2; q++)
+			CHECK_OK(aoq_sync(ranks[q].c, &res[q]));
+		CHECK(rres.clip_scale < 0.1 && res[0].clip_scale == res[1].clip_scale &&
+		      fabs(res[0].clip_scale - rres.clip_scale) <= 1e-9 * rres.clip_scale,
+		      "step %" PRIu64 ": clip scale %.17g / %.17g, the lone session's %.17g", k, res[0].clip_scale,
+		      res[1].clip_scale, rres.clip_scale);
+		for (int t = 0; t < NT; t++)
+			for (uint64_t i = 0; i < desc[t].n; i++) {
+				CHECK(aoqt_bits(ranks[0].param[t], i, desc[t].pd) == aoqt_bits(ranks[1].param[t], i, desc[t].pd),
+				      "clip step %" PRIu64 " tensor %d element %" PRIu64 ": the ranks differ", k, t, i);
+				double a = aoqt_load(ranks[0].param[t], i, desc[t].pd), b = aoqt_load(ref.param[t], i, desc[t].pd);
+				double tol = desc[t].pd == AOQ_FP32 ? 1e-6 : desc[t].pd == AOQ_BF16 ? 1e-2 : 2e-3;
+				CHECK(fabs(a - b) <= tol * (fabs(b) + 1e-3), "clip step %" PRIu64 " tensor %d element %" PRIu64
+				      ": %.9g, the lone session's %.9g", k, t, i, a, b);
+			}
+	}
+	printf("clip: 2 ranks identical to each other and within rounding of one session\n");
+	close_rank(&ref);
+	for (uint32_t q = 0; q < 2; q++)
 		close_rank(&ranks[q]);
 }
 
@@ -395,6 +442,7 @@ int main(int argc, char **argv)
 	test_disconnect(&d); /* first: the child forks before any thread */
 	test_bitexact(&d, 2);
 	test_bitexact(&d, 3);
+	test_clip(&d);
 	test_mismatch(&d);
 	test_hostile(&d);
 	for (int t = 0; t < NT; t++)
