@@ -630,6 +630,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
     gradients and parameters stream through; 0 = a copy of every gradient
     and parameter on the host; None (default): 0 when that is at most
     STAGING_BUDGET (1 GiB), else 1 GiB (see staging_window_for).
+    shared: True: the data-parallel ranks of this job on this node share one
+    optimizer state in aoqd (a replica group, docs/python.md "One state for
+    data-parallel replicas"): local world and rank from LOCAL_WORLD_SIZE and
+    LOCAL_RANK (torchrun), else the whole process group as one node; the job
+    name is global rank 0's unless job= is given; a slot per tensor, no
+    delayed update, no lease.  A rank lost mid-step makes the others' next
+    call raise (PEER_LOST).
     """
 
     def __init__(self, params, optimizer_class=torch.optim.AdamW, *, offload_gradients=False, minimal_size=4096,
