@@ -912,6 +912,9 @@ static void *progress_main(void *arg)
 			ssize_t r = read(c->bell_in, v, sizeof(v));
 			if (r == 0) {
 				drain_params(c);
+				/* aoqd closes a doorbell only after the connection,
+				 * so what it said before closing is buffered. */
+				closed_why(c);
 				pthread_mutex_lock(&c->lock);
 				fail_session(c, -ECONNRESET, "aoqd closed the doorbell (see its log)");
 				pthread_mutex_unlock(&c->lock);
