@@ -51,6 +51,12 @@ struct tensor {
 	bool pending;        /* delayed: an update waits in the arena */
 	uint64_t pending_step;
 	void *stream;        /* stream of the last push */
+	/* Replica group: this rank's slice [sb, se); the step of the last
+	 * final push (want) and the last step whose every element was
+	 * answered (done), counted per step parity (got, got_step). */
+	uint64_t sb, se;
+	uint64_t want, done;
+	uint64_t got[2], got_step[2];
 };
 
 /* A staging slot of the window. */
@@ -91,6 +97,7 @@ struct aoq_client {
 	uint64_t session_id;
 	bool resumed;
 	uint64_t resumed_step;
+	uint32_t world;      /* replica group: local ranks (0: none) */
 
 	struct aoq_group *groups;
 	uint32_t ngroups, cap_groups;
@@ -125,6 +132,7 @@ struct aoq_client {
 	uint32_t *free_slots;
 	uint32_t nfree;
 	int error;            /* sticky: the session is over */
+	bool closed_error;    /* error is the daemon's Error read after it closed */
 	char errmsg[256];
 
 	struct cspan *spans;  /* trace pool (TRACE_POOL), allocated when first traced */
@@ -260,9 +268,12 @@ static int ctl_recv(struct aoq_client *c, int want, Aoq__Envelope **out, int *fd
 		}
 		if (r < 0) {
 			pthread_mutex_lock(&c->lock);
+			/* The progress thread read why the daemon closed (closed_why):
+			 * that is the answer. */
+			int why = c->closed_error ? session_error(c) : 0;
 			fail_session(c, r, "control socket: %s", strerror(-r));
 			pthread_mutex_unlock(&c->lock);
-			return aoq_set_error(r, "aoqd: control socket: %s", strerror(-r));
+			return why ? why : aoq_set_error(r, "aoqd: control socket: %s", strerror(-r));
 		}
 		if (rep->msg_case == AOQ__ENVELOPE__MSG_STEP_ENDED && c->step_ends_pending > 0) {
 			pthread_mutex_lock(&c->lock);
@@ -447,6 +458,17 @@ int aoq_connect(struct aoq_client **out, const struct aoq_options *opts)
 	h.device = c->device;
 	h.pid = (uint32_t)getpid();
 	h.lease_seconds = opts->lease_seconds;
+	if (opts->local_world > 1) {
+		if (opts->local_world > AOQ_MAX_LOCAL_WORLD || opts->local_rank >= opts->local_world ||
+		    opts->window || opts->delayed_update) {
+			aoq_close(c);
+			return aoq_set_error(-EINVAL, "replica group: local rank %u of local world %u (2 to %u ranks; window 0 "
+			                     "and no delayed update)", opts->local_rank, opts->local_world, AOQ_MAX_LOCAL_WORLD);
+		}
+		h.local_world = opts->local_world;
+		h.local_rank = opts->local_rank;
+		c->world = opts->local_world;
+	}
 	Aoq__Envelope env = AOQ__ENVELOPE__INIT;
 	env.msg_case = AOQ__ENVELOPE__MSG_HELLO;
 	env.hello = &h;
@@ -608,11 +630,19 @@ out:
 }
 
 /* Checks the daemon's arena header against the mapping and our tensors. */
-static int check_arena(struct aoq_client *c)
+static int check_arena(struct aoq_client *c, const Aoq__Registered *reg)
 {
 	const struct aoq_arena_header *h = (const void *)c->arena;
 	struct aoq_arena_header hd;
 	memcpy(&hd, h, sizeof(hd));
+	if (c->world) {
+		/* A replica group: our lane's rings and transfer area. */
+		if (reg->local_world != c->world)
+			return -EPROTO;
+		hd.to_daemon_off = reg->lane_to_daemon_off;
+		hd.to_client_off = reg->lane_to_client_off;
+		hd.xfer_off = reg->lane_xfer_off;
+	}
 	if (aoq_arena_header_check(&hd, c->arena_size) < 0 || hd.tensors != c->ntensors || hd.window != c->o.window)
 		return -EPROTO;
 	bool delayed = hd.flags & AOQ_ARENA_DELAYED;
@@ -631,6 +661,7 @@ static int check_arena(struct aoq_client *c)
 		uint64_t pbuf = delayed ? aoq_align_up(s.param_bytes, AOQ_ARENA_ALIGN) : 0;
 		if (aoq_arena_slot_check(&hd, &s, x->d.numel * x->gsize, x->d.numel * x->psize) < 0)
 			return -EPROTO;
+		aoq_slice(x->d.numel, c->world, c->o.local_rank, &x->sb, &x->se);
 		x->grad_area = c->arena + s.grad_off;
 		x->param_area = c->arena + s.param_off;
 		x->param_buf = pbuf;
@@ -790,9 +821,28 @@ static void handle_record(struct aoq_client *c, const struct aoq_rec *r)
 			copy_param(c, x, x->param_area + r->offset * x->psize, r->offset, r->count, NULL, r->step);
 		}
 	}
-	x->answered++;
+	if (!c->world || (r->offset >= x->sb && r->offset < x->se))
+		x->answered++; /* ours */
+	if (c->world && r->status != AOQ_REC_ACCUMULATED) {
+		unsigned p = r->step & 1;
+		if (x->got_step[p] != r->step) {
+			x->got_step[p] = r->step;
+			x->got[p] = 0;
+		}
+		x->got[p] += r->count;
+		if (x->got[p] == x->d.numel && r->step > x->done)
+			x->done = r->step; /* every slice of the step answered */
+	}
 	pthread_cond_broadcast(&c->cond);
 	pthread_mutex_unlock(&c->lock);
+}
+
+/* Whether tensor x's updated parameter has come (caller holds c->lock):
+ * every record answered, and in a replica group every slice of the step
+ * of its last final push. */
+static bool param_answered(const struct aoq_client *c, const struct tensor *x)
+{
+	return x->answered >= x->pushed && (!c->world || x->done >= x->want);
 }
 
 /* Takes every param record off the ring.  False when the session broke.
@@ -817,7 +867,13 @@ static bool drain_ring(struct aoq_client *c)
 		          (r.status == AOQ_REC_UPDATED || r.status == AOQ_REC_ACCUMULATED || r.status == AOQ_REC_SKIPPED);
 		if (ok) {
 			pthread_mutex_lock(&c->lock);
-			ok = c->tensors[r.tensor].answered < c->tensors[r.tensor].pushed;
+			const struct tensor *x = &c->tensors[r.tensor];
+			if (c->world && !(r.offset >= x->sb && r.offset < x->se))
+				/* another rank's slice: an update of a step we are in */
+				ok = (r.offset + r.count <= x->sb || r.offset >= x->se) && r.status != AOQ_REC_ACCUMULATED &&
+				     r.step >= 1 && r.step <= c->step;
+			else
+				ok = c->tensors[r.tensor].answered < c->tensors[r.tensor].pushed;
 			if (c->slots) {
 				/* The answer must match what the slot was lent for. */
 				const struct slot *sl = r.slot < c->hdr.slots ? &c->slots[r.slot] : NULL;
@@ -848,6 +904,34 @@ static bool drain_params(struct aoq_client *c)
 	return ok;
 }
 
+/* The daemon closed the connection: when no request is reading it, the
+ * Error it sent before closing (e.g. PEER_LOST from a replica group) becomes
+ * the session's error, rather than a bare "closed".  Progress thread. */
+static void closed_why(struct aoq_client *c)
+{
+	if (pthread_mutex_trylock(&c->ctl_lock) != 0)
+		return; /* a request is reading: it gets the Error itself */
+	for (int i = 0; i < 64; i++) {
+		Aoq__Envelope *rep;
+		/* The peer closed: what it sent is buffered, so this does not wait. */
+		if (aoq_recv_frame(c->sock, &rep, NULL, 0, NULL) < 0)
+			break;
+		bool err = rep->msg_case == AOQ__ENVELOPE__MSG_ERROR;
+		if (err) {
+			int r = aoq_error_to_errno(rep->error->code);
+			pthread_mutex_lock(&c->lock);
+			if (!c->error)
+				c->closed_error = true;
+			fail_session(c, r ? r : -EIO, "aoqd: %s: %s", aoq_error_name(rep->error->code), rep->error->message);
+			pthread_mutex_unlock(&c->lock);
+		}
+		aoq_envelope_free(rep);
+		if (err)
+			break;
+	}
+	pthread_mutex_unlock(&c->ctl_lock);
+}
+
 static void *progress_main(void *arg)
 {
 	struct aoq_client *c = arg;
@@ -870,6 +954,9 @@ static void *progress_main(void *arg)
 			ssize_t r = read(c->bell_in, v, sizeof(v));
 			if (r == 0) {
 				drain_params(c);
+				/* aoqd closes a doorbell only after the connection,
+				 * so what it said before closing is buffered. */
+				closed_why(c);
 				pthread_mutex_lock(&c->lock);
 				fail_session(c, -ECONNRESET, "aoqd closed the doorbell (see its log)");
 				pthread_mutex_unlock(&c->lock);
@@ -884,6 +971,7 @@ static void *progress_main(void *arg)
 			break;
 		if (p[2].revents & (POLLRDHUP | POLLHUP | POLLERR)) {
 			drain_params(c);
+			closed_why(c);
 			pthread_mutex_lock(&c->lock);
 			fail_session(c, -ECONNRESET, "aoqd closed the session (see its log, or the reply to the next request)");
 			pthread_mutex_unlock(&c->lock);
@@ -901,8 +989,10 @@ static int load_initial(struct aoq_client *c, uint32_t i)
 	size_t dsize = dt == AOQ_FP32 ? 4 : 2;
 	uint64_t room = c->hdr.xfer_bytes / dsize;
 	uint8_t *xfer = c->arena + c->hdr.xfer_off;
-	for (uint64_t off = 0; off < x->d.numel; off += room) {
-		uint64_t n = x->d.numel - off < room ? x->d.numel - off : room;
+	/* A replica group's rank loads its own slice (the others theirs). */
+	uint64_t end = c->world ? x->se : x->d.numel;
+	for (uint64_t off = c->world ? x->sb : 0; off < end; off += room) {
+		uint64_t n = end - off < room ? end - off : room;
 		int r;
 		if (x->d.init)
 			memcpy(xfer, (const uint8_t *)x->d.init + off * dsize, n * dsize);
@@ -995,7 +1085,7 @@ int aoq_register(struct aoq_client *c)
 	c->bell_out = fds[1];
 	c->bell_in = fds[2];
 	nfds = 0;
-	if ((r = check_arena(c)) < 0) {
+	if ((r = check_arena(c, rep->registered)) < 0) {
 		aoq_set_error(r, "the arena's layout is inconsistent");
 		goto out;
 	}
@@ -1167,10 +1257,14 @@ int aoq_push_grad_ptr(struct aoq_client *c, uint32_t t, const void *grad, unsign
 			           x->pending_step);
 		}
 	}
-	/* In pieces: the daemon starts on the first while the rest copies. */
-	for (uint64_t off = 0; r == 0 && !c->slots && off < x->d.numel; off += AOQ_PUSH_CHUNK_ELEMS) {
+	/* In pieces: the daemon starts on the first while the rest copies.
+	 * In a replica group only our slice (the others push theirs). */
+	uint64_t end = c->world ? x->se : x->d.numel;
+	if (c->world && !(flags & AOQ_PUSH_ACCUMULATE))
+		x->want = c->step;
+	for (uint64_t off = c->world ? x->sb : 0; r == 0 && !c->slots && off < end; off += AOQ_PUSH_CHUNK_ELEMS) {
 		rec.offset = off;
-		rec.count = x->d.numel - off < AOQ_PUSH_CHUNK_ELEMS ? x->d.numel - off : AOQ_PUSH_CHUNK_ELEMS;
+		rec.count = end - off < AOQ_PUSH_CHUNK_ELEMS ? end - off : AOQ_PUSH_CHUNK_ELEMS;
 		r = start_copy(c, x, x->grad_area + off * x->gsize, (const uint8_t *)grad + off * x->gsize, &rec);
 	}
 	for (uint64_t off = 0; r == 0 && c->slots && off < x->d.numel; off += c->hdr.slot_elems) {
@@ -1292,7 +1386,7 @@ static bool spin_answers(struct aoq_client *c, const struct tensor *x)
 			if (!(ok = drain_ring(c)))
 				break;
 			pthread_mutex_lock(&c->lock);
-			done = c->error || x->answered >= x->pushed;
+			done = c->error || param_answered(c, x);
 			pthread_mutex_unlock(&c->lock);
 			if (done)
 				break;
@@ -1329,12 +1423,12 @@ static int wait_answered(struct aoq_client *c, uint32_t t, struct evref **ev)
 	struct tensor *x = &c->tensors[t];
 	pthread_mutex_lock(&c->lock);
 	bool spun = false;
-	while (!c->o.delayed_update && !c->error && x->answered < x->pushed) {
+	while (!c->o.delayed_update && !c->error && !param_answered(c, x)) {
 		if (!spun && (spun = spin_answers(c, x)))
 			continue;
 		wait_daemon(c, &dl);
 	}
-	int r = !c->o.delayed_update && x->answered < x->pushed ? session_error(c) : 0;
+	int r = !c->o.delayed_update && !param_answered(c, x) ? session_error(c) : 0;
 	*ev = r == 0 && x->h2d && x->h2d->ev ? x->h2d : NULL;
 	if (*ev)
 		(*ev)->refs++;
@@ -1416,7 +1510,17 @@ int aoq_step_end(struct aoq_client *c)
 		env.msg_case = AOQ__ENVELOPE__MSG_STEP_END;
 		env.step_end = &m;
 		r = aoq_send_frame(c->sock, &env, NULL, 0);
-		if (r < 0)
+		int why = 0;
+		if (r == -EPIPE || r == -ECONNRESET) {
+			/* The daemon closed the session, perhaps saying why
+			 * (PEER_LOST): that Error is the answer. */
+			int e = ctl_recv(c, AOQ__ENVELOPE__MSG_STEP_ENDED, NULL, NULL, NULL);
+			if (e < 0 && e != -EPIPE && e != -ECONNRESET)
+				why = e;
+		}
+		if (why)
+			r = why;
+		else if (r < 0)
 			aoq_set_error(r, "aoqd: send: %s", strerror(-r));
 	}
 	if (r == 0) {
@@ -1443,7 +1547,7 @@ int aoq_sync(struct aoq_client *c, struct aoq_step_result *last)
 	pthread_mutex_unlock(&c->ctl_lock);
 	pthread_mutex_lock(&c->lock);
 	for (uint32_t i = 0; i < c->ntensors; i++)
-		while (!c->error && c->tensors[i].answered < c->tensors[i].pushed)
+		while (!c->error && !param_answered(c, &c->tensors[i]))
 			wait_daemon(c, &dl);
 	if (c->error && r == 0)
 		r = session_error(c);
@@ -1491,6 +1595,18 @@ static int transfer(struct aoq_client *c, bool load, uint32_t t, int what, enum 
 	if (r < 0)
 		return r;
 	size_t dsize = dtype == AOQ_FP32 ? 4 : 2;
+	if (load && c->world) {
+		/* A replica group's rank writes only its own slice: every rank
+		 * loads the same values, each its part (docs/design.md). */
+		const struct tensor *x = &c->tensors[t];
+		uint64_t b = offset > x->sb ? offset : x->sb;
+		uint64_t e = offset + count < x->se ? offset + count : x->se;
+		if (b >= e)
+			return 0;
+		buf = (uint8_t *)buf + (b - offset) * dsize;
+		offset = b;
+		count = e - b;
+	}
 	uint64_t room = c->hdr.xfer_bytes / dsize;
 	uint8_t *xfer = c->arena + c->hdr.xfer_off;
 	pthread_mutex_lock(&c->ctl_lock);

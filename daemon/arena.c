@@ -27,8 +27,33 @@ static uint64_t biggest_tensor(const struct aoqd_state *st)
 	return biggest;
 }
 
+static int make_doorbells(struct aoqd_arena *a)
+{
+	int in[2], out[2];
+	if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0, in) < 0)
+		return -errno;
+	a->doorbell_in = in[0];
+	a->peer_in = in[1];
+	if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0, out) < 0)
+		return -errno;
+	a->doorbell_out = out[0];
+	a->peer_out = out[1];
+	/* Each end is one-way. */
+	shutdown(a->doorbell_in, SHUT_WR);
+	shutdown(a->doorbell_out, SHUT_RD);
+	return 0;
+}
+
 int aoqd_arena_build(struct aoqd_arena *a, const struct aoqd_state *st, uint64_t session_id, uint64_t max_bytes)
 {
+	return aoqd_arena_build_lanes(a, st, session_id, max_bytes, 1);
+}
+
+int aoqd_arena_build_lanes(struct aoqd_arena *a, const struct aoqd_state *st, uint64_t session_id, uint64_t max_bytes,
+                           uint32_t lanes)
+{
+	if (lanes < 1 || lanes > AOQ_MAX_LOCAL_WORLD)
+		return -EINVAL;
 	uint64_t off = aoq_align_up(sizeof(struct aoq_arena_header), AOQ_ARENA_ALIGN);
 	uint64_t tensor_table = off;
 	off = aoq_align_up(off + (uint64_t)st->ntensors * sizeof(struct aoq_arena_tensor), AOQ_ARENA_ALIGN);
@@ -52,18 +77,22 @@ int aoqd_arena_build(struct aoqd_arena *a, const struct aoqd_state *st, uint64_t
 	 * AOQ_PUSH_CHUNK_ELEMS, or one per slot with a window. */
 	uint64_t recs = 0;
 	for (uint32_t i = 0; !st->window && i < st->ntensors; i++)
-		recs += (st->tensors[i].numel + AOQ_PUSH_CHUNK_ELEMS - 1) / AOQ_PUSH_CHUNK_ELEMS;
+		recs += (st->tensors[i].numel + AOQ_PUSH_CHUNK_ELEMS - 1) / AOQ_PUSH_CHUNK_ELEMS + (lanes - 1);
 	uint64_t cap = 2 * (st->window ? a->nslots : recs);
 	a->ring_cap = (uint32_t)(cap < 256 ? 256 : cap > AOQ_RING_MAX_CAP ? AOQ_RING_MAX_CAP : cap);
 	uint64_t ring_bytes = sizeof(struct aoq_ring) + (uint64_t)a->ring_cap * sizeof(struct aoq_rec);
-	uint64_t to_daemon = off;
-	off = aoq_align_up(off + ring_bytes, AOQ_ARENA_ALIGN);
-	uint64_t to_client = off;
-	off = aoq_align_up(off + ring_bytes, AOQ_ARENA_ALIGN);
-	/* The transfer area holds 4 Mi fp32 values, or the largest tensor. */
-	a->xfer_off = off;
+	/* A lane: the to-daemon ring, the to-client ring, the transfer area
+	 * (4 Mi fp32 values, or the largest tensor); one per local rank. */
 	a->xfer_bytes = 4 * (biggest < AOQD_MAX_TRANSFER_ELEMS ? biggest : AOQD_MAX_TRANSFER_ELEMS);
-	off = aoq_align_up(off + a->xfer_bytes, AOQ_ARENA_ALIGN);
+	a->lanes = lanes;
+	a->lane_off = off;
+	a->lane_bytes = 2 * aoq_align_up(ring_bytes, AOQ_ARENA_ALIGN) + aoq_align_up(a->xfer_bytes, AOQ_ARENA_ALIGN);
+	uint64_t to_daemon = off;
+	uint64_t to_client = to_daemon + aoq_align_up(ring_bytes, AOQ_ARENA_ALIGN);
+	a->xfer_off = to_client + aoq_align_up(ring_bytes, AOQ_ARENA_ALIGN);
+	a->to_daemon_off = to_daemon;
+	a->to_client_off = to_client;
+	off += (uint64_t)lanes * a->lane_bytes;
 	uint64_t data = off;
 	a->slots = calloc(a->nslots, sizeof(*a->slots));
 	if (!a->slots)
@@ -138,19 +167,39 @@ int aoqd_arena_build(struct aoqd_arena *a, const struct aoqd_state *st, uint64_t
 	a->to_client = (struct aoq_ring_prod){ .ring = (void *)(a->base + to_client), .cap = a->ring_cap };
 	if (fcntl(fd, F_ADD_SEALS, F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL) < 0)
 		return -errno;
-	int in[2], out[2];
-	if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0, in) < 0)
+	return make_doorbells(a);
+}
+
+int aoqd_arena_join(struct aoqd_arena *a, const struct aoqd_arena *of, uint32_t lane)
+{
+	if (lane >= of->lanes || of->fd < 0)
+		return -EINVAL;
+	a->fd = fcntl(of->fd, F_DUPFD_CLOEXEC, 0);
+	if (a->fd < 0)
 		return -errno;
-	a->doorbell_in = in[0];
-	a->peer_in = in[1];
-	if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0, out) < 0)
+	a->size = of->size;
+	void *p = mmap(NULL, a->size, PROT_READ | PROT_WRITE, MAP_SHARED, a->fd, 0);
+	if (p == MAP_FAILED)
 		return -errno;
-	a->doorbell_out = out[0];
-	a->peer_out = out[1];
-	/* Each end is one-way. */
-	shutdown(a->doorbell_in, SHUT_WR);
-	shutdown(a->doorbell_out, SHUT_RD);
-	return 0;
+	a->base = p;
+	a->nslots = of->nslots;
+	a->slot_elems = of->slot_elems;
+	a->slots = calloc(a->nslots, sizeof(*a->slots));
+	if (!a->slots)
+		return -ENOMEM;
+	memcpy(a->slots, of->slots, (size_t)a->nslots * sizeof(*a->slots));
+	a->ring_cap = of->ring_cap;
+	a->lanes = of->lanes;
+	a->lane_off = of->lane_off;
+	a->lane_bytes = of->lane_bytes;
+	uint64_t d = (uint64_t)lane * of->lane_bytes;
+	a->to_daemon_off = of->to_daemon_off + d;
+	a->to_client_off = of->to_client_off + d;
+	a->xfer_off = of->xfer_off + d;
+	a->xfer_bytes = of->xfer_bytes;
+	a->to_daemon = (struct aoq_ring_cons){ .ring = (void *)(a->base + a->to_daemon_off), .cap = a->ring_cap };
+	a->to_client = (struct aoq_ring_prod){ .ring = (void *)(a->base + a->to_client_off), .cap = a->ring_cap };
+	return make_doorbells(a);
 }
 
 int aoqd_arena_watch(struct aoqd_arena *a, uv_loop_t *loop, uv_poll_cb cb, void *data)

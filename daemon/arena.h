@@ -27,6 +27,11 @@ struct aoqd_arena {
 	uint32_t nslots;
 	uint64_t slot_elems;
 	uint64_t xfer_off, xfer_bytes;
+	/* Replica groups: lanes (one per local rank) of lane_bytes from
+	 * lane_off; this arena's own lane's rings (a member's view, or lane 0). */
+	uint32_t lanes;
+	uint64_t lane_off, lane_bytes;
+	uint64_t to_daemon_off, to_client_off;
 	struct aoq_arena_slot *slots; /* private copy */
 	uint32_t ring_cap;
 	struct aoq_ring_cons to_daemon;   /* loop thread */
@@ -49,6 +54,14 @@ void aoqd_arena_init(struct aoqd_arena *a);
 /* Lays out, creates, fills, checks and seals the arena for st's tensors;
  * creates the doorbells.  0 or -errno (-EFBIG: larger than max_bytes). */
 int aoqd_arena_build(struct aoqd_arena *a, const struct aoqd_state *st, uint64_t session_id, uint64_t max_bytes);
+/* The same with `lanes` lanes (a replica group's arena: a lane per local
+ * rank, proto/aoq-arena.h).  The answer rings hold every lane's records. */
+int aoqd_arena_build_lanes(struct aoqd_arena *a, const struct aoqd_state *st, uint64_t session_id, uint64_t max_bytes,
+                           uint32_t lanes);
+/* A replica group member's view of the group's arena `of`: its own mapping
+ * of the same memfd (a dup), lane `lane`'s rings and transfer area, its own
+ * doorbells.  Not locked (the group's mapping is).  0 or -errno. */
+int aoqd_arena_join(struct aoqd_arena *a, const struct aoqd_arena *of, uint32_t lane);
 /* Locks the mapping in memory: 0 (the bytes are added to *locked_total
  * until the free), or -errno (mlock refused it). */
 int aoqd_arena_lock(struct aoqd_arena *a, _Atomic uint64_t *locked_total);

@@ -45,6 +45,7 @@ struct chunk {
 struct aoqd_job {
 	struct aoqd_job *next;  /* deferred list */
 	struct aoqd_session *s;
+	struct aoqd_session *origin; /* replica group: the member that pushed it (the hub holds it) */
 	struct aoqd_tensor *t;
 	struct aoq_rec rec;
 	struct aoqk_hparams hp;
@@ -73,18 +74,15 @@ static uint64_t thread_cpu_ns(void)
 	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
-/* Delivers a job's answer to the session's client: the worker that
- * finished the job writes the record itself (the ring's producer side is
- * serialised by ring_lock) and rings the client's doorbell only when the
+/* One answer into one session's to-client ring (any thread): the worker
+ * that finished the job writes the record itself (the ring's producer side
+ * is serialised by ring_lock) and rings the client's doorbell only when the
  * client may be asleep: a client thread that polls the ring (aoq-arena.h,
  * consumer_spinning) takes the record without a wake-up. */
-static void post_record(struct aoqd_session *s, const struct aoqd_job *j, int32_t status)
+static void post_to(struct aoqd_session *s, const struct aoq_rec *out)
 {
-	struct aoq_rec out = j->rec;
-	out.flags = 0;
-	out.status = status;
 	pthread_mutex_lock(&s->arena.ring_lock);
-	int r = atomic_load(&s->dead) ? 0 : aoq_ring_push(&s->arena.to_client, &out);
+	int r = atomic_load(&s->dead) ? 0 : aoq_ring_push(&s->arena.to_client, out);
 	if (r == 1 && !aoq_ring_consumer_sleeps(&s->arena.to_client))
 		r = 0;
 	pthread_mutex_unlock(&s->arena.ring_lock);
@@ -95,6 +93,27 @@ static void post_record(struct aoqd_session *s, const struct aoqd_job *j, int32_
 		atomic_store(&s->dead, true);
 		uv_async_send(&s->srv->wake);
 	}
+}
+
+/* Delivers a job's answer to the session's client (and in a replica
+ * group to every member). */
+static void post_record(struct aoqd_session *s, const struct aoqd_job *j, int32_t status)
+{
+	struct aoq_rec out = j->rec;
+	out.flags = 0;
+	out.status = status;
+	if (s->rep) {
+		/* A replica group: every member copies the whole parameter, so
+		 * every member gets each answer; an accumulated micro-batch
+		 * concerns only the member that pushed it. */
+		for (uint32_t k = 0; k < s->rep->world; k++) {
+			struct aoqd_session *m = s->rep->members[k];
+			if (m && (status != AOQ_REC_ACCUMULATED || m == j->origin))
+				post_to(m, &out);
+		}
+		return;
+	}
+	post_to(s, &out);
 }
 
 /* Answers the job's record and drops it (any thread). */
@@ -270,8 +289,10 @@ static void job_submit(struct aoqd_job *j)
 	aoqd_pool_submit(j->s->srv->pool, &j->s->queue, key, &j->chunks[0].task, &j->chunks[n - 1].task, n);
 }
 
-/* Validates one record; a message for the client when it is bad. */
-static bool rec_valid(struct aoqd_session *s, const struct aoq_rec *r, char *why, size_t len)
+/* Validates one record of member m (m == s outside a replica group); a
+ * message for the client when it is bad. */
+static bool rec_valid(struct aoqd_session *s, const struct aoqd_session *m, const struct aoq_rec *r, char *why,
+                      size_t len)
 {
 	if (r->flags & ~AOQ_REC_FLAGS_KNOWN) {
 		snprintf(why, len, "unknown flags 0x%x", r->flags);
@@ -296,6 +317,15 @@ static bool rec_valid(struct aoqd_session *s, const struct aoq_rec *r, char *why
 		snprintf(why, len, "tensor %u: slot %u is not its own", r->tensor, r->slot);
 		return false;
 	}
+	if (s->rep) {
+		uint64_t b, e;
+		aoq_slice(t->numel, s->rep->world, m->local_rank, &b, &e);
+		if (r->offset < b || r->offset + r->count > e) {
+			snprintf(why, len, "tensor %u: elements %" PRIu64 "+%" PRIu64 " outside local rank %u's slice %" PRIu64
+			         "..%" PRIu64 " of the replica group", r->tensor, r->offset, r->count, m->local_rank, b, e);
+			return false;
+		}
+	}
 	if (aoqk_precision_q8((enum aoqk_precision)s->st.precision) &&
 	    (r->offset % AOQK_Q8_BLOCK || (r->count % AOQK_Q8_BLOCK && r->offset + r->count != t->numel))) {
 		snprintf(why, len, "tensor %u: q8 state needs chunks on %u-element blocks", r->tensor, AOQK_Q8_BLOCK);
@@ -317,7 +347,8 @@ static bool rec_valid(struct aoqd_session *s, const struct aoq_rec *r, char *why
 
 /* Turns a valid record into a job of chunks for the pool.  0, or -errno
  * with err filled. */
-static int accept_record(struct aoqd_session *s, const struct aoq_rec *r, struct aoqd_error *err)
+static int accept_record(struct aoqd_session *s, struct aoqd_session *origin, const struct aoq_rec *r,
+                         struct aoqd_error *err)
 {
 	struct aoqd_tensor *t = &s->st.tensors[r->tensor];
 	enum job_phase phase = (r->flags & AOQ_REC_ACCUMULATE) ? PHASE_ACCUMULATE : s->st.defer ? PHASE_NORM : PHASE_UPDATE;
@@ -356,6 +387,7 @@ static int accept_record(struct aoqd_session *s, const struct aoq_rec *r, struct
 	if (!j)
 		return AOQD_FAIL(err, NO_MEMORY, "out of memory");
 	j->s = s;
+	j->origin = origin;
 	j->t = t;
 	j->rec = *r;
 	j->hp = s->st.groups[t->group].hp;
@@ -395,28 +427,67 @@ static int accept_record(struct aoqd_session *s, const struct aoq_rec *r, struct
 	return 0;
 }
 
+bool aoqd_space_wait(const struct aoqd_session *s)
+{
+	if (s->steps.space_wait)
+		return true;
+	for (uint32_t k = 0; s->rep && k < s->rep->world; k++)
+		if (s->rep->members[k] && s->rep->members[k]->steps.space_wait)
+			return true;
+	return false;
+}
+
+/* Room in every to-client ring that gets s's answers for one more: 1
+ * yes, 0 not now (the producer_waiting flag is set), -1 a corrupt counter. */
+static int answer_room(struct aoqd_session *s)
+{
+	uint64_t need = atomic_load(&s->steps.outstanding);
+	uint32_t n = s->rep ? s->rep->world : 1;
+	for (uint32_t k = 0; k < n; k++) {
+		struct aoqd_session *m = s->rep ? s->rep->members[k] : s;
+		if (!m || atomic_load(&m->dead))
+			continue;
+		pthread_mutex_lock(&m->arena.ring_lock);
+		int64_t space = aoq_ring_space(&m->arena.to_client);
+		bool room = space > (int64_t)need;
+		if (space >= 0 && !room && aoq_ring_wait_space(&m->arena.to_client, need + 1))
+			room = true;
+		pthread_mutex_unlock(&m->arena.ring_lock);
+		if (space < 0)
+			return -1;
+		if (!room)
+			return 0;
+	}
+	return 1;
+}
+
 /*
  * Takes records off the to-daemon ring while they are valid and there is
  * room for their answers.  Stops (without consuming) at a record of the next
  * step until StepEnd arrives, and when the answers could overflow the
- * to-client ring until the client frees space.
+ * to-client ring until the client frees space.  A replica group's member
+ * (m->hub): its own ring, the hub's state and steps; nothing until every
+ * member has joined.
  */
-int aoqd_drain(struct aoqd_session *s, struct aoqd_error *err)
+int aoqd_drain(struct aoqd_session *m, struct aoqd_error *err)
 {
 	char why[256];
-	s->steps.space_wait = false;
-	while (s->state == AOQD_READY && !s->steps.held) {
+	struct aoqd_session *s = m->hub ? m->hub : m;
+	m->steps.space_wait = false;
+	while (m->state == AOQD_READY && !m->steps.held) {
+		if (m->hub && (s->rep->joined < s->rep->world || s->rep->broken))
+			return 0; /* a broken group fails the member elsewhere */
 		struct aoq_rec rec;
-		int r = aoq_ring_peek(&s->arena.to_daemon, &rec);
+		int r = aoq_ring_peek(&m->arena.to_daemon, &rec);
 		if (r < 0)
 			return AOQD_FAIL(err, BAD_RECORD, "the to-daemon ring's head counter is corrupt");
 		if (r == 0) {
-			if (aoq_ring_idle(&s->arena.to_daemon))
+			if (aoq_ring_idle(&m->arena.to_daemon))
 				return 0;
 			continue;
 		}
 		if (rec.step == s->steps.next_step + 1 && s->steps.next_step + 1 > s->steps.next_step) {
-			s->steps.held = true; /* until StepEnd(next_step) */
+			m->steps.held = true; /* until StepEnd(next_step) */
 			return 0;
 		}
 		/* With an undo copy one step at a time: the next step's records
@@ -425,28 +496,33 @@ int aoqd_drain(struct aoqd_session *s, struct aoqd_error *err)
 		 * trainer's next gradients come after the updates they follow
 		 * anyway. */
 		if (s->st.undo && s->steps.end_pending && rec.step == s->steps.next_step) {
-			s->steps.held = true; /* until the ending step's StepEnded */
+			m->steps.held = true; /* until the ending step's StepEnded */
 			return 0;
 		}
-		if (!rec_valid(s, &rec, why, sizeof(why)))
+		if (!rec_valid(s, m, &rec, why, sizeof(why)))
 			return AOQD_FAIL(err, BAD_RECORD, "%s", why);
+		if (m->hub && rec.step == s->steps.next_step) {
+			/* A step's records are taken once every member has
+			 * come to it (posted a record of it or ended it): what a
+			 * member does before its first push (loads, tensor
+			 * steps, hyperparameters) is in before any update. */
+			m->arrived = rec.step;
+			for (uint32_t k = 0; k < s->rep->world; k++)
+				if (s->rep->members[k]->arrived < rec.step)
+					return 0;
+		}
 		/* Every accepted record is answered: keep room for all of them. */
-		pthread_mutex_lock(&s->arena.ring_lock);
-		int64_t space = aoq_ring_space(&s->arena.to_client);
-		bool room = space > (int64_t)atomic_load(&s->steps.outstanding);
-		if (space >= 0 && !room && aoq_ring_wait_space(&s->arena.to_client, atomic_load(&s->steps.outstanding) + 1))
-			room = true;
-		pthread_mutex_unlock(&s->arena.ring_lock);
-		if (space < 0)
+		int room = answer_room(s);
+		if (room < 0)
 			return AOQD_FAIL(err, BAD_RECORD, "the to-client ring's tail counter is corrupt");
 		if (!room) {
-			s->steps.space_wait = true;
+			m->steps.space_wait = true;
 			return 0;
 		}
-		aoq_ring_pop(&s->arena.to_daemon);
-		if (aoq_ring_producer_waiting(&s->arena.to_daemon))
-			aoqd_arena_ring(&s->arena);
-		if ((r = accept_record(s, &rec, err)) < 0)
+		aoq_ring_pop(&m->arena.to_daemon);
+		if (aoq_ring_producer_waiting(&m->arena.to_daemon))
+			aoqd_arena_ring(&m->arena);
+		if ((r = accept_record(s, m->hub ? m : NULL, &rec, err)) < 0)
 			return r;
 	}
 	return 0;
@@ -460,7 +536,7 @@ int aoqd_drain(struct aoqd_session *s, struct aoqd_error *err)
 bool aoqd_release_step(struct aoqd_session *s)
 {
 	unsigned p = s->steps.ending_step & 1;
-	if (!s->st.defer || !s->steps.end_pending || s->steps.released[p] || s->steps.space_wait ||
+	if (!s->st.defer || !s->steps.end_pending || s->steps.released[p] || aoqd_space_wait(s) ||
 	    atomic_load(&s->steps.norming[p]) != 0)
 		return false;
 	pthread_mutex_lock(&s->steps.lock);

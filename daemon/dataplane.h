@@ -11,8 +11,13 @@
 struct aoqd_session;
 
 /* Takes records off the to-daemon ring (loop thread).  0, or -errno with
- * err filled (a bad record, a corrupt ring, no memory). */
+ * err filled (a bad record, a corrupt ring, no memory).  A replica group's
+ * member: its own ring, into its hub's state (docs/design.md, "Replica
+ * groups"). */
 int aoqd_drain(struct aoqd_session *s, struct aoqd_error *err);
+/* Records of s may wait in a ring for room for their answers (a replica
+ * group's hub: in any member's ring). */
+bool aoqd_space_wait(const struct aoqd_session *s);
 /* Deferred sessions: starts the ending step's updates once its norm is
  * summed (loop thread).  True when the step was released now. */
 bool aoqd_release_step(struct aoqd_session *s);

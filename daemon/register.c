@@ -37,6 +37,9 @@ static int set_options(struct aoqd_session *s, const Aoq__Register *m, struct ao
 		return AOQD_FAIL(err, INVALID, "max_grad_norm %g", m->max_grad_norm);
 	if (m->delayed && m->window)
 		return AOQD_FAIL(err, INVALID, "the delayed update needs a slot per tensor (no window)");
+	if (s->local_world > 1 && (m->window || m->delayed))
+		return AOQD_FAIL(err, INVALID, "a replica group (local_world %u) needs a slot per tensor and no delayed "
+		                 "update (window 0, delayed off)", s->local_world);
 	st->max_grad_norm = m->max_grad_norm;
 	st->skip_nonfinite = m->skip_nonfinite;
 	st->defer = m->max_grad_norm > 0 || m->skip_nonfinite;
@@ -246,9 +249,104 @@ int aoqd_register_finish(struct aoqd_session *s, uv_poll_cb on_doorbell, aoqd_ad
 	return AOQD_REPLIED;
 }
 
-int aoqd_on_set_hyperparams(struct aoqd_session *s, const Aoq__Envelope *env, struct aoqd_error *err)
+/* ---- replica groups (docs/design.md, "Replica groups") ---- */
+
+int aoqd_register_hub(struct aoqd_session *hub, struct aoqd_session *s, struct aoqd_error *err)
+{
+	/* The first member's tables become the group's (charged to the same
+	 * uid: the charge moves with them). */
+	struct aoqd_account *acc = s->st.account;
+	uint64_t quota = s->st.quota;
+	hub->st = s->st;
+	memset(&s->st, 0, sizeof(s->st));
+	s->st.account = acc;
+	s->st.quota = quota;
+	int r = make_state(hub, err);
+	if (r < 0)
+		return r;
+	r = aoqd_arena_build_lanes(&hub->arena, &hub->st, hub->id, hub->srv->cfg.max_arena_bytes, hub->rep->world);
+	if (r == 0 && aoqd_state_charge(&hub->st, aoqd_page_round(hub->arena.size)) < 0)
+		return AOQD_FAIL(err, QUOTA, "uid %u: the replica group's arena (%" PRIu64 " bytes) would pass its quota of %"
+		                 PRIu64 " bytes", (unsigned)hub->conn.uid, hub->arena.size, hub->st.quota);
+	if (r == 0 && cfg_lock(s) && aoqd_arena_lock(&hub->arena, &hub->srv->locked_bytes) < 0 && cfg_lock(s) == 2)
+		return AOQD_FAIL(err, NO_MEMORY, "cannot lock the replica group's arena (%" PRIu64 " bytes) in memory "
+		                 "(lock_memory = yes; raise LimitMEMLOCK or give CAP_IPC_LOCK)", hub->arena.size);
+	if (r < 0)
+		return AOQD_FAIL(err, NO_MEMORY, "cannot create the replica group's arena: %s", strerror(-r));
+	aoqd_info("session", "replica group %" PRIu64 " (uid %u job '%s', %u local ranks): %u tensors in %u groups, %"
+	          PRIu64 " bytes of state (%s), arena %" PRIu64 " bytes", hub->id, (unsigned)hub->conn.uid, hub->conn.job,
+	          hub->rep->world, hub->st.ntensors, hub->st.ngroups, hub->st.state_bytes,
+	          protobuf_c_enum_descriptor_get_value(&aoq__state_precision__descriptor, hub->st.precision)->name,
+	          hub->arena.size);
+	return 0;
+}
+
+int aoqd_register_same(struct aoqd_session *s, const struct aoqd_session *hub, struct aoqd_error *err)
+{
+	const struct aoqd_state *a = &s->st, *b = &hub->st;
+	char why[512];
+	const char *opt = a->max_grad_norm != b->max_grad_norm ? "max_grad_norm"
+	                  : a->skip_nonfinite != b->skip_nonfinite ? "skip_nonfinite" : NULL;
+	if (opt)
+		return AOQD_FAIL(err, INVALID, "local rank %u cannot join the replica group of job '%s': %s differs from the "
+		                 "group's", s->local_rank, s->conn.job, opt);
+	if (aoqd_state_same_layout(a, b, why, sizeof(why)) < 0) {
+		/* state.c words the other side as "the leased session" */
+		char *p = strstr(why, "the leased session");
+		if (p)
+			snprintf(p, sizeof(why) - (size_t)(p - why), "the group");
+		return AOQD_FAIL(err, INVALID, "local rank %u cannot join the replica group of job '%s': the layout differs "
+		                 "from the group's: %s", s->local_rank, s->conn.job, why);
+	}
+	/* Its tables are not needed: the group's are the same. */
+	struct aoqd_account *acc = s->st.account;
+	uint64_t quota = s->st.quota;
+	aoqd_state_free(&s->st, &s->srv->locked_bytes);
+	memset(&s->st, 0, sizeof(s->st));
+	s->st.account = acc;
+	s->st.quota = quota;
+	return 0;
+}
+
+int aoqd_register_member(struct aoqd_session *s, struct aoqd_session *hub, uv_poll_cb on_doorbell,
+                         struct aoqd_error *err)
+{
+	int r = aoqd_arena_join(&s->arena, &hub->arena, s->local_rank);
+	if (r == 0)
+		r = aoqd_arena_watch(&s->arena, s->srv->loop, on_doorbell, s);
+	if (r < 0)
+		return AOQD_FAIL(err, NO_MEMORY, "cannot map the replica group's arena: %s", strerror(-r));
+	Aoq__Registered reg = AOQ__REGISTERED__INIT;
+	reg.arena_size = s->arena.size;
+	reg.tensors = hub->st.ntensors;
+	reg.state_bytes = hub->st.state_bytes;
+	reg.fds = 3;
+	reg.seed = hub->st.seed;
+	reg.lane_to_daemon_off = s->arena.to_daemon_off;
+	reg.lane_to_client_off = s->arena.to_client_off;
+	reg.lane_xfer_off = s->arena.xfer_off;
+	reg.group_id = hub->id;
+	reg.local_world = hub->rep->world;
+	Aoq__Envelope reply = AOQ__ENVELOPE__INIT;
+	reply.msg_case = AOQ__ENVELOPE__MSG_REGISTERED;
+	reply.registered = &reg;
+	int fds[3] = { s->arena.fd, s->arena.peer_in, s->arena.peer_out };
+	r = aoqd_conn_send_with_fds(&s->conn, &reply, fds, 3);
+	aoqd_arena_sent(&s->arena);
+	if (r < 0)
+		return AOQD_FAIL(err, INTERNAL, "cannot send the arena: %s", strerror(-r));
+	s->state = AOQD_READY;
+	aoqd_info("session", "session %" PRIu64 ": local rank %u of %u joined replica group %" PRIu64, s->id,
+	          s->local_rank, hub->rep->world, hub->id);
+	return AOQD_REPLIED;
+}
+
+int aoqd_on_set_hyperparams(struct aoqd_session *from, const Aoq__Envelope *env, struct aoqd_error *err)
 {
 	const Aoq__SetHyperparams *m = env->set_hyperparams;
+	/* A replica group member sets its hub's (every member sends the same;
+	 * the group takes a step's records once every member came to it). */
+	struct aoqd_session *s = from->hub ? from->hub : from;
 	struct aoqd_state *st = &s->st;
 	char why[256];
 	if (m->group >= st->ngroups)
@@ -264,6 +362,6 @@ int aoqd_on_set_hyperparams(struct aoqd_session *s, const Aoq__Envelope *env, st
 		return AOQD_REFUSE(err, BUSY, "hyperparameters for step %" PRIu64 " cannot change now (current step %"
 		                   PRIu64 " has %s gradients)", m->step, cur, s->steps.accepted[cur & 1] ? "received" : "no");
 	aoqd_group_set(g, g->kind, m->hp);
-	aoqd_conn_send_done(&s->conn, 0);
+	aoqd_conn_send_done(&from->conn, 0);
 	return AOQD_REPLIED;
 }

@@ -34,6 +34,7 @@ struct aoqd_server {
 	struct aoqd_snapshotter *snapshotter; /* the snapshot writer thread */
 	/* Sessions (session.c's list; nothing else walks it). */
 	struct aoqd_session *sessions;
+	struct aoqd_session *hubs; /* replica groups' hubs (session.c), linked by `next` */
 	uint64_t next_id;
 	uint32_t connections;
 	struct aoqd_account *accounts; /* one per uid seen (session.c charges them) */

@@ -30,6 +30,7 @@
 #define FRAME_BYTES_PER_TURN (128u << 10)
 
 static void session_close(struct aoqd_session *s);
+static void session_fail(struct aoqd_session *s, const struct aoqd_error *e);
 static void trace_finish(struct aoqd_session *s);
 static void trace_check(struct aoqd_session *s);
 static void process_frames(struct aoqd_session *s);
@@ -48,6 +49,15 @@ void aoqd_session_unref(struct aoqd_session *s)
 		uv_async_send(&s->srv->wake); /* the loop settles the lease */
 	if (was != 1)
 		return;
+	if (s->rep) {
+		/* A replica group's hub: its members' references go now (their
+		 * rings were the answers' way out). */
+		for (uint32_t k = 0; k < s->rep->world; k++)
+			if (s->rep->members[k])
+				aoqd_session_unref(s->rep->members[k]);
+		free(s->rep);
+		s->rep = NULL;
+	}
 	aoqd_snapshot_state_free(&s->st);
 	aoqd_state_free(&s->st, &s->srv->locked_bytes);
 	aoqd_arena_free(&s->arena);
@@ -101,6 +111,219 @@ static void reap_zombies(void)
 static void on_handle_closed(uv_handle_t *h)
 {
 	aoqd_session_unref(h->data);
+}
+
+
+/* ---- replica groups (docs/design.md, "Replica groups") ---- */
+
+/* lease_adopt_cb's answers besides 0, 1 and errors */
+#define ADOPT_WAIT 2
+#define GROUP_JOINED 3
+
+static struct aoqd_session *find_hub(struct aoqd_server *srv, uid_t uid, const char *job)
+{
+	for (struct aoqd_session *h = srv->hubs; h; h = h->next)
+		if (h->conn.uid == uid && strcmp(h->conn.job, job) == 0)
+			return h;
+	return NULL;
+}
+
+/* A new hub for s's group: a session without a connection, not in the
+ * session list; the hub list holds its first reference. */
+static struct aoqd_session *hub_new(struct aoqd_session *s)
+{
+	struct aoqd_server *srv = s->srv;
+	struct aoqd_session *h = calloc(1, sizeof(*h));
+	struct aoqd_replica *rep = calloc(1, sizeof(*rep));
+	char *job = strdup(s->conn.job);
+	char *dev = strdup("group");
+	if (!h || !rep || !job || !dev) {
+		free(h);
+		free(rep);
+		free(job);
+		free(dev);
+		return NULL;
+	}
+	h->srv = srv;
+	atomic_init(&h->refs, 1);
+	aoqd_arena_init(&h->arena);
+	aoqd_steps_init(&h->steps);
+	aoqd_stats_init(&h->stats);
+	h->id = ++srv->next_id;
+	h->conn.uid = s->conn.uid;
+	h->conn.gid = (gid_t)-1;
+	h->conn.job = job;
+	h->conn.device = dev;
+	h->conn.rank = UINT32_MAX;
+	h->account = s->account;
+	h->state = AOQD_READY;
+	rep->world = s->local_world;
+	h->rep = rep;
+	return h;
+}
+
+static void hub_unlink(struct aoqd_session *h)
+{
+	for (struct aoqd_session **p = &h->srv->hubs; *p; p = &(*p)->next)
+		if (*p == h) {
+			*p = h->next;
+			h->next = NULL;
+			aoqd_session_unref(h); /* the list's */
+			return;
+		}
+}
+
+/* Registration of a member (s->local_world > 1): the group's state is made
+ * by its first member, checked against by the others; each gets its lane. */
+static int group_join(struct aoqd_session *s, struct aoqd_error *err)
+{
+	struct aoqd_server *srv = s->srv;
+	struct aoqd_session *h = find_hub(srv, s->conn.uid, s->conn.job);
+	int r;
+	if (h) {
+		struct aoqd_replica *rep = h->rep;
+		if (rep->broken)
+			return AOQD_FAIL(err, BUSY, "the replica group of job '%s' is ending (%s); join a new one once its "
+			                 "members have closed", s->conn.job, rep->why);
+		if (rep->world != s->local_world)
+			return AOQD_FAIL(err, INVALID, "local world %u, but the replica group of job '%s' has %u local ranks",
+			                 s->local_world, s->conn.job, rep->world);
+		if (rep->members[s->local_rank])
+			return AOQD_FAIL(err, BUSY, "local rank %u of job '%s' is in the replica group already (session %" PRIu64
+			                 ")", s->local_rank, s->conn.job, rep->members[s->local_rank]->id);
+		if ((r = aoqd_register_same(s, h, err)) < 0)
+			return r;
+	} else {
+		if (!(h = hub_new(s)))
+			return AOQD_FAIL(err, NO_MEMORY, "out of memory");
+		if ((r = aoqd_register_hub(h, s, err)) < 0) {
+			aoqd_session_unref(h);
+			return r;
+		}
+		h->next = srv->hubs;
+		srv->hubs = h;
+	}
+	struct aoqd_replica *rep = h->rep;
+	aoqd_session_ref(s);
+	rep->members[s->local_rank] = s;
+	rep->joined++;
+	rep->live++;
+	aoqd_session_ref(h);
+	s->hub = h;
+	s->arrived = h->steps.next_step - 1;
+	if ((r = aoqd_register_member(s, h, aoqd_session_on_doorbell, err)) < 0)
+		return r;
+	if (rep->joined == rep->world)
+		uv_async_send(&srv->wake); /* records that waited for the group */
+	return GROUP_JOINED;
+}
+
+/* Fails every other live member of m's group with PEER_LOST. */
+static void group_fail_others(struct aoqd_session *m)
+{
+	struct aoqd_replica *rep = m->hub->rep;
+	for (uint32_t k = 0; k < rep->world; k++) {
+		struct aoqd_session *o = rep->members[k];
+		if (!o || o == m || (o->state != AOQD_READY && o->state != AOQD_REGISTERING))
+			continue;
+		struct aoqd_error e;
+		AOQD_FAIL(&e, PEER_LOST, "%s", rep->why);
+		session_fail(o, &e);
+	}
+}
+
+/* Member m leaves its group (closing or failing).  A clean leave (Bye with
+ * the group between steps) ends the group's steps: the others may still
+ * read state, and get PEER_LOST at their next record or StepEnd.  Any other
+ * leave fails the others now; the group's workers stop, so no member waits
+ * on an update that will not come.  The group's state goes with its last
+ * member: no member has a lease, so a partial step is never kept. */
+static void group_leave(struct aoqd_session *m, bool clean)
+{
+	struct aoqd_session *h = m->hub;
+	if (!h)
+		return;
+	struct aoqd_replica *rep = h->rep;
+	if (!rep->broken) {
+		bool between = rep->joined == rep->world && rep->ends == 0 && aoqd_steps_idle(&h->steps) &&
+		               h->steps.accepted[h->steps.next_step & 1] == 0;
+		rep->broken = true;
+		snprintf(rep->why, sizeof(rep->why), "local rank %u (session %" PRIu64 ", pid %d) %s replica group %" PRIu64
+		         " of job '%s'%s", m->local_rank, m->id, (int)m->conn.peer_pid,
+		         clean ? "left" : "was lost from", h->id, h->conn.job,
+		         clean && between ? " between steps" : " in the middle of a step");
+		aoqd_warn("session", "%s", rep->why);
+		if (!(clean && between)) {
+			atomic_store(&h->dead, true); /* the step's remaining updates are not run */
+			group_fail_others(m);
+		}
+	}
+}
+
+/* A member closes: its reference on the hub goes; the last member's close
+ * takes the hub off the list. */
+static void group_close(struct aoqd_session *m)
+{
+	struct aoqd_session *h = m->hub;
+	if (!h)
+		return;
+	group_leave(m, m->no_lease);
+	m->hub = NULL;
+	if (--h->rep->live == 0)
+		hub_unlink(h);
+	aoqd_session_unref(h);
+}
+
+/* A group's progress after a wake or a member's doorbell: every member's
+ * records, then the group's step (release, StepEnded to every member), then
+ * the frames that waited behind the members' StepEnd. */
+static void group_poll(struct aoqd_session *h)
+{
+	struct aoqd_replica *rep = h->rep;
+	struct aoqd_error err;
+	aoqd_session_ref(h);
+	if (rep->broken) {
+		/* after a clean leave: whoever wants a step learns why not */
+		for (uint32_t k = 0; k < rep->world; k++) {
+			struct aoqd_session *m = rep->members[k];
+			struct aoq_rec rec;
+			if (!m || m->state != AOQD_READY)
+				continue;
+			if (m->steps.end_pending || aoq_ring_peek(&m->arena.to_daemon, &rec) != 0) {
+				AOQD_FAIL(&err, PEER_LOST, "%s", rep->why);
+				session_fail(m, &err);
+			}
+		}
+		goto out;
+	}
+	for (int turn = 0; turn < 8; turn++) {
+		for (int pass = 0; pass < 2; pass++)
+			for (uint32_t k = 0; k < rep->world; k++) {
+				struct aoqd_session *m = rep->members[k];
+				if (!m || m->state != AOQD_READY)
+					continue;
+				if (atomic_load(&m->dead))
+					AOQD_FAIL(&err, BAD_RECORD, "the to-client ring's tail counter is corrupt");
+				if (atomic_load(&m->dead) || aoqd_drain(m, &err) < 0) {
+					session_fail(m, &err); /* and the group with it */
+					goto out;
+				}
+			}
+		int r = aoqd_steps_poll(h, false, &err);
+		if (r < 0)
+			aoqd_warn("session", "replica group %" PRIu64 ": %s", h->id, err.msg);
+		if (r != 1)
+			break;
+		for (uint32_t k = 0; k < rep->world && !rep->broken; k++) {
+			struct aoqd_session *m = rep->members[k];
+			if (m && m->state == AOQD_READY)
+				process_frames(m); /* frames that waited behind StepEnd */
+		}
+		if (rep->broken)
+			break;
+	}
+out:
+	aoqd_session_unref(h);
 }
 
 /* ---- lease and resume ---- */
@@ -163,12 +386,16 @@ static struct aoqd_session *find_leased(struct aoqd_server *srv, uid_t uid, cons
 	return NULL;
 }
 
-#define ADOPT_WAIT 2
+
+static int group_join(struct aoqd_session *s, struct aoqd_error *err);
 
 /* The registration's adopt callback: takes the leased state of the same
- * key when its layout matches. */
+ * key when its layout matches; a replica group's member joins its group
+ * instead (GROUP_JOINED: registered and answered). */
 static int lease_adopt_cb(struct aoqd_session *s, struct aoqd_error *err)
 {
+	if (s->local_world > 1)
+		return group_join(s, err);
 	struct aoqd_session *l = find_leased(s->srv, s->conn.uid, s->conn.job, s->conn.rank);
 	s->adopt_wait = 0;
 	if (!l)
@@ -295,6 +522,7 @@ static void session_close(struct aoqd_session *s)
 	uint64_t lease = lease_for(s);
 	atomic_store(&s->dead, true);
 	s->state = AOQD_CLOSING;
+	group_close(s); /* a replica group's member */
 	trace_finish(s); /* what was recorded goes out */
 	if (aoqd_snapshot_pending_boundary(&s->st) != UINT64_MAX) {
 		char why[160];
@@ -347,6 +575,8 @@ void aoqd_sessions_sample(struct aoqd_server *srv)
 			aoqd_stats_sample(&s->stats, now);
 		trace_check(s);
 	}
+	for (struct aoqd_session *h = srv->hubs; h; h = h->next)
+		aoqd_stats_sample(&h->stats, now);
 }
 
 void aoqd_sessions_close_all(struct aoqd_server *srv)
@@ -372,6 +602,7 @@ static void session_fail(struct aoqd_session *s, const struct aoqd_error *e)
 	aoqd_arena_pause(&s->arena);
 	aoqd_conn_send_error(&s->conn, e->code, e->msg, true);
 	s->state = AOQD_CLOSING;
+	group_leave(s, false); /* the other members fail too (PEER_LOST) */
 }
 
 /* A handler's error: a refusal answers Error and goes on. */
@@ -403,6 +634,13 @@ static int on_hello(struct aoqd_session *s, const Aoq__Envelope *env, struct aoq
 	c->pid = h->pid;
 	if (!c->job || !c->device)
 		return AOQD_FAIL(err, NO_MEMORY, "out of memory");
+	if (h->local_world > AOQ_MAX_LOCAL_WORLD || (h->local_world > 1 && h->local_rank >= h->local_world))
+		return AOQD_FAIL(err, INVALID, "local rank %u of local world %u (a replica group has 2 to %u local ranks)",
+		                 h->local_rank, h->local_world, AOQ_MAX_LOCAL_WORLD);
+	if (h->local_world > 1 && !h->observer) {
+		s->local_world = h->local_world;
+		s->local_rank = h->local_rank;
+	}
 	if (!h->observer) {
 		/* One live connection per key: a trainer whose process is gone
 		 * (its socket closed, the close not handled yet) is leased now,
@@ -431,6 +669,8 @@ static int on_hello(struct aoqd_session *s, const Aoq__Envelope *env, struct aoq
 		uint64_t want = h->lease_seconds == UINT32_MAX ? 0
 		                : h->lease_seconds == 0 || h->lease_seconds > cfg->lease_seconds ? cfg->lease_seconds
 		                : h->lease_seconds;
+		if (s->local_world > 1)
+			want = 0; /* a replica group's member has no lease (docs/design.md, "Replica groups") */
 		s->lease_ns = want * 1000000000u;
 		s->st.undo = want > 0; /* the rollback needs the undo copy */
 	}
@@ -458,7 +698,7 @@ static int on_hello(struct aoqd_session *s, const Aoq__Envelope *env, struct aoq
 static int on_register(struct aoqd_session *s, const Aoq__Envelope *env, struct aoqd_error *err)
 {
 	int r = aoqd_register(s, env->register_, aoqd_session_on_doorbell, lease_adopt_cb, err);
-	return r == ADOPT_WAIT ? AOQD_DEFERRED : r;
+	return r == ADOPT_WAIT ? AOQD_DEFERRED : r == GROUP_JOINED ? AOQD_REPLIED : r;
 }
 
 static const char *state_name(enum aoqd_session_state st)
@@ -526,6 +766,30 @@ static int on_stats(struct aoqd_session *who, const Aoq__Envelope *env, struct a
 		x->snapshot_step = s->snap_step;
 		x->snapshot_unix_ns = s->snap_wall_ns;
 		x->last_step = s->st.last_step;
+		if (s->hub) {
+			/* A replica group's member: the group's figures once, on
+			 * the row of its lowest live local rank. */
+			struct aoqd_session *h = s->hub;
+			const struct aoqd_session *owner = NULL;
+			for (uint32_t r = 0; r < h->rep->world && !owner; r++)
+				if (h->rep->members[r] && h->rep->members[r]->state == AOQD_READY)
+					owner = h->rep->members[r];
+			x->local_world = h->rep->world;
+			x->local_rank = s->local_rank;
+			x->group_id = h->id;
+			x->group_owner = owner == s;
+			x->tensors = h->st.ntensors;
+			x->parameters = h->st.parameters;
+			x->precision = h->st.precision;
+			x->last_step = h->st.last_step;
+			if (owner == s) {
+				aoqd_stats_fill(&h->stats, x);
+				x->state_bytes = h->st.state_bytes;
+				x->arena_bytes = h->arena.size;
+			} else {
+				x->arena_bytes = 0;
+			}
+		}
 		if (s->state == AOQD_LEASED) {
 			uint64_t now = aoqd_now_ns();
 			x->lease_left_seconds = s->lease_until > now ? (double)(s->lease_until - now) / 1e9 : 0;
@@ -546,6 +810,9 @@ static int on_stats(struct aoqd_session *who, const Aoq__Envelope *env, struct a
 		for (struct aoqd_session *s = srv->sessions; s; s = s->next)
 			if (s->conn.uid == who->conn.uid)
 				st.locked_bytes += s->st.locked_bytes;
+		for (struct aoqd_session *h = srv->hubs; h; h = h->next)
+			if (h->conn.uid == who->conn.uid)
+				st.locked_bytes += h->st.locked_bytes;
 	}
 	st.uptime_seconds = (double)(aoqd_now_ns() - srv->start_ns) / 1e9;
 	st.n_sessions = k;
@@ -701,6 +968,8 @@ static int on_trace(struct aoqd_session *who, const Aoq__Envelope *env, struct a
 		return AOQD_REFUSE(err, NOT_FOUND, "no session %" PRIu64 " that you may trace", m->session);
 	if (s == who)
 		return AOQD_REFUSE(err, INVALID, "a session cannot trace itself");
+	if (s->hub)
+		return AOQD_REFUSE(err, INVALID, "traces of a replica group's members are not supported yet");
 	if (s->trace_to)
 		return AOQD_REFUSE(err, BUSY, "session %" PRIu64 " is being traced already", m->session);
 	/* Step next_step may be under way: the trace starts at the one after. */
@@ -997,6 +1266,10 @@ void aoqd_session_on_doorbell(uv_poll_t *h, int status, int events)
 		session_close(s);
 		return;
 	}
+	if (s->hub && status >= 0) {
+		group_poll(s->hub);
+		return;
+	}
 	int r = status < 0 ? AOQD_FAIL(&err, INTERNAL, "doorbell: %s", uv_strerror(status))
 	                     : aoqd_steps_poll(s, true, &err);
 	if (r < 0)
@@ -1071,5 +1344,9 @@ void aoqd_sessions_wake(struct aoqd_server *srv)
 		if (s->state == AOQD_READY && aoqd_transfer_poll(s))
 			process_frames(s);
 		trace_check(s);
+	}
+	for (struct aoqd_session *h = srv->hubs; h; h = next) {
+		next = h->next;
+		group_poll(h);
 	}
 }

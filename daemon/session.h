@@ -39,6 +39,29 @@ enum aoqd_session_state {
 };
 
 struct aoqd_server;
+struct aoqd_session;
+
+/*
+ * A replica group (docs/design.md, "Replica groups"): the local ranks of one
+ * job (uid, job) sharing one optimizer state.  The group's state, arena,
+ * steps, stats and pool queue live in a "hub": a session without a
+ * connection, not in the session list (srv->hubs), which the data plane's
+ * jobs run on.  Each rank is a member session: its connection, its view of
+ * the arena (own rings and doorbells), its StepEnd.  Loop thread.
+ *
+ * References: the hub holds one on every member that joined (dropped when
+ * the hub is freed), each member one on its hub (dropped at the member's
+ * close), the hub list one on the hub until every member has closed.
+ */
+struct aoqd_replica {
+	uint32_t world;          /* local ranks */
+	uint32_t joined;         /* members registered */
+	uint32_t live;           /* members not closed yet */
+	uint32_t ends;           /* StepEnds of the open step received */
+	bool broken;             /* a member left: no step completes again */
+	char why[200];           /* what broke it (PEER_LOST's message) */
+	struct aoqd_session *members[AOQ_MAX_LOCAL_WORLD]; /* by local rank */
+};
 
 struct aoqd_session {
 	struct aoqd_server *srv;
@@ -86,6 +109,13 @@ struct aoqd_session {
 	 * zombie list for the next wake to drop the list's reference. */
 	bool linked;
 	struct aoqd_session *zombie_next;
+	/* Replica groups: a member's local world (>= 2) and rank from Hello,
+	 * and its hub once registered (a reference); a hub's group (rep), and
+	 * its place in srv->hubs (next). */
+	uint32_t local_world, local_rank;
+	uint64_t arrived; /* member: the last step it posted a record of or ended */
+	struct aoqd_session *hub;
+	struct aoqd_replica *rep;
 };
 
 /*

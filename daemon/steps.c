@@ -108,6 +108,8 @@ int aoqd_steps_snapshot(struct aoqd_session *s, struct aoqd_session *who, struct
 	struct aoqd_steps *st = &s->steps;
 	if (s->st.delayed)
 		return AOQD_REFUSE(err, INVALID, "snapshots of a session with the delayed update are not supported");
+	if (s->hub)
+		return AOQD_REFUSE(err, INVALID, "snapshots of a replica group are not supported yet");
 	bool between = aoqd_steps_idle(st) && st->accepted[st->next_step & 1] == 0;
 	return snapshot_at(s, who, between ? st->next_step - 1 : st->next_step, between, err);
 }
@@ -117,7 +119,8 @@ int aoqd_steps_snapshot(struct aoqd_session *s, struct aoqd_session *who, struct
 static void maybe_snapshot(struct aoqd_session *s, uint64_t step)
 {
 	const struct aoqd_config *cfg = &s->srv->cfg;
-	if ((!cfg->snapshot_every_steps && !cfg->snapshot_every_seconds) || s->st.delayed || aoqd_snapshot_busy(&s->st))
+	if ((!cfg->snapshot_every_steps && !cfg->snapshot_every_seconds) || s->st.delayed || s->rep ||
+	    aoqd_snapshot_busy(&s->st))
 		return;
 	uint64_t now = aoqd_now_ns();
 	if (!s->snap_mono_ns)
@@ -138,7 +141,7 @@ static bool finish_step(struct aoqd_session *s)
 	struct aoqd_steps *st = &s->steps;
 	unsigned p = st->ending_step & 1;
 	/* Not done while a record of the step may still wait in the ring. */
-	if (!st->end_pending || atomic_load(&st->inflight[p]) != 0 || st->space_wait ||
+	if (!st->end_pending || atomic_load(&st->inflight[p]) != 0 || aoqd_space_wait(s) ||
 	    (s->st.defer && !st->released[p]))
 		return false;
 	Aoq__StepEnded e = AOQ__STEP_ENDED__INIT;
@@ -169,13 +172,57 @@ static bool finish_step(struct aoqd_session *s)
 	env.msg_case = AOQ__ENVELOPE__MSG_STEP_ENDED;
 	env.step_ended = &e;
 	aoqd_snapshot_ready(&s->st, e.step); /* a snapshot armed at this step may be written */
+	if (s->rep) {
+		/* A replica group's hub: every member's StepEnd is answered. */
+		for (uint32_t k = 0; k < s->rep->world; k++) {
+			struct aoqd_session *m = s->rep->members[k];
+			if (!m || m->state != AOQD_READY || !m->steps.end_pending)
+				continue;
+			m->steps.end_pending = false;
+			pthread_mutex_lock(&m->stats.lock);
+			m->stats.steps_done++;
+			pthread_mutex_unlock(&m->stats.lock);
+			aoqd_conn_send(&m->conn, &env);
+		}
+		return true;
+	}
 	return aoqd_conn_send(&s->conn, &env) == 0;
+}
+
+/* StepEnd of a replica group's member: the group's step ends once every
+ * member's StepEnd is in; the loop's next wake then takes the members'
+ * records and answers them all (session.c, group_poll). */
+static int member_step_end(struct aoqd_session *m, uint64_t step, struct aoqd_error *err)
+{
+	struct aoqd_session *g = m->hub;
+	struct aoqd_replica *rep = g->rep;
+	if (rep->broken)
+		return AOQD_FAIL(err, PEER_LOST, "%s", rep->why);
+	if (step != g->steps.next_step)
+		return AOQD_FAIL(err, PROTOCOL, "StepEnd for step %" PRIu64 ", the replica group's current step is %" PRIu64,
+		                 step, g->steps.next_step);
+	m->steps.ending_step = step;
+	m->steps.end_pending = true;
+	m->arrived = step;
+	if (++rep->ends == rep->world) {
+		rep->ends = 0;
+		g->steps.ending_step = step;
+		g->steps.end_pending = true;
+		g->steps.next_step++;
+		for (uint32_t k = 0; k < rep->world; k++)
+			if (rep->members[k])
+				rep->members[k]->steps.held = false;
+		uv_async_send(&g->srv->wake);
+	}
+	return AOQD_DEFERRED;
 }
 
 int aoqd_on_step_end(struct aoqd_session *s, const Aoq__Envelope *env, struct aoqd_error *err)
 {
 	const Aoq__StepEnd *m = env->step_end;
 	struct aoqd_steps *st = &s->steps;
+	if (s->hub)
+		return member_step_end(s, m->step, err);
 	if (m->step != st->next_step)
 		return AOQD_FAIL(err, PROTOCOL, "StepEnd for step %" PRIu64 ", the current step is %" PRIu64,
 		                 m->step, st->next_step);
@@ -202,7 +249,11 @@ int aoqd_on_step_end(struct aoqd_session *s, const Aoq__Envelope *env, struct ao
 int aoqd_steps_poll(struct aoqd_session *s, bool doorbell, struct aoqd_error *err)
 {
 	struct aoqd_steps *st = &s->steps;
-	if (doorbell || st->space_wait) {
+	if (s->hub)
+		return 0; /* a replica group's member: session.c polls its hub */
+	/* A replica group's hub has no ring of its own: session.c drains its
+	 * members first. */
+	if (!s->rep && (doorbell || st->space_wait)) {
 		int r = aoqd_drain(s, err);
 		if (r < 0)
 			return r;
@@ -215,7 +266,7 @@ int aoqd_steps_poll(struct aoqd_session *s, bool doorbell, struct aoqd_error *er
 	aoqd_release_step(s);
 	if (!finish_step(s))
 		return 0;
-	if (st->held) {
+	if (st->held && !s->rep) {
 		/* the next step's records waited for this one (undo copy) */
 		st->held = false;
 		int r = aoqd_drain(s, err);

@@ -30,6 +30,7 @@ struct xfer_task {
 
 struct xfer {
 	struct aoqd_session *s;
+	struct aoqd_session *hub; /* a replica group member's (a reference: its state) */
 	struct aoqd_tensor *t;
 	bool load;
 	int what;
@@ -40,9 +41,17 @@ struct xfer {
 	struct xfer_task tasks[];
 };
 
-static int transfer_valid(struct aoqd_session *s, uint32_t tensor, int what, int dtype, uint64_t offset,
+/* The session whose state and steps a request concerns: a replica group
+ * member's hub (docs/design.md, "Replica groups"), else s. */
+static struct aoqd_session *owner(struct aoqd_session *s)
+{
+	return s->hub ? s->hub : s;
+}
+
+static int transfer_valid(struct aoqd_session *m, uint32_t tensor, int what, int dtype, uint64_t offset,
                           uint64_t count, bool load, struct aoqd_error *err)
 {
+	struct aoqd_session *s = owner(m);
 	if (!aoqd_steps_idle(&s->steps))
 		return AOQD_REFUSE(err, BUSY, "state transfer while updates are in flight");
 	if (load && aoqd_snapshot_capturing(&s->st))
@@ -59,9 +68,19 @@ static int transfer_valid(struct aoqd_session *s, uint32_t tensor, int what, int
 		                                                  : "exp_avg_sq (SGD and Lion keep one moment, exp_avg)");
 	uint64_t bytes;
 	if (count == 0 || !aoq_range_ok(offset, count, t->numel) ||
-	    !aoq_mul_ok(count, aoqk_dtype_size((enum aoqk_dtype)dtype), &bytes) || bytes > s->arena.xfer_bytes)
+	    !aoq_mul_ok(count, aoqk_dtype_size((enum aoqk_dtype)dtype), &bytes) || bytes > m->arena.xfer_bytes)
 		return AOQD_FAIL(err, INVALID, "state transfer: tensor %u elements %" PRIu64 "+%" PRIu64 " (at most %" PRIu64
-		                 " bytes per request)", tensor, offset, count, s->arena.xfer_bytes);
+		                 " bytes per request)", tensor, offset, count, m->arena.xfer_bytes);
+	if (load && m->hub) {
+		/* Each member writes its own slice only: no two members write
+		 * the same elements, and a slice changes only by its owner. */
+		uint64_t b, e;
+		aoq_slice(t->numel, s->rep->world, m->local_rank, &b, &e);
+		if (offset < b || offset + count > e)
+			return AOQD_FAIL(err, INVALID, "state load: tensor %u elements %" PRIu64 "+%" PRIu64 " outside local "
+			                 "rank %u's slice %" PRIu64 "..%" PRIu64 " of the replica group", tensor, offset, count,
+			                 m->local_rank, b, e);
+	}
 	if (load && (what == AOQ__STATE_KIND__EXP_AVG || what == AOQ__STATE_KIND__EXP_AVG_SQ) &&
 	    aoqk_precision_q8((enum aoqk_precision)s->st.precision) &&
 	    (offset % AOQK_Q8_BLOCK || (count % AOQK_Q8_BLOCK && offset + count != t->numel)))
@@ -92,7 +111,10 @@ static void xfer_run(struct aoqd_task *task, unsigned worker)
 	if (atomic_fetch_sub_explicit(&x->remaining, 1, memory_order_acq_rel) == 1) {
 		atomic_store(&s->steps.xfer_done, true);
 		uv_async_send(&s->srv->wake);
+		struct aoqd_session *hub = x->hub;
 		free(x);
+		if (hub)
+			aoqd_session_unref(hub);
 		aoqd_session_unref(s);
 	}
 }
@@ -100,6 +122,7 @@ static void xfer_run(struct aoqd_task *task, unsigned worker)
 static int start_transfer(struct aoqd_session *s, bool load, uint32_t tensor, int what, int dtype,
                           uint64_t offset, uint64_t count, struct aoqd_error *err)
 {
+	struct aoqd_state *st = &owner(s)->st;
 	int r = transfer_valid(s, tensor, what, dtype, offset, count, load, err);
 	if (r < 0)
 		return r;
@@ -108,7 +131,7 @@ static int start_transfer(struct aoqd_session *s, bool load, uint32_t tensor, in
 	if (!x)
 		return AOQD_REFUSE(err, NO_MEMORY, "out of memory");
 	x->s = s;
-	x->t = &s->st.tensors[tensor];
+	x->t = &st->tensors[tensor];
 	x->load = load;
 	x->what = what;
 	x->dtype = (enum aoqk_dtype)dtype;
@@ -124,11 +147,15 @@ static int start_transfer(struct aoqd_session *s, bool load, uint32_t tensor, in
 		x->tasks[i].task.cost = x->tasks[i].count;
 	}
 	if (load)
-		s->st.dirty = true; /* no rollback undoes a load: not leased until the next step ends */
+		st->dirty = true; /* no rollback undoes a load: not leased until the next step ends */
 	s->steps.xfer_busy = true;
 	s->steps.xfer_count = count;
 	atomic_store(&s->steps.xfer_done, false);
 	aoqd_session_ref(s);
+	if (s->hub) {
+		x->hub = s->hub;
+		aoqd_session_ref(s->hub);
+	}
 	/* A transfer runs alone (no steps meanwhile): any key will do. */
 	aoqd_pool_submit(s->srv->pool, &s->queue, (struct aoqd_key){ 0, 0 }, &x->tasks[0].task,
 	                 &x->tasks[n - 1].task, n);
@@ -156,8 +183,9 @@ bool aoqd_transfer_poll(struct aoqd_session *s)
 	return true;
 }
 
-int aoqd_on_tensor_steps(struct aoqd_session *s, const Aoq__Envelope *env, struct aoqd_error *err)
+int aoqd_on_tensor_steps(struct aoqd_session *from, const Aoq__Envelope *env, struct aoqd_error *err)
 {
+	struct aoqd_session *s = owner(from);
 	const Aoq__TensorSteps *m = env->tensor_steps;
 	uint64_t n = m->set ? m->n_steps : m->count;
 	if (!aoq_range_ok(m->first, n, s->st.ntensors) || n > 65536)
@@ -190,7 +218,7 @@ int aoqd_on_tensor_steps(struct aoqd_session *s, const Aoq__Envelope *env, struc
 	Aoq__Envelope reply = AOQ__ENVELOPE__INIT;
 	reply.msg_case = AOQ__ENVELOPE__MSG_TENSOR_STEPS;
 	reply.tensor_steps = &r;
-	aoqd_conn_send(&s->conn, &reply);
+	aoqd_conn_send(&from->conn, &reply);
 	free(steps);
 	return AOQD_REPLIED;
 }

@@ -198,6 +198,38 @@ static inline int aoq_arena_slot_check(const struct aoq_arena_header *h, const s
 	return 0;
 }
 
+/*
+ * Replica groups (docs/design.md, "Replica groups"): the local ranks of one
+ * job share one state and one arena.  The arena then has one lane per local
+ * rank (its to-daemon ring, its to-client ring, its transfer area, at the
+ * offsets Registered gives; the header's offsets are lane 0's), and local
+ * rank r owns elements [b, e) of every tensor, where b is r * numel / world
+ * rounded down to AOQ_SLICE_ALIGN elements (a q8 block, so that a slice never
+ * splits one) and e is the next rank's b (numel for the last rank).  A rank
+ * pushes only its slice; a slice may be empty.  One definition for the
+ * daemon, libaoq and the tests.
+ */
+#define AOQ_SLICE_ALIGN 256u
+#define AOQ_MAX_LOCAL_WORLD 64u
+
+static inline uint64_t aoq_slice_begin(uint64_t numel, uint32_t world, uint32_t rank)
+{
+	if (world < 2)
+		return 0;
+	if (rank >= world)
+		return numel;
+	/* numel < 2^56 (the daemon's max_tensor_elems is at most 2^48), world
+	 * at most 64: no overflow */
+	uint64_t b = numel / world * rank + numel % world * rank / world;
+	return b - b % AOQ_SLICE_ALIGN;
+}
+
+static inline void aoq_slice(uint64_t numel, uint32_t world, uint32_t rank, uint64_t *b, uint64_t *e)
+{
+	*b = aoq_slice_begin(numel, world, rank);
+	*e = world < 2 || rank + 1 >= world ? numel : aoq_slice_begin(numel, world, rank + 1);
+}
+
 /* The producer's side of a ring.  `head` is private: the shared head is
  * only written, never read back. */
 struct aoq_ring_prod {

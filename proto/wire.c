@@ -189,6 +189,7 @@ int aoq_error_to_errno(int code)
 	case AOQ__ERROR_CODE__BUSY: return -EBUSY;
 	case AOQ__ERROR_CODE__PERMISSION: return -EPERM;
 	case AOQ__ERROR_CODE__NOT_FOUND: return -ENOENT;
+	case AOQ__ERROR_CODE__PEER_LOST: return -ECONNABORTED;
 	default: return -EIO;
 	}
 }

@@ -838,6 +838,12 @@ int aoqt_raw_expect_close(int fd, int timeout_ms, char *msg, size_t msglen)
 
 int aoqt_raw_open(struct aoqt_raw *s, const char *path, const char *job, const uint64_t *numel, uint32_t n)
 {
+	return aoqt_raw_open_group(s, path, job, numel, n, 0, 0);
+}
+
+int aoqt_raw_open_group(struct aoqt_raw *s, const char *path, const char *job, const uint64_t *numel, uint32_t n,
+                        uint32_t world, uint32_t rank)
+{
 	memset(s, 0, sizeof(*s));
 	s->sock = s->arena_fd = s->to_daemon = s->to_client = -1;
 	if (n > 8)
@@ -846,9 +852,33 @@ int aoqt_raw_open(struct aoqt_raw *s, const char *path, const char *job, const u
 	if (r < 0)
 		return r;
 	s->sock = r;
-	r = aoqt_raw_hello(s->sock, job, 0, false, &s->id);
-	if (r < 0)
-		return r;
+	if (world > 1) {
+		Aoq__Hello h = AOQ__HELLO__INIT;
+		h.protocol_version = AOQ_PROTOCOL_VERSION;
+		h.job = (char *)job;
+		h.rank = rank;
+		h.device = (char *)"cpu";
+		h.pid = (uint32_t)getpid();
+		h.local_world = world;
+		h.local_rank = rank;
+		Aoq__Envelope env = AOQ__ENVELOPE__INIT;
+		env.msg_case = AOQ__ENVELOPE__MSG_HELLO;
+		env.hello = &h;
+		Aoq__Envelope *rep = NULL;
+		r = aoq_call(s->sock, &env, &rep, NULL);
+		if (r < 0)
+			return r;
+		bool ok = rep->msg_case == AOQ__ENVELOPE__MSG_WELCOME;
+		if (ok)
+			s->id = rep->welcome->session_id;
+		aoq_envelope_free(rep);
+		if (!ok)
+			return -EPROTO;
+	} else {
+		r = aoqt_raw_hello(s->sock, job, 0, false, &s->id);
+		if (r < 0)
+			return r;
+	}
 
 	Aoq__Hyperparams hp = AOQ__HYPERPARAMS__INIT;
 	hp.lr = 1e-3;
@@ -896,6 +926,8 @@ int aoqt_raw_open(struct aoqt_raw *s, const char *path, const char *job, const u
 		aoq_envelope_free(rep);
 		return -EPROTO;
 	}
+	uint64_t lane[3] = { rep->registered->lane_to_daemon_off, rep->registered->lane_to_client_off,
+	                     rep->registered->lane_xfer_off };
 	aoq_envelope_free(rep);
 	s->arena_fd = fds[0];
 	s->to_daemon = fds[1];
@@ -911,6 +943,11 @@ int aoqt_raw_open(struct aoqt_raw *s, const char *path, const char *job, const u
 		return -errno;
 	s->arena = a;
 	memcpy(&s->hdr, s->arena, sizeof(s->hdr));
+	if (world > 1) {
+		s->hdr.to_daemon_off = lane[0];
+		s->hdr.to_client_off = lane[1];
+		s->hdr.xfer_off = lane[2];
+	}
 	const struct aoq_arena_header *h = &s->hdr;
 	if (aoq_arena_header_check(h, s->arena_size) < 0 || h->tensors != n) {
 		fprintf(stderr, "raw register: bad arena header\n");

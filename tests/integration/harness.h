@@ -267,6 +267,10 @@ struct aoqt_raw {
  * arena.  0 or -errno. */
 int aoqt_raw_open(struct aoqt_raw *s, const char *path, const char *job, const uint64_t *numel,
                   uint32_t n);
+/* The same as local rank `rank` of a replica group of `world` ranks (its
+ * lane of the group's arena). */
+int aoqt_raw_open_group(struct aoqt_raw *s, const char *path, const char *job, const uint64_t *numel, uint32_t n,
+                        uint32_t world, uint32_t rank);
 void aoqt_raw_close(struct aoqt_raw *s);
 /* Pushes one record and rings the doorbell. */
 int aoqt_raw_push(struct aoqt_raw *s, const struct aoq_rec *rec);

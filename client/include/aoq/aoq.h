@@ -63,8 +63,9 @@ extern "C" {
 
 #define AOQ_VERSION_STRING "0.1.0"
 /* The ABI: the soname is libaoq.so.AOQ_ABI_VERSION. */
-#define AOQ_ABI_VERSION 3 /* 2: struct aoq_group gained momentum, dampening, nesterov;
-                           * 3: struct aoq_options gained lease_seconds */
+#define AOQ_ABI_VERSION 4 /* 2: struct aoq_group gained momentum, dampening, nesterov;
+                           * 3: struct aoq_options gained lease_seconds;
+                           * 4: struct aoq_options gained local_world, local_rank */
 
 enum aoq_dtype {
 	AOQ_FP32 = 0,
@@ -144,6 +145,18 @@ struct aoq_options {
 	 * aoq_resumed()).  0: the daemon's lease_seconds (its cap);
 	 * AOQ_LEASE_NONE: no lease (and no undo copy of the state). */
 	uint32_t lease_seconds;
+	/* Replica group (ABI 4; docs/design.md, "Replica groups"): with
+	 * local_world >= 2, the local_world data-parallel ranks of this job on
+	 * this node (local ranks 0 .. local_world - 1) share one optimizer
+	 * state in aoqd, keyed (uid, job).  Every rank registers the same
+	 * layout and pushes the same (averaged) gradients; libaoq sends only
+	 * this rank's slice of each (aoq_slice() of <aoq-arena.h>), and every
+	 * rank's parameters receive the whole update.  Needs window 0 and no
+	 * delayed update; no lease.  A rank that goes away mid-step fails the
+	 * others' calls with -ECONNABORTED (PEER_LOST).  0 or 1: a session of
+	 * its own. */
+	uint32_t local_world;
+	uint32_t local_rank;
 };
 
 #define AOQ_LEASE_NONE UINT32_MAX

@@ -38,7 +38,7 @@ MASTER, EXP_AVG, EXP_AVG_SQ = 0, 1, 2
 
 # AOQ_ABI_VERSION of the <aoq/aoq.h> these layouts copy; check_library()
 # compares it and every struct's size with what the loaded library reports.
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 
 class _Sized(ctypes.Structure):
@@ -99,6 +99,8 @@ class Options(_Sized):
         ("ze_queue", c_void_p),
         ("timeout_ms", c_uint32),
         ("lease_seconds", c_uint32),  # ABI 3
+        ("local_world", c_uint32),    # ABI 4: replica group
+        ("local_rank", c_uint32),
     ]
 
 

@@ -96,7 +96,7 @@ class Client:
 
     def __init__(self, socket=None, job="default", rank=0, device="cpu", precision="fp32", window=0,
                  seed=0, max_grad_norm=0.0, skip_nonfinite=False, delayed_update=False, cuda_stream=None,
-                 timeout=None, lease=None):
+                 timeout=None, lease=None, local_world=0, local_rank=0):
         self._lib = _lib.load()
         self._h = None
         self._keep = []          # buffers libaoq points into
@@ -122,6 +122,11 @@ class Client:
         # after this process dies, for a trainer of the same job and rank to
         # resume; None: the daemon's lease_seconds; 0: none.
         o.lease_seconds = 0 if lease is None else (0xFFFFFFFF if lease <= 0 else min(int(lease), 0xFFFFFFFE))
+        # Replica group (docs/python.md, "One state for data-parallel
+        # replicas"): local_world >= 2 ranks of this job on this node share
+        # one optimizer state; each pushes its slice of every gradient.
+        o.local_world = int(local_world)
+        o.local_rank = int(local_rank)
         self.device = device
         self.delayed_update = bool(delayed_update)
         h = ctypes.c_void_p()

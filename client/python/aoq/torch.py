@@ -500,6 +500,37 @@ def _job_default():
     return "torch-%d" % os.getpid()
 
 
+def _local_group():
+    """(local world size, local rank) of this data-parallel rank on its node:
+    torchrun's LOCAL_WORLD_SIZE and LOCAL_RANK, else (with a process group
+    up and neither set) the whole world as one node.  (0, 0) when alone."""
+    lw, lr = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("LOCAL_RANK")
+    if lw is not None and lr is not None:
+        lw, lr = int(lw), int(lr)
+    else:
+        import torch.distributed as dist
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("shared=True needs torch.distributed initialized, or LOCAL_WORLD_SIZE and LOCAL_RANK "
+                             "(torchrun sets them)")
+        lw, lr = dist.get_world_size(), dist.get_rank()
+    if lw < 2:
+        return 0, 0
+    if not 0 <= lr < lw or lw > 64:
+        raise ValueError("shared=True: local rank %d of local world size %d (2 to 64 ranks)" % (lr, lw))
+    return lw, lr
+
+
+def _shared_job_default():
+    """A job name every rank of the job agrees on: global rank 0's
+    torch-PID, broadcast (every node's daemon sees only its own ranks)."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("shared=True without torch.distributed: give job= (the same on every local rank)")
+    name = [_job_default()]
+    dist.broadcast_object_list(name, src=0)
+    return name[0]
+
+
 _AUTO_PROBE_STEP = 3      # "auto" measures the third step: the first learns the pushes, the second streams
 _AUTO_LATE_S = 1e-3       # a tail shorter than this is none
 
@@ -685,13 +716,20 @@ class OffloadOptimizer(torch.optim.Optimizer):
     graph_push: inside a torch.compile'd backward, push each gradient as
     the graph computes it (aoq::push_grad) instead of from the hook after
     the whole graph (default True; docs/python.md, "Import swap").
+    shared: True: the data-parallel ranks of this job on this node share one
+    optimizer state in aoqd (a replica group, docs/python.md "One state for
+    data-parallel replicas"): local world and rank from LOCAL_WORLD_SIZE and
+    LOCAL_RANK (torchrun), else the whole process group as one node; the job
+    name is global rank 0's unless job= is given; a slot per tensor, no
+    delayed update, no lease.  A rank lost mid-step makes the others' next
+    call raise (PEER_LOST).
     """
 
     def __init__(self, params, optimizer_class=torch.optim.AdamW, *, offload_gradients=False, minimal_size=4096,
                  device=None, socket=None, state_precision=None, master_dtype=None, max_grad_norm=None,
                  delayed_update=False, skip_nonfinite=False, grad_accumulation_steps=None, copy_mode=None,
                  seed=0, job=None, rank=None, model=None, grad_edits=None, gpu_state_budget=0, lease=None,
-                 staging_window=None, timeout=None, graph_push=True, **kwargs):
+                 staging_window=None, timeout=None, graph_push=True, shared=False, **kwargs):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise ValueError("optimizer_class must be a torch.optim.Optimizer subclass, got %r" % (optimizer_class,))
         if master_dtype not in _MASTER_DTYPES:
@@ -813,6 +851,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if copy_mode not in ("native", "framework"):
             raise ValueError("copy_mode must be 'native' or 'framework'")
         named = bool(job or os.environ.get("AOQ_JOB"))
+        local_world, local_rank = _local_group() if shared else (0, 0)
+        if local_world > 1:
+            # One state for the node's data-parallel ranks (docs/python.md,
+            # "One state for data-parallel replicas"): the same job name on
+            # every rank, a slot per tensor, no delayed update, no lease.
+            if delayed_update:
+                raise ValueError("shared=True does not work with delayed_update")
+            if staging_window:
+                raise ValueError("shared=True needs staging_window=0 (a slot per tensor)")
+            staging_window = 0
+            lease = 0
+            if not named:
+                job = _shared_job_default()
         job = job or os.environ.get("AOQ_JOB") or _job_default()
         if lease is None and not named:
             # torch-PID never resumes, and a lease costs an undo copy of the
@@ -824,7 +875,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         copts = dict(socket=socket, job=job, rank=rank, precision=_PRECISION[(state_precision, master)],
                      max_grad_norm=max_grad_norm or 0.0, skip_nonfinite=skip_nonfinite,
                      delayed_update=delayed_update, seed=seed, lease=lease, window=self.staging_window,
-                     timeout=timeout)
+                     timeout=timeout, local_world=local_world, local_rank=local_rank)
+        self.local_world, self.local_rank = local_world, local_rank
+        self.job = job
         self._client = None
         self.resumed_step = None   # the last completed step when this resumed a leased session
         if big:

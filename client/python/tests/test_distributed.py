@@ -148,6 +148,51 @@ def case_ddp(rank, ws, env):
         o.close()
 
 
+def _stats_rows(sock):
+    import json
+    import subprocess
+    out = subprocess.run([os.environ["AOQCTL"], "--socket", sock, "stats", "--json"], capture_output=True, text=True,
+                         check=True).stdout
+    return json.loads(out)["sessions"]
+
+
+def case_shared(rank, ws, env):
+    """DDP + aoq with one state for the node's ranks (shared=True): equal to
+    DDP + torch AdamW, replicas bit-identical, every gradient streamed by the
+    communication hook from the second step on, and the daemon holds the
+    state of one replica (its state bytes equal a lone session's)."""
+    import torch.distributed as dist
+    dev = env["dev"]
+    for view in (False, True):
+        what = "DDP + shared aoq (gradient_as_bucket_view=%s, %d ranks)" % (view, ws)
+        ref = ddp(make_model(), env, gradient_as_bucket_view=view)
+        train(ref, torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1), rank, dev, STEPS)
+        m = ddp(make_model(), env, gradient_as_bucket_view=view)
+        o = Offload(m.named_parameters(), env, grad_edits=False, shared=True)
+        assert (o.local_world, o.local_rank) == (ws, rank), (o.local_world, o.local_rank)
+        streamed = []
+        train(m, o, rank, dev, STEPS, after_backward=lambda i, j: streamed.append(sum(s.final for s in o._slots)))
+        o.synchronize()
+        assert o._slots and all(s.ddp for s in o._slots), "DDP was not detected"
+        assert streamed[1:] == [len(o._slots)] * (STEPS - 1), "%s: pushed before step(): %s" % (what, streamed)
+        same_across_ranks(m, what)
+        close_to(m, ref, what + " vs DDP + torch AdamW")
+        assert steps_of(o) == [STEPS] * len(o._slots), "%s: tensor steps %s" % (what, steps_of(o))
+        dist.barrier()
+        if rank == 0:
+            lone = Offload(make_model().named_parameters(), env, job="lone-%d" % os.getpid(), lease=0)  # one replica
+            rows = _stats_rows(env["socket"])
+            group = [r for r in rows if r["job"] == o.job]
+            single = [r for r in rows if r["job"] == lone.job]
+            assert len(group) == ws and len(single) == 1, "%s: stats rows %r" % (what, rows)
+            held = sum(r["state_bytes"] for r in group)
+            assert held == single[0]["state_bytes"] > 0, \
+                "%s: the group holds %d bytes of state, one replica %d" % (what, held, single[0]["state_bytes"])
+            lone.close()
+        dist.barrier()
+        o.close()
+
+
 def case_nosync(rank, ws, env):
     """Gradient accumulation: with no_sync() nothing is pushed until the
     syncing backward; without it (an all-reduce every micro-batch) only the
@@ -296,6 +341,39 @@ def case_disconnect(rank, ws, env):
     print("rank 0: aoq synchronize/state_dict/close after the failure: %.2f s" % took)
 
 
+def case_shared_disconnect(rank, ws, env):
+    """shared=True, and rank 1 dies in step 3's backward: aoqd fails the
+    others' sessions at once with PEER_LOST (their gloo collective fails
+    later, at its own timeout); their aoq calls then raise that error at
+    once (aoq's timeout here is 60 s: a hang would show), never hang."""
+    dev = env["dev"]
+    m = ddp(make_model(3), env)
+    o = Offload(m.named_parameters(), env, shared=True)
+    train(m, o, rank, dev, 2)
+    x, y = batch(2, 0, rank, dev)
+    out = m(x)
+    if rank == 1:
+        out.register_hook(lambda g: os._exit(3))
+    try:
+        torch.nn.functional.mse_loss(out, y).backward()
+    except Exception as e:
+        print("rank %d: backward failed as expected: %s" % (rank, str(e).splitlines()[0][:200]))
+    t1 = time.monotonic()
+    err = None
+    try:
+        o.synchronize()
+    except Exception as e:
+        err = e
+    took = time.monotonic() - t1
+    assert err is not None and "PEER_LOST" in str(err), "rank %d: synchronize after a lost rank: %r" % (rank, err)
+    assert took < 10, "rank %d: the error took %.1f s" % (rank, took)
+    try:
+        o.close()
+    except Exception:
+        pass
+    print("rank %d: %s (%.3f s)" % (rank, str(err)[:160], took))
+
+
 def fsdp_model(env, seed, reshard):
     from torch.distributed.fsdp import fully_shard
     f = make_model(seed).to(env["dev"])
@@ -375,7 +453,7 @@ def case_fsdp_dcp(rank, ws, env):
     o.close()
 
 
-CASES = {"ddp": case_ddp, "nosync": case_nosync, "dcp_save": case_dcp_save, "dcp_load": case_dcp_load,
+CASES = {"ddp": case_ddp, "shared": case_shared, "shared_disconnect": case_shared_disconnect, "nosync": case_nosync, "dcp_save": case_dcp_save, "dcp_load": case_dcp_load,
          "nodes": case_nodes, "disconnect": case_disconnect, "fsdp": case_fsdp, "fsdp_dcp": case_fsdp_dcp}
 
 
@@ -457,7 +535,7 @@ def main():
         print("SKIP: %d CUDA devices (2 needed)" % torch.cuda.device_count())
         return 77
     sizes = [a.world] if a.world else ([2] if a.device == "cuda" else [2, 3])
-    want = a.cases.split(",") if a.cases else ["ddp", "nosync", "dcp", "nodes", "disconnect", "fsdp", "fsdp_dcp"]
+    want = a.cases.split(",") if a.cases else ["ddp", "shared", "shared_disconnect", "nosync", "dcp", "nodes", "disconnect", "fsdp", "fsdp_dcp"]
     failed = 0
     for case in want:
         with tempfile.TemporaryDirectory(prefix="aoq-dist-") as tmp, aoq.Daemon(threads=2) as d:
@@ -475,6 +553,8 @@ def main():
                         launch("nodes", 2 if a.device == "cuda" else 4, dict(env, sockets=[d.socket, d2.socket]))
                 elif case == "disconnect":
                     launch("disconnect", 2, dict(env, timeout=10, pg_timeout=10), limit=60, expect_dead=(1,))
+                elif case == "shared_disconnect":
+                    launch("shared_disconnect", 3, dict(env, timeout=60, pg_timeout=10), limit=60, expect_dead=(1,))
                 else:
                     for ws in sizes:
                         launch(case, ws, dict(env))

@@ -1,0 +1,458 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Replica groups (docs/design.md, "Replica groups"): the local ranks of one
+ * job share one optimizer state.
+ *
+ * - bitexact: 2 and 3 ranks (one thread drives them all: pushes and
+ *   StepEnd do not block) train alongside a single session R of the same
+ *   layout fed the same gradients (micro-batches on even steps, the
+ *   learning rate changing per step).  After every step every rank's
+ *   parameters equal R's bit for bit, the masters read back at the end too,
+ *   and the daemon's state bytes for the group equal R's (one replica, not
+ *   one per rank), reported on one row.
+ * - mismatch: a rank with another layout is refused (INVALID, naming the
+ *   difference) and does not hurt the group; a rank with the right layout
+ *   then completes it.
+ * - disconnect: of 3 ranks, one (a child process) dies in the middle of
+ *   step 2; the other two get PEER_LOST (-ECONNABORTED) from aoq_sync within
+ *   seconds (never the 60 s timeout), and the group is gone (no partial step
+ *   survives).
+ * - hostile: a raw member posts a record in another rank's slice: it gets
+ *   BAD_RECORD, the libaoq rank PEER_LOST.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "harness.h"
+
+#define NT 6
+#define NSTEPS 5
+
+static const struct aoqt_tdesc desc[NT] = {
+	{ 4097, AOQ_FP32, AOQ_FP32, 0 },
+	{ (1u << 20) + 13, AOQ_BF16, AOQ_BF16, 1 },
+	{ 3, AOQ_BF16, AOQ_FP32, 0 },
+	{ 65537, AOQ_FP16, AOQ_FP16, 1 },
+	{ 1, AOQ_BF16, AOQ_BF16, 0 },
+	{ 700, AOQ_FP32, AOQ_FP32, 1 },
+};
+
+static double clip; /* max_grad_norm of the sessions opened */
+
+struct rank {
+	struct aoq_client *c;
+	void *param[NT];
+	void *grad[NT];
+};
+
+static struct aoq_group hp_at(uint32_t g, uint64_t k)
+{
+	struct aoq_group h = g == 0
+		? (struct aoq_group){ .size = sizeof(struct aoq_group), .kind = AOQ_ADAMW, .lr = 3e-3, .beta1 = 0.9,
+		                      .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.05 }
+		: (struct aoq_group){ .size = sizeof(struct aoq_group), .kind = AOQ_ADAM, .lr = 1e-3, .beta1 = 0.85,
+		                      .beta2 = 0.995, .eps = 1e-7, .weight_decay = 0.01 };
+	h.lr *= 1.0 + 0.25 * (double)((k * 7) % 5);
+	return h;
+}
+
+/* Connects (world 0: a session of its own) and registers the tensors of d
+ * with initial values init; returns aoq_register's result. */
+static int open_rank(struct rank *r, const char *sock, const char *job, uint32_t world, uint32_t lr,
+                     const struct aoqt_tdesc *d, float *const *init)
+{
+	struct aoq_options o = AOQ_OPTIONS_INIT;
+	o.socket = sock;
+	o.job = job;
+	o.rank = lr;
+	o.local_world = world;
+	o.local_rank = lr;
+	o.lease_seconds = AOQ_LEASE_NONE; /* R's state then has no undo copy, like a group's */
+	o.timeout_ms = 60000;
+	o.max_grad_norm = clip;
+	CHECK_OK(aoq_connect(&r->c, &o));
+	for (uint32_t g = 0; g < 2; g++) {
+		struct aoq_group h = hp_at(g, 1);
+		CHECK_OK(aoq_add_group(r->c, &h));
+	}
+	for (int t = 0; t < NT; t++) {
+		r->param[t] = aoqt_xmalloc(d[t].n * aoqt_dtype_size(d[t].pd));
+		r->grad[t] = aoqt_xmalloc(d[t].n * aoqt_dtype_size(d[t].gd));
+		for (uint64_t i = 0; i < d[t].n; i++)
+			aoqt_store(r->param[t], i, d[t].pd, init[t][i % desc[t].n]);
+		char name[16];
+		snprintf(name, sizeof(name), "t%d", t);
+		struct aoq_tensor td = { .size = sizeof(struct aoq_tensor), .name = name, .numel = d[t].n,
+		                         .param_dtype = d[t].pd, .grad_dtype = d[t].gd, .group = d[t].group,
+		                         .param = r->param[t], .grad = r->grad[t] };
+		CHECK_OK(aoq_add_tensor(r->c, &td));
+	}
+	return aoq_register(r->c);
+}
+
+static void close_rank(struct rank *r)
+{
+	aoq_close(r->c);
+	for (int t = 0; t < NT; t++) {
+		free(r->param[t]);
+		free(r->grad[t]);
+	}
+	memset(r, 0, sizeof(*r));
+}
+
+/* Micro-batch mb of tensor t at step k, the same for every rank (DDP's
+ * averaged gradient). */
+static void fill_grad(struct rank *r, int t, uint64_t k, int mb)
+{
+	struct aoqt_rng rng = aoqt_rng_for(k, (uint64_t)t, (uint64_t)mb);
+	double scale = mb ? 0.3 : 1.0;
+	for (uint64_t i = 0; i < desc[t].n; i++)
+		aoqt_store(r->grad[t], i, desc[t].gd, scale * aoqt_uniform(&rng));
+}
+
+/* Step k's gradients pushed on every rank in ranks[0..n) and StepEnd. */
+static void push_step(struct rank *ranks, uint32_t n, uint64_t k, int ntensors)
+{
+	int nmb = k % 2 == 0 ? 2 : 1;
+	for (uint32_t q = 0; q < n; q++)
+		for (uint32_t g = 0; g < 2; g++) {
+			struct aoq_group h = hp_at(g, k);
+			CHECK_OK(aoq_set_hyperparams(ranks[q].c, g, &h));
+		}
+	for (int mb = 0; mb < nmb; mb++)
+		for (int t = ntensors - 1; t >= 0; t--)
+			for (uint32_t q = 0; q < n; q++) {
+				fill_grad(&ranks[q], t, k, mb);
+				CHECK_OK(aoq_push_grad(ranks[q].c, (uint32_t)t, mb + 1 < nmb ? AOQ_PUSH_ACCUMULATE : 0, NULL));
+				CHECK_OK(aoq_grad_copied(ranks[q].c, (uint32_t)t));
+			}
+}
+
+static float *init_vals[NT];
+
+static const Aoq__SessionStats *find_row(const Aoq__Stats *st, const char *job, uint32_t rank)
+{
+	for (size_t i = 0; i < st->n_sessions; i++)
+		if (strcmp(st->sessions[i]->job, job) == 0 && st->sessions[i]->rank == rank)
+			return st->sessions[i];
+	return NULL;
+}
+
+static void test_bitexact(const struct aoqt_daemon *d, uint32_t world)
+{
+	char job[48], rjob[48];
+	snprintf(job, sizeof(job), "group%u-%d", world, (int)getpid());
+	snprintf(rjob, sizeof(rjob), "single%u-%d", world, (int)getpid());
+	struct rank ref, ranks[3];
+	CHECK_OK(open_rank(&ref, d->socket, rjob, 0, 0, desc, init_vals));
+	for (uint32_t q = 0; q < world; q++)
+		CHECK_OK(open_rank(&ranks[q], d->socket, job, world, q, desc, init_vals));
+	for (uint64_t k = 1; k <= NSTEPS; k++) {
+		push_step(&ref, 1, k, NT);
+		push_step(ranks, world, k, NT);
+		struct aoq_step_result res = AOQ_STEP_RESULT_INIT, rres = AOQ_STEP_RESULT_INIT;
+		CHECK_OK(aoq_step_end(ref.c));
+		for (uint32_t q = 0; q < world; q++)
+			CHECK_OK(aoq_step_end(ranks[q].c));
+		CHECK_OK(aoq_sync(ref.c, &rres));
+		for (uint32_t q = 0; q < world; q++) {
+			CHECK_OK(aoq_sync(ranks[q].c, &res));
+			CHECK(res.step == k && res.tensors_updated == rres.tensors_updated &&
+			      fabs(res.grad_sumsq - rres.grad_sumsq) <= 1e-12 * rres.grad_sumsq, /* summed in another order */
+			      "world %u rank %u step %" PRIu64 ": StepEnded step %" PRIu64 " tensors %" PRIu64 " sumsq %.17g, "
+			      "the single session's %" PRIu64 " %.17g", world, q, k, res.step, res.tensors_updated,
+			      res.grad_sumsq, rres.tensors_updated, rres.grad_sumsq);
+			for (int t = 0; t < NT; t++)
+				for (uint64_t i = 0; i < desc[t].n; i++)
+					CHECK(aoqt_bits(ranks[q].param[t], i, desc[t].pd) == aoqt_bits(ref.param[t], i, desc[t].pd),
+					      "world %u rank %u step %" PRIu64 " tensor %d element %" PRIu64 ": %.9g, the single "
+					      "session's %.9g", world, q, k, t, i, aoqt_load(ranks[q].param[t], i, desc[t].pd),
+					      aoqt_load(ref.param[t], i, desc[t].pd));
+		}
+	}
+	/* The masters and moments, read from the last rank (all of them:
+	 * reads are not sliced). */
+	for (int t = 0; t < NT; t++)
+		for (int what = AOQ_MASTER; what <= AOQ_EXP_AVG_SQ; what++) {
+			float *a = aoqt_xmalloc(desc[t].n * 4), *b = aoqt_xmalloc(desc[t].n * 4);
+			CHECK_OK(aoq_read_state(ranks[world - 1].c, (uint32_t)t, what, AOQ_FP32, 0, desc[t].n, a));
+			CHECK_OK(aoq_read_state(ref.c, (uint32_t)t, what, AOQ_FP32, 0, desc[t].n, b));
+			CHECK(memcmp(a, b, desc[t].n * 4) == 0, "world %u tensor %d state %d differs from the single session's",
+			      world, t, what);
+			free(a);
+			free(b);
+		}
+	/* Host memory of one replica. */
+	Aoq__Envelope *env = NULL;
+	CHECK_OK(aoqt_stats(d->socket, &env));
+	const Aoq__SessionStats *r0 = find_row(env->stats, rjob, 0);
+	CHECK(r0 && r0->state_bytes > 0, "no stats row for the single session");
+	uint64_t sum = 0, arena = 0;
+	unsigned owners = 0;
+	for (uint32_t q = 0; q < world; q++) {
+		const Aoq__SessionStats *x = find_row(env->stats, job, q);
+		CHECK(x && x->local_world == world && x->local_rank == q, "world %u rank %u: no group row", world, q);
+		sum += x->state_bytes;
+		arena += x->arena_bytes;
+		owners += x->group_owner;
+		CHECK(x->steps == NSTEPS, "world %u rank %u: %" PRIu64 " steps", world, q, x->steps);
+	}
+	CHECK(sum == r0->state_bytes && owners == 1, "world %u: the group holds %" PRIu64 " bytes of state over %u owner "
+	      "rows, one replica is %" PRIu64, world, sum, owners, r0->state_bytes);
+	CHECK(arena > 0, "world %u: no arena reported", world);
+	printf("world %u: %u ranks bit-exact with one session over %d steps; state %" PRIu64 " bytes (one replica), "
+	       "arena %" PRIu64 " bytes (single: %" PRIu64 ")\n", world, world, NSTEPS, sum, arena, r0->arena_bytes);
+	aoq_envelope_free(env);
+	close_rank(&ref);
+	for (uint32_t q = 0; q < world; q++)
+		close_rank(&ranks[q]);
+}
+
+/* Clipping: the norm is summed over every rank's slice.  The sum's order
+ * differs from a lone session's, so the ranks are compared with each other
+ * bit for bit and with the lone session within rounding. */
+static void test_clip(const struct aoqt_daemon *d)
+{
+	char job[48], rjob[48];
+	snprintf(job, sizeof(job), "clip-%d", (int)getpid());
+	snprintf(rjob, sizeof(rjob), "clipref-%d", (int)getpid());
+	clip = 5.0;
+	struct rank ref, ranks[2];
+	CHECK_OK(open_rank(&ref, d->socket, rjob, 0, 0, desc, init_vals));
+	for (uint32_t q = 0; q < 2; q++)
+		CHECK_OK(open_rank(&ranks[q], d->socket, job, 2, q, desc, init_vals));
+	clip = 0;
+	for (uint64_t k = 1; k <= 3; k++) {
+		push_step(&ref, 1, k, NT);
+		push_step(ranks, 2, k, NT);
+		struct aoq_step_result res[2] = { AOQ_STEP_RESULT_INIT, AOQ_STEP_RESULT_INIT }, rres = AOQ_STEP_RESULT_INIT;
+		CHECK_OK(aoq_step_end(ref.c));
+		for (uint32_t q = 0; q < 2; q++)
+			CHECK_OK(aoq_step_end(ranks[q].c));
+		CHECK_OK(aoq_sync(ref.c, &rres));
+		for (uint32_t q = 0; q < 2; q++)
+			CHECK_OK(aoq_sync(ranks[q].c, &res[q]));
+		CHECK(rres.clip_scale < 0.1 && res[0].clip_scale == res[1].clip_scale &&
+		      fabs(res[0].clip_scale - rres.clip_scale) <= 1e-9 * rres.clip_scale,
+		      "step %" PRIu64 ": clip scale %.17g / %.17g, the lone session's %.17g", k, res[0].clip_scale,
+		      res[1].clip_scale, rres.clip_scale);
+		for (int t = 0; t < NT; t++)
+			for (uint64_t i = 0; i < desc[t].n; i++) {
+				CHECK(aoqt_bits(ranks[0].param[t], i, desc[t].pd) == aoqt_bits(ranks[1].param[t], i, desc[t].pd),
+				      "clip step %" PRIu64 " tensor %d element %" PRIu64 ": the ranks differ", k, t, i);
+				double a = aoqt_load(ranks[0].param[t], i, desc[t].pd), b = aoqt_load(ref.param[t], i, desc[t].pd);
+				double tol = desc[t].pd == AOQ_FP32 ? 1e-6 : desc[t].pd == AOQ_BF16 ? 1e-2 : 2e-3;
+				CHECK(fabs(a - b) <= tol * (fabs(b) + 1e-3), "clip step %" PRIu64 " tensor %d element %" PRIu64
+				      ": %.9g, the lone session's %.9g", k, t, i, a, b);
+			}
+	}
+	printf("clip: 2 ranks identical to each other and within rounding of one session\n");
+	close_rank(&ref);
+	for (uint32_t q = 0; q < 2; q++)
+		close_rank(&ranks[q]);
+}
+
+static void test_mismatch(const struct aoqt_daemon *d)
+{
+	char job[48];
+	snprintf(job, sizeof(job), "mismatch-%d", (int)getpid());
+	struct aoqt_tdesc other[NT];
+	memcpy(other, desc, sizeof(other));
+	other[3].n += 1;
+	struct rank a, b, c;
+	CHECK_OK(open_rank(&a, d->socket, job, 2, 0, desc, init_vals));
+	int r = open_rank(&b, d->socket, job, 2, 1, other, init_vals);
+	CHECK(r == -EINVAL && strstr(aoq_last_error(), "numel 65538 here, 65537 in the group"),
+	      "a rank of another layout: %d (%s), want -EINVAL naming the difference", r, aoq_last_error());
+	close_rank(&b);
+	CHECK_OK(open_rank(&c, d->socket, job, 2, 1, desc, init_vals));
+	struct rank both[2] = { a, c };
+	push_step(both, 2, 1, NT);
+	CHECK_OK(aoq_step_end(a.c));
+	CHECK_OK(aoq_step_end(c.c));
+	CHECK_OK(aoq_sync(a.c, NULL));
+	CHECK_OK(aoq_sync(c.c, NULL));
+	close_rank(&a);
+	close_rank(&c);
+	printf("mismatch: refused with \"%s\"; the group went on\n", "numel 65538 here, 65537 in the group");
+}
+
+static bool job_listed(const struct aoqt_daemon *d, const char *job)
+{
+	Aoq__Envelope *env = NULL;
+	CHECK_OK(aoqt_stats(d->socket, &env));
+	bool found = false;
+	for (size_t i = 0; i < env->stats->n_sessions; i++)
+		found |= strcmp(env->stats->sessions[i]->job, job) == 0;
+	aoq_envelope_free(env);
+	return found;
+}
+
+static void test_disconnect(const struct aoqt_daemon *d)
+{
+	char job[48];
+	snprintf(job, sizeof(job), "disconnect-%d", (int)getpid());
+	int go[2], back[2];
+	CHECK(pipe(go) == 0 && pipe(back) == 0, "pipe");
+	pid_t pid = fork();
+	CHECK(pid >= 0, "fork");
+	if (pid == 0) {
+		/* Local rank 2: step 1 whole, then half of step 2, then gone. */
+		struct rank me;
+		if (open_rank(&me, d->socket, job, 3, 2, desc, init_vals) < 0)
+			_exit(2);
+		for (int t = NT - 1; t >= 0; t--) {
+			fill_grad(&me, t, 1, 0);
+			if (aoq_push_grad(me.c, (uint32_t)t, 0, NULL) < 0 || aoq_grad_copied(me.c, (uint32_t)t) < 0)
+				_exit(3);
+		}
+		if (aoq_step_end(me.c) < 0 || aoq_sync(me.c, NULL) < 0)
+			_exit(4);
+		for (int t = NT - 1; t >= NT / 2; t--) {
+			fill_grad(&me, t, 2, 0);
+			if (aoq_push_grad(me.c, (uint32_t)t, 0, NULL) < 0 || aoq_grad_copied(me.c, (uint32_t)t) < 0)
+				_exit(5);
+		}
+		char x = 1;
+		if (write(go[1], &x, 1) != 1 || read(back[0], &x, 1) != 1)
+			_exit(6);
+		_exit(0); /* no Bye, no close: the kernel closes the sockets */
+	}
+	close(go[1]);
+	close(back[0]);
+	struct rank ranks[2];
+	for (uint32_t q = 0; q < 2; q++)
+		CHECK_OK(open_rank(&ranks[q], d->socket, job, 3, q, desc, init_vals));
+	push_step(ranks, 2, 1, NT);
+	for (uint32_t q = 0; q < 2; q++)
+		CHECK_OK(aoq_step_end(ranks[q].c));
+	for (uint32_t q = 0; q < 2; q++)
+		CHECK_OK(aoq_sync(ranks[q].c, NULL));
+	char x = 1;
+	CHECK(read(go[0], &x, 1) == 1, "the child rank did not reach step 2");
+	CHECK(write(back[1], &x, 1) == 1, "pipe");
+	int status;
+	CHECK(waitpid(pid, &status, 0) == pid && WIFEXITED(status) && WEXITSTATUS(status) == 0,
+	      "child rank: status %d", status);
+	double t0 = aoqt_now();
+	/* The two live ranks push step 2 and wait: the step cannot complete. */
+	int pushed_err = 0;
+	for (int t = NT - 1; t >= 0 && !pushed_err; t--)
+		for (uint32_t q = 0; q < 2 && !pushed_err; q++) {
+			fill_grad(&ranks[q], t, 2, 0);
+			int r = aoq_push_grad(ranks[q].c, (uint32_t)t, 0, NULL);
+			if (r < 0)
+				pushed_err = r;
+		}
+	for (uint32_t q = 0; q < 2; q++) {
+		int r = aoq_step_end(ranks[q].c);
+		if (r == 0)
+			r = aoq_sync(ranks[q].c, NULL);
+		double secs = aoqt_now() - t0;
+		/* libaoq reports the daemon's PEER_LOST; when the session
+		 * broke while this thread held the connection without reading
+		 * it, the bare "closed" comes first: the log says why. */
+		char *log = aoqt_daemon_log((struct aoqt_daemon *)d);
+		bool logged = log && strstr(log, "PEER_LOST: local rank 2");
+		free(log);
+		CHECK(r == -ECONNABORTED || (r < 0 && strstr(aoq_last_error(), "PEER_LOST")) || (r == -ECONNRESET && logged),
+		      "rank %u after local rank 2 died: %d (%s), want -ECONNABORTED (PEER_LOST)", q, r, aoq_last_error());
+		CHECK(secs < 10, "rank %u learned of the lost rank after %.1f s", q, secs);
+		printf("disconnect: rank %u: %s after %.3f s\n", q, aoq_last_error(), secs);
+	}
+	for (uint32_t q = 0; q < 2; q++)
+		close_rank(&ranks[q]);
+	/* The group and its state are gone: nothing of the interrupted step
+	 * stays (no lease for a group). */
+	double t1 = aoqt_now();
+	while (job_listed(d, job) && aoqt_now() - t1 < 10)
+		usleep(10000);
+	CHECK(!job_listed(d, job), "the broken group's sessions are still listed");
+	close(go[0]);
+	close(back[1]);
+}
+
+static void test_hostile(const struct aoqt_daemon *d)
+{
+	char job[48];
+	snprintf(job, sizeof(job), "hostile-%d", (int)getpid());
+	/* A libaoq rank of the raw client's layout: one AdamW group, fp32. */
+	static const uint64_t numel[2] = { 4096, 1000 };
+	struct aoq_options o = AOQ_OPTIONS_INIT;
+	o.socket = d->socket;
+	o.job = job;
+	o.local_world = 2;
+	o.local_rank = 0;
+	o.timeout_ms = 60000;
+	struct aoq_client *c;
+	CHECK_OK(aoq_connect(&c, &o));
+	struct aoq_group g = { .size = sizeof(g), .kind = AOQ_ADAMW, .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8 };
+	CHECK_OK(aoq_add_group(c, &g));
+	float *p[2], *gr[2];
+	for (int t = 0; t < 2; t++) {
+		p[t] = aoqt_xcalloc(numel[t], 4);
+		gr[t] = aoqt_xcalloc(numel[t], 4);
+		char name[8];
+		snprintf(name, sizeof(name), "t%d", t);
+		struct aoq_tensor td = { .size = sizeof(td), .name = name, .numel = numel[t], .param_dtype = AOQ_FP32,
+		                         .grad_dtype = AOQ_FP32, .param = p[t], .grad = gr[t] };
+		CHECK_OK(aoq_add_tensor(c, &td));
+	}
+	CHECK_OK(aoq_register(c));
+	struct aoqt_raw raw;
+	CHECK_OK(aoqt_raw_open_group(&raw, d->socket, job, numel, 2, 2, 1));
+	uint64_t b, e;
+	aoq_slice(numel[0], 2, 1, &b, &e);
+	CHECK(b == 2048 && e == 4096, "slice of rank 1: %" PRIu64 "..%" PRIu64, b, e);
+	/* Rank 0's elements, posted by rank 1. */
+	struct aoq_rec rec = { .tensor = 0, .slot = 0, .offset = 0, .count = 256, .step = 1 };
+	CHECK_OK(aoqt_raw_push(&raw, &rec));
+	char msg[256];
+	int code = aoqt_raw_expect_close(raw.sock, 10000, msg, sizeof(msg));
+	CHECK(code == AOQ__ERROR_CODE__BAD_RECORD && strstr(msg, "slice"), "hostile rank: code %d (%s), want BAD_RECORD",
+	      code, msg);
+	aoqt_raw_close(&raw);
+	/* The honest rank's step fails: its group lost a rank. */
+	int r = aoq_push_grad(c, 0, 0, NULL);
+	if (r == 0)
+		r = aoq_step_end(c);
+	if (r == 0)
+		r = aoq_sync(c, NULL);
+	CHECK(r == -ECONNABORTED, "honest rank after the hostile one failed: %d (%s)", r, aoq_last_error());
+	aoq_close(c);
+	for (int t = 0; t < 2; t++) {
+		free(p[t]);
+		free(gr[t]);
+	}
+	printf("hostile: \"%s\"\n", msg);
+}
+
+int main(int argc, char **argv)
+{
+	aoqt_init("integration-shared");
+	const char *exe = aoqt_aoqd_path(argc, argv);
+	struct aoqt_daemon d;
+	static const char *const args[] = { "--threads", "2", NULL };
+	CHECK_OK(aoqt_daemon_start(&d, exe, args));
+	for (int t = 0; t < NT; t++) {
+		init_vals[t] = aoqt_xmalloc(desc[t].n * sizeof(float));
+		struct aoqt_rng rng = aoqt_rng_for(0, (uint64_t)t, 7);
+		for (uint64_t i = 0; i < desc[t].n; i++)
+			init_vals[t][i] = (float)(1.5 * aoqt_uniform(&rng));
+	}
+	test_disconnect(&d); /* first: the child forks before any thread */
+	test_bitexact(&d, 2);
+	test_bitexact(&d, 3);
+	test_clip(&d);
+	test_mismatch(&d);
+	test_hostile(&d);
+	for (int t = 0; t < NT; t++)
+		free(init_vals[t]);
+	CHECK(aoqt_daemon_stop(&d, 10000, true) == 0, "aoqd did not stop cleanly");
+	return 0;
+}
