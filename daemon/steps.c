@@ -208,6 +208,8 @@ static int member_step_end(struct aoqd_session *m, uint64_t step, struct aoqd_er
 		rep->ends = 0;
 		g->steps.ending_step = step;
 		g->steps.end_pending = true;
+		/* the hub's last job wakes the loop (dataplane.c, job_answer) */
+		atomic_store(&g->steps.end_waits, true);
 		g->steps.next_step++;
 		for (uint32_t k = 0; k < rep->world; k++)
 			if (rep->members[k])
