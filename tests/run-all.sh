@@ -226,6 +226,18 @@ for phase in $phases; do
 					echo "fuzz-$name FAILED (status $rc): the end of its log, then the input:"
 					tail -n 60 "$logdir/fuzz-$name.log"
 					ls -l "$logdir/crash-$name"
+					# Again in the summary, which ends the output (CI
+					# shows only its end): the verdict, the top of the
+					# stack and the input (base64) to replay it.
+					summary+=("fuzz-$name FAILED (status $rc):")
+					while IFS= read -r line; do
+						summary+=("  $line")
+					done < <(grep -E '^(==[0-9]+==ERROR|SUMMARY|[[:space:]]+#[0-9] |artifact_prefix|Test unit written)' \
+						"$logdir/fuzz-$name.log" | head -n 16)
+					for a in "$logdir/crash-$name"/*; do
+						[[ -f $a && $(stat -c %s "$a") -le 3072 ]] || continue
+						summary+=("  input $(basename "$a"): $(base64 -w0 "$a")")
+					done
 				fi
 			done
 			if [[ -n ${AOQ_FUZZ_KEEP:-} ]]; then
