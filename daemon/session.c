@@ -8,6 +8,9 @@
  * worker.
  */
 #include <errno.h>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
 #include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
@@ -65,6 +68,13 @@ void aoqd_session_unref(struct aoqd_session *s)
 	aoqd_steps_fini(&s->steps);
 	aoqd_stats_fini(&s->stats);
 	free(s);
+#ifdef __GLIBC__
+	/* A session's end frees many small blocks (protobuf messages,
+	 * tables, jobs) across the threads' malloc arenas: give their free
+	 * pages back, so that a daemon whose trainers come and go for days
+	 * does not keep the high-water mark (tests/bench/soak). */
+	malloc_trim(0);
+#endif
 }
 
 static void link_session(struct aoqd_session *s)
