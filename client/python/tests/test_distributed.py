@@ -9,7 +9,7 @@ Each case runs its ranks as processes (fork on the CPU with gloo, spawn with
 NCCL on GPUs), each with its own aoqd session; the parent starts the
 daemons.  Usage:
 
-    test_distributed.py [--device cpu|cuda] [--cases a,b] [--world N]
+    test_distributed.py [--device cpu|cuda] [--cases a,b] [--world N] [--one-gpu]
 
 Exit 0 ok, 1 fail, 77 skip (no torch, or fewer GPUs than ranks)."""
 import argparse
@@ -464,9 +464,12 @@ def _worker(rank, ws, case, env):
     try:
         torch.set_num_threads(1)
         if env["device"] == "cuda":
-            torch.cuda.set_device(rank)
-            env["dev"] = torch.device("cuda", rank)
-            backend = "nccl"
+            # --one-gpu: every rank on GPU 0 (NCCL refuses two ranks on one
+            # GPU, so gloo, which takes CUDA tensors too)
+            gpu = 0 if env.get("one_gpu") else rank
+            torch.cuda.set_device(gpu)
+            env["dev"] = torch.device("cuda", gpu)
+            backend = "gloo" if env.get("one_gpu") else "nccl"
         else:
             env["dev"] = torch.device("cpu")
             backend = "gloo"
@@ -530,16 +533,19 @@ def main():
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--cases", default=os.environ.get("AOQ_DIST_CASES", ""))
     ap.add_argument("--world", type=int, default=0, help="ranks (default: 2 and 3 on the CPU, 2 on GPUs)")
+    ap.add_argument("--one-gpu", action="store_true",
+                    help="cuda: every rank on GPU 0 with gloo (a machine with one GPU)")
     a = ap.parse_args()
-    if a.device == "cuda" and torch.cuda.device_count() < 2:
-        print("SKIP: %d CUDA devices (2 needed)" % torch.cuda.device_count())
+    need = 1 if a.one_gpu else 2
+    if a.device == "cuda" and torch.cuda.device_count() < need:
+        print("SKIP: %d CUDA devices (%d needed)" % (torch.cuda.device_count(), need))
         return 77
     sizes = [a.world] if a.world else ([2] if a.device == "cuda" else [2, 3])
     want = a.cases.split(",") if a.cases else ["ddp", "shared", "shared_disconnect", "nosync", "dcp", "nodes", "disconnect", "fsdp", "fsdp_dcp"]
     failed = 0
     for case in want:
         with tempfile.TemporaryDirectory(prefix="aoq-dist-") as tmp, aoq.Daemon(threads=2) as d:
-            env = {"tmp": tmp, "device": a.device, "sockets": [d.socket], "timeout": 60}
+            env = {"tmp": tmp, "device": a.device, "sockets": [d.socket], "timeout": 60, "one_gpu": a.one_gpu}
             try:
                 if case == "dcp":
                     launch("dcp_save", 2, dict(env))

@@ -11,6 +11,7 @@ build=${1:-$root/build}
 [ $# -gt 0 ] && shift
 export AOQ_LIBRARY=${AOQ_LIBRARY:-$build/client/libaoq.so}
 export AOQD=${AOQD:-$build/daemon/aoqd}
+export AOQCTL=${AOQCTL:-$build/client/tools/aoqctl}
 export PYTHONPATH=$root/client/python${PYTHONPATH:+:$PYTHONPATH}
 py=${PYTHON:-python3}
 pass=0 fail=0 skip=0
