@@ -267,7 +267,13 @@ int aoqd_server_init(struct aoqd_server *srv, uv_loop_t *loop, const struct aoqd
 		return -errno;
 	aoqd_info("server", "%u workers%s (%ld cpus), kernel %s", n, pin ? " pinned" : "", ncpu, srv->kernel->name);
 	fit_fd_limit(&srv->cfg);
-	srv->snapshotter = aoqd_snapshotter_new(loop);
+	/* The snapshot writer runs on the cores no worker is pinned to. */
+	cpu_set_t spare;
+	CPU_ZERO(&spare);
+	for (unsigned i = 0; pin && i < ncpus; i++)
+		if (i == 0 || i > n)
+			CPU_SET(cpus[i], &spare);
+	srv->snapshotter = aoqd_snapshotter_new(loop, pin ? &spare : NULL);
 	if (!srv->snapshotter) {
 		aoqd_err("server", "cannot start the snapshot writer: %s", strerror(errno));
 		return -errno;

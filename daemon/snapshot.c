@@ -1052,6 +1052,8 @@ struct aoqd_snapshotter {
 	struct aoqd_capture *done_list;
 	bool busy, stop;
 	uv_async_t async;
+	bool pinned;
+	cpu_set_t cpus;
 };
 
 /* Takes block k of tensor i unless it is taken (with c->lock held; may
@@ -1339,6 +1341,11 @@ static void *writer_main(void *arg)
 	 * loaded 2-core host) is bounded. */
 	if (setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), 10) < 0)
 		aoqd_debug("snapshot", "writer thread: setpriority: %s", strerror(errno));
+	/* and off the workers' cores when they are pinned: even at nice 10 it
+	 * took about a tenth of the core it shared with a worker, and every
+	 * step waits for its slowest worker */
+	if (w->pinned && pthread_setaffinity_np(pthread_self(), sizeof(w->cpus), &w->cpus) != 0)
+		aoqd_debug("snapshot", "writer thread: cannot set its cores");
 	pthread_mutex_lock(&w->lock);
 	for (;;) {
 		while (!w->queue && !w->stop)
@@ -1391,7 +1398,7 @@ static void writer_closed(uv_handle_t *h)
 	free(w);
 }
 
-struct aoqd_snapshotter *aoqd_snapshotter_new(uv_loop_t *loop)
+struct aoqd_snapshotter *aoqd_snapshotter_new(uv_loop_t *loop, const cpu_set_t *cpus)
 {
 	struct aoqd_snapshotter *w = calloc(1, sizeof(*w));
 	if (!w)
@@ -1406,6 +1413,9 @@ struct aoqd_snapshotter *aoqd_snapshotter_new(uv_loop_t *loop)
 		return NULL;
 	}
 	w->async.data = w;
+	w->pinned = cpus != NULL;
+	if (cpus)
+		w->cpus = *cpus;
 	r = pthread_create(&w->thread, NULL, writer_main, w);
 	if (r != 0) {
 		uv_close((uv_handle_t *)&w->async, writer_closed);

@@ -20,6 +20,7 @@
 #ifndef AOQD_SNAPSHOT_H
 #define AOQD_SNAPSHOT_H
 
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
@@ -115,7 +116,9 @@ struct aoqd_snapshotter;
 typedef void (*aoqd_snapshot_done_fn)(void *arg, int r, const char *path, const char *why);
 
 /* The writer thread and its loop-side wake.  NULL with errno set. */
-struct aoqd_snapshotter *aoqd_snapshotter_new(uv_loop_t *loop);
+/* cpus: the cores the writer may run on (those no worker is pinned to), or
+ * NULL for any. */
+struct aoqd_snapshotter *aoqd_snapshotter_new(uv_loop_t *loop, const cpu_set_t *cpus);
 /* Waits for the snapshot being written, fails the queued ones, stops the
  * thread and closes the loop handle (the loop must run once more). */
 void aoqd_snapshotter_free(struct aoqd_snapshotter *w);
