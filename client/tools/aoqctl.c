@@ -53,7 +53,8 @@ static const char usage_text[] =
 	"Commands:\n"
 	"  stats        daemon-wide figures, then one row per session, per job and per uid\n"
 	"  sessions     one line per session: id job rank uid pid device state precision,\n"
-	"               last completed step, lease time left (leased: trainer gone)\n"
+	"               last completed step, lease time left (leased: trainer gone),\n"
+	"               replica group (id:local rank/local world)\n"
 	"  trace ID     record the next steps of session ID as a Chrome trace (Perfetto)\n"
 	"  snapshot ID  write session ID's optimizer state to the daemon's state_dir\n"
 	"               (safetensors); waits until the file is on disk, prints its path\n"
@@ -511,9 +512,9 @@ static int print_stats_table(const struct view *v)
 static int print_sessions(const Aoq__Stats *st)
 {
 	struct table t = {
-		.ncols = 10,
-		.head = { "ID", "JOB", "RANK", "UID", "PID", "DEVICE", "STATE", "PRECISION", "STEP", "LEASE" },
-		.right = { true, false, true, true, true, false, false, false, true, true },
+		.ncols = 11,
+		.head = { "ID", "JOB", "RANK", "UID", "PID", "DEVICE", "STATE", "PRECISION", "STEP", "LEASE", "GROUP" },
+		.right = { true, false, true, true, true, false, false, false, true, true, false },
 		.nrows = st->n_sessions,
 	};
 	if (st->n_sessions == 0) {
@@ -539,6 +540,12 @@ static int print_sessions(const Aoq__Stats *st)
 			snprintf(row[9], CELL_LEN, "%.0fs", ceil(s->lease_left_seconds));
 		else
 			cell_set(row[9], "-");
+		/* a replica group's member: group id, local rank/local world */
+		if (s->local_world >= 2)
+			snprintf(row[10], CELL_LEN, "%" PRIu64 ":%" PRIu32 "/%" PRIu32, s->group_id, s->local_rank,
+			         s->local_world);
+		else
+			cell_set(row[10], "-");
 	}
 	int r = table_print(&t, stdout);
 	free(t.cells);
@@ -654,6 +661,17 @@ static json_object *stats_json(const struct view *v)
 		JADD(o, "record_p50_us", jdouble(s->record_p50_us));
 		JADD(o, "record_p99_us", jdouble(s->record_p99_us));
 		JADD(o, "state_bytes", json_object_new_uint64(s->state_bytes));
+		json_object *g = NULL;
+		if (s->local_world >= 2) {
+			/* a replica group's member; the group's state, arena and
+			 * counters are on the owner's row */
+			g = json_object_new_object();
+			JADD(g, "id", json_object_new_uint64(s->group_id));
+			JADD(g, "local_rank", json_object_new_uint64(s->local_rank));
+			JADD(g, "local_world", json_object_new_uint64(s->local_world));
+			JADD(g, "owner", json_object_new_boolean(s->group_owner));
+		}
+		JADD(o, "group", g);
 		JADD(o, "arena_bytes", json_object_new_uint64(s->arena_bytes));
 		JADD(o, "rates", jrates(has_rates(s), s->rate_interval_seconds, s->steps_per_second,
 		                        s->params_per_second, s->bytes_in_per_second, s->bytes_out_per_second));

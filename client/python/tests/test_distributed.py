@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import datetime
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -185,6 +186,15 @@ def case_shared(rank, ws, env):
             group = [r for r in rows if r["job"] == o.job]
             single = [r for r in rows if r["job"] == lone.job]
             assert len(group) == ws and len(single) == 1, "%s: stats rows %r" % (what, rows)
+            # aoqctl shows the group: one id, every local rank once, one owner row
+            gs = [r["group"] for r in group]
+            assert all(g and g["local_world"] == ws for g in gs) and single[0]["group"] is None, \
+                "%s: group fields %r / %r" % (what, gs, single[0]["group"])
+            assert len({g["id"] for g in gs}) == 1 and sorted(g["local_rank"] for g in gs) == list(range(ws)) \
+                and sum(g["owner"] for g in gs) == 1, "%s: group fields %r" % (what, gs)
+            table = subprocess.run([os.environ["AOQCTL"], "--socket", env["socket"], "sessions"],
+                                   capture_output=True, text=True, check=True).stdout
+            assert "GROUP" in table and ("%d:0/%d" % (gs[0]["id"], ws)) in table, table
             held = sum(r["state_bytes"] for r in group)
             assert held == single[0]["state_bytes"] > 0, \
                 "%s: the group holds %d bytes of state, one replica %d" % (what, held, single[0]["state_bytes"])
