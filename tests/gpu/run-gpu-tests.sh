@@ -4,7 +4,7 @@
 #
 #   tests/gpu/run-gpu-tests.sh [BIN] [LOGDIR]
 #
-# BIN: a folder holding aoqd, test-cuda, test-cuda-nodev, bench-cuda and
+# BIN: a folder holding aoqd, aoqctl, test-cuda, test-cuda-nodev, bench-cuda and
 # lib/ (libaoq.so.N, its soname, plus any shared library the machine lacks), as made by
 # `run-gpu-tests.sh pack BUILD_DIR BIN`; without it the script builds with
 # meson into build-gpu (needs libuv, protobuf-c, nvcc).  Logs go to LOGDIR
@@ -19,8 +19,8 @@ set -u
 if [ "${1:-}" = pack ]; then
 	build=${2:?build dir}; bin=${3:?destination}
 	mkdir -p "$bin/lib"
-	cp "$build/daemon/aoqd" "$build/tests/gpu/test-cuda" "$build/tests/gpu/test-cuda-nodev" \
-	   "$build/tests/gpu/bench-cuda" "$bin/"
+	cp "$build/daemon/aoqd" "$build/client/tools/aoqctl" "$build/tests/gpu/test-cuda" \
+	   "$build/tests/gpu/test-cuda-nodev" "$build/tests/gpu/bench-cuda" "$bin/"
 	soname=$(objdump -p "$build/client/libaoq.so" | awk '/SONAME/ { print $2 }')
 	cp -L "$build/client/$soname" "$bin/lib/"
 	for l in libuv.so.1 libprotobuf-c.so.1 libze_loader.so.1 libjson-c.so.5; do

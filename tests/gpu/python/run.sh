@@ -11,6 +11,8 @@ build=${1:-$root/build}
 [ $# -gt 0 ] && shift
 export AOQ_LIBRARY=${AOQ_LIBRARY:-$build/client/libaoq.so}
 export AOQD=${AOQD:-$build/daemon/aoqd}
+# a build directory, or a packed BIN (run-gpu-tests.sh pack) with aoqctl at its top
+[ -x "$build/aoqctl" ] && export AOQCTL=${AOQCTL:-$build/aoqctl}
 export AOQCTL=${AOQCTL:-$build/client/tools/aoqctl}
 export PYTHONPATH=$root/client/python${PYTHONPATH:+:$PYTHONPATH}
 py=${PYTHON:-python3}
