@@ -304,7 +304,9 @@ static void test_threads(uint32_t cap, uint64_t n, bool spin)
 	printf("threads, cap %u%s: %" PRIu64 " records, %" PRIu64 " wake-ups (%" PRIu64 " not needed: polled), %" PRIu64
 	       " taken while polling, %" PRIu64 " waits for space\n", cap, spin ? ", polling consumer" : "", n, s.wakes,
 	       s.skipped, s.polled, s.waits);
-	if (spin)
+	/* Needs the two threads to run at once: not under valgrind, which
+	 * runs one thread at a time (its test setup sets AOQ_TEST_SLOW). */
+	if (spin && !getenv("AOQ_TEST_SLOW"))
 		EXPECT(s.skipped > 0 && s.polled > 0, "cap %u: the polling consumer never took a record unrung", cap);
 	close(s.doorbell);
 	close(s.space);
