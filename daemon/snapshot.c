@@ -1049,6 +1049,15 @@ struct aoqd_capture {
 	bool swap;              /* the undo swap (above) */
 	bool swap_wait;         /* undo swap: at the boundary, waits for the next step's end */
 	unsigned idle_ticks;    /* swap_wait: sampler ticks the session was idle at (aoqd_snapshot_tick) */
+	bool swapped;           /* copy[] holds moved undo pages: kept as spares after the write */
+	/* Per tensor: the pages of the last undo swap's capture, kept after
+	 * its write to be the next swap's fresh undo pages (MADV_FREE: the
+	 * kernel may take them back under pressure).  Fresh anonymous pages
+	 * cost a first touch on the step path (a page fault and zeroing, far
+	 * dearer in a VM); these were touched already.  Loop thread; freed
+	 * with the state. */
+	void **spare;
+	size_t *spare_len;
 	uint64_t *steps;        /* per tensor: steps at the boundary */
 	uint64_t boundary;
 	bool armed, ready;      /* loop thread */
@@ -1138,7 +1147,7 @@ static void capture_release(struct aoqd_capture *c)
 	free(c->copy);
 	free(c->copy_len);
 	c->copy_len = NULL;
-	c->swap = c->swap_wait = false;
+	c->swap = c->swap_wait = c->swapped = false;
 	free(c->ts);
 	free(c->first);
 	free(c->steps);
@@ -1154,6 +1163,32 @@ static void capture_release(struct aoqd_capture *c)
 	c->n = 0;
 }
 
+/* The swap's copies become the spares (loop thread; the writer is done with
+ * them). */
+static void keep_spares(struct aoqd_capture *c)
+{
+	if (!c->spare) {
+		c->spare = calloc(c->n ? c->n : 1, sizeof(void *));
+		c->spare_len = calloc(c->n ? c->n : 1, sizeof(size_t));
+		if (!c->spare || !c->spare_len) {
+			free(c->spare);
+			free(c->spare_len);
+			c->spare = NULL;
+			c->spare_len = NULL;
+			return;
+		}
+	}
+	for (uint32_t i = 0; i < c->n; i++) {
+		if (!c->copy[i])
+			continue;
+		if (c->spare[i])
+			munmap(c->spare[i], c->spare_len[i]);
+		c->spare[i] = c->copy[i];
+		c->spare_len[i] = c->copy_len[i];
+		c->copy[i] = NULL;
+	}
+}
+
 /* Loop thread: hands the outcome to its owner; the capture may be armed
  * again from then on. */
 static void capture_finish(struct aoqd_capture *c)
@@ -1164,6 +1199,8 @@ static void capture_finish(struct aoqd_capture *c)
 	char path[PATH_MAX], why[512];
 	snprintf(path, sizeof(path), "%s", c->path);
 	snprintf(why, sizeof(why), "%s", c->why);
+	if (c->swapped)
+		keep_spares(c);
 	capture_release(c);
 	c->armed = c->ready = false;
 	done(arg, r, path, why); /* may free the state, and c with it */
@@ -1280,7 +1317,12 @@ static int undo_take(struct aoqd_capture *c, uint32_t i)
 		return -errno;
 	void *out = mremap(undo, len, len, MREMAP_MAYMOVE | MREMAP_FIXED, dst);
 	void *in = MAP_FAILED;
-	if (out != MAP_FAILED) {
+	if (out != MAP_FAILED && c->spare && c->spare[i] && c->spare_len[i] == len) {
+		in = mremap(c->spare[i], len, len, MREMAP_MAYMOVE | MREMAP_FIXED, undo);
+		if (in != MAP_FAILED)
+			c->spare[i] = NULL;
+	}
+	if (out != MAP_FAILED && in == MAP_FAILED) {
 		in = mmap(undo, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
 		if (in == MAP_FAILED && mremap(out, len, len, MREMAP_MAYMOVE | MREMAP_FIXED, undo) == MAP_FAILED) {
 			/* the state has a hole where its undo copy was: cannot
@@ -1317,6 +1359,7 @@ static int undo_take(struct aoqd_capture *c, uint32_t i)
 	}
 	c->copy[i] = out; /* laid out as the state mapping (state.c, range_copy) */
 	c->copy_len[i] = len;
+	c->swapped = true;
 	return 0;
 }
 
@@ -1452,6 +1495,11 @@ void aoqd_snapshot_state_free(struct aoqd_state *st)
 	if (!c)
 		return;
 	capture_release(c);
+	for (uint32_t i = 0; c->spare && i < st->ntensors; i++)
+		if (c->spare[i])
+			munmap(c->spare[i], c->spare_len[i]);
+	free(c->spare);
+	free(c->spare_len);
 	pthread_mutex_destroy(&c->lock);
 	pthread_cond_destroy(&c->cond);
 	free(c);
@@ -1495,8 +1543,13 @@ static void capture_write(struct aoqd_capture *c)
 		a.v_scale = REBASE(t->st.v_scale);
 #undef REBASE
 		r = aoqd_snapfile_put(c->file, i, &a, &err);
-		munmap(c->copy[i], c->copy_len[i]);
-		c->copy[i] = NULL;
+		if (c->swapped) {
+			/* kept for the next swap (capture_finish) */
+			madvise(c->copy[i], c->copy_len[i], MADV_FREE);
+		} else {
+			munmap(c->copy[i], c->copy_len[i]);
+			c->copy[i] = NULL;
+		}
 	}
 	if (r == 0)
 		r = aoqd_snapfile_commit(c->file, c->path, sizeof(c->path), &err);
