@@ -142,10 +142,12 @@ static int make_state(struct aoqd_session *s, struct aoqd_error *err)
 		uint64_t off[5];
 		uint64_t len = aoqd_state_len(prec, st->tensors[i].numel,
 		                              st->groups[st->tensors[i].group].moments, off);
+		/* the undo copy of a session that may be leased, on its own
+		 * pages (state.c, aoqd_state_alloc) */
+		uint64_t pages = st->undo ? 2 * aoqd_page_round(len) : aoqd_page_round(len);
 		if (st->undo)
-			len *= 2; /* the undo copy of a session that may be leased */
-		if (__builtin_add_overflow(total, len, &total) ||
-		    __builtin_add_overflow(mapped, aoqd_page_round(len), &mapped))
+			len *= 2;
+		if (__builtin_add_overflow(total, len, &total) || __builtin_add_overflow(mapped, pages, &mapped))
 			return AOQD_FAIL(err, NO_MEMORY, "state too large");
 	}
 	/* One mapping per tensor: what is locked is whole pages. */

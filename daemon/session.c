@@ -583,6 +583,8 @@ void aoqd_sessions_sample(struct aoqd_server *srv)
 		}
 		if (s->state == AOQD_READY || s->state == AOQD_REGISTERING)
 			aoqd_stats_sample(&s->stats, now);
+		if (s->state == AOQD_READY && !s->hub)
+			aoqd_steps_sample(s);
 		trace_check(s);
 	}
 	for (struct aoqd_session *h = srv->hubs; h; h = h->next)

@@ -1020,6 +1020,21 @@ enum { T_PENDING, T_COPYING, T_DONE };
  * parameters in 16 tensors on the H200 host). */
 #define CAPTURE_BLOCK (1u << 18)
 
+/*
+ * The undo swap.  A session that may be leased keeps an undo copy of its
+ * state (state.h): before its first update in a step, every range of the
+ * state is saved there, on its own pages after the state's.  So when the
+ * step after the boundary ends, the undo copy holds the state at the
+ * boundary for every range that step updated.  Such a capture copies
+ * nothing while training goes on: at that step's end (the loop thread,
+ * nothing in flight, the next step's records held) it moves the undo
+ * copy's pages out to the capture (mremap: page tables, no data), maps
+ * fresh pages in their place for the next step's saves, and copies from
+ * the live state only the ranges that step did not update (none when every
+ * tensor took the whole step); then the writer writes.  Without an undo
+ * copy the capture copies blocks (above).
+ */
+
 struct aoqd_capture {
 	pthread_mutex_t lock;   /* ts[], and snap_after's changes */
 	pthread_cond_t cond;    /* a block's copy is done */
@@ -1030,6 +1045,19 @@ struct aoqd_capture {
 	uint64_t *first;        /* per tensor: its first block's index in ts[] */
 	uint8_t *ts;            /* per block: T_* */
 	void **copy;            /* per tensor: a copy of its state mapping (mapped at arm) */
+	size_t *copy_len;       /* per tensor: its length */
+	bool swap;              /* the undo swap (above) */
+	bool swap_wait;         /* undo swap: at the boundary, waits for the next step's end */
+	unsigned idle_ticks;    /* swap_wait: sampler ticks the session was idle at (aoqd_snapshot_tick) */
+	bool swapped;           /* copy[] holds moved undo pages: kept as spares after the write */
+	/* Per tensor: the pages of the last undo swap's capture, kept after
+	 * its write to be the next swap's fresh undo pages (MADV_FREE: the
+	 * kernel may take them back under pressure).  Fresh anonymous pages
+	 * cost a first touch on the step path (a page fault and zeroing, far
+	 * dearer in a VM); these were touched already.  Loop thread; freed
+	 * with the state. */
+	void **spare;
+	size_t *spare_len;
 	uint64_t *steps;        /* per tensor: steps at the boundary */
 	uint64_t boundary;
 	bool armed, ready;      /* loop thread */
@@ -1115,8 +1143,11 @@ static void capture_release(struct aoqd_capture *c)
 {
 	for (uint32_t i = 0; c->copy && i < c->n; i++)
 		if (c->copy[i])
-			munmap(c->copy[i], c->st->tensors[i].state_len);
+			munmap(c->copy[i], c->copy_len[i]);
 	free(c->copy);
+	free(c->copy_len);
+	c->copy_len = NULL;
+	c->swap = c->swap_wait = c->swapped = false;
 	free(c->ts);
 	free(c->first);
 	free(c->steps);
@@ -1132,6 +1163,32 @@ static void capture_release(struct aoqd_capture *c)
 	c->n = 0;
 }
 
+/* The swap's copies become the spares (loop thread; the writer is done with
+ * them). */
+static void keep_spares(struct aoqd_capture *c)
+{
+	if (!c->spare) {
+		c->spare = calloc(c->n ? c->n : 1, sizeof(void *));
+		c->spare_len = calloc(c->n ? c->n : 1, sizeof(size_t));
+		if (!c->spare || !c->spare_len) {
+			free(c->spare);
+			free(c->spare_len);
+			c->spare = NULL;
+			c->spare_len = NULL;
+			return;
+		}
+	}
+	for (uint32_t i = 0; i < c->n; i++) {
+		if (!c->copy[i])
+			continue;
+		if (c->spare[i])
+			munmap(c->spare[i], c->spare_len[i]);
+		c->spare[i] = c->copy[i];
+		c->spare_len[i] = c->copy_len[i];
+		c->copy[i] = NULL;
+	}
+}
+
 /* Loop thread: hands the outcome to its owner; the capture may be armed
  * again from then on. */
 static void capture_finish(struct aoqd_capture *c)
@@ -1142,9 +1199,43 @@ static void capture_finish(struct aoqd_capture *c)
 	char path[PATH_MAX], why[512];
 	snprintf(path, sizeof(path), "%s", c->path);
 	snprintf(why, sizeof(why), "%s", c->why);
+	if (c->swapped)
+		keep_spares(c);
 	capture_release(c);
 	c->armed = c->ready = false;
 	done(arg, r, path, why); /* may free the state, and c with it */
+}
+
+/* The block copies (no undo swap): the block table, and each tensor's copy
+ * mapped now (pages come as blocks are copied), so that no update finds it
+ * missing.  0 or -ENOMEM (what was mapped stays for capture_release). */
+static int capture_blocks(struct aoqd_capture *c)
+{
+	const struct aoqd_state *st = c->st;
+	c->first[0] = 0;
+	for (uint32_t i = 0; i < c->n; i++)
+		c->first[i + 1] = c->first[i] + (st->tensors[i].numel + CAPTURE_BLOCK - 1) / CAPTURE_BLOCK;
+	c->nblocks = c->first[c->n];
+	free(c->ts);
+	c->ts = calloc(c->nblocks ? c->nblocks : 1, 1);
+	if (!c->ts) {
+		c->nblocks = 0;
+		return -ENOMEM;
+	}
+	for (uint32_t i = 0; i < c->n; i++) {
+		size_t len = st->tensors[i].state_len;
+		void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+		if (p == MAP_FAILED)
+			return -ENOMEM;
+		/* Huge pages: the workers fault the copy in during the first
+		 * step after the boundary, 4 KiB faults from 15 threads at once
+		 * were most of that step's added time. */
+		if (len >= (2u << 20))
+			madvise(p, len, MADV_HUGEPAGE);
+		c->copy[i] = p;
+		c->copy_len[i] = len;
+	}
+	return 0;
 }
 
 int aoqd_snapshot_arm(struct aoqd_snapshotter *w, struct aoqd_state *st, const struct aoqd_snap_key *key,
@@ -1168,35 +1259,23 @@ int aoqd_snapshot_arm(struct aoqd_snapshotter *w, struct aoqd_state *st, const s
 	uint32_t n = st->ntensors;
 	c->first = calloc((size_t)n + 1, sizeof(uint64_t));
 	c->copy = calloc(n ? n : 1, sizeof(void *));
+	c->copy_len = calloc(n ? n : 1, sizeof(size_t));
 	c->steps = calloc(n ? n : 1, sizeof(uint64_t));
 	c->dir = strdup(dir);
-	if (!c->first || !c->copy || !c->steps || !c->dir) {
+	if (!c->first || !c->copy || !c->copy_len || !c->steps || !c->dir) {
 		capture_release(c);
 		return AOQD_REFUSE(err, NO_MEMORY, "out of memory");
 	}
 	c->n = n;
-	for (uint32_t i = 0; i < n; i++)
-		c->first[i + 1] = c->first[i] + (st->tensors[i].numel + CAPTURE_BLOCK - 1) / CAPTURE_BLOCK;
-	c->nblocks = c->first[n];
-	c->ts = calloc(c->nblocks ? c->nblocks : 1, 1);
-	if (!c->ts) {
-		capture_release(c);
-		return AOQD_REFUSE(err, NO_MEMORY, "out of memory");
+	long page = sysconf(_SC_PAGESIZE);
+	c->swap = st->undo && n > 0;
+	for (uint32_t i = 0; i < n && c->swap; i++) {
+		const struct aoqd_tensor *t = &st->tensors[i];
+		c->swap = t->undo_off && t->undo_off % (uint64_t)page == 0 && t->state_len > t->undo_off;
 	}
-	/* The copies' address space now (pages come as blocks are copied), so
-	 * that no update finds it missing. */
-	for (uint32_t i = 0; i < n; i++) {
-		void *p = mmap(NULL, st->tensors[i].state_len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-		if (p == MAP_FAILED) {
-			capture_release(c);
-			return AOQD_REFUSE(err, NO_MEMORY, "snapshot: no memory for a copy of the state");
-		}
-		/* Huge pages: the workers fault the copy in during the first
-		 * step after the boundary, 4 KiB faults from 15 threads at once
-		 * were most of that step's added time. */
-		if (st->tensors[i].state_len >= (2u << 20))
-			madvise(p, st->tensors[i].state_len, MADV_HUGEPAGE);
-		c->copy[i] = p;
+	if (!c->swap && capture_blocks(c) < 0) {
+		capture_release(c);
+		return AOQD_REFUSE(err, NO_MEMORY, "snapshot: no memory for a copy of the state");
 	}
 	c->w = w;
 	c->boundary = boundary;
@@ -1207,7 +1286,11 @@ int aoqd_snapshot_arm(struct aoqd_snapshotter *w, struct aoqd_state *st, const s
 	c->why[0] = c->path[0] = 0;
 	c->armed = true;
 	c->ready = false;
-	atomic_store_explicit(&st->snap_after, boundary + 1, memory_order_release);
+	c->swap_wait = false;
+	c->idle_ticks = 0;
+	/* The undo swap needs no guard: UINT64_MAX only keeps loads and step
+	 * changes out (aoqd_snapshot_capturing) until the swap. */
+	atomic_store_explicit(&st->snap_after, c->swap ? UINT64_MAX : boundary + 1, memory_order_release);
 	if (ready)
 		aoqd_snapshot_ready(st, boundary);
 	return 0;
@@ -1221,9 +1304,121 @@ static void capture_fail_now(struct aoqd_capture *c, int r, const char *why)
 	capture_finish(c);
 }
 
+/* Moves tensor i's undo copy out to the capture and maps fresh pages in its
+ * place (the undo swap; loop thread, nothing in flight).  If the move
+ * fails, copies it instead. */
+static int undo_take(struct aoqd_capture *c, uint32_t i)
+{
+	struct aoqd_tensor *t = &c->st->tensors[i];
+	size_t len = t->state_len - t->undo_off;
+	uint8_t *undo = (uint8_t *)t->state_mem + t->undo_off;
+	void *dst = mmap(NULL, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+	if (dst == MAP_FAILED)
+		return -errno;
+	void *out = mremap(undo, len, len, MREMAP_MAYMOVE | MREMAP_FIXED, dst);
+	void *in = MAP_FAILED;
+	if (out != MAP_FAILED && c->spare && c->spare[i] && c->spare_len[i] == len) {
+		in = mremap(c->spare[i], len, len, MREMAP_MAYMOVE | MREMAP_FIXED, undo);
+		if (in != MAP_FAILED)
+			c->spare[i] = NULL;
+	}
+	if (out != MAP_FAILED && in == MAP_FAILED) {
+		in = mmap(undo, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+		if (in == MAP_FAILED && mremap(out, len, len, MREMAP_MAYMOVE | MREMAP_FIXED, undo) == MAP_FAILED) {
+			/* the state has a hole where its undo copy was: cannot
+			 * be (the range was just freed); the session must not go on */
+			aoqd_err("snapshot", "undo swap: cannot put the undo copy back: %s", strerror(errno));
+			abort();
+		}
+	}
+	if (in == MAP_FAILED) {
+		/* the copy, then (on this thread: a stall, but a snapshot) */
+		if (out == MAP_FAILED)
+			munmap(dst, len);
+		dst = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+		if (dst == MAP_FAILED)
+			return -errno;
+		memcpy(dst, undo, len);
+		c->copy[i] = dst;
+		c->copy_len[i] = len;
+		return 0;
+	}
+	if (len >= (2u << 20))
+		madvise(undo, len, MADV_HUGEPAGE);
+	if (t->locked) {
+		/* the moved pages stay locked: unlocked, and the new ones
+		 * locked as they fault (the locked total does not change) */
+		munlock(out, len);
+		if (mlock2(undo, len, MLOCK_ONFAULT) != 0) {
+			static bool warned;
+			if (!warned)
+				aoqd_warn("snapshot", "undo swap: cannot lock the new undo pages (%s): they run unlocked",
+				          strerror(errno));
+			warned = true;
+		}
+	}
+	c->copy[i] = out; /* laid out as the state mapping (state.c, range_copy) */
+	c->copy_len[i] = len;
+	c->swapped = true;
+	return 0;
+}
+
+/* The undo swap at the end of the step after the boundary: every tensor's
+ * undo copy becomes its capture, and the ranges that step did not update
+ * (still at the boundary's values in the live state) are copied in.
+ * 0, or -errno with why set. */
+static int undo_swap(struct aoqd_capture *c, uint64_t step, char *why, size_t len)
+{
+	struct aoqd_state *st = c->st;
+	for (uint32_t i = 0; i < c->n; i++) {
+		struct aoqd_tensor *t = &st->tensors[i];
+		int r = undo_take(c, i);
+		if (r < 0) {
+			snprintf(why, len, "undo swap: tensor %u: %s", i, strerror(-r));
+			return r;
+		}
+		/* the ranges of tensor i that step did not update */
+		uint64_t b = 0;
+		bool updated = t->cur_step == step;
+		for (uint32_t k = 0; updated && k < t->ndone; k++) {
+			if (t->done[k].b > b)
+				aoqd_state_copy_out(t, b, t->done[k].b - b, c->copy[i]);
+			b = t->done[k].e;
+		}
+		if (b < t->numel)
+			aoqd_state_copy_out(t, b, t->numel - b, c->copy[i]);
+	}
+	return 0;
+}
+
+static void capture_enqueue(struct aoqd_capture *c)
+{
+	struct aoqd_snapshotter *w = c->w;
+	pthread_mutex_lock(&w->lock);
+	c->next = NULL;
+	*w->qtail = c;
+	w->qtail = &c->next;
+	pthread_cond_signal(&w->cond);
+	pthread_mutex_unlock(&w->lock);
+}
+
 void aoqd_snapshot_ready(struct aoqd_state *st, uint64_t step_ended)
 {
 	struct aoqd_capture *c = st->snap;
+	if (c && c->armed && c->swap_wait && step_ended > c->boundary) {
+		char why[256];
+		int r = undo_swap(c, c->boundary + 1, why, sizeof(why));
+		c->swap_wait = false;
+		if (r < 0) {
+			capture_fail_now(c, r, why);
+			return;
+		}
+		atomic_store_explicit(&st->snap_after, 0, memory_order_release);
+		aoqd_debug("snapshot", "'%s' rank %u: step %" PRIu64 "'s undo copy taken as the snapshot at step %" PRIu64,
+		           c->key.job, c->key.rank, c->boundary + 1, c->boundary);
+		capture_enqueue(c);
+		return;
+	}
 	if (!c || !c->armed || c->ready || step_ended < c->boundary)
 		return;
 	c->ready = true;
@@ -1240,19 +1435,43 @@ void aoqd_snapshot_ready(struct aoqd_state *st, uint64_t step_ended)
 		capture_fail_now(c, -errno, why);
 		return;
 	}
-	struct aoqd_snapshotter *w = c->w;
-	pthread_mutex_lock(&w->lock);
-	c->next = NULL;
-	*w->qtail = c;
-	w->qtail = &c->next;
-	pthread_cond_signal(&w->cond);
-	pthread_mutex_unlock(&w->lock);
+	if (c->swap) {
+		c->swap_wait = true; /* until the next step's end */
+		return;
+	}
+	capture_enqueue(c);
+}
+
+void aoqd_snapshot_tick(struct aoqd_state *st, bool idle)
+{
+	struct aoqd_capture *c = st->snap;
+	if (!c || !c->armed || !c->swap_wait)
+		return;
+	if (!idle) {
+		c->idle_ticks = 0;
+		return;
+	}
+	if (++c->idle_ticks < 3)
+		return;
+	/* Idle at three ticks in a row (2-3 s: longer than a forward pass),
+	 * the step the swap waits for has not begun: the state is still the
+	 * boundary's, and the blocks are copied instead (as without an undo
+	 * copy). */
+	if (capture_blocks(c) < 0) {
+		capture_fail_now(c, -ENOMEM, "snapshot: no memory for a copy of the state");
+		return;
+	}
+	c->swap = c->swap_wait = false;
+	atomic_store_explicit(&st->snap_after, c->boundary + 1, memory_order_release);
+	aoqd_debug("snapshot", "'%s' rank %u: idle after step %" PRIu64 ": the snapshot copies the state", c->key.job,
+	           c->key.rank, c->boundary);
+	capture_enqueue(c);
 }
 
 void aoqd_snapshot_cancel(struct aoqd_state *st, const char *why)
 {
 	struct aoqd_capture *c = st->snap;
-	if (!c || !c->armed || c->ready)
+	if (!c || !c->armed || (c->ready && !c->swap_wait))
 		return;
 	capture_fail_now(c, -ECANCELED, why);
 }
@@ -1264,7 +1483,10 @@ bool aoqd_snapshot_busy(const struct aoqd_state *st)
 
 uint64_t aoqd_snapshot_pending_boundary(const struct aoqd_state *st)
 {
-	return st->snap && st->snap->armed && !st->snap->ready ? st->snap->boundary : UINT64_MAX;
+	const struct aoqd_capture *c = st->snap;
+	if (!c || !c->armed)
+		return UINT64_MAX;
+	return c->swap_wait ? c->boundary + 1 : !c->ready ? c->boundary : UINT64_MAX;
 }
 
 void aoqd_snapshot_state_free(struct aoqd_state *st)
@@ -1273,6 +1495,11 @@ void aoqd_snapshot_state_free(struct aoqd_state *st)
 	if (!c)
 		return;
 	capture_release(c);
+	for (uint32_t i = 0; c->spare && i < st->ntensors; i++)
+		if (c->spare[i])
+			munmap(c->spare[i], c->spare_len[i]);
+	free(c->spare);
+	free(c->spare_len);
 	pthread_mutex_destroy(&c->lock);
 	pthread_cond_destroy(&c->cond);
 	free(c);
@@ -1316,8 +1543,13 @@ static void capture_write(struct aoqd_capture *c)
 		a.v_scale = REBASE(t->st.v_scale);
 #undef REBASE
 		r = aoqd_snapfile_put(c->file, i, &a, &err);
-		munmap(c->copy[i], t->state_len);
-		c->copy[i] = NULL;
+		if (c->swapped) {
+			/* kept for the next swap (capture_finish) */
+			madvise(c->copy[i], c->copy_len[i], MADV_FREE);
+		} else {
+			munmap(c->copy[i], c->copy_len[i]);
+			c->copy[i] = NULL;
+		}
 	}
 	if (r == 0)
 		r = aoqd_snapfile_commit(c->file, c->path, sizeof(c->path), &err);

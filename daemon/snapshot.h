@@ -144,6 +144,11 @@ void aoqd_snapshot_ready(struct aoqd_state *st, uint64_t step_ended);
  * fails with why.  A capture already writing goes on (it holds what it
  * needs).  Loop thread. */
 void aoqd_snapshot_cancel(struct aoqd_state *st, const char *why);
+/* The 1 s sampler (loop thread): idle, the session is between steps with
+ * nothing of the next accepted.  A capture waiting for the undo swap
+ * (snapshot.c) that saw the session idle at two ticks in a row copies the
+ * state instead: the step it waits for may not come soon. */
+void aoqd_snapshot_tick(struct aoqd_state *st, bool idle);
 /* Whether st has a capture armed or writing. */
 bool aoqd_snapshot_busy(const struct aoqd_state *st);
 /* Boundary of st's capture waiting to be ready, or UINT64_MAX. */

@@ -156,7 +156,10 @@ int aoqd_state_alloc(struct aoqd_state *st, int lock_memory, _Atomic uint64_t *l
 		uint64_t off[5];
 		unsigned moments = st->groups[x->group].moments;
 		uint64_t len = aoqd_state_len(prec, x->numel, moments, off);
-		uint64_t whole = st->undo ? 2 * len : len; /* the undo copy right after */
+		/* the undo copy after it, on a page: a snapshot can move it out
+		 * whole (snapshot.c, "undo swap") */
+		uint64_t uoff = st->undo ? aoqd_page_round(len) : 0;
+		uint64_t whole = uoff + len;
 		bool locked;
 		int err = 0;
 		uint8_t *p = map_state(whole, lock_memory, &locked, &err);
@@ -166,7 +169,7 @@ int aoqd_state_alloc(struct aoqd_state *st, int lock_memory, _Atomic uint64_t *l
 		}
 		x->state_mem = p;
 		x->state_len = whole;
-		x->undo_off = st->undo ? len : 0;
+		x->undo_off = uoff;
 		x->locked = locked;
 		len = whole;
 		if (locked) {
@@ -369,28 +372,28 @@ int aoqd_state_add_undo(struct aoqd_state *st, _Atomic uint64_t *locked_total)
 		return 0;
 	uint64_t extra = 0;
 	for (uint32_t i = 0; i < st->ntensors; i++)
-		extra += aoqd_page_round(2 * st->tensors[i].state_len) - aoqd_page_round(st->tensors[i].state_len);
+		extra += aoqd_page_round(st->tensors[i].state_len); /* the undo copy, on its own pages */
 	if (aoqd_state_charge(st, extra) < 0)
 		return -EDQUOT;
 	uint32_t i;
 	int err = 0;
 	for (i = 0; i < st->ntensors; i++) {
 		struct aoqd_tensor *t = &st->tensors[i];
-		size_t len = t->state_len;
+		size_t len = t->state_len, uoff = aoqd_page_round(len);
 		/* a locked mapping's new pages are locked (and counted against
 		 * RLIMIT_MEMLOCK: EAGAIN past it) */
-		void *p = mremap(t->state_mem, len, 2 * len, MREMAP_MAYMOVE);
+		void *p = mremap(t->state_mem, len, uoff + len, MREMAP_MAYMOVE);
 		if (p == MAP_FAILED) {
 			err = -errno;
 			break;
 		}
 		rebase(t, p);
-		t->state_len = 2 * len;
-		t->undo_off = len;
+		t->state_len = uoff + len;
+		t->undo_off = uoff;
 		st->state_bytes += len;
 		if (t->locked) {
-			st->locked_bytes += len;
-			atomic_fetch_add(locked_total, len);
+			st->locked_bytes += uoff;
+			atomic_fetch_add(locked_total, uoff);
 		}
 	}
 	if (!err) {
@@ -399,16 +402,16 @@ int aoqd_state_add_undo(struct aoqd_state *st, _Atomic uint64_t *locked_total)
 	}
 	while (i-- > 0) {
 		struct aoqd_tensor *t = &st->tensors[i];
-		size_t len = t->undo_off;
-		void *p = mremap(t->state_mem, 2 * len, len, 0); /* shrinking in place cannot fail */
+		size_t uoff = t->undo_off, len = t->state_len - uoff;
+		void *p = mremap(t->state_mem, t->state_len, len, 0); /* shrinking in place cannot fail */
 		if (p != MAP_FAILED)
 			rebase(t, p);
 		t->state_len = len;
 		t->undo_off = 0;
 		st->state_bytes -= len;
 		if (t->locked) {
-			st->locked_bytes -= len;
-			atomic_fetch_sub(locked_total, len);
+			st->locked_bytes -= uoff;
+			atomic_fetch_sub(locked_total, uoff);
 		}
 	}
 	if (st->account)

@@ -33,6 +33,12 @@ bool aoqd_steps_idle(struct aoqd_steps *st)
 
 /* ---- snapshots ---- */
 
+void aoqd_steps_sample(struct aoqd_session *s)
+{
+	struct aoqd_steps *st = &s->steps;
+	aoqd_snapshot_tick(&s->st, aoqd_steps_idle(st) && st->accepted[st->next_step & 1] == 0);
+}
+
 struct snap_req {
 	struct aoqd_session *s, *who; /* references */
 	uint64_t t0, boundary;

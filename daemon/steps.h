@@ -61,6 +61,9 @@ bool aoqd_steps_idle(struct aoqd_steps *st);
  * with err filled (a refusal).  Loop thread.
  */
 int aoqd_steps_snapshot(struct aoqd_session *s, struct aoqd_session *who, struct aoqd_error *err);
+/* The 1 s sampler's look at s (loop thread): a snapshot waiting for the
+ * step after its boundary learns whether the session is idle. */
+void aoqd_steps_sample(struct aoqd_session *s);
 
 /* Handler of StepEnd (a deferred reply while updates run). */
 int aoqd_on_step_end(struct aoqd_session *s, const Aoq__Envelope *env, struct aoqd_error *err);

@@ -9,7 +9,10 @@
  *      trainer going on at once; steps until SnapshotDone arrives (at least
  *      N): their step times, the first one after the request (where the
  *      workers copy tensors the writer has not reached) apart;
- *   3. N steps after it.
+ *   3. N steps after it;
+ *   2 and 3 again for each further --snapshots (default 1): with the undo
+ *      swap (a session with a lease, as here) the second snapshot finds the
+ *      first one's pages to reuse.
  * Prints the baseline, the steps during the write (mean, median, max), the
  * added time (mean during - mean baseline), the snapshot's seconds and
  * bytes.  Step = every tensor's push (backward order), StepEnd, sync.
@@ -18,7 +21,7 @@
  * pass, during which the workers are idle and the writer copies (0: the
  * worst case, every copy on the step path).
  *
- *   bench-snapshot [--elems N] [--tensors T] [--steps N] [--threads N] [--gap MS]
+ *   bench-snapshot [--elems N] [--tensors T] [--steps N] [--threads N] [--gap MS] [--snapshots K]
  *                  [--precision fp32|q8|bf16_all] [--dir DIR] [--aoqd PATH]
  */
 #include <errno.h>
@@ -69,13 +72,14 @@ static double mean(const double *t, int n)
 int main(int argc, char **argv)
 {
 	uint64_t elems = 1ull << 27;
-	unsigned tensors = 64, steps = 10, threads = 0, gap_ms = 0;
+	unsigned tensors = 64, steps = 10, threads = 0, gap_ms = 0, nsnap = 1;
 	const char *aoqd = AOQD_PATH, *dir = NULL, *prec_name = "fp32";
 	static const struct option opts[] = {
 		{ "elems", required_argument, NULL, 'e' }, { "tensors", required_argument, NULL, 't' },
 		{ "steps", required_argument, NULL, 'n' }, { "threads", required_argument, NULL, 'j' },
 		{ "precision", required_argument, NULL, 'p' }, { "dir", required_argument, NULL, 'd' },
 		{ "aoqd", required_argument, NULL, 'a' }, { "gap", required_argument, NULL, 'g' },
+		{ "snapshots", required_argument, NULL, 's' },
 		{ NULL, 0, NULL, 0 },
 	};
 	int c;
@@ -89,6 +93,7 @@ int main(int argc, char **argv)
 		case 'd': dir = optarg; break;
 		case 'a': aoqd = optarg; break;
 		case 'g': gap_ms = (unsigned)strtoul(optarg, NULL, 0); break;
+		case 's': nsnap = (unsigned)strtoul(optarg, NULL, 0); break;
 		default: fprintf(stderr, "usage: see the comment at the top of bench-snapshot.c\n"); return 2;
 		}
 	}
@@ -164,56 +169,61 @@ int main(int argc, char **argv)
 		if (s >= 2) /* warm-up */
 			base[nb++] = aoqt_now() - t0;
 	}
-	int fd = aoqt_raw_connect(d.socket);
-	uint64_t oid;
-	CHECK_OK(aoqt_raw_hello(fd, "aoqctl", 0, true, &oid));
-	Aoq__SnapshotRequest q = AOQ__SNAPSHOT_REQUEST__INIT;
-	q.session = id;
-	double ts = aoqt_now();
-	CHECK_OK(aoqt_send_msg(fd, AOQ__ENVELOPE__MSG_SNAPSHOT_REQUEST, &q));
-	bool done = false;
-	double snap_s = 0;
-	Aoq__Envelope *rep = NULL;
-	while (na < (int)steps && nd + na < cap) {
-		if (gap_ms)
-			usleep(gap_ms * 1000u);
-		double t0 = aoqt_now();
-		for (unsigned i = tensors; i-- > 0;)
-			CHECK_OK(aoq_push_grad(cl, i, 0, NULL));
-		CHECK_OK(aoq_step_end(cl));
-		CHECK_OK(aoq_sync(cl, NULL));
-		double dt = aoqt_now() - t0;
-		if (!done) {
-			if (nd == 0)
-				first = dt;
-			during[nd++] = dt;
-			struct pollfd p = { .fd = fd, .events = POLLIN };
-			if (poll(&p, 1, 0) == 1) {
-				CHECK(aoq_recv_frame(fd, &rep, NULL, 0, NULL) >= 0, "no SnapshotDone");
-				CHECK(rep->msg_case == AOQ__ENVELOPE__MSG_SNAPSHOT_DONE, "snapshot failed: %s",
-				      rep->msg_case == AOQ__ENVELOPE__MSG_ERROR ? rep->error->message : "?");
-				snap_s = aoqt_now() - ts;
-				done = true;
+	for (unsigned k = 0; k < nsnap; k++) {
+		nd = na = 0;
+		first = 0;
+		int fd = aoqt_raw_connect(d.socket);
+		uint64_t oid;
+		CHECK_OK(aoqt_raw_hello(fd, "aoqctl", 0, true, &oid));
+		Aoq__SnapshotRequest q = AOQ__SNAPSHOT_REQUEST__INIT;
+		q.session = id;
+		double ts = aoqt_now();
+		CHECK_OK(aoqt_send_msg(fd, AOQ__ENVELOPE__MSG_SNAPSHOT_REQUEST, &q));
+		bool done = false;
+		double snap_s = 0;
+		Aoq__Envelope *rep = NULL;
+		while (na < (int)steps && nd + na < cap) {
+			if (gap_ms)
+				usleep(gap_ms * 1000u);
+			double t0 = aoqt_now();
+			for (unsigned i = tensors; i-- > 0;)
+				CHECK_OK(aoq_push_grad(cl, i, 0, NULL));
+			CHECK_OK(aoq_step_end(cl));
+			CHECK_OK(aoq_sync(cl, NULL));
+			double dt = aoqt_now() - t0;
+			if (!done) {
+				if (nd == 0)
+					first = dt;
+				during[nd++] = dt;
+				struct pollfd p = { .fd = fd, .events = POLLIN };
+				if (poll(&p, 1, 0) == 1) {
+					CHECK(aoq_recv_frame(fd, &rep, NULL, 0, NULL) >= 0, "no SnapshotDone");
+					CHECK(rep->msg_case == AOQ__ENVELOPE__MSG_SNAPSHOT_DONE, "snapshot failed: %s",
+					      rep->msg_case == AOQ__ENVELOPE__MSG_ERROR ? rep->error->message : "?");
+					snap_s = aoqt_now() - ts;
+					done = true;
+				}
+			} else {
+				after[na++] = dt;
 			}
-		} else {
-			after[na++] = dt;
 		}
+		CHECK(done, "the snapshot did not finish within %d steps", cap);
+		struct stat sb;
+		CHECK(stat(rep->snapshot_done->path, &sb) == 0, "stat %s", rep->snapshot_done->path);
+		printf("snapshot %u of %u:\n", k + 1, nsnap);
+		summary("baseline", base, nb);
+		summary("while the snapshot is written", during, nd);
+		summary("after it", after, na);
+		printf("first step after the request %.2f ms (baseline mean %.2f ms)\n", first * 1e3, mean(base, nb) * 1e3);
+		printf("added step time while writing: %+.2f ms per step (mean), %+.2f ms excluding the first step\n",
+		       (mean(during, nd) - mean(base, nb)) * 1e3,
+		       nd > 1 ? (mean(during + 1, nd - 1) - mean(base, nb)) * 1e3 : 0.0);
+		printf("snapshot: %.3f s request to file on disk, %.2f GiB, %.2f GiB/s, %s\n", snap_s,
+		       (double)sb.st_size / (1u << 30), (double)sb.st_size / (1u << 30) / snap_s, rep->snapshot_done->path);
+		unlink(rep->snapshot_done->path);
+		aoq_envelope_free(rep);
+		close(fd);
 	}
-	CHECK(done, "the snapshot did not finish within %d steps", cap);
-	struct stat sb;
-	CHECK(stat(rep->snapshot_done->path, &sb) == 0, "stat %s", rep->snapshot_done->path);
-	summary("baseline", base, nb);
-	summary("while the snapshot is written", during, nd);
-	summary("after it", after, na);
-	printf("first step after the request %.2f ms (baseline mean %.2f ms)\n", first * 1e3, mean(base, nb) * 1e3);
-	printf("added step time while writing: %+.2f ms per step (mean), %+.2f ms excluding the first step\n",
-	       (mean(during, nd) - mean(base, nb)) * 1e3,
-	       nd > 1 ? (mean(during + 1, nd - 1) - mean(base, nb)) * 1e3 : 0.0);
-	printf("snapshot: %.3f s request to file on disk, %.2f GiB, %.2f GiB/s, %s\n", snap_s,
-	       (double)sb.st_size / (1u << 30), (double)sb.st_size / (1u << 30) / snap_s, rep->snapshot_done->path);
-	unlink(rep->snapshot_done->path);
-	aoq_envelope_free(rep);
-	close(fd);
 	aoq_close(cl);
 	aoqt_daemon_stop(&d, 60000, true);
 	if (dir == tmpl)

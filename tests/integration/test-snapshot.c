@@ -47,6 +47,8 @@ struct trainer {
 	uint64_t id, step;
 };
 
+static bool no_lease; /* the next trainer_open asks for no lease (no undo copy) */
+
 static void trainer_open(struct trainer *t, const char *sock, const char *job, enum aoq_precision prec)
 {
 	memset(t, 0, sizeof(*t));
@@ -57,6 +59,8 @@ static void trainer_open(struct trainer *t, const char *sock, const char *job, e
 	o.job = t->job;
 	o.rank = 2;
 	o.precision = prec;
+	if (no_lease)
+		o.lease_seconds = AOQ_LEASE_NONE;
 	CHECK_OK(aoq_connect(&t->c, &o));
 	struct aoq_group g = AOQ_GROUP_INIT;
 	g.kind = AOQ_ADAMW;
@@ -256,14 +260,19 @@ static int roundtrip(const char *aoqd)
 		trainer_close(&t);
 	}
 	/* Overlap: the snapshot is asked between steps and the trainer goes
-	 * on at once; its updates meet the capture (the writer's copies or
-	 * the workers' own, snapshot.h's guard).  The file is the state at
-	 * the boundary whichever copies each tensor. */
+	 * on at once.  With a lease (rounds 0-3) the step after the boundary
+	 * ends with the undo swap (snapshot.c); in round 3 that step skips
+	 * tensor 2, whose state the swap copies from the live state.  Without
+	 * (rounds 4-6) the updates meet the block copies (the writer's or the
+	 * workers' own, snapshot.h's guard).  The file is the state at the
+	 * boundary either way. */
 	numel[0] = 3u << 20;
 	numel[1] = 1u << 20;
-	for (int round = 0; round < 3; round++) {
+	for (int round = 0; round < 7; round++) {
 		struct trainer t;
+		no_lease = round >= 4;
 		trainer_open(&t, d.socket, "snap-overlap", AOQ_STATE_FP32);
+		no_lease = false;
 		train(&t, 2);
 		float *want[NT][3];
 		for (int i = 0; i < NT; i++)
@@ -272,6 +281,16 @@ static int roundtrip(const char *aoqd)
 				CHECK_OK(aoq_read_state(t.c, (uint32_t)i, (enum aoq_state_kind)k, AOQ_FP32, 0, numel[i], want[i][k]));
 			}
 		int fd = snapshot_ask(d.socket, t.id);
+		if (round == 3) {
+			t.step++;
+			for (int i = NT - 2; i >= 0; i--) {
+				fill(&t, i);
+				CHECK_OK(aoq_push_grad(t.c, (uint32_t)i, 0, NULL));
+			}
+			CHECK_OK(aoq_step_end(t.c));
+			struct aoq_step_result res = AOQ_STEP_RESULT_INIT;
+			CHECK_OK(aoq_sync(t.c, &res));
+		}
 		train(&t, 2);
 		CHECK(snapshot_wait(fd, path, sizeof(path), &step) == 0 && step == 2, "overlap: %s", path);
 		struct aoqd_state st;
