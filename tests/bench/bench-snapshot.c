@@ -69,6 +69,17 @@ static double mean(const double *t, int n)
 	return n ? s / n : 0;
 }
 
+/* One step (every tensor's push, last first; StepEnd; sync): its seconds. */
+static double timed_step(struct aoq_client *cl, unsigned tensors)
+{
+	double t0 = aoqt_now();
+	for (unsigned i = tensors; i-- > 0;)
+		CHECK_OK(aoq_push_grad(cl, i, 0, NULL));
+	CHECK_OK(aoq_step_end(cl));
+	CHECK_OK(aoq_sync(cl, NULL));
+	return aoqt_now() - t0;
+}
+
 int main(int argc, char **argv)
 {
 	uint64_t elems = 1ull << 27;
@@ -161,13 +172,9 @@ int main(int argc, char **argv)
 	for (unsigned s = 0; s < steps + 2; s++) {
 		if (gap_ms)
 			usleep(gap_ms * 1000u);
-		double t0 = aoqt_now();
-		for (unsigned i = tensors; i-- > 0;)
-			CHECK_OK(aoq_push_grad(cl, i, 0, NULL));
-		CHECK_OK(aoq_step_end(cl));
-		CHECK_OK(aoq_sync(cl, NULL));
+		double dt = timed_step(cl, tensors);
 		if (s >= 2) /* warm-up */
-			base[nb++] = aoqt_now() - t0;
+			base[nb++] = dt;
 	}
 	for (unsigned k = 0; k < nsnap; k++) {
 		nd = na = 0;
@@ -185,12 +192,7 @@ int main(int argc, char **argv)
 		while (na < (int)steps && nd + na < cap) {
 			if (gap_ms)
 				usleep(gap_ms * 1000u);
-			double t0 = aoqt_now();
-			for (unsigned i = tensors; i-- > 0;)
-				CHECK_OK(aoq_push_grad(cl, i, 0, NULL));
-			CHECK_OK(aoq_step_end(cl));
-			CHECK_OK(aoq_sync(cl, NULL));
-			double dt = aoqt_now() - t0;
+			double dt = timed_step(cl, tensors);
 			if (!done) {
 				if (nd == 0)
 					first = dt;

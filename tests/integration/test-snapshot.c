@@ -105,18 +105,25 @@ static void fill(struct trainer *t, int i)
 		t->grad[i][k] = (float)aoqt_uniform(&r);
 }
 
+/* One step of every tensor but `skip` (-1: none), backward order. */
+static void step_but(struct trainer *t, int skip)
+{
+	t->step++;
+	for (int i = NT - 1; i >= 0; i--) {
+		if (i == skip)
+			continue;
+		fill(t, i);
+		CHECK_OK(aoq_push_grad(t->c, (uint32_t)i, 0, NULL));
+	}
+	CHECK_OK(aoq_step_end(t->c));
+	struct aoq_step_result res = AOQ_STEP_RESULT_INIT;
+	CHECK_OK(aoq_sync(t->c, &res));
+}
+
 static void train(struct trainer *t, int steps)
 {
-	for (int s = 0; s < steps; s++) {
-		t->step++;
-		for (int i = NT - 1; i >= 0; i--) {
-			fill(t, i);
-			CHECK_OK(aoq_push_grad(t->c, (uint32_t)i, 0, NULL));
-		}
-		CHECK_OK(aoq_step_end(t->c));
-		struct aoq_step_result res = AOQ_STEP_RESULT_INIT;
-		CHECK_OK(aoq_sync(t->c, &res));
-	}
+	for (int s = 0; s < steps; s++)
+		step_but(t, -1);
 }
 
 /* Sends SnapshotRequest from a new observer connection; returns it. */
@@ -281,16 +288,8 @@ static int roundtrip(const char *aoqd)
 				CHECK_OK(aoq_read_state(t.c, (uint32_t)i, (enum aoq_state_kind)k, AOQ_FP32, 0, numel[i], want[i][k]));
 			}
 		int fd = snapshot_ask(d.socket, t.id);
-		if (round == 3) {
-			t.step++;
-			for (int i = NT - 2; i >= 0; i--) {
-				fill(&t, i);
-				CHECK_OK(aoq_push_grad(t.c, (uint32_t)i, 0, NULL));
-			}
-			CHECK_OK(aoq_step_end(t.c));
-			struct aoq_step_result res = AOQ_STEP_RESULT_INIT;
-			CHECK_OK(aoq_sync(t.c, &res));
-		}
+		if (round == 3)
+			step_but(&t, NT - 1);
 		train(&t, 2);
 		CHECK(snapshot_wait(fd, path, sizeof(path), &step) == 0 && step == 2, "overlap: %s", path);
 		struct aoqd_state st;
