@@ -304,10 +304,11 @@ static void test_threads(uint32_t cap, uint64_t n, bool spin)
 	printf("threads, cap %u%s: %" PRIu64 " records, %" PRIu64 " wake-ups (%" PRIu64 " not needed: polled), %" PRIu64
 	       " taken while polling, %" PRIu64 " waits for space\n", cap, spin ? ", polling consumer" : "", n, s.wakes,
 	       s.skipped, s.polled, s.waits);
-	/* Needs the two threads to run at once: not under valgrind, which
-	 * runs one thread at a time (its test setup sets AOQ_TEST_SLOW). */
-	if (spin && !getenv("AOQ_TEST_SLOW"))
-		EXPECT(s.skipped > 0 && s.polled > 0, "cap %u: the polling consumer never took a record unrung", cap);
+	/* How many records the polling consumer took unrung depends on the
+	 * two threads running at once (valgrind runs one at a time; TSan and
+	 * a loaded machine seldom overlap them): printed, not checked.  The
+	 * hint itself is checked in test_spinning_hint; here, that no record
+	 * is lost or corrupt and no wake-up is missed (a missed one hangs). */
 	close(s.doorbell);
 	close(s.space);
 	free(s.ring);
