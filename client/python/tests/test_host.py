@@ -274,7 +274,13 @@ def main():
             m = c.read_state(0, "exp_avg")
             check(m.dtype == np.float32 and m.shape == (4096,), "q8 read dtype")
             close(m, ref.m, "q8 exp_avg", rtol=0.05, atol=0.02)
-            close(p, ref.p, "q8 param", rtol=1e-2, atol=1e-3)
+            # q8 moments are 8-bit floats with 3 mantissa bits, rounded
+            # stochastically (seeded per session: a new seed each run), so
+            # each step's update of lr 1e-2 may be off by up to about 7.5%:
+            # 4 steps, 3e-3 absolute.  Measured worst element over 25 runs
+            # (25 seeds): 1.3e-3 median, 1.7e-3 max; 1e-3 held only where
+            # that element was not near zero (CI failed once on one).
+            close(p, ref.p, "q8 param", rtol=1e-2, atol=3e-3)
 
         # An all-bf16 session (bf16 master, m, v): reads widen to fp32; the
         # moments track the reference within bf16 rounding, and a state loaded
