@@ -253,19 +253,21 @@ int aoqd_register_finish(struct aoqd_session *s, uv_poll_cb on_doorbell, aoqd_ad
 
 /* ---- replica groups (docs/design.md, "Replica groups") ---- */
 
-int aoqd_register_hub(struct aoqd_session *hub, struct aoqd_session *s, struct aoqd_error *err)
+int aoqd_register_hub(struct aoqd_session *hub, struct aoqd_session *s, bool resumed, struct aoqd_error *err)
 {
-	/* The first member's tables become the group's (charged to the same
-	 * uid: the charge moves with them). */
-	struct aoqd_account *acc = s->st.account;
-	uint64_t quota = s->st.quota;
-	hub->st = s->st;
-	memset(&s->st, 0, sizeof(s->st));
-	s->st.account = acc;
-	s->st.quota = quota;
-	int r = make_state(hub, err);
-	if (r < 0)
-		return r;
+	int r = 0;
+	if (!resumed) {
+		/* The first member's tables become the group's (charged to the
+		 * same uid: the charge moves with them). */
+		struct aoqd_account *acc = s->st.account;
+		uint64_t quota = s->st.quota;
+		hub->st = s->st;
+		memset(&s->st, 0, sizeof(s->st));
+		s->st.account = acc;
+		s->st.quota = quota;
+		if ((r = make_state(hub, err)) < 0)
+			return r;
+	}
 	r = aoqd_arena_build_lanes(&hub->arena, &hub->st, hub->id, hub->srv->cfg.max_arena_bytes, hub->rep->world);
 	if (r == 0 && aoqd_state_charge(&hub->st, aoqd_page_round(hub->arena.size)) < 0)
 		return AOQD_FAIL(err, QUOTA, "uid %u: the replica group's arena (%" PRIu64 " bytes) would pass its quota of %"
@@ -329,6 +331,11 @@ int aoqd_register_member(struct aoqd_session *s, struct aoqd_session *hub, uv_po
 	reg.lane_xfer_off = s->arena.xfer_off;
 	reg.group_id = hub->id;
 	reg.local_world = hub->rep->world;
+	/* A group that resumed a leased state: every member loads the
+	 * parameters from it (no step can have ended before all joined). */
+	reg.resumed = hub->resumed_from != 0;
+	reg.resumed_step = hub->resumed_from ? hub->st.last_step : 0;
+	reg.resumed_from = hub->resumed_from;
 	Aoq__Envelope reply = AOQ__ENVELOPE__INIT;
 	reply.msg_case = AOQ__ENVELOPE__MSG_REGISTERED;
 	reply.registered = &reg;

@@ -30,11 +30,13 @@ int aoqd_register(struct aoqd_session *s, const Aoq__Register *m, uv_poll_cb on_
 int aoqd_register_finish(struct aoqd_session *s, uv_poll_cb on_doorbell, aoqd_adopt_fn adopt, struct aoqd_error *err);
 /* Replica groups (docs/design.md, "Replica groups"; session.c decides
  * which): the first member's tables become the new hub's state, which is
- * made with the group's arena (a lane per local rank); a later member's
+ * made with the group's arena (a lane per local rank) — with `resumed`,
+ * session.c has put a leased group's state in hub->st already and only the
+ * arena is made; a later member's
  * options and layout must be the group's (its tables are then freed); a
  * member gets its view of the arena and the Registered reply.  0 (or
  * AOQD_REPLIED), or -errno with err filled. */
-int aoqd_register_hub(struct aoqd_session *hub, struct aoqd_session *s, struct aoqd_error *err);
+int aoqd_register_hub(struct aoqd_session *hub, struct aoqd_session *s, bool resumed, struct aoqd_error *err);
 int aoqd_register_same(struct aoqd_session *s, const struct aoqd_session *hub, struct aoqd_error *err);
 int aoqd_register_member(struct aoqd_session *s, struct aoqd_session *hub, uv_poll_cb on_doorbell,
                          struct aoqd_error *err);

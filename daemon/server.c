@@ -201,7 +201,7 @@ static int restore_one(const struct aoqd_snap_key *k, uint64_t step, struct aoqd
 {
 	struct aoqd_server *srv = arg;
 	struct aoqd_error err = { 0 };
-	struct aoqd_lease_key lk = { .uid = (uid_t)k->uid, .job = k->job, .rank = k->rank };
+	struct aoqd_lease_key lk = { .uid = (uid_t)k->uid, .job = k->job, .rank = k->rank, .local_world = k->local_world };
 	st->last_step = step;
 	int64_t id = aoqd_lease_adopt(srv, &lk, st, (uint64_t)srv->cfg.lease_seconds * 1000000000u, &err);
 	if (id < 0) {

@@ -167,6 +167,7 @@ static struct aoqd_session *hub_new(struct aoqd_session *s)
 	h->conn.rank = UINT32_MAX;
 	h->account = s->account;
 	h->state = AOQD_READY;
+	h->lease_ns = s->lease_ns; /* the group's lease is its first member's */
 	rep->world = s->local_world;
 	h->rep = rep;
 	return h;
@@ -183,14 +184,84 @@ static void hub_unlink(struct aoqd_session *h)
 		}
 }
 
+static uint64_t lease_for(const struct aoqd_session *s);
+static void lease_settle(struct aoqd_session *s);
+
+/* The group's last member has closed.  When a member's trainer went away
+ * (rep->lost) and the group has a lease, its state stays: the hub moves from
+ * the hub list to the session list as a leased session keyed (uid, job,
+ * AOQD_GROUP_RANK), whose interrupted step is rolled back once its last job
+ * is done (lease_settle), and which the next group of the job with the same
+ * local world and layout resumes (group_join).  Otherwise the state goes. */
+static void group_gone(struct aoqd_session *h)
+{
+	uint64_t lease = h->rep->lost ? lease_for(h) : 0;
+	if (!lease) {
+		hub_unlink(h);
+		return;
+	}
+	for (struct aoqd_session **p = &h->srv->hubs; *p; p = &(*p)->next)
+		if (*p == h) {
+			*p = h->next;
+			h->next = NULL;
+			break;
+		}
+	link_session(h); /* the hub list's reference is the session list's now */
+	h->state = AOQD_LEASED;
+	h->lease_until = aoqd_now_ns() + lease;
+	atomic_store(&h->leasing, true);
+	aoqd_info("session", "replica group %" PRIu64 " (uid %u job '%s', %u local ranks): %s; state leased for %" PRIu64
+	          " s, resumable at step %" PRIu64, h->id, (unsigned)h->conn.uid, h->conn.job, h->rep->world, h->rep->why,
+	          lease / 1000000000u, h->st.last_step + 1);
+	lease_settle(h);
+}
+
 /* Registration of a member (s->local_world > 1): the group's state is made
  * by its first member, checked against by the others; each gets its lane. */
+static struct aoqd_session *find_leased(struct aoqd_server *srv, uid_t uid, const char *job, uint32_t rank);
+static void take_leased_state(struct aoqd_session *s, struct aoqd_session *l, struct aoqd_state *dst);
+static void lease_end(struct aoqd_session *s, const char *why);
+
 static int group_join(struct aoqd_session *s, struct aoqd_error *err)
 {
 	struct aoqd_server *srv = s->srv;
 	struct aoqd_session *h = find_hub(srv, s->conn.uid, s->conn.job);
+	struct aoqd_session *l = h ? NULL : find_leased(srv, s->conn.uid, s->conn.job, AOQD_GROUP_RANK);
 	int r;
-	if (h) {
+	s->adopt_wait = 0;
+	if (l && !l->settled) {
+		/* The leased group's last jobs still run: the reply waits. */
+		s->adopt_wait = l->id;
+		return ADOPT_WAIT;
+	}
+	if (l) {
+		/* The group's state was leased (a member's trainer went away):
+		 * the first member of the new group resumes it, the others
+		 * join as usual (docs/design.md, "Replica groups"). */
+		char why[512];
+		if (!l->rep || l->rep->world != s->local_world)
+			return AOQD_FAIL(err, INVALID, "cannot resume the replica group of job '%s' (leased session %" PRIu64
+			                 "): it has %u local ranks, this rank says %u; 'aoqctl drop %" PRIu64 "' ends it",
+			                 s->conn.job, l->id, l->rep ? l->rep->world : 1, s->local_world, l->id);
+		if (aoqd_state_same_layout(&s->st, &l->st, why, sizeof(why)) < 0)
+			return AOQD_FAIL(err, INVALID, "cannot resume the replica group of job '%s' (leased session %" PRIu64
+			                 "): %s; 'aoqctl drop %" PRIu64 "' ends it", s->conn.job, l->id, why, l->id);
+		if (!(h = hub_new(s)))
+			return AOQD_FAIL(err, NO_MEMORY, "out of memory");
+		take_leased_state(s, l, &h->st);
+		h->steps.next_step = h->st.last_step + 1;
+		h->resumed_from = l->id;
+		if ((r = aoqd_register_hub(h, s, true, err)) < 0) {
+			aoqd_session_unref(h); /* the state goes: the new group failed to start */
+			lease_end(l, "its resume failed");
+			return r;
+		}
+		aoqd_info("session", "replica group %" PRIu64 ": resumes session %" PRIu64 " (job '%s', %u local ranks) at "
+		          "step %" PRIu64, h->id, l->id, s->conn.job, s->local_world, h->st.last_step + 1);
+		lease_end(l, "resumed");
+		h->next = srv->hubs;
+		srv->hubs = h;
+	} else if (h) {
 		struct aoqd_replica *rep = h->rep;
 		if (rep->broken)
 			return AOQD_FAIL(err, BUSY, "the replica group of job '%s' is ending (%s); join a new one once its "
@@ -206,7 +277,7 @@ static int group_join(struct aoqd_session *s, struct aoqd_error *err)
 	} else {
 		if (!(h = hub_new(s)))
 			return AOQD_FAIL(err, NO_MEMORY, "out of memory");
-		if ((r = aoqd_register_hub(h, s, err)) < 0) {
+		if ((r = aoqd_register_hub(h, s, false, err)) < 0) {
 			aoqd_session_unref(h);
 			return r;
 		}
@@ -248,8 +319,11 @@ static void group_fail_others(struct aoqd_session *m)
  * leave fails the others now; the group's workers stop, so no member waits
  * on an update that will not come.  The group's state goes with its last
  * member: no member has a lease, so a partial step is never kept. */
-static void group_leave(struct aoqd_session *m, bool clean)
+enum leave { LEAVE_BYE, LEAVE_LOST, LEAVE_FAILED };
+
+static void group_leave(struct aoqd_session *m, enum leave how)
 {
+	bool clean = how == LEAVE_BYE;
 	struct aoqd_session *h = m->hub;
 	if (!h)
 		return;
@@ -258,6 +332,7 @@ static void group_leave(struct aoqd_session *m, bool clean)
 		bool between = rep->joined == rep->world && rep->ends == 0 && aoqd_steps_idle(&h->steps) &&
 		               h->steps.accepted[h->steps.next_step & 1] == 0;
 		rep->broken = true;
+		rep->lost = how == LEAVE_LOST;
 		snprintf(rep->why, sizeof(rep->why), "local rank %u (session %" PRIu64 ", pid %d) %s replica group %" PRIu64
 		         " of job '%s'%s", m->local_rank, m->id, (int)m->conn.peer_pid,
 		         clean ? "left" : "was lost from", h->id, h->conn.job,
@@ -277,10 +352,10 @@ static void group_close(struct aoqd_session *m)
 	struct aoqd_session *h = m->hub;
 	if (!h)
 		return;
-	group_leave(m, m->no_lease);
+	group_leave(m, m->no_lease ? LEAVE_BYE : LEAVE_LOST);
 	m->hub = NULL;
 	if (--h->rep->live == 0)
-		hub_unlink(h);
+		group_gone(h);
 	aoqd_session_unref(h);
 }
 
@@ -324,6 +399,12 @@ static void group_poll(struct aoqd_session *h)
 			aoqd_warn("session", "replica group %" PRIu64 ": %s", h->id, err.msg);
 		if (r != 1)
 			break;
+		/* With an undo copy (a lease), the members' records of the
+		 * next step waited for this StepEnded (dataplane.c): the next
+		 * turn takes them. */
+		for (uint32_t k = 0; k < rep->world; k++)
+			if (rep->members[k])
+				rep->members[k]->steps.held = false;
 		for (uint32_t k = 0; k < rep->world && !rep->broken; k++) {
 			struct aoqd_session *m = rep->members[k];
 			if (m && m->state == AOQD_READY)
@@ -365,6 +446,14 @@ static void lease_settle(struct aoqd_session *s)
 	}
 	aoqd_arena_free(&s->arena);
 	aoqd_arena_init(&s->arena);
+	if (s->rep) {
+		/* A leased group: its members are closed, their rings unused. */
+		for (uint32_t k = 0; k < s->rep->world; k++)
+			if (s->rep->members[k]) {
+				aoqd_session_unref(s->rep->members[k]);
+				s->rep->members[k] = NULL;
+			}
+	}
 	s->settled = true;
 	aoqd_debug("session", "session %" PRIu64 ": lease settled at step %" PRIu64, s->id, s->st.last_step);
 }
@@ -419,13 +508,27 @@ static int lease_adopt_cb(struct aoqd_session *s, struct aoqd_error *err)
 	if (aoqd_state_same_layout(&s->st, &l->st, why, sizeof(why)) < 0)
 		return AOQD_FAIL(err, INVALID, "cannot resume job '%s' rank %u (leased session %" PRIu64 "): %s; "
 		                 "'aoqctl drop %" PRIu64 "' ends it", s->conn.job, s->conn.rank, l->id, why, l->id);
+	take_leased_state(s, l, &s->st);
+	s->steps.next_step = s->st.last_step + 1;
+	s->resumed_from = l->id;
+	aoqd_info("session", "session %" PRIu64 ": resumes session %" PRIu64 " (job '%s' rank %u) at step %" PRIu64,
+	          s->id, l->id, s->conn.job, s->conn.rank, s->st.last_step + 1);
+	lease_end(l, "resumed");
+	return 1;
+}
+
+/* Leased session l's state goes to *dst (s->st, or s's new hub's): the
+ * arrays, steps, hyperparameters and seed carry over; the options that
+ * shape the arena and the steps are the new trainer's (s->st, whose tables
+ * are freed, leaving s->st empty but for its account and quota when dst is
+ * elsewhere). */
+static void take_leased_state(struct aoqd_session *s, struct aoqd_session *l, struct aoqd_state *dst)
+{
 	/* The leased state's capture (idle: a settled lease has no snapshot
 	 * in flight) points at l->st: freed here, the resumed session makes
 	 * its own at its first snapshot. */
 	aoqd_snapshot_state_free(&l->st);
 	struct aoqd_state mine = s->st, old = l->st;
-	/* The state carries over (arrays, steps, hyperparameters, seed); the
-	 * options that shape the arena and the steps are the new trainer's. */
 	old.window = mine.window;
 	old.max_grad_norm = mine.max_grad_norm;
 	old.skip_nonfinite = mine.skip_nonfinite;
@@ -433,21 +536,19 @@ static int lease_adopt_cb(struct aoqd_session *s, struct aoqd_error *err)
 	old.delayed = mine.delayed;
 	old.quota = mine.quota;
 	bool want_undo = mine.undo;
+	struct aoqd_account *acc = mine.account;
 	aoqd_state_free(&mine, &s->srv->locked_bytes);
-	s->st = old;
+	memset(&s->st, 0, sizeof(s->st));
+	s->st.account = acc;
+	s->st.quota = old.quota;
+	*dst = old;
 	memset(&l->st, 0, sizeof(l->st));
 	/* A state restored from a snapshot has no undo copy: it gets one
 	 * now, so that this trainer's session is leased in turn. */
-	int u = want_undo ? aoqd_state_add_undo(&s->st, &s->srv->locked_bytes) : 0;
+	int u = want_undo ? aoqd_state_add_undo(dst, &s->srv->locked_bytes) : 0;
 	if (u < 0)
 		aoqd_warn("session", "session %" PRIu64 ": no undo copy for the resumed state (%s): not leased if its "
 		          "trainer dies", s->id, strerror(-u));
-	s->steps.next_step = s->st.last_step + 1;
-	s->resumed_from = l->id;
-	aoqd_info("session", "session %" PRIu64 ": resumes session %" PRIu64 " (job '%s' rank %u) at step %" PRIu64,
-	          s->id, l->id, s->conn.job, s->conn.rank, s->st.last_step + 1);
-	lease_end(l, "resumed");
-	return 1;
 }
 
 struct aoqd_session *aoqd_session_find(struct aoqd_server *srv, uint64_t id)
@@ -478,9 +579,18 @@ int64_t aoqd_lease_adopt(struct aoqd_server *srv, const struct aoqd_lease_key *k
 	struct aoqd_session *s = calloc(1, sizeof(*s));
 	struct aoqd_account *a = aoqd_account_get(&srv->accounts, key->uid);
 	char *job = strdup(key->job);
-	if (!s || !a || !job) {
+	/* a replica group's state: the next group of its job resumes it */
+	struct aoqd_replica *rep = key->local_world > 1 ? calloc(1, sizeof(*rep)) : NULL;
+	if (!s || !a || !job || (key->local_world > 1 && !rep) ||
+	    (key->local_world > 1 && (key->rank != AOQD_GROUP_RANK || key->local_world > AOQ_MAX_LOCAL_WORLD))) {
 		free(s);
 		free(job);
+		free(rep);
+		if (rep || key->local_world > 1) {
+			AOQD_FAIL(err, INVALID, "a replica group's state needs rank %u and 2 to %u local ranks",
+			          AOQD_GROUP_RANK, AOQ_MAX_LOCAL_WORLD);
+			return -EINVAL;
+		}
 		AOQD_FAIL(err, NO_MEMORY, "out of memory");
 		return -ENOMEM;
 	}
@@ -496,6 +606,10 @@ int64_t aoqd_lease_adopt(struct aoqd_server *srv, const struct aoqd_lease_key *k
 	s->conn.peer_pid = 0;
 	s->id = ++srv->next_id;
 	s->account = a;
+	if (rep) {
+		rep->world = key->local_world;
+		s->rep = rep;
+	}
 	if (!st->account) {
 		uint64_t n = 0;
 		for (uint32_t i = 0; i < st->ntensors; i++)
@@ -587,8 +701,10 @@ void aoqd_sessions_sample(struct aoqd_server *srv)
 			aoqd_steps_sample(s);
 		trace_check(s);
 	}
-	for (struct aoqd_session *h = srv->hubs; h; h = h->next)
+	for (struct aoqd_session *h = srv->hubs; h; h = h->next) {
 		aoqd_stats_sample(&h->stats, now);
+		aoqd_steps_sample(h); /* a snapshot of an idle group */
+	}
 }
 
 void aoqd_sessions_close_all(struct aoqd_server *srv)
@@ -614,7 +730,7 @@ static void session_fail(struct aoqd_session *s, const struct aoqd_error *e)
 	aoqd_arena_pause(&s->arena);
 	aoqd_conn_send_error(&s->conn, e->code, e->msg, true);
 	s->state = AOQD_CLOSING;
-	group_leave(s, false); /* the other members fail too (PEER_LOST) */
+	group_leave(s, LEAVE_FAILED); /* the other members fail too (PEER_LOST) */
 }
 
 /* A handler's error: a refusal answers Error and goes on. */
@@ -649,6 +765,8 @@ static int on_hello(struct aoqd_session *s, const Aoq__Envelope *env, struct aoq
 	if (h->local_world > AOQ_MAX_LOCAL_WORLD || (h->local_world > 1 && h->local_rank >= h->local_world))
 		return AOQD_FAIL(err, INVALID, "local rank %u of local world %u (a replica group has 2 to %u local ranks)",
 		                 h->local_rank, h->local_world, AOQ_MAX_LOCAL_WORLD);
+	if (h->rank == AOQD_GROUP_RANK && !h->observer)
+		return AOQD_FAIL(err, INVALID, "rank %u is reserved (the key of a replica group's state)", h->rank);
 	if (h->local_world > 1 && !h->observer) {
 		s->local_world = h->local_world;
 		s->local_rank = h->local_rank;
@@ -681,8 +799,6 @@ static int on_hello(struct aoqd_session *s, const Aoq__Envelope *env, struct aoq
 		uint64_t want = h->lease_seconds == UINT32_MAX ? 0
 		                : h->lease_seconds == 0 || h->lease_seconds > cfg->lease_seconds ? cfg->lease_seconds
 		                : h->lease_seconds;
-		if (s->local_world > 1)
-			want = 0; /* a replica group's member has no lease (docs/design.md, "Replica groups") */
 		s->lease_ns = want * 1000000000u;
 		s->st.undo = want > 0; /* the rollback needs the undo copy */
 	}
@@ -794,6 +910,8 @@ static int on_stats(struct aoqd_session *who, const Aoq__Envelope *env, struct a
 			x->parameters = h->st.parameters;
 			x->precision = h->st.precision;
 			x->last_step = h->st.last_step;
+			x->snapshot_step = h->snap_step;
+			x->snapshot_unix_ns = h->snap_wall_ns;
 			if (owner == s) {
 				aoqd_stats_fill(&h->stats, x);
 				x->state_bytes = h->st.state_bytes;
@@ -801,6 +919,12 @@ static int on_stats(struct aoqd_session *who, const Aoq__Envelope *env, struct a
 			} else {
 				x->arena_bytes = 0;
 			}
+		}
+		if (s->rep) {
+			/* A replica group's leased state (rank AOQD_GROUP_RANK). */
+			x->local_world = s->rep->world;
+			x->group_id = s->id;
+			x->group_owner = true;
 		}
 		if (s->state == AOQD_LEASED) {
 			uint64_t now = aoqd_now_ns();

@@ -59,6 +59,9 @@ struct aoqd_replica {
 	uint32_t live;           /* members not closed yet */
 	uint32_t ends;           /* StepEnds of the open step received */
 	bool broken;             /* a member left: no step completes again */
+	bool lost;               /* ...because its trainer went away (no Bye, no
+	                          * failure): the group's state is leased when
+	                          * its last member has closed */
 	char why[200];           /* what broke it (PEER_LOST's message) */
 	struct aoqd_session *members[AOQ_MAX_LOCAL_WORLD]; /* by local rank */
 };
@@ -133,8 +136,13 @@ struct aoqd_session *aoqd_session_next(struct aoqd_server *srv, struct aoqd_sess
 struct aoqd_lease_key {
 	uid_t uid;
 	const char *job;
-	uint32_t rank;
+	uint32_t rank;        /* AOQD_GROUP_RANK for a replica group's state */
+	uint32_t local_world; /* a replica group's local ranks; 0 otherwise */
 };
+
+/* The rank in the key of a replica group's state (its hub's conn.rank):
+ * Hello refuses it as a trainer's rank. */
+#define AOQD_GROUP_RANK UINT32_MAX
 
 /*
  * aoqd_lease_adopt: inserts a state restored from elsewhere (a snapshot)

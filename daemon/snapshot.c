@@ -164,7 +164,12 @@ int aoqd_snapshot_path(const char *dir, const struct aoqd_snap_key *key, char *p
 			k += (size_t)snprintf(job + k, sizeof(job) - k, "%%%02X", *p);
 	}
 	job[k] = 0;
-	int r = snprintf(path, len, "%s%s%u-%s-%u%s", dir ? dir : "", dir && *dir ? "/" : "", key->uid, job, key->rank,
+	char rank[16];
+	if (key->local_world > 1)
+		snprintf(rank, sizeof(rank), "group"); /* a replica group's state */
+	else
+		snprintf(rank, sizeof(rank), "%u", key->rank);
+	int r = snprintf(path, len, "%s%s%u-%s-%s%s", dir ? dir : "", dir && *dir ? "/" : "", key->uid, job, rank,
 	                 AOQD_SNAPSHOT_SUFFIX);
 	return r < 0 || (size_t)r >= len ? -ENAMETOOLONG : 0;
 }
@@ -325,6 +330,7 @@ struct aoqd_snapfile *aoqd_snapfile_prepare(const struct aoqd_snap_key *key, uin
 	    add_str(meta, "job", key->job) < 0 || add_u64(meta, "rank", key->rank) < 0 || add_u64(meta, "step", step) < 0 ||
 	    add_str(meta, "precision", prec_names[st->precision]) < 0 || add_u64(meta, "seed", st->seed) < 0 ||
 	    add_u64(meta, "window", st->window) < 0 ||
+	    (key->local_world > 1 && add_u64(meta, "local_world", key->local_world) < 0) ||
 	    add_str(meta, "skip_nonfinite", st->skip_nonfinite ? "true" : "false") < 0 ||
 	    add_str(meta, "delayed_update", st->delayed ? "true" : "false") < 0 ||
 	    add_str(meta, "groups", json_object_to_json_string_ext(groups, JSON_C_TO_STRING_PLAIN)) < 0 ||
@@ -758,6 +764,14 @@ int aoqd_snapshot_load(const char *path, int lock_memory, _Atomic uint64_t *lock
 	memset(key, 0, sizeof(*key));
 	key->uid = (uint32_t)uid;
 	key->rank = (uint32_t)rank;
+	if (meta_str(meta, "local_world")) {
+		/* a replica group's state (rank 4294967295) */
+		uint64_t lw;
+		if (!meta_u64(meta, "local_world", AOQ_MAX_LOCAL_WORLD, &lw) || lw < 2 || rank != UINT32_MAX)
+			FAIL("%s: metadata local_world out of range (2 to %u, with rank %u)", path, AOQ_MAX_LOCAL_WORLD,
+			     UINT32_MAX);
+		key->local_world = (uint32_t)lw;
+	}
 	memcpy(key->job, job, strlen(job) + 1);
 	int prec = word(meta_str(meta, "precision"), prec_names, 5);
 	if (prec < 0)

@@ -40,7 +40,8 @@
 /* Whose state it is: a session's key. */
 struct aoqd_snap_key {
 	uint32_t uid;
-	uint32_t rank;
+	uint32_t rank;        /* 4294967295 for a replica group's state */
+	uint32_t local_world; /* a replica group's local ranks (metadata local_world); 0 otherwise */
 	char job[129];
 };
 

@@ -86,7 +86,8 @@ static int snapshot_at(struct aoqd_session *s, struct aoqd_session *who, uint64_
 	struct snap_req *q = calloc(1, sizeof(*q));
 	if (!q)
 		return AOQD_REFUSE(err, NO_MEMORY, "out of memory");
-	struct aoqd_snap_key key = { .uid = (uint32_t)s->conn.uid, .rank = s->conn.rank };
+	struct aoqd_snap_key key = { .uid = (uint32_t)s->conn.uid, .rank = s->conn.rank,
+		                     .local_world = s->rep ? s->rep->world : 0 };
 	snprintf(key.job, sizeof(key.job), "%s", s->conn.job ? s->conn.job : "");
 	q->s = s;
 	q->who = who;
@@ -111,11 +112,11 @@ static int snapshot_at(struct aoqd_session *s, struct aoqd_session *who, uint64_
 
 int aoqd_steps_snapshot(struct aoqd_session *s, struct aoqd_session *who, struct aoqd_error *err)
 {
-	struct aoqd_steps *st = &s->steps;
 	if (s->st.delayed)
 		return AOQD_REFUSE(err, INVALID, "snapshots of a session with the delayed update are not supported");
 	if (s->hub)
-		return AOQD_REFUSE(err, INVALID, "snapshots of a replica group are not supported yet");
+		s = s->hub; /* a replica group's member: the group's state */
+	struct aoqd_steps *st = &s->steps;
 	bool between = aoqd_steps_idle(st) && st->accepted[st->next_step & 1] == 0;
 	return snapshot_at(s, who, between ? st->next_step - 1 : st->next_step, between, err);
 }
@@ -125,7 +126,7 @@ int aoqd_steps_snapshot(struct aoqd_session *s, struct aoqd_session *who, struct
 static void maybe_snapshot(struct aoqd_session *s, uint64_t step)
 {
 	const struct aoqd_config *cfg = &s->srv->cfg;
-	if ((!cfg->snapshot_every_steps && !cfg->snapshot_every_seconds) || s->st.delayed || s->rep ||
+	if ((!cfg->snapshot_every_steps && !cfg->snapshot_every_seconds) || s->st.delayed ||
 	    aoqd_snapshot_busy(&s->st))
 		return;
 	uint64_t now = aoqd_now_ns();
@@ -212,6 +213,7 @@ static int member_step_end(struct aoqd_session *m, uint64_t step, struct aoqd_er
 	m->arrived = step;
 	if (++rep->ends == rep->world) {
 		rep->ends = 0;
+		maybe_snapshot(g, step);
 		g->steps.ending_step = step;
 		g->steps.end_pending = true;
 		/* the hub's last job wakes the loop (dataplane.c, job_answer) */

@@ -102,6 +102,18 @@ static void fmt_bytes(char *buf, size_t len, uint64_t v)
 	fmt_scaled(buf, len, v, 1024.0, unit, " ");
 }
 
+/* The rank of a replica group's state (a group leased after a member's
+ * trainer went away): shown as "group". */
+#define GROUP_RANK UINT32_MAX
+
+static void fmt_rank(char *buf, size_t len, const Aoq__SessionStats *s)
+{
+	if (s->rank == GROUP_RANK && s->local_world >= 2)
+		snprintf(buf, len, "group");
+	else
+		snprintf(buf, len, "%" PRIu32, s->rank);
+}
+
 static void fmt_count(char *buf, size_t len, uint64_t v)
 {
 	static const char *const unit[7] = { "", "k", "M", "G", "T", "P", "E" };
@@ -487,7 +499,7 @@ static int print_stats_table(const struct view *v)
 		bool rates = has_rates(s);
 		snprintf(row[0], CELL_LEN, "%" PRIu64, s->id);
 		cell_set(row[1], str_or(s->job, "-"));
-		snprintf(row[2], CELL_LEN, "%" PRIu32, s->rank);
+		fmt_rank(row[2], CELL_LEN, s);
 		snprintf(row[3], CELL_LEN, "%" PRIu32, s->uid);
 		fmt_count(row[4], CELL_LEN, s->parameters);
 		snprintf(row[5], CELL_LEN, "%" PRIu64, s->steps);
@@ -529,7 +541,7 @@ static int print_sessions(const Aoq__Stats *st)
 		char (*row)[CELL_LEN] = t.cells[i];
 		snprintf(row[0], CELL_LEN, "%" PRIu64, s->id);
 		cell_set(row[1], str_or(s->job, "-"));
-		snprintf(row[2], CELL_LEN, "%" PRIu32, s->rank);
+		fmt_rank(row[2], CELL_LEN, s);
 		snprintf(row[3], CELL_LEN, "%" PRIu32, s->uid);
 		snprintf(row[4], CELL_LEN, "%" PRIu32, s->pid);
 		cell_set(row[5], str_or(s->device, "-"));
@@ -540,8 +552,11 @@ static int print_sessions(const Aoq__Stats *st)
 			snprintf(row[9], CELL_LEN, "%.0fs", ceil(s->lease_left_seconds));
 		else
 			cell_set(row[9], "-");
-		/* a replica group's member: group id, local rank/local world */
-		if (s->local_world >= 2)
+		/* a replica group's member: group id, local rank/local world;
+		 * a group's leased state: group id, its local world */
+		if (s->local_world >= 2 && s->rank == GROUP_RANK)
+			snprintf(row[10], CELL_LEN, "%" PRIu64 ":%" PRIu32 " ranks", s->group_id, s->local_world);
+		else if (s->local_world >= 2)
 			snprintf(row[10], CELL_LEN, "%" PRIu64 ":%" PRIu32 "/%" PRIu32, s->group_id, s->local_rank,
 			         s->local_world);
 		else

@@ -17,6 +17,13 @@
  *   step 2; the other two get PEER_LOST (-ECONNABORTED) from aoq_sync within
  *   seconds (never the 60 s timeout), and the group is gone (no partial step
  *   survives).
+ * - lease: a group with a lease; one rank (a child process) dies in the
+ *   middle of step 3.  The other gets PEER_LOST; once it has closed, the
+ *   group's state is listed as leased (rank "group", last step 2).  A new
+ *   group with another local world is refused and the lease stays; a new
+ *   group of 2 resumes it at step 2, its parameters loaded from the state
+ *   equal a single session's after step 2 bit for bit, and steps 3 to 5
+ *   stay bit-exact with it (the interrupted step left nothing behind).
  * - hostile: a raw member posts a record in another rank's slice: it gets
  *   BAD_RECORD, the libaoq rank PEER_LOST.
  */
@@ -43,6 +50,7 @@ static const struct aoqt_tdesc desc[NT] = {
 };
 
 static double clip; /* max_grad_norm of the sessions opened */
+static uint32_t lease_secs = AOQ_LEASE_NONE; /* the sessions' lease */
 
 struct rank {
 	struct aoq_client *c;
@@ -72,7 +80,7 @@ static int open_rank(struct rank *r, const char *sock, const char *job, uint32_t
 	o.rank = lr;
 	o.local_world = world;
 	o.local_rank = lr;
-	o.lease_seconds = AOQ_LEASE_NONE; /* R's state then has no undo copy, like a group's */
+	o.lease_seconds = lease_secs;
 	o.timeout_ms = 60000;
 	o.max_grad_norm = clip;
 	CHECK_OK(aoq_connect(&r->c, &o));
@@ -377,6 +385,149 @@ static void test_disconnect(const struct aoqt_daemon *d)
 	close(back[1]);
 }
 
+/* Every rank's parameters equal ref's, bit for bit. */
+static void check_params(const struct rank *ranks, uint32_t n, const struct rank *ref, const char *what, uint64_t k)
+{
+	for (uint32_t q = 0; q < n; q++)
+		for (int t = 0; t < NT; t++)
+			for (uint64_t i = 0; i < desc[t].n; i++)
+				CHECK(aoqt_bits(ranks[q].param[t], i, desc[t].pd) == aoqt_bits(ref->param[t], i, desc[t].pd),
+				      "%s: rank %u step %" PRIu64 " tensor %d element %" PRIu64 ": %.9g, the single session's %.9g",
+				      what, q, k, t, i, aoqt_load(ranks[q].param[t], i, desc[t].pd),
+				      aoqt_load(ref->param[t], i, desc[t].pd));
+}
+
+/* The leased row of job's group state, if listed. */
+static bool group_leased(const struct aoqt_daemon *d, const char *job, uint64_t *last_step, uint32_t *world)
+{
+	Aoq__Envelope *env = NULL;
+	CHECK_OK(aoqt_stats(d->socket, &env));
+	const Aoq__SessionStats *x = find_row(env->stats, job, UINT32_MAX);
+	bool leased = x && strcmp(x->state, "leased") == 0;
+	if (leased) {
+		*last_step = x->last_step;
+		*world = x->local_world;
+	}
+	aoq_envelope_free(env);
+	return leased;
+}
+
+static void test_lease(const struct aoqt_daemon *d)
+{
+	char job[48], rjob[48];
+	snprintf(job, sizeof(job), "lease-%d", (int)getpid());
+	snprintf(rjob, sizeof(rjob), "lease-ref-%d", (int)getpid());
+	lease_secs = 60;
+	int go[2], back[2];
+	CHECK(pipe(go) == 0 && pipe(back) == 0, "pipe");
+	pid_t pid = fork();
+	CHECK(pid >= 0, "fork");
+	if (pid == 0) {
+		/* Local rank 1: steps 1 and 2, half of step 3, then gone. */
+		struct rank me;
+		if (open_rank(&me, d->socket, job, 2, 1, desc, init_vals) < 0)
+			_exit(2);
+		for (uint64_t k = 1; k <= 2; k++) {
+			push_step(&me, 1, k, NT);
+			if (aoq_step_end(me.c) < 0 || aoq_sync(me.c, NULL) < 0)
+				_exit(3);
+		}
+		for (int t = NT - 1; t >= NT / 2; t--) {
+			fill_grad(&me, t, 3, 0);
+			if (aoq_push_grad(me.c, (uint32_t)t, 0, NULL) < 0 || aoq_grad_copied(me.c, (uint32_t)t) < 0)
+				_exit(5);
+		}
+		char x = 1;
+		if (write(go[1], &x, 1) != 1 || read(back[0], &x, 1) != 1)
+			_exit(6);
+		_exit(0); /* no Bye: the trainer is gone */
+	}
+	close(go[1]);
+	close(back[0]);
+	struct rank ref, r0;
+	CHECK_OK(open_rank(&ref, d->socket, rjob, 0, 0, desc, init_vals));
+	CHECK_OK(open_rank(&r0, d->socket, job, 2, 0, desc, init_vals));
+	for (uint64_t k = 1; k <= 2; k++) {
+		push_step(&ref, 1, k, NT);
+		push_step(&r0, 1, k, NT);
+		CHECK_OK(aoq_step_end(ref.c));
+		CHECK_OK(aoq_step_end(r0.c));
+		CHECK_OK(aoq_sync(ref.c, NULL));
+		CHECK_OK(aoq_sync(r0.c, NULL));
+	}
+	check_params(&r0, 1, &ref, "before the loss", 2);
+	char x = 1;
+	CHECK(read(go[0], &x, 1) == 1, "the child rank did not reach step 3");
+	/* Rank 0 is in step 3 too (a push of the child's half), then the
+	 * child goes. */
+	fill_grad(&r0, NT - 1, 3, 0);
+	CHECK_OK(aoq_push_grad(r0.c, NT - 1, 0, NULL));
+	CHECK(write(back[1], &x, 1) == 1, "pipe");
+	int status;
+	CHECK(waitpid(pid, &status, 0) == pid && WIFEXITED(status) && WEXITSTATUS(status) == 0,
+	      "child rank: status %d", status);
+	int r = aoq_step_end(r0.c);
+	if (r == 0)
+		r = aoq_sync(r0.c, NULL);
+	CHECK(r < 0, "rank 0's step 3 completed without rank 1");
+	close_rank(&r0);
+	double t0 = aoqt_now();
+	uint64_t last = 0;
+	uint32_t world = 0;
+	while (!group_leased(d, job, &last, &world) && aoqt_now() - t0 < 10)
+		usleep(10000);
+	CHECK(group_leased(d, job, &last, &world), "the group's state is not listed as leased");
+	CHECK(last == 2 && world == 2, "the leased group: last step %" PRIu64 ", local world %u (want 2, 2)", last, world);
+
+	/* Another local world cannot resume it, and the lease stays. */
+	struct rank bad;
+	r = open_rank(&bad, d->socket, job, 3, 0, desc, init_vals);
+	CHECK(r == -EINVAL && strstr(aoq_last_error(), "local ranks"), "a group of 3 resuming one of 2: %d (%s)", r,
+	      aoq_last_error());
+	close_rank(&bad);
+	CHECK(group_leased(d, job, &last, &world), "the lease went with a refused resume");
+
+	/* A new group of 2 resumes at step 2. */
+	struct rank g[2];
+	for (uint32_t q = 0; q < 2; q++) {
+		CHECK_OK(open_rank(&g[q], d->socket, job, 2, q, desc, init_vals));
+		uint64_t at = 0;
+		CHECK(aoq_resumed(g[q].c, &at) == 1 && at == 2, "rank %u: resumed %d at %" PRIu64 " (want step 2)", q,
+		      aoq_resumed(g[q].c, NULL), at);
+	}
+	CHECK(!group_leased(d, job, &last, &world), "the lease is still listed after the resume");
+	check_params(g, 2, &ref, "resumed", 2);
+	for (uint64_t k = 3; k <= NSTEPS; k++) {
+		push_step(&ref, 1, k, NT);
+		push_step(g, 2, k, NT);
+		CHECK_OK(aoq_step_end(ref.c));
+		for (uint32_t q = 0; q < 2; q++)
+			CHECK_OK(aoq_step_end(g[q].c));
+		CHECK_OK(aoq_sync(ref.c, NULL));
+		for (uint32_t q = 0; q < 2; q++)
+			CHECK_OK(aoq_sync(g[q].c, NULL));
+		check_params(g, 2, &ref, "after the resume", k);
+	}
+	for (int t = 0; t < NT; t++)
+		for (int what = AOQ_MASTER; what <= AOQ_EXP_AVG_SQ; what++) {
+			float *a = aoqt_xmalloc(desc[t].n * 4), *b = aoqt_xmalloc(desc[t].n * 4);
+			CHECK_OK(aoq_read_state(g[1].c, (uint32_t)t, what, AOQ_FP32, 0, desc[t].n, a));
+			CHECK_OK(aoq_read_state(ref.c, (uint32_t)t, what, AOQ_FP32, 0, desc[t].n, b));
+			CHECK(memcmp(a, b, desc[t].n * 4) == 0, "lease: tensor %d state %d differs from the single session's",
+			      t, what);
+			free(a);
+			free(b);
+		}
+	printf("lease: rank 1 lost in step 3, the group's state leased at step %" PRIu64 ", resumed by a new group, "
+	       "bit-exact with one session to step %d\n", last, NSTEPS);
+	close_rank(&ref);
+	for (uint32_t q = 0; q < 2; q++)
+		close_rank(&g[q]);
+	close(go[0]);
+	close(back[1]);
+	lease_secs = AOQ_LEASE_NONE;
+}
+
 static void test_hostile(const struct aoqt_daemon *d)
 {
 	char job[48];
@@ -445,7 +596,8 @@ int main(int argc, char **argv)
 		for (uint64_t i = 0; i < desc[t].n; i++)
 			init_vals[t][i] = (float)(1.5 * aoqt_uniform(&rng));
 	}
-	test_disconnect(&d); /* first: the child forks before any thread */
+	test_disconnect(&d); /* first: the children fork before any thread */
+	test_lease(&d);
 	test_bitexact(&d, 2);
 	test_bitexact(&d, 3);
 	test_clip(&d);
