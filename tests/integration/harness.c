@@ -1156,3 +1156,39 @@ void aoqt_victim_close(struct aoqt_victim *v)
 	free(v->gval);
 	free(v->ref);
 }
+
+int aoqt_snapshot_ask(const char *sock, uint64_t id)
+{
+	int fd = aoqt_raw_connect(sock);
+	CHECK_OK(fd);
+	uint64_t oid;
+	CHECK_OK(aoqt_raw_hello(fd, "aoqctl", 0, true, &oid));
+	Aoq__SnapshotRequest q = AOQ__SNAPSHOT_REQUEST__INIT;
+	q.session = id;
+	CHECK_OK(aoqt_send_msg(fd, AOQ__ENVELOPE__MSG_SNAPSHOT_REQUEST, &q));
+	return fd;
+}
+
+int aoqt_snapshot_wait(int fd, char *path, size_t len, uint64_t *step)
+{
+	Aoq__Envelope *rep = NULL;
+	int r = aoq_recv_frame(fd, &rep, NULL, 0, NULL);
+	CHECK(r >= 0 && rep, "no reply to SnapshotRequest (%d)", r);
+	if (rep->msg_case == AOQ__ENVELOPE__MSG_ERROR) {
+		snprintf(path, len, "%s", rep->error->message);
+		r = -(int)rep->error->code - 1000;
+	} else {
+		CHECK(rep->msg_case == AOQ__ENVELOPE__MSG_SNAPSHOT_DONE, "reply %d", (int)rep->msg_case);
+		snprintf(path, len, "%s", rep->snapshot_done->path);
+		*step = rep->snapshot_done->step;
+		r = 0;
+	}
+	aoq_envelope_free(rep);
+	close(fd);
+	return r;
+}
+
+int aoqt_snapshot(const char *sock, uint64_t id, char *path, size_t len, uint64_t *step)
+{
+	return aoqt_snapshot_wait(aoqt_snapshot_ask(sock, id), path, len, step);
+}

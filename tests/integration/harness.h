@@ -245,6 +245,16 @@ int aoqt_send_env(int fd, Aoq__Envelope *env);
 int aoqt_send_msg(int fd, Aoq__Envelope__MsgCase c, void *msg);
 
 /*
+ * What aoqctl snapshot sends: an observer connection asks for a snapshot of
+ * session id; aoqt_snapshot_ask returns its fd, aoqt_snapshot_wait reads
+ * the reply and closes it: 0 with the file's path and step, or the Error's
+ * -(code + 1000) with its message in path.  aoqt_snapshot does both.
+ */
+int aoqt_snapshot_ask(const char *sock, uint64_t id);
+int aoqt_snapshot_wait(int fd, char *path, size_t len, uint64_t *step);
+int aoqt_snapshot(const char *sock, uint64_t id, char *path, size_t len, uint64_t *step);
+
+/*
  * Reads until EOF (or timeout).  Returns the ErrorCode of the first Error
  * frame seen (other frames are skipped), -1 when EOF came with no Error,
  * -2 on timeout (the connection stayed open), -3 on another failure.

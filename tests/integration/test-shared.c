@@ -24,6 +24,13 @@
  *   group of 2 resumes it at step 2, its parameters loaded from the state
  *   equal a single session's after step 2 bit for bit, and steps 3 to 5
  *   stay bit-exact with it (the interrupted step left nothing behind).
+ * - restart (its own test, mode "restart"): a group with a lease and a
+ *   state_dir trains 3 steps; a snapshot asked with a member's session id
+ *   is the group's state (file uid-job-group.safetensors, metadata
+ *   local_world 2); aoqd is killed (SIGKILL) in the middle of step 4 and
+ *   restarted on the same state_dir: the group's state is leased again, a
+ *   new group of 2 resumes it at step 3 and trains to step 5 bit-exact with
+ *   a single session that was never interrupted.
  * - hostile: a raw member posts a record in another rank's slice: it gets
  *   BAD_RECORD, the libaoq rank PEER_LOST.
  */
@@ -32,10 +39,12 @@
 #include <math.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include "harness.h"
+#include "snapshot.h"
 
 #define NT 6
 #define NSTEPS 5
@@ -528,6 +537,136 @@ static void test_lease(const struct aoqt_daemon *d)
 	lease_secs = AOQ_LEASE_NONE;
 }
 
+/* Copies of every tensor's parameter. */
+static void save_params(const struct rank *r, void **out)
+{
+	for (int t = 0; t < NT; t++) {
+		size_t n = desc[t].n * aoqt_dtype_size(desc[t].pd);
+		out[t] = aoqt_xmalloc(n);
+		memcpy(out[t], r->param[t], n);
+	}
+}
+
+static void check_saved(const struct rank *ranks, uint32_t n, void *const *want, const char *what)
+{
+	struct rank ref = { 0 };
+	for (int t = 0; t < NT; t++)
+		ref.param[t] = want[t];
+	check_params(ranks, n, &ref, what, 0);
+}
+
+static int test_restart(const char *exe)
+{
+	char sd[] = "/tmp/aoq-groupsnap-XXXXXX";
+	CHECK(mkdtemp(sd), "mkdtemp");
+	const char *args[] = { "--threads", "2", "--state-dir", sd, NULL };
+	struct aoqt_daemon d;
+	CHECK_OK(aoqt_daemon_start(&d, exe, args));
+	char job[48];
+	snprintf(job, sizeof(job), "restart-%d", (int)getpid());
+	lease_secs = 60;
+	/* The single session's parameters after steps 3 and 5. */
+	struct rank ref;
+	void *at3[NT], *at5[NT];
+	CHECK_OK(open_rank(&ref, d.socket, "restart-ref", 0, 0, desc, init_vals));
+	for (uint64_t k = 1; k <= NSTEPS; k++) {
+		push_step(&ref, 1, k, NT);
+		CHECK_OK(aoq_step_end(ref.c));
+		CHECK_OK(aoq_sync(ref.c, NULL));
+		if (k == 3)
+			save_params(&ref, at3);
+	}
+	save_params(&ref, at5);
+	close_rank(&ref);
+
+	struct rank g[2];
+	for (uint32_t q = 0; q < 2; q++)
+		CHECK_OK(open_rank(&g[q], d.socket, job, 2, q, desc, init_vals));
+	for (uint64_t k = 1; k <= 3; k++) {
+		push_step(g, 2, k, NT);
+		for (uint32_t q = 0; q < 2; q++)
+			CHECK_OK(aoq_step_end(g[q].c));
+		for (uint32_t q = 0; q < 2; q++)
+			CHECK_OK(aoq_sync(g[q].c, NULL));
+	}
+	check_saved(g, 2, at3, "before the snapshot");
+	/* A member's id names the group's state. */
+	Aoq__Envelope *env = NULL;
+	CHECK_OK(aoqt_stats(d.socket, &env));
+	const Aoq__SessionStats *row = find_row(env->stats, job, 1);
+	CHECK(row && row->local_world == 2, "no row of local rank 1");
+	uint64_t member = row->id;
+	aoq_envelope_free(env);
+	char path[4096];
+	uint64_t step = 0;
+	int r = aoqt_snapshot(d.socket, member, path, sizeof(path), &step);
+	CHECK(r == 0 && step == 3, "snapshot of the group (member %" PRIu64 "): %d %s, step %" PRIu64, member, r, path,
+	      step);
+	char want[256];
+	snprintf(want, sizeof(want), "/%u-%s-group.safetensors", (unsigned)getuid(), job);
+	CHECK(strlen(path) > strlen(want) && strcmp(path + strlen(path) - strlen(want), want) == 0,
+	      "the group's snapshot is %s, want ...%s", path, want);
+	{
+		static _Atomic uint64_t locked;
+		struct aoqd_state st;
+		struct aoqd_snap_key key;
+		char why[512];
+		CHECK(aoqd_snapshot_load(path, 0, &locked, &key, &step, &st, why, sizeof(why)) == 0, "load: %s", why);
+		CHECK(key.local_world == 2 && key.rank == UINT32_MAX && step == 3 && strcmp(key.job, job) == 0,
+		      "the file's key: rank %u local world %u step %" PRIu64 " job %s", key.rank, key.local_world, step,
+		      key.job);
+		aoqd_state_free(&st, &locked);
+	}
+	/* Half of step 4, then aoqd dies. */
+	for (int t = NT - 1; t >= NT / 2; t--)
+		for (uint32_t q = 0; q < 2; q++) {
+			fill_grad(&g[q], t, 4, 0);
+			CHECK_OK(aoq_push_grad(g[q].c, (uint32_t)t, 0, NULL));
+		}
+	CHECK(kill(d.pid, SIGKILL) == 0, "kill");
+	for (uint32_t q = 0; q < 2; q++) {
+		r = aoq_step_end(g[q].c);
+		if (r == 0)
+			r = aoq_sync(g[q].c, NULL);
+		CHECK(r < 0, "rank %u: step 4 ended without aoqd", q);
+		close_rank(&g[q]);
+	}
+	aoqt_daemon_stop(&d, 10000, true);
+
+	CHECK_OK(aoqt_daemon_start(&d, exe, args));
+	uint64_t last = 0;
+	uint32_t world = 0;
+	CHECK(group_leased(&d, job, &last, &world) && last == 3 && world == 2,
+	      "after the restart: the group's state is not leased at step 3 (%" PRIu64 ", local world %u)", last, world);
+	for (uint32_t q = 0; q < 2; q++) {
+		CHECK_OK(open_rank(&g[q], d.socket, job, 2, q, desc, init_vals));
+		uint64_t at = 0;
+		CHECK(aoq_resumed(g[q].c, &at) == 1 && at == 3, "rank %u: resumed at %" PRIu64 " (want 3)", q, at);
+	}
+	check_saved(g, 2, at3, "resumed from the snapshot");
+	for (uint64_t k = 4; k <= NSTEPS; k++) {
+		push_step(g, 2, k, NT);
+		for (uint32_t q = 0; q < 2; q++)
+			CHECK_OK(aoq_step_end(g[q].c));
+		for (uint32_t q = 0; q < 2; q++)
+			CHECK_OK(aoq_sync(g[q].c, NULL));
+	}
+	check_saved(g, 2, at5, "after the restart");
+	printf("restart: the group's snapshot at step 3 (%s), aoqd killed in step 4 and restarted, a new group resumed "
+	       "at step 3, bit-exact with one session at step %d\n", path, NSTEPS);
+	for (uint32_t q = 0; q < 2; q++)
+		close_rank(&g[q]);
+	for (int t = 0; t < NT; t++) {
+		free(at3[t]);
+		free(at5[t]);
+	}
+	CHECK(aoqt_daemon_stop(&d, 10000, true) == 0, "aoqd did not stop cleanly");
+	char cmd[300];
+	snprintf(cmd, sizeof(cmd), "rm -rf %s", sd);
+	CHECK(system(cmd) == 0, "rm");
+	return 0;
+}
+
 static void test_hostile(const struct aoqt_daemon *d)
 {
 	char job[48];
@@ -587,15 +726,17 @@ int main(int argc, char **argv)
 {
 	aoqt_init("integration-shared");
 	const char *exe = aoqt_aoqd_path(argc, argv);
-	struct aoqt_daemon d;
-	static const char *const args[] = { "--threads", "2", NULL };
-	CHECK_OK(aoqt_daemon_start(&d, exe, args));
 	for (int t = 0; t < NT; t++) {
 		init_vals[t] = aoqt_xmalloc(desc[t].n * sizeof(float));
 		struct aoqt_rng rng = aoqt_rng_for(0, (uint64_t)t, 7);
 		for (uint64_t i = 0; i < desc[t].n; i++)
 			init_vals[t][i] = (float)(1.5 * aoqt_uniform(&rng));
 	}
+	if (argc > 2 && strcmp(argv[2], "restart") == 0)
+		return test_restart(exe);
+	struct aoqt_daemon d;
+	static const char *const args[] = { "--threads", "2", NULL };
+	CHECK_OK(aoqt_daemon_start(&d, exe, args));
 	test_disconnect(&d); /* first: the children fork before any thread */
 	test_lease(&d);
 	test_bitexact(&d, 2);

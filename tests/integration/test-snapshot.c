@@ -126,44 +126,6 @@ static void train(struct trainer *t, int steps)
 		step_but(t, -1);
 }
 
-/* Sends SnapshotRequest from a new observer connection; returns it. */
-static int snapshot_ask(const char *sock, uint64_t id)
-{
-	int fd = aoqt_raw_connect(sock);
-	CHECK_OK(fd);
-	uint64_t oid;
-	CHECK_OK(aoqt_raw_hello(fd, "aoqctl", 0, true, &oid));
-	Aoq__SnapshotRequest q = AOQ__SNAPSHOT_REQUEST__INIT;
-	q.session = id;
-	CHECK_OK(aoqt_send_msg(fd, AOQ__ENVELOPE__MSG_SNAPSHOT_REQUEST, &q));
-	return fd;
-}
-
-/* The reply: 0 and the path, or the Error's -errno and its message. */
-static int snapshot_wait(int fd, char *path, size_t len, uint64_t *step)
-{
-	Aoq__Envelope *rep = NULL;
-	int r = aoq_recv_frame(fd, &rep, NULL, 0, NULL);
-	CHECK(r >= 0 && rep, "no reply to SnapshotRequest (%d)", r);
-	if (rep->msg_case == AOQ__ENVELOPE__MSG_ERROR) {
-		snprintf(path, len, "%s", rep->error->message);
-		r = -(int)rep->error->code - 1000;
-	} else {
-		CHECK(rep->msg_case == AOQ__ENVELOPE__MSG_SNAPSHOT_DONE, "reply %d", (int)rep->msg_case);
-		snprintf(path, len, "%s", rep->snapshot_done->path);
-		*step = rep->snapshot_done->step;
-		r = 0;
-	}
-	aoq_envelope_free(rep);
-	close(fd);
-	return r;
-}
-
-static int snapshot(const char *sock, uint64_t id, char *path, size_t len, uint64_t *step)
-{
-	return snapshot_wait(snapshot_ask(sock, id), path, len, step);
-}
-
 static _Atomic uint64_t locked;
 
 /* The file equals what libaoq reads back now (state and tensor steps). */
@@ -239,7 +201,7 @@ static int roundtrip(const char *aoqd)
 		snprintf(job, sizeof(job), "snap-%s", names[p]);
 		trainer_open(&t, d.socket, job, precs[p]);
 		train(&t, 4);
-		int r = snapshot(d.socket, t.id, path, sizeof(path), &step);
+		int r = aoqt_snapshot(d.socket, t.id, path, sizeof(path), &step);
 		CHECK(r == 0, "%s: snapshot refused: %s", names[p], path);
 		CHECK(strncmp(path, sd, strlen(sd)) == 0, "%s: snapshot at %s, not in %s", names[p], path, sd);
 		check_file(&t, path, 4, names[p]);
@@ -249,7 +211,7 @@ static int roundtrip(const char *aoqd)
 			fill(&t, NT - 1);
 			CHECK_OK(aoq_push_grad(t.c, NT - 1, 0, NULL));
 			CHECK_OK(aoq_sync_param(t.c, NT - 1));
-			int fd = snapshot_ask(d.socket, t.id);
+			int fd = aoqt_snapshot_ask(d.socket, t.id);
 			for (int i = NT - 2; i >= 0; i--) {
 				fill(&t, i);
 				CHECK_OK(aoq_push_grad(t.c, (uint32_t)i, 0, NULL));
@@ -257,11 +219,11 @@ static int roundtrip(const char *aoqd)
 			CHECK_OK(aoq_step_end(t.c));
 			struct aoq_step_result res = AOQ_STEP_RESULT_INIT;
 			CHECK_OK(aoq_sync(t.c, &res));
-			CHECK(snapshot_wait(fd, path, sizeof(path), &step) == 0, "mid-step snapshot refused: %s", path);
+			CHECK(aoqt_snapshot_wait(fd, path, sizeof(path), &step) == 0, "mid-step snapshot refused: %s", path);
 			check_file(&t, path, 5, "mid-step");
 			/* the next step's updates waited for nothing they need */
 			train(&t, 3);
-			CHECK(snapshot(d.socket, t.id, path, sizeof(path), &step) == 0 && step == 8, "after: %s", path);
+			CHECK(aoqt_snapshot(d.socket, t.id, path, sizeof(path), &step) == 0 && step == 8, "after: %s", path);
 			check_file(&t, path, 8, "after more steps");
 		}
 		trainer_close(&t);
@@ -287,11 +249,11 @@ static int roundtrip(const char *aoqd)
 				want[i][k] = aoqt_xmalloc(numel[i] * 4);
 				CHECK_OK(aoq_read_state(t.c, (uint32_t)i, (enum aoq_state_kind)k, AOQ_FP32, 0, numel[i], want[i][k]));
 			}
-		int fd = snapshot_ask(d.socket, t.id);
+		int fd = aoqt_snapshot_ask(d.socket, t.id);
 		if (round == 3)
 			step_but(&t, NT - 1);
 		train(&t, 2);
-		CHECK(snapshot_wait(fd, path, sizeof(path), &step) == 0 && step == 2, "overlap: %s", path);
+		CHECK(aoqt_snapshot_wait(fd, path, sizeof(path), &step) == 0 && step == 2, "overlap: %s", path);
 		struct aoqd_state st;
 		struct aoqd_snap_key key;
 		char why[512];
@@ -314,7 +276,7 @@ static int roundtrip(const char *aoqd)
 	numel[1] = 777;
 
 	/* a session that is not there */
-	CHECK(snapshot(d.socket, 999999, path, sizeof(path), &step) < 0 && strstr(path, "no training session"),
+	CHECK(aoqt_snapshot(d.socket, 999999, path, sizeof(path), &step) < 0 && strstr(path, "no training session"),
 	      "snapshot of no session: %s", path);
 	CHECK(temp_files(sd) == 0, "temp files left in %s", sd);
 	CHECK(aoqt_daemon_stop(&d, 10000, true) == 0, "aoqd did not stop cleanly");
@@ -341,7 +303,7 @@ static int disk(const char *aoqd)
 	train(&t, 2);
 	char path[4096], first[4096];
 	uint64_t step;
-	CHECK(snapshot(d.socket, t.id, first, sizeof(first), &step) == 0 && step == 2, "first snapshot: %s", first);
+	CHECK(aoqt_snapshot(d.socket, t.id, first, sizeof(first), &step) == 0 && step == 2, "first snapshot: %s", first);
 	/* what the file must still hold after the failed snapshot */
 	float *m0 = aoqt_xmalloc(numel[0] * 4);
 	CHECK_OK(aoq_read_state(t.c, 0, AOQ_MASTER, AOQ_FP32, 0, numel[0], m0));
@@ -357,7 +319,7 @@ static int disk(const char *aoqd)
 		;
 	close(fd);
 	train(&t, 2);
-	int r = snapshot(d.socket, t.id, path, sizeof(path), &step);
+	int r = aoqt_snapshot(d.socket, t.id, path, sizeof(path), &step);
 	CHECK(r < 0 && strstr(path, "No space left"), "snapshot on a full disk: %d '%s'", r, path);
 	CHECK(temp_files(tmpl) == 0, "a temp file was left on the full disk");
 	/* the previous snapshot is intact */
@@ -373,7 +335,7 @@ static int disk(const char *aoqd)
 	/* the daemon serves on */
 	train(&t, 2);
 	unlink(filler);
-	CHECK(snapshot(d.socket, t.id, path, sizeof(path), &step) == 0 && step == 6, "after freeing space: %s", path);
+	CHECK(aoqt_snapshot(d.socket, t.id, path, sizeof(path), &step) == 0 && step == 6, "after freeing space: %s", path);
 	check_file(&t, path, 6, "after freeing space");
 	trainer_close(&t);
 	free(m0);
