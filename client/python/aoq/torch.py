@@ -721,8 +721,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
     data-parallel replicas"): local world and rank from LOCAL_WORLD_SIZE and
     LOCAL_RANK (torchrun), else the whole process group as one node; the job
     name is global rank 0's unless job= is given; a slot per tensor, no
-    delayed update, no lease.  A rank lost mid-step makes the others' next
-    call raise (PEER_LOST).
+    delayed update.  A rank lost mid-step makes the others' next call raise
+    (PEER_LOST); with a named job (job= or AOQ_JOB) and a lease, the group's
+    state is then leased and the next group of the job resumes it.
     """
 
     def __init__(self, params, optimizer_class=torch.optim.AdamW, *, offload_gradients=False, minimal_size=4096,
@@ -855,13 +856,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if local_world > 1:
             # One state for the node's data-parallel ranks (docs/python.md,
             # "One state for data-parallel replicas"): the same job name on
-            # every rank, a slot per tensor, no delayed update, no lease.
+            # every rank, a slot per tensor, no delayed update.  A named job
+            # gets the daemon's lease as any session does: a group whose
+            # rank died is resumed by the next group of the job.
             if delayed_update:
                 raise ValueError("shared=True does not work with delayed_update")
             if staging_window:
                 raise ValueError("shared=True needs staging_window=0 (a slot per tensor)")
             staging_window = 0
-            lease = 0
             if not named:
                 job = _shared_job_default()
         job = job or os.environ.get("AOQ_JOB") or _job_default()

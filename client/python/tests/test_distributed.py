@@ -384,6 +384,60 @@ def case_shared_disconnect(rank, ws, env):
     print("rank %d: %s (%.3f s)" % (rank, str(err)[:160], took))
 
 
+def case_shared_resume(rank, ws, env):
+    """shared=True with a named job and a lease.  Phase "die": two steps,
+    then rank 1 dies in step 3's backward; the others get PEER_LOST.  aoqd
+    keeps the group's state (leased, rank "group" in aoqctl sessions).
+    Phase "resume": the job's ranks start again; the optimizer resumes the
+    group's state at step 2 (and says so), and three more steps equal DDP +
+    torch AdamW trained five steps without the interruption.  minimal_size=1:
+    parameters stepped in the trainer are the trainer's to restore
+    (docs/python.md, "Resuming after a crash")."""
+    import warnings
+    dev = env["dev"]
+    job = "shared-resume-%s" % os.path.basename(env["tmp"])
+    m = ddp(make_model(3), env)
+    if env["phase"] == "die":
+        o = Offload(m.named_parameters(), env, shared=True, job=job, lease=60, minimal_size=1)
+        train(m, o, rank, dev, 2)
+        x, y = batch(2, 0, rank, dev)
+        out = m(x)
+        if rank == 1:
+            out.register_hook(lambda g: os._exit(3))
+        try:
+            torch.nn.functional.mse_loss(out, y).backward()
+        except Exception:
+            pass
+        try:
+            o.synchronize()
+        except Exception as e:
+            assert "PEER_LOST" in str(e), "rank %d: %r" % (rank, e)
+        else:
+            raise AssertionError("rank %d: no PEER_LOST after rank 1 died" % rank)
+        try:
+            o.close()
+        except Exception:
+            pass
+        return
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        o = Offload(m.named_parameters(), env, shared=True, job=job, lease=60, minimal_size=1)
+    assert o.resumed_step == 2, "rank %d: resumed_step %r" % (rank, o.resumed_step)
+    assert any("resumed job %s" % job in str(x.message) for x in w), [str(x.message) for x in w]
+    if rank == 0:
+        table = subprocess.run([os.environ["AOQCTL"], "--socket", env["socket"], "sessions"],
+                               capture_output=True, text=True, check=True).stdout
+        assert " group " not in table, "the leased group is still listed after the resume:\n" + table
+    train(m, o, rank, dev, STEPS - 2, start=2)
+    o.synchronize()
+    ref = ddp(make_model(3), env)
+    train(ref, torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1), rank, dev, STEPS)
+    same_across_ranks(m, "resumed group")
+    close_to(m, ref, "resumed group vs DDP + torch AdamW")
+    assert steps_of(o) == [STEPS] * len(o._slots), steps_of(o)
+    o.close()
+
+
 def fsdp_model(env, seed, reshard):
     from torch.distributed.fsdp import fully_shard
     f = make_model(seed).to(env["dev"])
@@ -463,7 +517,8 @@ def case_fsdp_dcp(rank, ws, env):
     o.close()
 
 
-CASES = {"ddp": case_ddp, "shared": case_shared, "shared_disconnect": case_shared_disconnect, "nosync": case_nosync, "dcp_save": case_dcp_save, "dcp_load": case_dcp_load,
+CASES = {"ddp": case_ddp, "shared": case_shared, "shared_disconnect": case_shared_disconnect,
+         "shared_resume": case_shared_resume, "nosync": case_nosync, "dcp_save": case_dcp_save, "dcp_load": case_dcp_load,
          "nodes": case_nodes, "disconnect": case_disconnect, "fsdp": case_fsdp, "fsdp_dcp": case_fsdp_dcp}
 
 
@@ -551,7 +606,7 @@ def main():
         print("SKIP: %d CUDA devices (%d needed)" % (torch.cuda.device_count(), need))
         return 77
     sizes = [a.world] if a.world else ([2] if a.device == "cuda" else [2, 3])
-    want = a.cases.split(",") if a.cases else ["ddp", "shared", "shared_disconnect", "nosync", "dcp", "nodes", "disconnect", "fsdp", "fsdp_dcp"]
+    want = a.cases.split(",") if a.cases else ["ddp", "shared", "shared_disconnect", "shared_resume", "nosync", "dcp", "nodes", "disconnect", "fsdp", "fsdp_dcp"]
     failed = 0
     for case in want:
         with tempfile.TemporaryDirectory(prefix="aoq-dist-") as tmp, aoq.Daemon(threads=2) as d:
@@ -571,6 +626,22 @@ def main():
                     launch("disconnect", 2, dict(env, timeout=10, pg_timeout=10), limit=60, expect_dead=(1,))
                 elif case == "shared_disconnect":
                     launch("shared_disconnect", 3, dict(env, timeout=60, pg_timeout=10), limit=60, expect_dead=(1,))
+                elif case == "shared_resume":
+                    launch("shared_resume", 3, dict(env, timeout=60, pg_timeout=10, phase="die"), limit=60,
+                           expect_dead=(1,))
+                    t0 = time.monotonic()
+                    while True:         # the last rank's close reaches aoqd after the rank is gone
+                        rows = _stats_rows(d.socket)
+                        leased = [r for r in rows if r["state"] == "leased" and r["group"]]
+                        if leased or time.monotonic() - t0 > 10:
+                            break
+                        time.sleep(0.05)
+                    assert len(leased) == 1 and leased[0]["last_step"] == 2, rows
+                    table = subprocess.run([os.environ["AOQCTL"], "--socket", d.socket, "sessions"],
+                                           capture_output=True, text=True, check=True).stdout
+                    assert " group " in table and "leased" in table, table
+                    print(table)
+                    launch("shared_resume", 3, dict(env, phase="resume"))
                 else:
                     for ws in sizes:
                         launch(case, ws, dict(env))
