@@ -35,6 +35,7 @@ struct aoqd_pool {
 	 * the threads waiting for none queued or running.  Kept under the
 	 * lock the workers take anyway around each task: no cost added. */
 	unsigned running;
+	uint64_t started; /* tasks, ever */
 	unsigned idle_waiters;
 	pthread_cond_t idle_cond; /* CLOCK_MONOTONIC */
 };
@@ -157,6 +158,7 @@ static void *worker_main(void *arg)
 			break;
 		struct aoqd_task *t = take(p);
 		p->running++;
+		p->started++;
 		pthread_mutex_unlock(&p->lock);
 		t->run(t, w->index);
 		pthread_mutex_lock(&p->lock);
@@ -269,7 +271,7 @@ bool aoqd_pool_idle(struct aoqd_pool *p)
 	return idle;
 }
 
-bool aoqd_pool_wait_idle(struct aoqd_pool *p, uint64_t timeout_ns)
+bool aoqd_pool_wait_idle(struct aoqd_pool *p, uint64_t timeout_ns, uint64_t *started)
 {
 	struct timespec until;
 	clock_gettime(CLOCK_MONOTONIC, &until);
@@ -283,6 +285,8 @@ bool aoqd_pool_wait_idle(struct aoqd_pool *p, uint64_t timeout_ns)
 		r = pthread_cond_timedwait(&p->idle_cond, &p->lock, &until);
 	p->idle_waiters--;
 	bool idle = !p->rr_head && p->running == 0;
+	if (started)
+		*started = p->started;
 	pthread_mutex_unlock(&p->lock);
 	return idle;
 }

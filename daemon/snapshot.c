@@ -1598,12 +1598,15 @@ struct pacer {
 	struct aoqd_snapshotter *w;
 	struct aoqd_snap_pace cfg;
 	uint64_t start_ns, bytes;       /* bytes: before the chunk to come */
+	uint64_t started;               /* the pool's tasks started when it was last seen idle */
 	uint64_t chunks, forced, waited_ns;
 };
 
-/* aoqd_snapfile_pace's callback: waits for idle workers or the chunk's due
- * time (above), whichever comes first; at once when aoqd is stopping.
- * Waits in slices of 50 ms at most, to notice the stop. */
+/* aoqd_snapfile_pace's callback: waits for idle workers (settled:
+ * AOQD_SNAPSHOT_SETTLE_US)
+ * or the chunk's due time ("Pacing"), whichever comes first; at once when
+ * aoqd is stopping.  Chunks follow each other at once while no task starts
+ * in between.  Waits in slices of 50 ms at most, to notice the stop. */
 static void pace_chunk(void *arg, uint64_t bytes)
 {
 	struct pacer *p = arg;
@@ -1613,20 +1616,32 @@ static void pace_chunk(void *arg, uint64_t bytes)
 	               (uint64_t)((double)p->bytes / (double)(p->cfg.min_rate ? p->cfg.min_rate : 1) * 1e9);
 	p->bytes += bytes;
 	p->chunks++;
-	if (!w->pool)
-		return;
-	for (uint64_t t = t0;; t = mono_ns()) {
-		if (atomic_load_explicit(&w->hurry, memory_order_relaxed))
-			break;
-		uint64_t left = due > t ? due - t : 0;
-		if (aoqd_pool_wait_idle(w->pool, left < 50000000u ? left : 50000000u))
-			break;
-		if (left == 0) {
-			p->forced++;
-			break;
+	if (w->pool) {
+		for (uint64_t t = t0;; t = mono_ns()) {
+			if (atomic_load_explicit(&w->hurry, memory_order_relaxed))
+				break;
+			uint64_t left = due > t ? due - t : 0, started;
+			bool idle = aoqd_pool_wait_idle(w->pool, left < 50000000u ? left : 50000000u, &started);
+			if (idle && (started == p->started || left == 0)) {
+				p->started = started;
+				break;
+			}
+			if (idle) { /* newly idle: settles */
+				p->started = started;
+				uint64_t ns = left < p->cfg.settle_ns ? left : p->cfg.settle_ns;
+				struct timespec ts = { (time_t)(ns / 1000000000u), (long)(ns % 1000000000u) };
+				nanosleep(&ts, NULL);
+				continue;
+			}
+			if (left == 0) {
+				p->forced++;
+				atomic_fetch_add(&w->forced, 1);
+				break;
+			}
 		}
+		p->waited_ns += mono_ns() - t0;
 	}
-	p->waited_ns += mono_ns() - t0;
+	atomic_fetch_add(&w->chunks, 1);
 }
 
 /* Writer thread: copies every tensor, lets updates go, then writes the
@@ -1650,7 +1665,7 @@ static void capture_write(struct aoqd_capture *c)
 		}
 	}
 	capture_disarm(c);
-	struct pacer pace = { .w = c->w };
+	struct pacer pace = { .w = c->w, .started = UINT64_MAX };
 	pthread_mutex_lock(&c->w->lock);
 	pace.cfg = c->w->pace;
 	pthread_mutex_unlock(&c->w->lock);
@@ -1684,8 +1699,6 @@ static void capture_write(struct aoqd_capture *c)
 		c->result = r;
 		snprintf(c->why, sizeof(c->why), "%s", err.msg);
 	}
-	atomic_fetch_add(&c->w->chunks, pace.chunks);
-	atomic_fetch_add(&c->w->forced, pace.forced);
 	atomic_fetch_add(&c->w->waited_ns, pace.waited_ns);
 	aoqd_debug("snapshot",
 	           "'%s' rank %u: %.1f MiB written in %.2f s, %" PRIu64 " chunks; waited %.1f ms for idle workers, "
@@ -1771,7 +1784,8 @@ struct aoqd_snapshotter *aoqd_snapshotter_new(uv_loop_t *loop, const cpu_set_t *
 	if (!w)
 		return NULL;
 	w->pool = pool;
-	w->pace = (struct aoqd_snap_pace){ AOQD_SNAPSHOT_CHUNK, AOQD_SNAPSHOT_MIN_RATE, AOQD_SNAPSHOT_SLACK_MS * 1000000ull };
+	w->pace = (struct aoqd_snap_pace){ AOQD_SNAPSHOT_CHUNK, AOQD_SNAPSHOT_MIN_RATE, AOQD_SNAPSHOT_SLACK_MS * 1000000ull,
+		                           AOQD_SNAPSHOT_SETTLE_US * 1000ull };
 	pthread_mutex_init(&w->lock, NULL);
 	pthread_cond_init(&w->cond, NULL);
 	w->qtail = &w->queue;

@@ -14,6 +14,12 @@
  *  - gap: the worker runs 30 ms tasks with 20 ms gaps (a training loop's
  *    update and forward pass), the minimum rate off: the snapshot is
  *    written in the gaps alone;
+ *  - settle: the worker runs 2 ms tasks back to back, each submitted as
+ *    the previous one ends (the pool idle for microseconds, as between two
+ *    jobs of a step), the minimum rate off, the settling time 200 ms (not
+ *    the default 2 ms: this host's scheduler can hold the submitting
+ *    thread back a few ms): in 1 s no chunk is written (a writer that took
+ *    every idle moment writes them all); once the tasks stop, all are;
  *  - stop: the worker is busy, the minimum rate off, and the writer is
  *    freed (aoqd stopping): the write in progress completes at once.
  * Each file loads and holds the state's arrays.
@@ -221,13 +227,13 @@ static struct stats stats(struct aoqd_snapshotter *w)
 }
 
 /* The minimum rate off: a chunk is due after a minute. */
-static const struct aoqd_snap_pace idle_only = { 256u << 10, 1, 60000000000ull };
+static const struct aoqd_snap_pace idle_only = { 256u << 10, 1, 60000000000ull, 2000000u };
 
 static void gate(uv_loop_t *loop, struct aoqd_pool *pool, struct aoqd_snapshotter *w, struct aoqd_state *st)
 {
 	struct busy b;
 	struct outcome o;
-	aoqd_snapshotter_set_pace(w, &(struct aoqd_snap_pace){ 64u << 10, 1, 60000000000ull });
+	aoqd_snapshotter_set_pace(w, &(struct aoqd_snap_pace){ 64u << 10, 1, 60000000000ull, 2000000u });
 	struct stats s0 = stats(w);
 	submit(pool, &b, 0);
 	while (aoqd_pool_idle(pool))
@@ -253,7 +259,7 @@ static void guard(uv_loop_t *loop, struct aoqd_pool *pool, struct aoqd_snapshott
 {
 	struct busy b;
 	struct outcome o;
-	aoqd_snapshotter_set_pace(w, &(struct aoqd_snap_pace){ 256u << 10, 16u << 20, 100000000u });
+	aoqd_snapshotter_set_pace(w, &(struct aoqd_snap_pace){ 256u << 10, 16u << 20, 100000000u, 2000000u });
 	struct stats s0 = stats(w);
 	submit(pool, &b, 0);
 	while (aoqd_pool_idle(pool))
@@ -279,21 +285,29 @@ static void guard(uv_loop_t *loop, struct aoqd_pool *pool, struct aoqd_snapshott
 
 struct trainer {
 	struct aoqd_pool *pool;
+	unsigned busy_ms, gap_ms;
 	_Atomic bool stop;
 	unsigned steps;
 };
 
+/* Tasks of busy_ms, gap_ms apart (0: the next submitted as the last one
+ * ends). */
 static void *train(void *arg)
 {
 	struct trainer *t = arg;
 	struct busy b;
 	while (!atomic_load(&t->stop)) {
-		submit(t->pool, &b, 30);
-		wait_done(&b);
-		while (!aoqd_pool_idle(t->pool))
-			;
+		submit(t->pool, &b, t->busy_ms);
+		if (t->gap_ms) {
+			wait_done(&b);
+			while (!aoqd_pool_idle(t->pool))
+				;
+			sleep_ms(t->gap_ms);
+		} else {
+			while (!atomic_load(&b.done))
+				;
+		}
 		t->steps++;
-		sleep_ms(20);
 	}
 	return NULL;
 }
@@ -303,7 +317,7 @@ static void gap(uv_loop_t *loop, struct aoqd_pool *pool, struct aoqd_snapshotter
 	struct outcome o;
 	aoqd_snapshotter_set_pace(w, &idle_only);
 	struct stats s0 = stats(w);
-	struct trainer t = { .pool = pool };
+	struct trainer t = { .pool = pool, .busy_ms = 30, .gap_ms = 20 };
 	pthread_t th;
 	pthread_create(&th, NULL, train, &t);
 	sleep_ms(50);
@@ -319,6 +333,28 @@ static void gap(uv_loop_t *loop, struct aoqd_pool *pool, struct aoqd_snapshotter
 	struct stats s1 = stats(w);
 	EXPECT(s1.forced == s0.forced, "gap: %" PRIu64 " chunks written while the worker was busy",
 	       s1.forced - s0.forced);
+}
+
+static void settle(uv_loop_t *loop, struct aoqd_pool *pool, struct aoqd_snapshotter *w, struct aoqd_state *st)
+{
+	struct outcome o;
+	aoqd_snapshotter_set_pace(w, &(struct aoqd_snap_pace){ 64u << 10, 1, 60000000000ull, 200000000u });
+	struct trainer t = { .pool = pool, .busy_ms = 2 };
+	pthread_t th;
+	pthread_create(&th, NULL, train, &t);
+	sleep_ms(50);
+	struct stats s0 = stats(w);
+	arm(w, st, &o);
+	run_until(loop, &o, 1.0);
+	struct stats s1 = stats(w);
+	atomic_store(&t.stop, true);
+	pthread_join(th, NULL);
+	printf("settle: %" PRIu64 " of 96 chunks written in 1 s of %u back-to-back tasks\n", s1.chunks - s0.chunks,
+	       t.steps);
+	EXPECT(!o.called && s1.chunks == s0.chunks,
+	       "settle: %" PRIu64 " of 96 chunks written between back-to-back tasks", s1.chunks - s0.chunks);
+	EXPECT(run_until(loop, &o, 30), "settle: no snapshot 30 s after the tasks stopped");
+	check_file("settle", &o, st);
 }
 
 static void stop(uv_loop_t *loop, struct aoqd_pool *pool, struct aoqd_snapshotter *w, struct aoqd_state *st)
@@ -357,12 +393,13 @@ int main(void)
 		return 1;
 	}
 	EXPECT(aoqd_pool_idle(pool), "a new pool is not idle");
-	EXPECT(aoqd_pool_wait_idle(pool, 0), "a new pool is not idle");
+	EXPECT(aoqd_pool_wait_idle(pool, 0, NULL), "a new pool is not idle");
 	struct aoqd_state st;
 	make_state(&st);
 	gate(&loop, pool, w, &st);
 	guard(&loop, pool, w, &st);
 	gap(&loop, pool, w, &st);
+	settle(&loop, pool, w, &st);
 	stop(&loop, pool, w, &st);
 	uv_run(&loop, UV_RUN_DEFAULT); /* the writer's handle closes */
 	uv_loop_close(&loop);
