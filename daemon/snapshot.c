@@ -134,7 +134,7 @@ struct aoqd_snapfile {
 	void (*before)(void *arg, uint64_t bytes);
 	void *before_arg;
 	uint64_t wb_off, wb_len; /* the last chunk written: its writeback runs */
-	bool wb_off_unsupported;
+	bool wb_unsupported;
 };
 
 void aoqd_snapfile_free(struct aoqd_snapfile *f)
@@ -510,7 +510,7 @@ void aoqd_snapfile_pace(struct aoqd_snapfile *f, uint64_t chunk, void (*before)(
  * without it (EINVAL, ENOSYS, ESPIPE) write as before. */
 static int write_behind(struct aoqd_snapfile *f, uint64_t off, uint64_t len)
 {
-	if (f->wb_off_unsupported)
+	if (f->wb_unsupported)
 		return 0;
 	int r = sync_file_range(f->fd, (off64_t)off, (off64_t)len, SYNC_FILE_RANGE_WRITE);
 	if (r == 0 && f->wb_len) {
@@ -521,7 +521,7 @@ static int write_behind(struct aoqd_snapfile *f, uint64_t off, uint64_t len)
 	}
 	if (r < 0) {
 		if (errno == EINVAL || errno == ENOSYS || errno == ESPIPE || errno == EOPNOTSUPP) {
-			f->wb_off_unsupported = true;
+			f->wb_unsupported = true;
 			return 0;
 		}
 		return -errno;
@@ -1602,11 +1602,11 @@ struct pacer {
 	uint64_t chunks, forced, waited_ns;
 };
 
-/* aoqd_snapfile_pace's callback: waits for idle workers (settled:
- * AOQD_SNAPSHOT_SETTLE_US)
- * or the chunk's due time ("Pacing"), whichever comes first; at once when
- * aoqd is stopping.  Chunks follow each other at once while no task starts
- * in between.  Waits in slices of 50 ms at most, to notice the stop. */
+/* aoqd_snapfile_pace's callback: waits for idle workers (a newly idle pool
+ * after settle_ns with no task started: AOQD_SNAPSHOT_SETTLE_US) or the
+ * chunk's due time ("Pacing"), whichever comes first; at once when aoqd is
+ * stopping.  Chunks follow each other at once while no task starts in
+ * between.  Waits in slices of 50 ms at most, to notice the stop. */
 static void pace_chunk(void *arg, uint64_t bytes)
 {
 	struct pacer *p = arg;
