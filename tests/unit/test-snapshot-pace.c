@@ -20,6 +20,9 @@
  *    the default 2 ms: this host's scheduler can hold the submitting
  *    thread back a few ms): in 1 s no chunk is written (a writer that took
  *    every idle moment writes them all); once the tasks stop, all are;
+ *  - cache: with the worker idle, 256 KiB chunks: once written, at most
+ *    three chunks of the file are left in the page cache (write-behind;
+ *    skipped on tmpfs, which has no writeback);
  *  - stop: the worker is busy, the minimum rate off, and the writer is
  *    freed (aoqd stopping): the write in progress completes at once.
  * Each file loads and holds the state's arrays.
@@ -31,6 +34,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/vfs.h>
+#include <fcntl.h>
+#include <linux/magic.h>
 #include <time.h>
 #include <unistd.h>
 #include <uv.h>
@@ -357,6 +365,52 @@ static void settle(uv_loop_t *loop, struct aoqd_pool *pool, struct aoqd_snapshot
 	check_file("settle", &o, st);
 }
 
+/* Pages of the file at path in the page cache, and its pages. */
+static void cached(const char *path, size_t *resident, size_t *pages)
+{
+	*resident = *pages = 0;
+	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	struct stat sb;
+	if (fd < 0 || fstat(fd, &sb) < 0 || sb.st_size == 0) {
+		if (fd >= 0)
+			close(fd);
+		return;
+	}
+	size_t page = (size_t)sysconf(_SC_PAGESIZE), len = (size_t)sb.st_size;
+	void *m = mmap(NULL, len, PROT_READ, MAP_SHARED, fd, 0);
+	close(fd);
+	if (m == MAP_FAILED)
+		return;
+	*pages = (len + page - 1) / page;
+	unsigned char *v = calloc(*pages, 1);
+	if (v && mincore(m, len, v) == 0)
+		for (size_t i = 0; i < *pages; i++)
+			*resident += v[i] & 1;
+	free(v);
+	munmap(m, len);
+}
+
+static void cache(uv_loop_t *loop, struct aoqd_pool *pool, struct aoqd_snapshotter *w, struct aoqd_state *st)
+{
+	(void)pool;
+	struct statfs sf;
+	if (statfs(dir, &sf) == 0 && (sf.f_type == TMPFS_MAGIC || sf.f_type == RAMFS_MAGIC)) {
+		printf("cache: skipped (%s is tmpfs: no writeback)\n", dir);
+		return;
+	}
+	struct outcome o;
+	aoqd_snapshotter_set_pace(w, &idle_only);
+	arm(w, st, &o);
+	EXPECT(run_until(loop, &o, 30), "cache: no snapshot in 30 s");
+	size_t resident, pages;
+	cached(o.path, &resident, &pages);
+	size_t page = (size_t)sysconf(_SC_PAGESIZE);
+	printf("cache: %zu of the file's %zu pages in the page cache after the write\n", resident, pages);
+	EXPECT(pages > 0 && resident * page <= 3 * (256u << 10) + 4 * page,
+	       "cache: %zu of %zu pages left in the page cache", resident, pages);
+	check_file("cache", &o, st);
+}
+
 static void stop(uv_loop_t *loop, struct aoqd_pool *pool, struct aoqd_snapshotter *w, struct aoqd_state *st)
 {
 	struct busy b;
@@ -400,6 +454,7 @@ int main(void)
 	guard(&loop, pool, w, &st);
 	gap(&loop, pool, w, &st);
 	settle(&loop, pool, w, &st);
+	cache(&loop, pool, w, &st);
 	stop(&loop, pool, w, &st);
 	uv_run(&loop, UV_RUN_DEFAULT); /* the writer's handle closes */
 	uv_loop_close(&loop);
