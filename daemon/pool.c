@@ -3,6 +3,7 @@
 #include <sched.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "log.h"
 #include "pool.h"
@@ -30,6 +31,13 @@ struct aoqd_pool {
 	struct worker *workers;
 	unsigned *idle; /* worker indexes, the last gone idle on top */
 	unsigned nidle;
+	/* For the snapshot writer (aoqd_pool_wait_idle): tasks running, and
+	 * the threads waiting for none queued or running.  Kept under the
+	 * lock the workers take anyway around each task: no cost added. */
+	unsigned running;
+	uint64_t started; /* tasks, ever */
+	unsigned idle_waiters;
+	pthread_cond_t idle_cond; /* CLOCK_MONOTONIC */
 };
 
 /* Wakes up to n idle workers, the warmest first.  Caller holds the lock. */
@@ -149,9 +157,13 @@ static void *worker_main(void *arg)
 		if (!p->rr_head) /* stop, and nothing left */
 			break;
 		struct aoqd_task *t = take(p);
+		p->running++;
+		p->started++;
 		pthread_mutex_unlock(&p->lock);
 		t->run(t, w->index);
 		pthread_mutex_lock(&p->lock);
+		if (--p->running == 0 && !p->rr_head && p->idle_waiters)
+			pthread_cond_broadcast(&p->idle_cond);
 	}
 	pthread_mutex_unlock(&p->lock);
 	return NULL;
@@ -171,6 +183,11 @@ struct aoqd_pool *aoqd_pool_new(unsigned n, const int *cpus)
 		return NULL;
 	}
 	pthread_mutex_init(&p->lock, NULL);
+	pthread_condattr_t ca;
+	pthread_condattr_init(&ca);
+	pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+	pthread_cond_init(&p->idle_cond, &ca);
+	pthread_condattr_destroy(&ca);
 	for (unsigned i = 0; i < n; i++)
 		pthread_cond_init(&p->workers[i].cond, NULL);
 	for (unsigned i = 0; i < n; i++) {
@@ -203,6 +220,7 @@ void aoqd_pool_free(struct aoqd_pool *p)
 	for (unsigned i = 0; i < p->n; i++)
 		pthread_join(p->workers[i].thread, NULL);
 	pthread_mutex_destroy(&p->lock);
+	pthread_cond_destroy(&p->idle_cond);
 	for (unsigned i = 0; i < p->n; i++)
 		pthread_cond_destroy(&p->workers[i].cond);
 	free(p->workers);
@@ -243,4 +261,32 @@ uint64_t aoqd_pool_queued(struct aoqd_pool *p, struct aoqd_queue *q)
 	uint64_t n = q->queued;
 	pthread_mutex_unlock(&p->lock);
 	return n;
+}
+
+bool aoqd_pool_idle(struct aoqd_pool *p)
+{
+	pthread_mutex_lock(&p->lock);
+	bool idle = !p->rr_head && p->running == 0;
+	pthread_mutex_unlock(&p->lock);
+	return idle;
+}
+
+bool aoqd_pool_wait_idle(struct aoqd_pool *p, uint64_t timeout_ns, uint64_t *started)
+{
+	struct timespec until;
+	clock_gettime(CLOCK_MONOTONIC, &until);
+	uint64_t ns = (uint64_t)until.tv_nsec + timeout_ns % 1000000000u;
+	until.tv_sec += (time_t)(timeout_ns / 1000000000u + ns / 1000000000u);
+	until.tv_nsec = (long)(ns % 1000000000u);
+	pthread_mutex_lock(&p->lock);
+	p->idle_waiters++;
+	int r = 0;
+	while ((p->rr_head || p->running) && r != ETIMEDOUT)
+		r = pthread_cond_timedwait(&p->idle_cond, &p->lock, &until);
+	p->idle_waiters--;
+	bool idle = !p->rr_head && p->running == 0;
+	if (started)
+		*started = p->started;
+	pthread_mutex_unlock(&p->lock);
+	return idle;
 }

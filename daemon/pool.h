@@ -67,4 +67,14 @@ void aoqd_pool_submit(struct aoqd_pool *p, struct aoqd_queue *q, struct aoqd_key
 /* Tasks in q not yet started. */
 uint64_t aoqd_pool_queued(struct aoqd_pool *p, struct aoqd_queue *q);
 
+/* No task queued or running, in any queue. */
+bool aoqd_pool_idle(struct aoqd_pool *p);
+/* Waits until no task is queued or running, at most timeout_ns: true when
+ * that is so on return.  *started (when not NULL): the tasks started so
+ * far, to tell an idle time that went on from a new one.  For the snapshot
+ * writer, which writes while the workers are idle (snapshot.c); the
+ * workers signal it when the last running task ends with none queued,
+ * under the lock they take anyway. */
+bool aoqd_pool_wait_idle(struct aoqd_pool *p, uint64_t timeout_ns, uint64_t *started);
+
 #endif

@@ -273,7 +273,7 @@ int aoqd_server_init(struct aoqd_server *srv, uv_loop_t *loop, const struct aoqd
 	for (unsigned i = 0; pin && i < ncpus; i++)
 		if (i == 0 || i > n)
 			CPU_SET(cpus[i], &spare);
-	srv->snapshotter = aoqd_snapshotter_new(loop, pin ? &spare : NULL);
+	srv->snapshotter = aoqd_snapshotter_new(loop, pin ? &spare : NULL, srv->pool);
 	if (!srv->snapshotter) {
 		aoqd_err("server", "cannot start the snapshot writer: %s", strerror(errno));
 		return -errno;

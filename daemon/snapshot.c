@@ -37,6 +37,7 @@
 #include "aoq-arena.h"
 #include "aoq-config.h"
 #include "log.h"
+#include "pool.h"
 #include "snapshot.h"
 
 /* ---- arrays of a tensor ---- */
@@ -127,6 +128,13 @@ struct aoqd_snapfile {
 	char *dir, *name, *tmp;
 	int fd;
 	uint32_t put;
+	/* The data goes out in chunks (aoqd_snapfile_pace) and each chunk's
+	 * pages leave the page cache once on disk (write_behind). */
+	uint64_t chunk;
+	void (*before)(void *arg, uint64_t bytes);
+	void *before_arg;
+	uint64_t wb_off, wb_len; /* the last chunk written: its writeback runs */
+	bool wb_unsupported;
 };
 
 void aoqd_snapfile_free(struct aoqd_snapfile *f)
@@ -269,6 +277,7 @@ struct aoqd_snapfile *aoqd_snapfile_prepare(const struct aoqd_snap_key *key, uin
 	if (!f)
 		return NULL;
 	f->fd = -1;
+	f->chunk = AOQD_SNAPSHOT_CHUNK;
 	f->n = st->ntensors;
 	f->prec = (enum aoqk_precision)st->precision;
 	f->arrs = calloc(f->n ? f->n : 1, sizeof(*f->arrs));
@@ -490,6 +499,44 @@ int aoqd_snapfile_open(struct aoqd_snapfile *f, const char *dir, struct aoqd_err
 	return 0;
 }
 
+void aoqd_snapfile_pace(struct aoqd_snapfile *f, uint64_t chunk, void (*before)(void *arg, uint64_t bytes), void *arg)
+{
+	f->chunk = chunk ? chunk : AOQD_SNAPSHOT_CHUNK;
+	f->before = before;
+	f->before_arg = arg;
+}
+
+/* After a chunk [off, off + len) of the file is written: its writeback
+ * starts now, and the previous chunk's (started one chunk ago) is waited
+ * for and its pages dropped from the page cache.  So a snapshot leaves at
+ * most two chunks dirty, not the whole file for fsync to flush, and does
+ * not fill the page cache (reclaim on the workers' page faults).  An error
+ * of the writeback fails the snapshot here: sync_file_range reports it
+ * once, and the fsync of the commit would not see it again.  Filesystems
+ * without it (EINVAL, ENOSYS, ESPIPE) write as before. */
+static int write_behind(struct aoqd_snapfile *f, uint64_t off, uint64_t len)
+{
+	if (f->wb_unsupported)
+		return 0;
+	int r = sync_file_range(f->fd, (off64_t)off, (off64_t)len, SYNC_FILE_RANGE_WRITE);
+	if (r == 0 && f->wb_len) {
+		r = sync_file_range(f->fd, (off64_t)f->wb_off, (off64_t)f->wb_len,
+		                    SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER);
+		if (r == 0)
+			posix_fadvise(f->fd, (off_t)f->wb_off, (off_t)f->wb_len, POSIX_FADV_DONTNEED);
+	}
+	if (r < 0) {
+		if (errno == EINVAL || errno == ENOSYS || errno == ESPIPE || errno == EOPNOTSUPP) {
+			f->wb_unsupported = true;
+			return 0;
+		}
+		return -errno;
+	}
+	f->wb_off = off;
+	f->wb_len = len;
+	return 0;
+}
+
 int aoqd_snapfile_put(struct aoqd_snapfile *f, uint32_t i, const struct aoqk_state *a, struct aoqd_error *err)
 {
 	if (i >= f->n)
@@ -502,10 +549,24 @@ int aoqd_snapfile_put(struct aoqd_snapfile *f, uint32_t i, const struct aoqk_sta
 		const void *p = arr_ptr(a, k);
 		if (!p)
 			return AOQD_REFUSE(err, INTERNAL, "snapshot: tensor %u has no %s", i, arr_suffix[k]);
-		x->crc = crc_update((uint32_t)crc32(0, Z_NULL, 0), p, x->len);
-		int r = pwrite_all(f->fd, p, x->len, base + x->off);
-		if (r < 0)
-			return AOQD_REFUSE(err, INTERNAL, "snapshot: writing %s: %s", f->tmp, strerror(-r));
+		/* chunk by chunk: the checksum and the write of each in one
+		 * go (the chunk still in the cache for the write), paced by
+		 * f->before */
+		uint32_t crc = (uint32_t)crc32(0, Z_NULL, 0);
+		for (uint64_t at = 0; at < x->len;) {
+			uint64_t n = x->len - at < f->chunk ? x->len - at : f->chunk;
+			if (f->before)
+				f->before(f->before_arg, n);
+			const uint8_t *q = (const uint8_t *)p + at;
+			crc = crc_update(crc, q, n);
+			int r = pwrite_all(f->fd, q, n, base + x->off + at);
+			if (r == 0)
+				r = write_behind(f, base + x->off + at, n);
+			if (r < 0)
+				return AOQD_REFUSE(err, INTERNAL, "snapshot: writing %s: %s", f->tmp, strerror(-r));
+			at += n;
+		}
+		x->crc = crc;
 		x->written = true;
 	}
 	f->put++;
@@ -1096,6 +1157,10 @@ struct aoqd_snapshotter {
 	uv_async_t async;
 	bool pinned;
 	cpu_set_t cpus;
+	struct aoqd_pool *pool;   /* whose idle times the writes wait for (NULL: none) */
+	struct aoqd_snap_pace pace; /* under lock */
+	_Atomic bool hurry;       /* stopping: the write in progress goes on without waiting */
+	_Atomic uint64_t chunks, forced, waited_ns; /* aoqd_snapshotter_pace_stats */
 };
 
 /* Takes block k of tensor i unless it is taken (with c->lock held; may
@@ -1522,6 +1587,77 @@ void aoqd_snapshot_state_free(struct aoqd_state *st)
 
 /* ---- the writer thread ---- */
 
+/*
+ * Pacing (docs/snapshots.md, "Writing"): the writer writes the file in
+ * chunks (AOQD_SNAPSHOT_CHUNK) and before each waits until no update is
+ * queued or running in the worker pool: in training the workers are idle
+ * during the forward pass and between steps, and the checksum, the copy
+ * into the page cache and the writeback then take no memory bandwidth or
+ * core from an update.  So that a trainer that keeps the workers busy all
+ * the time cannot hold a snapshot back for ever, the wait ends at the time
+ * a minimum rate says the chunk is due: chunk k (B bytes before it) is
+ * written at the latest slack + B / min_rate after the write began, busy
+ * workers or not.  Time written in idle windows counts towards that
+ * schedule: a writer ahead of it never writes while the workers run.
+ */
+
+static uint64_t mono_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+struct pacer {
+	struct aoqd_snapshotter *w;
+	struct aoqd_snap_pace cfg;
+	uint64_t start_ns, bytes;       /* bytes: before the chunk to come */
+	uint64_t started;               /* the pool's tasks started when it was last seen idle */
+	uint64_t chunks, forced, waited_ns;
+};
+
+/* aoqd_snapfile_pace's callback: waits for idle workers (a newly idle pool
+ * after settle_ns with no task started: AOQD_SNAPSHOT_SETTLE_US) or the
+ * chunk's due time ("Pacing"), whichever comes first; at once when aoqd is
+ * stopping.  Chunks follow each other at once while no task starts in
+ * between.  Waits in slices of 50 ms at most, to notice the stop. */
+static void pace_chunk(void *arg, uint64_t bytes)
+{
+	struct pacer *p = arg;
+	struct aoqd_snapshotter *w = p->w;
+	uint64_t t0 = mono_ns();
+	uint64_t due = p->start_ns + p->cfg.slack_ns +
+	               (uint64_t)((double)p->bytes / (double)(p->cfg.min_rate ? p->cfg.min_rate : 1) * 1e9);
+	p->bytes += bytes;
+	p->chunks++;
+	if (w->pool) {
+		for (uint64_t t = t0;; t = mono_ns()) {
+			if (atomic_load_explicit(&w->hurry, memory_order_relaxed))
+				break;
+			uint64_t left = due > t ? due - t : 0, started;
+			bool idle = aoqd_pool_wait_idle(w->pool, left < 50000000u ? left : 50000000u, &started);
+			if (idle && (started == p->started || left == 0)) {
+				p->started = started;
+				break;
+			}
+			if (idle) { /* newly idle: settles */
+				p->started = started;
+				uint64_t ns = left < p->cfg.settle_ns ? left : p->cfg.settle_ns;
+				struct timespec ts = { (time_t)(ns / 1000000000u), (long)(ns % 1000000000u) };
+				nanosleep(&ts, NULL);
+				continue;
+			}
+			if (left == 0) {
+				p->forced++;
+				atomic_fetch_add(&w->forced, 1);
+				break;
+			}
+		}
+		p->waited_ns += mono_ns() - t0;
+	}
+	atomic_fetch_add(&w->chunks, 1);
+}
+
 /* Writer thread: copies every tensor, lets updates go, then writes the
  * copies.  It copies in registration order, the reverse of the order the
  * next step's gradients come (backward, last tensor first): the workers
@@ -1543,6 +1679,12 @@ static void capture_write(struct aoqd_capture *c)
 		}
 	}
 	capture_disarm(c);
+	struct pacer pace = { .w = c->w, .started = UINT64_MAX };
+	pthread_mutex_lock(&c->w->lock);
+	pace.cfg = c->w->pace;
+	pthread_mutex_unlock(&c->w->lock);
+	pace.start_ns = mono_ns();
+	aoqd_snapfile_pace(c->file, pace.cfg.chunk, pace_chunk, &pace);
 	int r = aoqd_snapfile_open(c->file, c->dir, &err);
 	for (uint32_t i = 0; r == 0 && i < c->n; i++) {
 		const struct aoqd_tensor *t = &st->tensors[i];
@@ -1571,6 +1713,12 @@ static void capture_write(struct aoqd_capture *c)
 		c->result = r;
 		snprintf(c->why, sizeof(c->why), "%s", err.msg);
 	}
+	atomic_fetch_add(&c->w->waited_ns, pace.waited_ns);
+	aoqd_debug("snapshot",
+	           "'%s' rank %u: %.1f MiB written in %.2f s, %" PRIu64 " chunks; waited %.1f ms for idle workers, "
+	           "%" PRIu64 " chunks written while they were busy (due by the minimum rate)",
+	           c->key.job, c->key.rank, (double)pace.bytes / (1u << 20), (double)(mono_ns() - pace.start_ns) / 1e9,
+	           pace.chunks, (double)pace.waited_ns / 1e6, pace.forced);
 	aoqd_snapfile_free(c->file); /* removes the temp file if it is still there */
 	c->file = NULL;
 }
@@ -1644,11 +1792,14 @@ static void writer_closed(uv_handle_t *h)
 	free(w);
 }
 
-struct aoqd_snapshotter *aoqd_snapshotter_new(uv_loop_t *loop, const cpu_set_t *cpus)
+struct aoqd_snapshotter *aoqd_snapshotter_new(uv_loop_t *loop, const cpu_set_t *cpus, struct aoqd_pool *pool)
 {
 	struct aoqd_snapshotter *w = calloc(1, sizeof(*w));
 	if (!w)
 		return NULL;
+	w->pool = pool;
+	w->pace = (struct aoqd_snap_pace){ AOQD_SNAPSHOT_CHUNK, AOQD_SNAPSHOT_MIN_RATE, AOQD_SNAPSHOT_SLACK_MS * 1000000ull,
+		                           AOQD_SNAPSHOT_SETTLE_US * 1000ull };
 	pthread_mutex_init(&w->lock, NULL);
 	pthread_cond_init(&w->cond, NULL);
 	w->qtail = &w->queue;
@@ -1683,6 +1834,7 @@ void aoqd_snapshotter_free(struct aoqd_snapshotter *w)
 {
 	if (!w)
 		return;
+	atomic_store(&w->hurry, true);
 	pthread_mutex_lock(&w->lock);
 	w->stop = true;
 	pthread_cond_signal(&w->cond);
@@ -1690,4 +1842,20 @@ void aoqd_snapshotter_free(struct aoqd_snapshotter *w)
 	pthread_join(w->thread, NULL);
 	writer_done(&w->async);
 	uv_close((uv_handle_t *)&w->async, writer_closed);
+}
+
+void aoqd_snapshotter_set_pace(struct aoqd_snapshotter *w, const struct aoqd_snap_pace *pace)
+{
+	pthread_mutex_lock(&w->lock);
+	w->pace = *pace;
+	if (!w->pace.chunk)
+		w->pace.chunk = AOQD_SNAPSHOT_CHUNK;
+	pthread_mutex_unlock(&w->lock);
+}
+
+void aoqd_snapshotter_pace_stats(struct aoqd_snapshotter *w, uint64_t *chunks, uint64_t *forced, uint64_t *waited_ns)
+{
+	*chunks = atomic_load(&w->chunks);
+	*forced = atomic_load(&w->forced);
+	*waited_ns = atomic_load(&w->waited_ns);
 }

@@ -63,6 +63,11 @@ int aoqd_snapfile_open(struct aoqd_snapfile *f, const char *dir, struct aoqd_err
 /* Writes tensor i's arrays (the layout of st->tensors[i].st: master, m,
  * v, scales), in any order of tensors. */
 int aoqd_snapfile_put(struct aoqd_snapfile *f, uint32_t i, const struct aoqk_state *a, struct aoqd_error *err);
+/* The data is written (and checksummed) in chunks of `chunk` bytes (0: the
+ * default, AOQD_SNAPSHOT_CHUNK), before(arg, bytes) called before each
+ * (NULL: none): the writer thread waits there for idle workers. */
+#define AOQD_SNAPSHOT_CHUNK (4u << 20)
+void aoqd_snapfile_pace(struct aoqd_snapfile *f, uint64_t chunk, void (*before)(void *arg, uint64_t bytes), void *arg);
 /* Every tensor put: checksum into the header, fsync, rename over the
  * session key's file, fsync of the directory.  The final path goes to
  * path (len bytes).  On any error the temp file is removed and the
@@ -116,10 +121,41 @@ struct aoqd_snapshotter;
  * or failed (r < 0, why set). */
 typedef void (*aoqd_snapshot_done_fn)(void *arg, int r, const char *path, const char *why);
 
+struct aoqd_pool;
+
 /* The writer thread and its loop-side wake.  NULL with errno set. */
 /* cpus: the cores the writer may run on (those no worker is pinned to), or
- * NULL for any. */
-struct aoqd_snapshotter *aoqd_snapshotter_new(uv_loop_t *loop, const cpu_set_t *cpus);
+ * NULL for any.  pool: the workers whose idle times the writer writes in
+ * (snapshot.c, "Pacing"), or NULL to write at once. */
+struct aoqd_snapshotter *aoqd_snapshotter_new(uv_loop_t *loop, const cpu_set_t *cpus, struct aoqd_pool *pool);
+
+/* How the writer paces itself (snapshot.c, "Pacing"; docs/snapshots.md):
+ * it writes `chunk` bytes at a time, each when the workers are idle, or at
+ * the latest when a minimum rate makes it due: chunk k, B bytes into the
+ * data, slack_ns + B / min_rate after the write began. */
+struct aoqd_snap_pace {
+	uint64_t chunk;    /* bytes; 0: AOQD_SNAPSHOT_CHUNK */
+	uint64_t min_rate; /* bytes per second */
+	uint64_t slack_ns;
+	uint64_t settle_ns; /* a newly idle pool is trusted after this long with no task started */
+};
+/* 64 MiB/s: a 1 G parameter AdamW state (12 GiB) in at most 3.2 min when
+ * the workers never rest; 200 ms: longer than an update of a step's
+ * gradients usually runs, shorter than a person waits for aoqctl. */
+#define AOQD_SNAPSHOT_MIN_RATE (64ull << 20)
+#define AOQD_SNAPSHOT_SLACK_MS 200
+/* Between two jobs of a step (the loop thread turning the next records into
+ * a job, a gradient that arrives a moment later) the pool is idle for
+ * microseconds, and a chunk begun then would run beside the next job's
+ * updates: the writer trusts an idle pool once it stayed idle this long
+ * with no task started; then chunks follow each other while none starts. */
+#define AOQD_SNAPSHOT_SETTLE_US 2000
+/* Tests: sets the pacing of the writes to come. */
+void aoqd_snapshotter_set_pace(struct aoqd_snapshotter *w, const struct aoqd_snap_pace *pace);
+/* Since the writer started: chunks written (counted as each begins), those
+ * written while workers were busy (due by the minimum rate), and the time
+ * spent waiting for idle workers (counted as each snapshot ends). */
+void aoqd_snapshotter_pace_stats(struct aoqd_snapshotter *w, uint64_t *chunks, uint64_t *forced, uint64_t *waited_ns);
 /* Waits for the snapshot being written, fails the queued ones, stops the
  * thread and closes the loop handle (the loop must run once more). */
 void aoqd_snapshotter_free(struct aoqd_snapshotter *w);

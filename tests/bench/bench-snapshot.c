@@ -15,7 +15,9 @@
  *      first one's pages to reuse.
  * Prints the baseline, the steps during the write (mean, median, max), the
  * added time (mean during - mean baseline), the snapshot's seconds and
- * bytes.  Step = every tensor's push (backward order), StepEnd, sync.
+ * bytes, and the writer's pacing from aoqd's debug log (chunks, time waited
+ * for idle workers, chunks the minimum rate forced beside busy ones).
+ * Step = every tensor's push (backward order), StepEnd, sync.
  *
  * --gap MS sleeps that long before each step's first push: the GPU's forward
  * pass, during which the workers are idle and the writer copies (0: the
@@ -42,6 +44,23 @@ static int cmp_d(const void *a, const void *b)
 {
 	double x = *(const double *)a, y = *(const double *)b;
 	return x < y ? -1 : x > y;
+}
+
+/* The writer's line about the last snapshot in aoqd's log: its chunks and
+ * its wait for idle workers (daemon/snapshot.c, "Pacing"). */
+static void writer_log(const char *log)
+{
+	FILE *f = fopen(log, "r");
+	char line[1024], last[1024] = "";
+	while (f && fgets(line, sizeof(line), f))
+		if (strstr(line, "for idle workers"))
+			snprintf(last, sizeof(last), "%s", line);
+	if (f)
+		fclose(f);
+	const char *m = strstr(last, " rank ");
+	m = m ? strchr(m, ':') : NULL;
+	if (m)
+		printf("writer:%s", m + 1);
 }
 
 static void summary(const char *what, double *t, int n)
@@ -119,7 +138,8 @@ int main(int argc, char **argv)
 	}
 	char th[16];
 	snprintf(th, sizeof(th), "%u", threads);
-	const char *args[] = { "--state-dir", dir, threads ? "--threads" : NULL, th, NULL };
+	/* debug: the writer logs its pacing per snapshot (writer_log) */
+	const char *args[] = { "--state-dir", dir, "--log-level", "debug", threads ? "--threads" : NULL, th, NULL };
 	struct aoqt_daemon d;
 	CHECK_OK(aoqt_daemon_start(&d, aoqd, args));
 	struct aoq_options o = AOQ_OPTIONS_INIT;
@@ -222,6 +242,7 @@ int main(int argc, char **argv)
 		       nd > 1 ? (mean(during + 1, nd - 1) - mean(base, nb)) * 1e3 : 0.0);
 		printf("snapshot: %.3f s request to file on disk, %.2f GiB, %.2f GiB/s, %s\n", snap_s,
 		       (double)sb.st_size / (1u << 30), (double)sb.st_size / (1u << 30) / snap_s, rep->snapshot_done->path);
+		writer_log(d.log);
 		unlink(rep->snapshot_done->path);
 		aoq_envelope_free(rep);
 		close(fd);
