@@ -273,7 +273,13 @@ def main():
             p, ref = train_one(c, "q")
             m = c.read_state(0, "exp_avg")
             check(m.dtype == np.float32 and m.shape == (4096,), "q8 read dtype")
-            close(m, ref.m, "q8 exp_avg", rtol=0.05, atol=0.02)
+            # An element's error is up to one quantum (1/8 with 3 mantissa
+            # bits) of the largest value it held, carried through the 0.9
+            # decay into smaller values: about 0.04 for |m| near 0.3.
+            # Measured over 40 sessions (new seed each): the worst element
+            # beyond rtol 5% was 0.0147 median, 0.0267 max (atol 0.02 failed
+            # 3 of 40).
+            close(m, ref.m, "q8 exp_avg", rtol=0.05, atol=0.04)
             # q8 moments are 8-bit floats with 3 mantissa bits, rounded
             # stochastically (seeded per session: a new seed each run), so
             # each step's update of lr 1e-2 may be off by up to about 7.5%:
