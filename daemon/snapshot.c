@@ -1160,6 +1160,7 @@ struct aoqd_snapshotter {
 	struct aoqd_snap_pace pace; /* under lock */
 	_Atomic bool hurry;       /* stopping: the write in progress goes on without waiting */
 	_Atomic uint64_t chunks, forced, waited_ns; /* aoqd_snapshotter_pace_stats */
+	_Atomic uint64_t overlap_ns;                /* writer time beside updates (pacer) */
 };
 
 /* Takes block k of tensor i unless it is taken (with c->lock held; may
@@ -1613,7 +1614,82 @@ struct pacer {
 	uint64_t start_ns, bytes;       /* bytes: before the chunk to come */
 	uint64_t started;               /* the pool's tasks started when it was last seen idle */
 	uint64_t chunks, forced, waited_ns;
+	/* Exposure: chunks during which an update ran (the pool was busy when
+	 * the chunk began, or a task started before it ended) and their time:
+	 * what the writer did beside the workers, measured, not estimated. */
+	uint64_t chunk_t0, chunk_started;
+	bool chunk_busy;
+	uint64_t overlapped, overlap_ns;
 };
+
+/* When the next chunk is due at the latest (the minimum rate). */
+static uint64_t pace_due(const struct pacer *p)
+{
+	return p->start_ns + p->cfg.slack_ns +
+	       (uint64_t)((double)p->bytes / (double)(p->cfg.min_rate ? p->cfg.min_rate : 1) * 1e9);
+}
+
+/* The chunk before now (if any) was written beside an update? */
+static void pace_account(struct pacer *p)
+{
+	if (!p->w->pool || !p->chunk_t0)
+		return;
+	uint64_t started;
+	aoqd_pool_wait_idle(p->w->pool, 0, &started);
+	if (p->chunk_busy || started != p->chunk_started) {
+		p->overlapped++;
+		p->overlap_ns += mono_ns() - p->chunk_t0;
+	}
+	p->chunk_t0 = 0;
+}
+
+/* Waits for idle workers or the due time (pace_chunk); returns whether
+ * the pool is busy as the caller goes on. */
+static bool pace_wait(struct pacer *p, uint64_t due)
+{
+	struct aoqd_snapshotter *w = p->w;
+	uint64_t t0 = mono_ns();
+	bool busy = false;
+	for (uint64_t t = t0;; t = mono_ns()) {
+		if (atomic_load_explicit(&w->hurry, memory_order_relaxed)) {
+			busy = !aoqd_pool_idle(w->pool);
+			break;
+		}
+		uint64_t left = due > t ? due - t : 0, started;
+		bool idle = aoqd_pool_wait_idle(w->pool, left < 50000000u ? left : 50000000u, &started);
+		if (idle && (started == p->started || left == 0)) {
+			p->started = started;
+			break;
+		}
+		if (idle) { /* newly idle: settles */
+			p->started = started;
+			uint64_t ns = left < p->cfg.settle_ns ? left : p->cfg.settle_ns;
+			struct timespec ts = { (time_t)(ns / 1000000000u), (long)(ns % 1000000000u) };
+			nanosleep(&ts, NULL);
+			continue;
+		}
+		if (left == 0) {
+			p->forced++;
+			atomic_fetch_add(&w->forced, 1);
+			busy = true;
+			break;
+		}
+	}
+	p->waited_ns += mono_ns() - t0;
+	return busy;
+}
+
+/* Before work of the writer's that is not a chunk of the file (releasing a
+ * written copy's pages: page-table work and TLB shootdowns that would
+ * interrupt every core running aoqd's threads): idle workers too, up to
+ * the next chunk's due time. */
+static void pace_idle(struct pacer *p)
+{
+	if (!p->w->pool)
+		return;
+	pace_account(p);
+	pace_wait(p, pace_due(p));
+}
 
 /* aoqd_snapfile_pace's callback: waits for idle workers (a newly idle pool
  * after settle_ns with no task started: AOQD_SNAPSHOT_SETTLE_US) or the
@@ -1624,35 +1700,14 @@ static void pace_chunk(void *arg, uint64_t bytes)
 {
 	struct pacer *p = arg;
 	struct aoqd_snapshotter *w = p->w;
-	uint64_t t0 = mono_ns();
-	uint64_t due = p->start_ns + p->cfg.slack_ns +
-	               (uint64_t)((double)p->bytes / (double)(p->cfg.min_rate ? p->cfg.min_rate : 1) * 1e9);
+	uint64_t due = pace_due(p);
 	p->bytes += bytes;
 	p->chunks++;
 	if (w->pool) {
-		for (uint64_t t = t0;; t = mono_ns()) {
-			if (atomic_load_explicit(&w->hurry, memory_order_relaxed))
-				break;
-			uint64_t left = due > t ? due - t : 0, started;
-			bool idle = aoqd_pool_wait_idle(w->pool, left < 50000000u ? left : 50000000u, &started);
-			if (idle && (started == p->started || left == 0)) {
-				p->started = started;
-				break;
-			}
-			if (idle) { /* newly idle: settles */
-				p->started = started;
-				uint64_t ns = left < p->cfg.settle_ns ? left : p->cfg.settle_ns;
-				struct timespec ts = { (time_t)(ns / 1000000000u), (long)(ns % 1000000000u) };
-				nanosleep(&ts, NULL);
-				continue;
-			}
-			if (left == 0) {
-				p->forced++;
-				atomic_fetch_add(&w->forced, 1);
-				break;
-			}
-		}
-		p->waited_ns += mono_ns() - t0;
+		pace_account(p);
+		p->chunk_busy = pace_wait(p, due);
+		p->chunk_started = p->started; /* the count when last seen idle */
+		p->chunk_t0 = mono_ns();
 	}
 	atomic_fetch_add(&w->chunks, 1);
 }
@@ -1698,6 +1753,7 @@ static void capture_write(struct aoqd_capture *c)
 		a.v_scale = REBASE(t->st.v_scale);
 #undef REBASE
 		r = aoqd_snapfile_put(c->file, i, &a, &err);
+		pace_idle(&pace);
 		if (c->swapped) {
 			/* kept for the next swap (capture_finish) */
 			madvise(c->copy[i], c->copy_len[i], MADV_FREE);
@@ -1712,12 +1768,15 @@ static void capture_write(struct aoqd_capture *c)
 		c->result = r;
 		snprintf(c->why, sizeof(c->why), "%s", err.msg);
 	}
+	pace_account(&pace);
 	atomic_fetch_add(&c->w->waited_ns, pace.waited_ns);
+	atomic_fetch_add(&c->w->overlap_ns, pace.overlap_ns);
 	aoqd_debug("snapshot",
 	           "'%s' rank %u: %.1f MiB written in %.2f s, %" PRIu64 " chunks; waited %.1f ms for idle workers, "
-	           "%" PRIu64 " chunks written while they were busy (due by the minimum rate)",
+	           "%" PRIu64 " chunks written while they were busy (due by the minimum rate); %" PRIu64 " chunks "
+	           "overlapped by updates, %.1f ms of writer time beside them",
 	           c->key.job, c->key.rank, (double)pace.bytes / (1u << 20), (double)(mono_ns() - pace.start_ns) / 1e9,
-	           pace.chunks, (double)pace.waited_ns / 1e6, pace.forced);
+	           pace.chunks, (double)pace.waited_ns / 1e6, pace.forced, pace.overlapped, (double)pace.overlap_ns / 1e6);
 	aoqd_snapfile_free(c->file); /* removes the temp file if it is still there */
 	c->file = NULL;
 }

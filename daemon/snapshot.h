@@ -66,7 +66,7 @@ int aoqd_snapfile_put(struct aoqd_snapfile *f, uint32_t i, const struct aoqk_sta
 /* The data is written (and checksummed) in chunks of `chunk` bytes (0: the
  * default, AOQD_SNAPSHOT_CHUNK), before(arg, bytes) called before each
  * (NULL: none): the writer thread waits there for idle workers. */
-#define AOQD_SNAPSHOT_CHUNK (4u << 20)
+#define AOQD_SNAPSHOT_CHUNK (1u << 20)
 void aoqd_snapfile_pace(struct aoqd_snapfile *f, uint64_t chunk, void (*before)(void *arg, uint64_t bytes), void *arg);
 /* Every tensor put: checksum into the header, fsync, rename over the
  * session key's file, fsync of the directory.  The final path goes to
