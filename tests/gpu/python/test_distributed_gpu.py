@@ -8,7 +8,8 @@ DCP save at 2 ranks and load at 1, two daemons, FSDP2 and its DCP round
 trip.  The rank-killed case runs in the CPU suite only: NCCL's watchdog
 aborts the surviving process when a peer dies, so there is no survivor to
 check.  With one GPU both ranks share it over gloo (--one-gpu: DDP, the
-shared state, no_sync, two daemons; FSDP2 and DCP need NCCL and 2 GPUs).
+shared state and its resume after a rank died, no_sync, two daemons; FSDP2
+and DCP need NCCL and 2 GPUs).
 Usage: test_distributed_gpu.py [--cases a,b]; exit 77 without a GPU.
 tests/gpu/python/run.sh runs it."""
 import os
@@ -32,6 +33,7 @@ if __name__ == "__main__":
         # FSDP2 and DCP need NCCL's collectives, so they wait for 2 GPUs.
         argv.append("--one-gpu")
     if not any(a.startswith("--cases") for a in argv):
-        argv += ["--cases", "ddp,shared,nosync,nodes" if one else "ddp,shared,nosync,dcp,nodes,fsdp,fsdp_dcp"]
+        argv += ["--cases", "ddp,shared,shared_resume,nosync,nodes" if one
+                  else "ddp,shared,nosync,dcp,nodes,fsdp,fsdp_dcp"]
     sys.argv = [sys.argv[0], "--device", "cuda"] + argv
     sys.exit(test_distributed.main())
