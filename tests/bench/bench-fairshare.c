@@ -27,7 +27,7 @@
 #define AOQD_PATH "aoqd"
 #endif
 
-#define MAX_T 256
+#define MAX_T 4096
 
 static struct {
 	const char *aoqd;
@@ -38,55 +38,6 @@ static struct {
 	int steps;
 } opt = { AOQD_PATH, 0, 16, 1u << 20, 10, 30 };
 
-struct side {
-	struct aoq_client *c;
-	uint32_t nt;
-	float *p[MAX_T], *g[MAX_T];
-};
-
-static void open_side(struct side *s, const char *sock, const char *job, uint32_t nt, uint64_t n)
-{
-	struct aoq_options o = AOQ_OPTIONS_INIT;
-	o.socket = sock;
-	o.job = job;
-	o.device = "cpu";
-	CHECK_OK(aoq_connect(&s->c, &o));
-	struct aoq_group h = { .size = sizeof(h), .kind = AOQ_ADAMW, .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999,
-	                       .eps = 1e-8, .weight_decay = 0.01 };
-	CHECK_OK(aoq_add_group(s->c, &h));
-	s->nt = nt;
-	for (uint32_t t = 0; t < nt; t++) {
-		s->p[t] = aoqt_xcalloc(n, sizeof(float));
-		s->g[t] = aoqt_xcalloc(n, sizeof(float));
-		for (uint64_t i = 0; i < n; i++)
-			s->g[t][i] = (float)((i % 7) + 1) * 1e-3f;
-		char name[16];
-		snprintf(name, sizeof(name), "t%u", t);
-		struct aoq_tensor td = { .size = sizeof(td), .name = name, .numel = n, .param_dtype = AOQ_FP32,
-		                         .grad_dtype = AOQ_FP32, .group = 0, .param = s->p[t], .grad = s->g[t] };
-		CHECK_OK(aoq_add_tensor(s->c, &td));
-	}
-	CHECK_OK(aoq_register(s->c));
-}
-
-static double step(struct side *s)
-{
-	double t0 = aoqt_now();
-	for (uint32_t t = 0; t < s->nt; t++)
-		CHECK_OK(aoq_push_grad(s->c, t, 0, NULL));
-	CHECK_OK(aoq_step_end(s->c));
-	CHECK_OK(aoq_sync(s->c, NULL));
-	return aoqt_now() - t0;
-}
-
-static void close_side(struct side *s)
-{
-	aoq_close(s->c);
-	for (uint32_t t = 0; t < s->nt; t++) {
-		free(s->p[t]);
-		free(s->g[t]);
-	}
-}
 
 static int cmp_double(const void *a, const void *b)
 {
@@ -106,9 +57,9 @@ static double big_t[100000];
 
 static void *big_main(void *arg)
 {
-	struct side *b = arg;
+	struct aoqt_job *b = arg;
 	while (!atomic_load(&stop)) {
-		double t = step(b);
+		double t = aoqt_job_step(b);
 		int k = atomic_load(&big_n);
 		if (k < (int)(sizeof(big_t) / sizeof(big_t[0])))
 			big_t[k] = t;
@@ -151,9 +102,9 @@ int main(int argc, char **argv)
 	snprintf(thr, sizeof(thr), "%u", opt.threads);
 	const char *args[] = { "--threads", thr, NULL };
 	CHECK_OK(aoqt_daemon_start(&d, opt.aoqd, opt.threads ? args : (const char *[]){ NULL }));
-	static struct side small, big;
-	open_side(&small, d.socket, "small", opt.tensors, opt.elems);
-	open_side(&big, d.socket, "big", opt.tensors, opt.elems * opt.ratio);
+	static struct aoqt_job small, big;
+	aoqt_job_open(&small, d.socket, "small", opt.tensors, opt.elems);
+	aoqt_job_open(&big, d.socket, "big", opt.tensors, opt.elems * opt.ratio);
 	printf("small job %u x %" PRIu64 " elements, big job %u x %" PRIu64 " (%ux), aoqd threads %s\n", opt.tensors,
 	       opt.elems, opt.tensors, opt.elems * opt.ratio, opt.ratio, opt.threads ? thr : "default");
 
@@ -161,20 +112,20 @@ int main(int argc, char **argv)
 	double *alone = aoqt_xcalloc((size_t)n, sizeof(double)), *beside = aoqt_xcalloc((size_t)n, sizeof(double));
 	double big_alone[8];
 	for (int i = 0; i < 3; i++)
-		step(&small);
+		aoqt_job_step(&small);
 	for (int i = 0; i < n; i++)
-		alone[i] = step(&small);
-	step(&big);
+		alone[i] = aoqt_job_step(&small);
+	aoqt_job_step(&big);
 	for (int i = 0; i < 8; i++)
-		big_alone[i] = step(&big);
+		big_alone[i] = aoqt_job_step(&big);
 
 	pthread_t th;
 	CHECK(pthread_create(&th, NULL, big_main, &big) == 0, "thread");
 	while (atomic_load(&big_n) < 1)
-		step(&small); /* the big job is under way */
+		aoqt_job_step(&small); /* the big job is under way */
 	int b0 = atomic_load(&big_n);
 	for (int i = 0; i < n; i++)
-		beside[i] = step(&small);
+		beside[i] = aoqt_job_step(&small);
 	int b1 = atomic_load(&big_n);
 	atomic_store(&stop, true);
 	pthread_join(th, NULL);
@@ -189,8 +140,8 @@ int main(int argc, char **argv)
 	printf("big step alone p50 %.3f ms, beside the small job p50 %.3f ms (%d steps)\n", ba * 1e3, bb * 1e3, nb);
 	printf("small job's latency beside / alone: %.2fx (p50), %.2fx (p90); target <= 2x: %s\n", s50 / a50,
 	       s90 / a90, s50 / a50 <= 2.0 ? "met" : "missed");
-	close_side(&small);
-	close_side(&big);
+	aoqt_job_close(&small);
+	aoqt_job_close(&big);
 	free(alone);
 	free(beside);
 	CHECK(aoqt_daemon_stop(&d, 30000, true) == 0, "aoqd exits cleanly");

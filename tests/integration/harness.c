@@ -1192,3 +1192,52 @@ int aoqt_snapshot(const char *sock, uint64_t id, char *path, size_t len, uint64_
 {
 	return aoqt_snapshot_wait(aoqt_snapshot_ask(sock, id), path, len, step);
 }
+
+void aoqt_job_open(struct aoqt_job *j, const char *sock, const char *job, uint32_t nt, uint64_t n)
+{
+	struct aoq_options o = AOQ_OPTIONS_INIT;
+	o.socket = sock;
+	o.job = job;
+	o.device = "cpu";
+	CHECK_OK(aoq_connect(&j->c, &o));
+	struct aoq_group h = { .size = sizeof(h), .kind = AOQ_ADAMW, .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999,
+	                       .eps = 1e-8, .weight_decay = 0.01 };
+	CHECK_OK(aoq_add_group(j->c, &h));
+	j->nt = nt;
+	j->p = aoqt_xcalloc(nt, sizeof(float *));
+	j->g = aoqt_xcalloc(nt, sizeof(float *));
+	for (uint32_t t = 0; t < nt; t++) {
+		j->p[t] = aoqt_xcalloc(n, sizeof(float));
+		j->g[t] = aoqt_xcalloc(n, sizeof(float));
+		for (uint64_t i = 0; i < n; i++)
+			j->g[t][i] = (float)((i % 7) + 1) * 1e-3f;
+		char name[16];
+		snprintf(name, sizeof(name), "t%u", t);
+		struct aoq_tensor td = { .size = sizeof(td), .name = name, .numel = n, .param_dtype = AOQ_FP32,
+		                         .grad_dtype = AOQ_FP32, .group = 0, .param = j->p[t], .grad = j->g[t] };
+		CHECK_OK(aoq_add_tensor(j->c, &td));
+	}
+	CHECK_OK(aoq_register(j->c));
+}
+
+double aoqt_job_step(struct aoqt_job *j)
+{
+	double t0 = aoqt_now();
+	for (uint32_t t = 0; t < j->nt; t++)
+		CHECK_OK(aoq_push_grad(j->c, t, 0, NULL));
+	CHECK_OK(aoq_step_end(j->c));
+	CHECK_OK(aoq_sync(j->c, NULL));
+	return aoqt_now() - t0;
+}
+
+void aoqt_job_close(struct aoqt_job *j)
+{
+	aoq_close(j->c);
+	for (uint32_t t = 0; t < j->nt; t++) {
+		free(j->p[t]);
+		free(j->g[t]);
+	}
+	free(j->p);
+	free(j->g);
+	memset(j, 0, sizeof(*j));
+}

@@ -128,6 +128,18 @@ void aoqt_victim_step(struct aoqt_victim *v, uint64_t k);
 /* aoq_close and the buffers (the params stay the caller's). */
 void aoqt_victim_close(struct aoqt_victim *v);
 
+/* A trainer of nt fp32 tensors of n elements each (AdamW, host backend)
+ * with fixed gradients: the fair-share test and benchmark.  aoqt_job_step
+ * pushes every tensor, ends the step and syncs; returns its seconds. */
+struct aoqt_job {
+	struct aoq_client *c;
+	uint32_t nt;
+	float **p, **g;
+};
+void aoqt_job_open(struct aoqt_job *j, const char *sock, const char *job, uint32_t nt, uint64_t n);
+double aoqt_job_step(struct aoqt_job *j);
+void aoqt_job_close(struct aoqt_job *j);
+
 /* ---- the daemon -------------------------------------------------------- */
 
 struct aoqt_daemon {

@@ -31,63 +31,15 @@
 #define BIG_N 262144u
 #define STEPS 15
 
-struct side {
-	struct aoq_client *c;
-	int nt;
-	float *p[BIG_T], *g[BIG_T];
-};
-
-static void open_side(struct side *s, const char *sock, const char *job, int nt, uint32_t n)
-{
-	struct aoq_options o = AOQ_OPTIONS_INIT;
-	o.socket = sock;
-	o.job = job;
-	o.device = "cpu";
-	CHECK_OK(aoq_connect(&s->c, &o));
-	struct aoq_group h = { .size = sizeof(h), .kind = AOQ_ADAMW, .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999,
-	                       .eps = 1e-8, .weight_decay = 0.01 };
-	CHECK_OK(aoq_add_group(s->c, &h));
-	s->nt = nt;
-	for (int t = 0; t < nt; t++) {
-		s->p[t] = aoqt_xcalloc(n, sizeof(float));
-		s->g[t] = aoqt_xcalloc(n, sizeof(float));
-		for (uint32_t i = 0; i < n; i++)
-			s->g[t][i] = (float)((i % 7) + 1) * 1e-3f;
-		char name[16];
-		snprintf(name, sizeof(name), "t%d", t);
-		struct aoq_tensor td = { .size = sizeof(td), .name = name, .numel = n, .param_dtype = AOQ_FP32,
-		                         .grad_dtype = AOQ_FP32, .group = 0, .param = s->p[t], .grad = s->g[t] };
-		CHECK_OK(aoq_add_tensor(s->c, &td));
-	}
-	CHECK_OK(aoq_register(s->c));
-}
-
-static void step(struct side *s)
-{
-	for (int t = 0; t < s->nt; t++)
-		CHECK_OK(aoq_push_grad(s->c, (uint32_t)t, 0, NULL));
-	CHECK_OK(aoq_step_end(s->c));
-	CHECK_OK(aoq_sync(s->c, NULL));
-}
-
-static void close_side(struct side *s)
-{
-	aoq_close(s->c);
-	for (int t = 0; t < s->nt; t++) {
-		free(s->p[t]);
-		free(s->g[t]);
-	}
-}
-
 static struct aoqt_daemon d;
 static atomic_bool stop;
 static atomic_uint big_steps;
 
 static void *big_main(void *arg)
 {
-	struct side *b = arg;
+	struct aoqt_job *b = arg;
 	while (!atomic_load(&stop)) {
-		step(b);
+		aoqt_job_step(b);
 		atomic_fetch_add(&big_steps, 1);
 	}
 	return NULL;
@@ -125,27 +77,27 @@ int main(int argc, char **argv)
 	const char *exe = aoqt_aoqd_path(argc, argv);
 	const char *args[] = { "--threads", "1", NULL };
 	CHECK_OK(aoqt_daemon_start(&d, exe, args));
-	static struct side small, big;
-	open_side(&small, d.socket, "small", SMALL_T, SMALL_N);
-	open_side(&big, d.socket, "big", BIG_T, BIG_N);
+	static struct aoqt_job small, big;
+	aoqt_job_open(&small, d.socket, "small", SMALL_T, SMALL_N);
+	aoqt_job_open(&big, d.socket, "big", BIG_T, BIG_N);
 
 	double alone[STEPS], shared[STEPS], big_elems[STEPS];
 	for (int i = 0; i < 3; i++)
-		step(&small);
+		aoqt_job_step(&small);
 	for (int i = 0; i < STEPS; i++) {
 		double t0 = aoqt_now();
-		step(&small);
+		aoqt_job_step(&small);
 		alone[i] = aoqt_now() - t0;
 	}
 
 	pthread_t th;
 	CHECK(pthread_create(&th, NULL, big_main, &big) == 0, "thread");
 	while (atomic_load(&big_steps) < 1)
-		step(&small); /* the big job is under way */
+		aoqt_job_step(&small); /* the big job is under way */
 	for (int i = 0; i < STEPS; i++) {
 		uint64_t c0 = chunks_of("big");
 		double t0 = aoqt_now();
-		step(&small);
+		aoqt_job_step(&small);
 		shared[i] = aoqt_now() - t0;
 		uint64_t c1 = chunks_of("big");
 		/* one worker: a 256 Ki tensor is one chunk */
@@ -161,8 +113,8 @@ int main(int argc, char **argv)
 	       a * 1e3, s * 1e3, s / a, be, be / small_elems, small_elems, atomic_load(&big_steps));
 	CHECK(be <= 2.5 * small_elems, "the big job ran %.0f elements during a small step of %.0f (median): more "
 	      "than its fair share and the slop around it", be, small_elems);
-	close_side(&small);
-	close_side(&big);
+	aoqt_job_close(&small);
+	aoqt_job_close(&big);
 	CHECK(aoqt_daemon_stop(&d, 10000, true) == 0, "aoqd exits cleanly");
 	printf("ok\n");
 	return 0;

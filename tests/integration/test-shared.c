@@ -152,6 +152,34 @@ static void push_step(struct rank *ranks, uint32_t n, uint64_t k, int ntensors)
 
 static float *init_vals[NT];
 
+/* The last half of step k's tensors (backward order) pushed by one rank; a
+ * forked child's, so errors are returned, not checked. */
+static int push_half(struct rank *me, uint64_t k)
+{
+	for (int t = NT - 1; t >= NT / 2; t--) {
+		fill_grad(me, t, k, 0);
+		if (aoq_push_grad(me->c, (uint32_t)t, 0, NULL) < 0 || aoq_grad_copied(me->c, (uint32_t)t) < 0)
+			return -1;
+	}
+	return 0;
+}
+
+/* Masters and moments read through rank r (all of them: reads are not
+ * sliced) equal the single session ref's, bit for bit. */
+static void same_state(const struct rank *r, const struct rank *ref, const char *what)
+{
+	for (int t = 0; t < NT; t++)
+		for (int k = AOQ_MASTER; k <= AOQ_EXP_AVG_SQ; k++) {
+			float *a = aoqt_xmalloc(desc[t].n * 4), *b = aoqt_xmalloc(desc[t].n * 4);
+			CHECK_OK(aoq_read_state(r->c, (uint32_t)t, k, AOQ_FP32, 0, desc[t].n, a));
+			CHECK_OK(aoq_read_state(ref->c, (uint32_t)t, k, AOQ_FP32, 0, desc[t].n, b));
+			CHECK(memcmp(a, b, desc[t].n * 4) == 0, "%s: tensor %d state %d differs from the single session's",
+			      what, t, k);
+			free(a);
+			free(b);
+		}
+}
+
 static const Aoq__SessionStats *find_row(const Aoq__Stats *st, const char *job, uint32_t rank)
 {
 	for (size_t i = 0; i < st->n_sessions; i++)
@@ -194,16 +222,7 @@ static void test_bitexact(const struct aoqt_daemon *d, uint32_t world)
 	}
 	/* The masters and moments, read from the last rank (all of them:
 	 * reads are not sliced). */
-	for (int t = 0; t < NT; t++)
-		for (int what = AOQ_MASTER; what <= AOQ_EXP_AVG_SQ; what++) {
-			float *a = aoqt_xmalloc(desc[t].n * 4), *b = aoqt_xmalloc(desc[t].n * 4);
-			CHECK_OK(aoq_read_state(ranks[world - 1].c, (uint32_t)t, what, AOQ_FP32, 0, desc[t].n, a));
-			CHECK_OK(aoq_read_state(ref.c, (uint32_t)t, what, AOQ_FP32, 0, desc[t].n, b));
-			CHECK(memcmp(a, b, desc[t].n * 4) == 0, "world %u tensor %d state %d differs from the single session's",
-			      world, t, what);
-			free(a);
-			free(b);
-		}
+	same_state(&ranks[world - 1], &ref, world == 2 ? "world 2" : "world 3");
 	/* Host memory of one replica. */
 	Aoq__Envelope *env = NULL;
 	CHECK_OK(aoqt_stats(d->socket, &env));
@@ -330,11 +349,8 @@ static void test_disconnect(const struct aoqt_daemon *d)
 		}
 		if (aoq_step_end(me.c) < 0 || aoq_sync(me.c, NULL) < 0)
 			_exit(4);
-		for (int t = NT - 1; t >= NT / 2; t--) {
-			fill_grad(&me, t, 2, 0);
-			if (aoq_push_grad(me.c, (uint32_t)t, 0, NULL) < 0 || aoq_grad_copied(me.c, (uint32_t)t) < 0)
-				_exit(5);
-		}
+		if (push_half(&me, 2) < 0)
+			_exit(5);
 		char x = 1;
 		if (write(go[1], &x, 1) != 1 || read(back[0], &x, 1) != 1)
 			_exit(6);
@@ -441,11 +457,8 @@ static void test_lease(const struct aoqt_daemon *d)
 			if (aoq_step_end(me.c) < 0 || aoq_sync(me.c, NULL) < 0)
 				_exit(3);
 		}
-		for (int t = NT - 1; t >= NT / 2; t--) {
-			fill_grad(&me, t, 3, 0);
-			if (aoq_push_grad(me.c, (uint32_t)t, 0, NULL) < 0 || aoq_grad_copied(me.c, (uint32_t)t) < 0)
-				_exit(5);
-		}
+		if (push_half(&me, 3) < 0)
+			_exit(5);
 		char x = 1;
 		if (write(go[1], &x, 1) != 1 || read(back[0], &x, 1) != 1)
 			_exit(6);
@@ -517,16 +530,7 @@ static void test_lease(const struct aoqt_daemon *d)
 			CHECK_OK(aoq_sync(g[q].c, NULL));
 		check_params(g, 2, &ref, "after the resume", k);
 	}
-	for (int t = 0; t < NT; t++)
-		for (int what = AOQ_MASTER; what <= AOQ_EXP_AVG_SQ; what++) {
-			float *a = aoqt_xmalloc(desc[t].n * 4), *b = aoqt_xmalloc(desc[t].n * 4);
-			CHECK_OK(aoq_read_state(g[1].c, (uint32_t)t, what, AOQ_FP32, 0, desc[t].n, a));
-			CHECK_OK(aoq_read_state(ref.c, (uint32_t)t, what, AOQ_FP32, 0, desc[t].n, b));
-			CHECK(memcmp(a, b, desc[t].n * 4) == 0, "lease: tensor %d state %d differs from the single session's",
-			      t, what);
-			free(a);
-			free(b);
-		}
+	same_state(&g[1], &ref, "lease");
 	printf("lease: rank 1 lost in step 3, the group's state leased at step %" PRIu64 ", resumed by a new group, "
 	       "bit-exact with one session to step %d\n", last, NSTEPS);
 	close_rank(&ref);

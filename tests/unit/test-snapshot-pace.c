@@ -46,16 +46,7 @@
 #include "pool.h"
 #include "snapshot.h"
 
-static int failures;
-#define EXPECT(c, ...)                                                            \
-	do {                                                                      \
-		if (!(c)) {                                                       \
-			fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #c); \
-			fprintf(stderr, __VA_ARGS__);                             \
-			fputc('\n', stderr);                                      \
-			failures++;                                               \
-		}                                                                 \
-	} while (0)
+#include "expect.h"
 
 #define NT 2
 #define NUMEL (256u * 1024) /* per tensor: 3 MiB of fp32 AdamW state */

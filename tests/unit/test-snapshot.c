@@ -23,16 +23,7 @@
 
 #include "snapshot.h"
 
-static int failures;
-#define EXPECT(c, ...)                                                            \
-	do {                                                                      \
-		if (!(c)) {                                                       \
-			fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #c); \
-			fprintf(stderr, __VA_ARGS__);                             \
-			fputc('\n', stderr);                                      \
-			failures++;                                               \
-		}                                                                 \
-	} while (0)
+#include "expect.h"
 
 static uint64_t rs;
 static uint64_t rnd(void)
