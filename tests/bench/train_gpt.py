@@ -326,7 +326,7 @@ def _dist_rank(rank, mode, args, socket, store, out):
         from aoq.torch import OffloadOptimizer
         st = opt_kind.split("-")[-1]
         kw = dict(lr=args.lr, weight_decay=0.1, socket=socket, grad_accumulation_steps=args.grad_accum,
-                  job="bench-%s" % mode)
+                  job="bench-%s" % mode, lease=None if args.lease else 0)   # as the single-rank modes
         if st == "q8":
             kw["state_precision"] = "q8"
         if st == "bf16":
