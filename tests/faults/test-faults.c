@@ -461,32 +461,6 @@ static const Aoq__SessionStats *wait_state(Aoq__Envelope **e, const char *job, c
 	}
 }
 
-static int drop(const char *path, uint64_t id, char *msg, size_t len)
-{
-	int fd = aoqt_raw_connect(path);
-	if (fd < 0)
-		return fd;
-	int r = aoqt_raw_hello(fd, "aoqctl", 0, true, NULL);
-	if (r == 0) {
-		Aoq__DropRequest m = AOQ__DROP_REQUEST__INIT;
-		m.session = id;
-		Aoq__Envelope env = AOQ__ENVELOPE__INIT, *rep = NULL;
-		env.msg_case = AOQ__ENVELOPE__MSG_DROP_REQUEST;
-		env.drop_request = &m;
-		char *em = NULL;
-		r = aoq_call(fd, &env, &rep, &em);
-		if (em)
-			snprintf(msg, len, "%s", em);
-		free(em);
-		if (r == 0 && rep->msg_case != AOQ__ENVELOPE__MSG_DONE)
-			r = -EPROTO;
-		if (r == 0)
-			aoq_envelope_free(rep);
-	}
-	close(fd);
-	return r;
-}
-
 /* ---- case layout ---- */
 
 static void case_layout(void)
@@ -575,10 +549,10 @@ static void case_drop(void)
 	const Aoq__SessionStats *s = wait_state(&e, "drp", "leased");
 	uint64_t id = s->id;
 	char msg[256] = "";
-	CHECK_OK(drop(daemon_.socket, id, msg, sizeof(msg)));
+	CHECK_OK(aoqt_drop(daemon_.socket, id, msg, sizeof(msg)));
 	wait_state(&e, "drp", NULL);
 	aoq_envelope_free(e);
-	CHECK(drop(daemon_.socket, id, msg, sizeof(msg)) == -ENOENT, "drop twice: '%s'", msg);
+	CHECK(aoqt_drop(daemon_.socket, id, msg, sizeof(msg)) == -ENOENT, "drop twice: '%s'", msg);
 	/* The next trainer of the key starts afresh. */
 	struct trainer tr;
 	CHECK_OK(trainer_open(&tr, "drp", AOQ_STATE_Q8, 0));
@@ -586,7 +560,7 @@ static void case_drop(void)
 	/* A live session: dropped, its trainer sees an error, no lease. */
 	e = NULL;
 	s = wait_state(&e, "drp", "training");
-	CHECK_OK(drop(daemon_.socket, s->id, msg, sizeof(msg)));
+	CHECK_OK(aoqt_drop(daemon_.socket, s->id, msg, sizeof(msg)));
 	aoq_envelope_free(e);
 	int r = 0;
 	for (int i = 0; i < 100 && r == 0; i++)
@@ -630,7 +604,7 @@ static int uid_main(char **argv)
 	snprintf(daemon_.socket, sizeof(daemon_.socket), "%s", argv[0]);
 	uint64_t id = strtoull(argv[1], NULL, 10);
 	char msg[256] = "";
-	int r = drop(daemon_.socket, id, msg, sizeof(msg));
+	int r = aoqt_drop(daemon_.socket, id, msg, sizeof(msg));
 	CHECK(r == -ENOENT, "uid: another uid's drop: %d '%s'", r, msg);
 	Aoq__Envelope *e = NULL;
 	CHECK_OK(aoqt_stats(daemon_.socket, &e));

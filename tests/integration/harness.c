@@ -1241,3 +1241,29 @@ void aoqt_job_close(struct aoqt_job *j)
 	free(j->g);
 	memset(j, 0, sizeof(*j));
 }
+
+int aoqt_drop(const char *path, uint64_t id, char *msg, size_t len)
+{
+	int fd = aoqt_raw_connect(path);
+	if (fd < 0)
+		return fd;
+	int r = aoqt_raw_hello(fd, "aoqctl", 0, true, NULL);
+	if (r == 0) {
+		Aoq__DropRequest m = AOQ__DROP_REQUEST__INIT;
+		m.session = id;
+		Aoq__Envelope env = AOQ__ENVELOPE__INIT, *rep = NULL;
+		env.msg_case = AOQ__ENVELOPE__MSG_DROP_REQUEST;
+		env.drop_request = &m;
+		char *em = NULL;
+		r = aoq_call(fd, &env, &rep, &em);
+		if (em)
+			snprintf(msg, len, "%s", em);
+		free(em);
+		if (r == 0 && rep->msg_case != AOQ__ENVELOPE__MSG_DONE)
+			r = -EPROTO;
+		if (r == 0)
+			aoq_envelope_free(rep);
+	}
+	close(fd);
+	return r;
+}

@@ -265,6 +265,8 @@ int aoqt_send_msg(int fd, Aoq__Envelope__MsgCase c, void *msg);
 int aoqt_snapshot_ask(const char *sock, uint64_t id);
 int aoqt_snapshot_wait(int fd, char *path, size_t len, uint64_t *step);
 int aoqt_snapshot(const char *sock, uint64_t id, char *path, size_t len, uint64_t *step);
+/* What aoqctl drop sends: 0, or -errno with the Error's message in msg. */
+int aoqt_drop(const char *sock, uint64_t id, char *msg, size_t len);
 
 /*
  * Reads until EOF (or timeout).  Returns the ErrorCode of the first Error

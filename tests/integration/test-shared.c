@@ -30,7 +30,9 @@
  *   local_world 2); aoqd is killed (SIGKILL) in the middle of step 4 and
  *   restarted on the same state_dir: the group's state is leased again, a
  *   new group of 2 resumes it at step 3 and trains to step 5 bit-exact with
- *   a single session that was never interrupted.
+ *   a single session that was never interrupted.  Before that, aoqctl drop
+ *   of the restored group makes a new group start afresh, and the next
+ *   start restores the file again.
  * - hostile: a raw member posts a record in another rank's slice: it gets
  *   BAD_RECORD, the libaoq rank PEER_LOST.
  */
@@ -642,6 +644,28 @@ static int test_restart(const char *exe)
 	uint32_t world = 0;
 	CHECK(group_leased(&d, job, &last, &world) && last == 3 && world == 2,
 	      "after the restart: the group's state is not leased at step 3 (%" PRIu64 ", local world %u)", last, world);
+	/* aoqctl drop ends the restored group's lease: a new group starts
+	 * afresh (the file stays, and the next start restores it again). */
+	CHECK_OK(aoqt_stats(d.socket, &env));
+	row = find_row(env->stats, job, UINT32_MAX);
+	CHECK(row, "no row of the leased group");
+	uint64_t leased_id = row->id;
+	aoq_envelope_free(env);
+	char msg[256] = "";
+	CHECK(aoqt_drop(d.socket, leased_id, msg, sizeof(msg)) == 0, "drop of the leased group: %s", msg);
+	CHECK(!group_leased(&d, job, &last, &world), "the group is still leased after its drop");
+	for (uint32_t q = 0; q < 2; q++) {
+		CHECK_OK(open_rank(&g[q], d.socket, job, 2, q, desc, init_vals));
+		CHECK(aoq_resumed(g[q].c, NULL) == 0, "rank %u resumed a dropped group", q);
+	}
+	for (uint32_t q = 0; q < 2; q++)
+		close_rank(&g[q]);
+	CHECK(kill(d.pid, SIGKILL) == 0, "kill");
+	aoqt_daemon_stop(&d, 10000, true);
+	CHECK_OK(aoqt_daemon_start(&d, exe, args));
+	CHECK(group_leased(&d, job, &last, &world) && last == 3 && world == 2,
+	      "after the second restart: the group's state is not leased at step 3 (%" PRIu64 ", local world %u)", last,
+	      world);
 	for (uint32_t q = 0; q < 2; q++) {
 		CHECK_OK(open_rank(&g[q], d.socket, job, 2, q, desc, init_vals));
 		uint64_t at = 0;

@@ -149,10 +149,19 @@ def case_ddp(rank, ws, env):
         o.close()
 
 
+def _aoqctl():
+    """aoqctl: $AOQCTL, else the build tree's (meson sets AOQCTL for the tests)."""
+    path = os.environ.get("AOQCTL") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..",
+                                                    "build", "client", "tools", "aoqctl")
+    if not os.access(path, os.X_OK):
+        raise RuntimeError("aoqctl not found at %s: set AOQCTL to the built client/tools/aoqctl" % path)
+    return path
+
+
 def _stats_rows(sock):
     import json
     import subprocess
-    out = subprocess.run([os.environ["AOQCTL"], "--socket", sock, "stats", "--json"], capture_output=True, text=True,
+    out = subprocess.run([_aoqctl(), "--socket", sock, "stats", "--json"], capture_output=True, text=True,
                          check=True).stdout
     return json.loads(out)["sessions"]
 
@@ -192,7 +201,7 @@ def case_shared(rank, ws, env):
                 "%s: group fields %r / %r" % (what, gs, single[0]["group"])
             assert len({g["id"] for g in gs}) == 1 and sorted(g["local_rank"] for g in gs) == list(range(ws)) \
                 and sum(g["owner"] for g in gs) == 1, "%s: group fields %r" % (what, gs)
-            table = subprocess.run([os.environ["AOQCTL"], "--socket", env["socket"], "sessions"],
+            table = subprocess.run([_aoqctl(), "--socket", env["socket"], "sessions"],
                                    capture_output=True, text=True, check=True).stdout
             assert "GROUP" in table and ("%d:0/%d" % (gs[0]["id"], ws)) in table, table
             held = sum(r["state_bytes"] for r in group)
@@ -425,7 +434,7 @@ def case_shared_resume(rank, ws, env):
     assert o.resumed_step == 2, "rank %d: resumed_step %r" % (rank, o.resumed_step)
     assert any("resumed job %s" % job in str(x.message) for x in w), [str(x.message) for x in w]
     if rank == 0:
-        table = subprocess.run([os.environ["AOQCTL"], "--socket", env["socket"], "sessions"],
+        table = subprocess.run([_aoqctl(), "--socket", env["socket"], "sessions"],
                                capture_output=True, text=True, check=True).stdout
         assert " group " not in table, "the leased group is still listed after the resume:\n" + table
     train(m, o, rank, dev, STEPS - 2, start=2)
@@ -637,7 +646,7 @@ def main():
                             break
                         time.sleep(0.05)
                     assert len(leased) == 1 and leased[0]["last_step"] == 2, rows
-                    table = subprocess.run([os.environ["AOQCTL"], "--socket", d.socket, "sessions"],
+                    table = subprocess.run([_aoqctl(), "--socket", d.socket, "sessions"],
                                            capture_output=True, text=True, check=True).stdout
                     assert " group " in table and "leased" in table, table
                     print(table)
