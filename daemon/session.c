@@ -173,13 +173,13 @@ static struct aoqd_session *hub_new(struct aoqd_session *s)
 	return h;
 }
 
-static void hub_unlink(struct aoqd_session *h)
+/* Takes h off the hub list; the list's reference is the caller's now. */
+static void hub_detach(struct aoqd_session *h)
 {
 	for (struct aoqd_session **p = &h->srv->hubs; *p; p = &(*p)->next)
 		if (*p == h) {
 			*p = h->next;
 			h->next = NULL;
-			aoqd_session_unref(h); /* the list's */
 			return;
 		}
 }
@@ -196,16 +196,11 @@ static void lease_settle(struct aoqd_session *s);
 static void group_gone(struct aoqd_session *h)
 {
 	uint64_t lease = h->rep->lost ? lease_for(h) : 0;
+	hub_detach(h);
 	if (!lease) {
-		hub_unlink(h);
+		aoqd_session_unref(h); /* the hub list's */
 		return;
 	}
-	for (struct aoqd_session **p = &h->srv->hubs; *p; p = &(*p)->next)
-		if (*p == h) {
-			*p = h->next;
-			h->next = NULL;
-			break;
-		}
 	link_session(h); /* the hub list's reference is the session list's now */
 	h->state = AOQD_LEASED;
 	h->lease_until = aoqd_now_ns() + lease;
@@ -318,7 +313,9 @@ static void group_fail_others(struct aoqd_session *m)
  * read state, and get PEER_LOST at their next record or StepEnd.  Any other
  * leave fails the others now; the group's workers stop, so no member waits
  * on an update that will not come.  The group's state goes with its last
- * member: no member has a lease, so a partial step is never kept. */
+ * member, unless a lost trainer (LEAVE_LOST) broke a group with a lease
+ * (group_gone: the open step is rolled back), so a partial step is never
+ * kept. */
 enum leave { LEAVE_BYE, LEAVE_LOST, LEAVE_FAILED };
 
 static void group_leave(struct aoqd_session *m, enum leave how)
