@@ -645,7 +645,9 @@ static void session_close(struct aoqd_session *s)
 	s->state = AOQD_CLOSING;
 	group_close(s); /* a replica group's member */
 	trace_finish(s); /* what was recorded goes out */
-	if (aoqd_snapshot_pending_boundary(&s->st) != UINT64_MAX) {
+	if (aoqd_snapshot_preparing(&s->st)) {
+		aoqd_snapshot_cancel(&s->st, "session closed");
+	} else if (aoqd_snapshot_pending_boundary(&s->st) != UINT64_MAX) {
 		char why[160];
 		snprintf(why, sizeof(why), "session %" PRIu64 " closed before step %" PRIu64 " ended", s->id,
 		         aoqd_snapshot_pending_boundary(&s->st));

@@ -1132,6 +1132,13 @@ struct aoqd_capture {
 	 * with the state. */
 	void **spare;
 	size_t *spare_len;
+	/* aoqd_snapshot_prepare: the writer is touching the spares (loop
+	 * thread; the writer owns spare[] meanwhile), its stop and outcome */
+	bool prep;
+	_Atomic bool prep_cancel;
+	int prep_result;
+	aoqd_snapshot_prep_fn prep_fn;
+	void *prep_arg;
 	uint64_t *steps;        /* per tensor: steps at the boundary */
 	uint64_t boundary;
 	bool armed, ready;      /* loop thread */
@@ -1242,21 +1249,28 @@ static void capture_release(struct aoqd_capture *c)
 	c->n = 0;
 }
 
+/* The spare table for n tensors, if there is none. */
+static bool spares_alloc(struct aoqd_capture *c, uint32_t n)
+{
+	if (c->spare)
+		return true;
+	c->spare = calloc(n ? n : 1, sizeof(void *));
+	c->spare_len = calloc(n ? n : 1, sizeof(size_t));
+	if (c->spare && c->spare_len)
+		return true;
+	free(c->spare);
+	free(c->spare_len);
+	c->spare = NULL;
+	c->spare_len = NULL;
+	return false;
+}
+
 /* The swap's copies become the spares (loop thread; the writer is done with
  * them). */
 static void keep_spares(struct aoqd_capture *c)
 {
-	if (!c->spare) {
-		c->spare = calloc(c->n ? c->n : 1, sizeof(void *));
-		c->spare_len = calloc(c->n ? c->n : 1, sizeof(size_t));
-		if (!c->spare || !c->spare_len) {
-			free(c->spare);
-			free(c->spare_len);
-			c->spare = NULL;
-			c->spare_len = NULL;
-			return;
-		}
-	}
+	if (!spares_alloc(c, c->n))
+		return;
 	for (uint32_t i = 0; i < c->n; i++) {
 		if (!c->copy[i])
 			continue;
@@ -1317,23 +1331,44 @@ static int capture_blocks(struct aoqd_capture *c)
 	return 0;
 }
 
+/* The state's capture, made on first use (NULL: no memory). */
+static struct aoqd_capture *capture_get(struct aoqd_state *st)
+{
+	if (!st->snap) {
+		struct aoqd_capture *c = calloc(1, sizeof(*c));
+		if (!c)
+			return NULL;
+		pthread_mutex_init(&c->lock, NULL);
+		pthread_cond_init(&c->cond, NULL);
+		c->st = st;
+		st->snap = c;
+	}
+	return st->snap;
+}
+
+/* Whether a capture of st can be an undo swap: every tensor has its undo
+ * copy on pages of its own. */
+static bool swap_possible(const struct aoqd_state *st)
+{
+	long page = sysconf(_SC_PAGESIZE);
+	bool swap = st->undo && st->ntensors > 0;
+	for (uint32_t i = 0; i < st->ntensors && swap; i++) {
+		const struct aoqd_tensor *t = &st->tensors[i];
+		swap = t->undo_off && t->undo_off % (uint64_t)page == 0 && t->state_len > t->undo_off;
+	}
+	return swap;
+}
+
 int aoqd_snapshot_arm(struct aoqd_snapshotter *w, struct aoqd_state *st, const struct aoqd_snap_key *key,
                       const char *dir, uint64_t boundary, bool ready, aoqd_snapshot_done_fn done, void *arg,
                       struct aoqd_error *err)
 {
 	if (!dir || !*dir)
 		return AOQD_REFUSE(err, INVALID, "snapshots are off (no state_dir)");
-	if (!st->snap) {
-		struct aoqd_capture *c = calloc(1, sizeof(*c));
-		if (!c)
-			return AOQD_REFUSE(err, NO_MEMORY, "out of memory");
-		pthread_mutex_init(&c->lock, NULL);
-		pthread_cond_init(&c->cond, NULL);
-		c->st = st;
-		st->snap = c;
-	}
-	struct aoqd_capture *c = st->snap;
-	if (c->armed)
+	struct aoqd_capture *c = capture_get(st);
+	if (!c)
+		return AOQD_REFUSE(err, NO_MEMORY, "out of memory");
+	if (c->armed || c->prep)
 		return AOQD_REFUSE(err, BUSY, "a snapshot of this session is being taken");
 	uint32_t n = st->ntensors;
 	c->first = calloc((size_t)n + 1, sizeof(uint64_t));
@@ -1346,12 +1381,7 @@ int aoqd_snapshot_arm(struct aoqd_snapshotter *w, struct aoqd_state *st, const s
 		return AOQD_REFUSE(err, NO_MEMORY, "out of memory");
 	}
 	c->n = n;
-	long page = sysconf(_SC_PAGESIZE);
-	c->swap = st->undo && n > 0;
-	for (uint32_t i = 0; i < n && c->swap; i++) {
-		const struct aoqd_tensor *t = &st->tensors[i];
-		c->swap = t->undo_off && t->undo_off % (uint64_t)page == 0 && t->state_len > t->undo_off;
-	}
+	c->swap = swap_possible(st);
 	if (!c->swap && capture_blocks(c) < 0) {
 		capture_release(c);
 		return AOQD_REFUSE(err, NO_MEMORY, "snapshot: no memory for a copy of the state");
@@ -1550,6 +1580,10 @@ void aoqd_snapshot_tick(struct aoqd_state *st, bool idle)
 void aoqd_snapshot_cancel(struct aoqd_state *st, const char *why)
 {
 	struct aoqd_capture *c = st->snap;
+	if (c && c->prep) {
+		atomic_store(&c->prep_cancel, true); /* prep_fn follows */
+		return;
+	}
 	if (!c || !c->armed || (c->ready && !c->swap_wait))
 		return;
 	capture_fail_now(c, -ECANCELED, why);
@@ -1557,7 +1591,36 @@ void aoqd_snapshot_cancel(struct aoqd_state *st, const char *why)
 
 bool aoqd_snapshot_busy(const struct aoqd_state *st)
 {
-	return st->snap && st->snap->armed;
+	return st->snap && (st->snap->armed || st->snap->prep);
+}
+
+bool aoqd_snapshot_preparing(const struct aoqd_state *st)
+{
+	return st->snap && st->snap->prep;
+}
+
+int aoqd_snapshot_prepare(struct aoqd_snapshotter *w, struct aoqd_state *st, aoqd_snapshot_prep_fn fn, void *arg)
+{
+	if (!swap_possible(st))
+		return 0;
+	struct aoqd_capture *c = capture_get(st);
+	if (!c || !spares_alloc(c, st->ntensors))
+		return -ENOMEM;
+	if (c->armed || c->prep)
+		return -EBUSY;
+	bool missing = false;
+	for (uint32_t i = 0; i < st->ntensors && !missing; i++)
+		missing = !c->spare[i] || c->spare_len[i] != st->tensors[i].state_len - st->tensors[i].undo_off;
+	if (!missing)
+		return 0;
+	c->w = w;
+	c->prep = true;
+	atomic_store(&c->prep_cancel, false);
+	c->prep_result = 0;
+	c->prep_fn = fn;
+	c->prep_arg = arg;
+	capture_enqueue(c);
+	return 1;
 }
 
 uint64_t aoqd_snapshot_pending_boundary(const struct aoqd_state *st)
@@ -1781,6 +1844,72 @@ static void capture_write(struct aoqd_capture *c)
 	c->file = NULL;
 }
 
+/* Writer thread (aoqd_snapshot_prepare): maps the spares the state lacks
+ * and writes a byte to each of their pages, a chunk at a time, paced like
+ * the file's chunks (idle workers, or the minimum rate).  A spare is not
+ * in use until a swap moves it in, and an undo copy is read only where the
+ * step saved into it, so what is written there does not matter.  Tensors
+ * last first: the order of the next step's gradients. */
+static void capture_prep(struct aoqd_capture *c)
+{
+	struct aoqd_snapshotter *w = c->w;
+	const struct aoqd_state *st = c->st;
+	struct pacer pace = { .w = w, .started = UINT64_MAX };
+	pthread_mutex_lock(&w->lock);
+	pace.cfg = w->pace;
+	pthread_mutex_unlock(&w->lock);
+	pace.start_ns = mono_ns();
+	size_t page = (size_t)sysconf(_SC_PAGESIZE), chunk = pace.cfg.chunk ? pace.cfg.chunk : AOQD_SNAPSHOT_CHUNK;
+	int r = 0;
+	for (uint32_t i = st->ntensors; r == 0 && i-- > 0;) {
+		const struct aoqd_tensor *t = &st->tensors[i];
+		size_t len = t->state_len - t->undo_off;
+		if (c->spare[i] && c->spare_len[i] != len) {
+			munmap(c->spare[i], c->spare_len[i]);
+			c->spare[i] = NULL;
+		}
+		if (!c->spare[i]) {
+			void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+			if (p == MAP_FAILED) {
+				r = -errno;
+				break;
+			}
+			if (len >= (2u << 20))
+				madvise(p, len, MADV_HUGEPAGE);
+			c->spare[i] = p;
+			c->spare_len[i] = len;
+		}
+		volatile uint8_t *p = c->spare[i];
+		for (size_t off = 0; off < len; off += chunk) {
+			if (atomic_load(&c->prep_cancel) || atomic_load_explicit(&w->hurry, memory_order_relaxed)) {
+				r = -ECANCELED;
+				break;
+			}
+			if (w->pool) {
+				pace_account(&pace);
+				pace.chunk_busy = pace_wait(&pace, pace_due(&pace));
+				pace.chunk_started = pace.started;
+				pace.chunk_t0 = mono_ns();
+			}
+			size_t end = len - off < chunk ? len : off + chunk;
+			for (size_t q = off; q < end; q += page)
+				p[q] = 0;
+			pace.bytes += end - off;
+			pace.chunks++;
+		}
+	}
+	pace_account(&pace);
+	atomic_fetch_add(&w->overlap_ns, pace.overlap_ns);
+	c->prep_result = r;
+	aoqd_debug("snapshot",
+	           "spares prepared for the undo swap: %.1f MiB touched in %.2f s, %" PRIu64 " chunks (%s); idle-worker "
+	           "waits %.1f ms, %" PRIu64 " chunks due by the minimum rate, %" PRIu64 " overlapped by updates, "
+	           "%.1f ms beside them",
+	           (double)pace.bytes / (1u << 20), (double)(mono_ns() - pace.start_ns) / 1e9, pace.chunks,
+	           r == 0 ? "done" : strerror(-r), (double)pace.waited_ns / 1e6, pace.forced, pace.overlapped,
+	           (double)pace.overlap_ns / 1e6);
+}
+
 static void *writer_main(void *arg)
 {
 	struct aoqd_snapshotter *w = arg;
@@ -1811,10 +1940,14 @@ static void *writer_main(void *arg)
 		w->busy = true;
 		bool stop = w->stop;
 		pthread_mutex_unlock(&w->lock);
-		if (stop) {
+		if (stop && c->prep) {
+			c->prep_result = -ECANCELED;
+		} else if (stop) {
 			capture_disarm(c);
 			c->result = -ECANCELED;
 			snprintf(c->why, sizeof(c->why), "aoqd is stopping");
+		} else if (c->prep) {
+			capture_prep(c);
 		} else {
 			capture_write(c);
 		}
@@ -1837,7 +1970,12 @@ static void writer_done(uv_async_t *h)
 	pthread_mutex_unlock(&w->lock);
 	while (c) {
 		struct aoqd_capture *next = c->next;
-		capture_finish(c);
+		if (c->prep) {
+			c->prep = false;
+			c->prep_fn(c->prep_arg, c->prep_result); /* may free the state, and c with it */
+		} else {
+			capture_finish(c);
+		}
 		c = next;
 	}
 }

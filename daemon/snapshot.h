@@ -177,16 +177,33 @@ int aoqd_snapshot_arm(struct aoqd_snapshotter *w, struct aoqd_state *st, const s
  * is done): the writer may start.  Takes the tensors' steps then.  Loop
  * thread; nothing when st has no capture waiting. */
 void aoqd_snapshot_ready(struct aoqd_state *st, uint64_t step_ended);
+/* Called on the loop thread when aoqd_snapshot_prepare's work is done
+ * (r == 0) or stopped (r < 0). */
+typedef void (*aoqd_snapshot_prep_fn)(void *arg, int r);
+/*
+ * Before a capture by the undo swap: the swap maps a spare in place of the
+ * undo copy it takes, and the step after it saves every element there.
+ * Pages never touched would be faulted in and zeroed by the workers on that
+ * step's path (at 1 G parameters, 12 GiB of first touches in one step);
+ * this maps the spares a state lacks and touches their pages on the writer
+ * thread, chunk by chunk in the workers' idle time (the writer's pacing),
+ * before the capture is armed.  1: queued, fn(arg, r) follows on the loop
+ * thread (aoqd_snapshot_busy() is true until then); 0: nothing to prepare
+ * (no undo swap, or every spare is there); -errno.  Loop thread.
+ */
+int aoqd_snapshot_prepare(struct aoqd_snapshotter *w, struct aoqd_state *st, aoqd_snapshot_prep_fn fn, void *arg);
 /* The state's owner goes away before the boundary was reached: the capture
  * fails with why.  A capture already writing goes on (it holds what it
- * needs).  Loop thread. */
+ * needs); a preparation stops at its next chunk.  Loop thread. */
 void aoqd_snapshot_cancel(struct aoqd_state *st, const char *why);
+/* Whether st's spares are being prepared (aoqd_snapshot_prepare). */
+bool aoqd_snapshot_preparing(const struct aoqd_state *st);
 /* The 1 s sampler (loop thread): idle, the session is between steps with
  * nothing of the next accepted.  A capture waiting for the undo swap
  * (snapshot.c) that saw the session idle at two ticks in a row copies the
  * state instead: the step it waits for may not come soon. */
 void aoqd_snapshot_tick(struct aoqd_state *st, bool idle);
-/* Whether st has a capture armed or writing. */
+/* Whether st has a capture armed or writing, or spares being prepared. */
 bool aoqd_snapshot_busy(const struct aoqd_state *st);
 /* Boundary of st's capture waiting to be ready, or UINT64_MAX. */
 uint64_t aoqd_snapshot_pending_boundary(const struct aoqd_state *st);

@@ -4,6 +4,7 @@
  * Loop thread.  The StepEnded reply waits while updates run, and the
  * connection reads nothing meanwhile, so replies keep request order.
  */
+#include <errno.h>
 #include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
@@ -80,15 +81,60 @@ static void snap_done(void *arg, int r, const char *path, const char *why)
 	aoqd_session_unref(s);
 }
 
-static int snapshot_at(struct aoqd_session *s, struct aoqd_session *who, uint64_t boundary, bool ready,
-                       struct aoqd_error *err)
+/* Where a snapshot asked for now goes: the last step's end when the
+ * session is between steps with nothing of the next accepted (ready at
+ * once), else the end of the step under way. */
+static uint64_t snap_boundary(struct aoqd_session *s, bool *between)
 {
-	struct snap_req *q = calloc(1, sizeof(*q));
-	if (!q)
-		return AOQD_REFUSE(err, NO_MEMORY, "out of memory");
+	struct aoqd_steps *st = &s->steps;
+	*between = aoqd_steps_idle(st) && st->accepted[st->next_step & 1] == 0;
+	return *between ? st->next_step - 1 : st->next_step;
+}
+
+static int snap_arm(struct snap_req *q, uint64_t boundary, bool ready, struct aoqd_error *err)
+{
+	struct aoqd_session *s = q->s;
 	struct aoqd_snap_key key = { .uid = (uint32_t)s->conn.uid, .rank = s->conn.rank,
 		                     .local_world = s->rep ? s->rep->world : 0 };
 	snprintf(key.job, sizeof(key.job), "%s", s->conn.job ? s->conn.job : "");
+	q->boundary = boundary;
+	int r = aoqd_snapshot_arm(s->srv->snapshotter, &s->st, &key, s->srv->cfg.state_dir, boundary, ready, snap_done,
+	                          q, err);
+	if (r == 0)
+		aoqd_debug("snapshot", "session %" PRIu64 ": snapshot armed at step %" PRIu64 "%s", s->id, boundary,
+		           ready ? " (now)" : "");
+	return r;
+}
+
+/* Loop thread: the spares for the first undo swap are ready (or not): the
+ * snapshot is armed where the session is now, a later step than asked when
+ * training went on meanwhile. */
+static void snap_prepared(void *arg, int r)
+{
+	struct snap_req *q = arg;
+	struct aoqd_session *s = q->s;
+	struct aoqd_error err = { 0 };
+	if (r == 0 && s->state != AOQD_READY)
+		r = AOQD_REFUSE(&err, INTERNAL, "session %" PRIu64 " closed before its snapshot began", s->id);
+	else if (r < 0)
+		snprintf(err.msg, sizeof(err.msg), "snapshot: preparing the undo pages: %s", strerror(-r));
+	if (r == 0) {
+		bool between;
+		uint64_t b = snap_boundary(s, &between);
+		r = snap_arm(q, b, between, &err);
+	}
+	if (r < 0)
+		snap_done(q, r, "", err.msg); /* frees q */
+}
+
+static int snapshot_at(struct aoqd_session *s, struct aoqd_session *who, uint64_t boundary, bool ready,
+                       struct aoqd_error *err)
+{
+	if (!s->srv->cfg.state_dir || !*s->srv->cfg.state_dir)
+		return AOQD_REFUSE(err, INVALID, "snapshots are off (no state_dir)");
+	struct snap_req *q = calloc(1, sizeof(*q));
+	if (!q)
+		return AOQD_REFUSE(err, NO_MEMORY, "out of memory");
 	q->s = s;
 	q->who = who;
 	q->t0 = aoqd_now_ns();
@@ -96,8 +142,17 @@ static int snapshot_at(struct aoqd_session *s, struct aoqd_session *who, uint64_
 	aoqd_session_ref(s);
 	if (who)
 		aoqd_session_ref(who);
-	int r = aoqd_snapshot_arm(s->srv->snapshotter, &s->st, &key, s->srv->cfg.state_dir, boundary, ready, snap_done,
-	                          q, err);
+	/* a first undo swap's spares are touched first, in idle time */
+	int r = aoqd_snapshot_prepare(s->srv->snapshotter, &s->st, snap_prepared, q);
+	if (r == 1) {
+		aoqd_debug("snapshot", "session %" PRIu64 ": preparing the undo swap's pages before the snapshot", s->id);
+		return 0;
+	}
+	if (r < 0)
+		r = r == -EBUSY ? AOQD_REFUSE(err, BUSY, "a snapshot of this session is being taken")
+		                : AOQD_REFUSE(err, NO_MEMORY, "snapshot: %s", strerror(-r));
+	else
+		r = snap_arm(q, boundary, ready, err);
 	if (r < 0) {
 		if (who)
 			aoqd_session_unref(who);
@@ -105,8 +160,6 @@ static int snapshot_at(struct aoqd_session *s, struct aoqd_session *who, uint64_
 		free(q);
 		return r;
 	}
-	aoqd_debug("snapshot", "session %" PRIu64 ": snapshot armed at step %" PRIu64 "%s", s->id, boundary,
-	           ready ? " (now)" : "");
 	return 0;
 }
 
@@ -116,9 +169,9 @@ int aoqd_steps_snapshot(struct aoqd_session *s, struct aoqd_session *who, struct
 		return AOQD_REFUSE(err, INVALID, "snapshots of a session with the delayed update are not supported");
 	if (s->hub)
 		s = s->hub; /* a replica group's member: the group's state */
-	struct aoqd_steps *st = &s->steps;
-	bool between = aoqd_steps_idle(st) && st->accepted[st->next_step & 1] == 0;
-	return snapshot_at(s, who, between ? st->next_step - 1 : st->next_step, between, err);
+	bool between;
+	uint64_t boundary = snap_boundary(s, &between);
+	return snapshot_at(s, who, boundary, between, err);
 }
 
 /* StepEnd of `step` arrived: a periodic snapshot at its end, when one is

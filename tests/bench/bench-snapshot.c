@@ -16,15 +16,26 @@
  * Prints the baseline, the steps during the write (mean, median, max), the
  * added time (mean during - mean baseline), the snapshot's seconds and
  * bytes, and the writer's pacing from aoqd's debug log (chunks, time waited
- * for idle workers, chunks the minimum rate forced beside busy ones).
+ * for idle workers, chunks the minimum rate forced beside busy ones), and
+ * for the first snapshot the touching of the undo swap's spares that came
+ * before it (aoqd_snapshot_prepare).
  * Step = every tensor's push (backward order), StepEnd, sync.
  *
  * --gap MS sleeps that long before each step's first push: the GPU's forward
  * pass, during which the workers are idle and the writer copies (0: the
  * worst case, every copy on the step path).
  *
+ * --probe N (default 1 Mi elements, 0: none) adds a small tensor that each
+ * step pushes first and waits for alone before it pushes the rest: its
+ * latency is the step's start, the one moment the writer can be caught
+ * mid-chunk (it starts chunks only in idle windows).  A step time is
+ * hundreds of milliseconds whose spread from the host's memory bandwidth
+ * is tens of them; the probe's is about a millisecond, so its difference
+ * with and without a snapshot shows in wall-clock time what the writer
+ * adds where it can add anything.
+ *
  *   bench-snapshot [--elems N] [--tensors T] [--steps N] [--threads N] [--gap MS] [--snapshots K]
- *                  [--precision fp32|q8|bf16_all] [--dir DIR] [--aoqd PATH]
+ *                  [--probe N] [--precision fp32|q8|bf16_all] [--dir DIR] [--aoqd PATH]
  */
 #include <errno.h>
 #include <getopt.h>
@@ -50,15 +61,22 @@ static int cmp_d(const void *a, const void *b)
  * wait for idle workers and its time beside updates (daemon/snapshot.c,
  * "Pacing"); that time over the steps the write spanned is the writer's
  * exposure per step, a bound measured without the step times' noise. */
-static void writer_log(const char *log, int steps)
+static void writer_log(const char *log, int steps, bool first)
 {
 	FILE *f = fopen(log, "r");
-	char line[1024], last[1024] = "";
-	while (f && fgets(line, sizeof(line), f))
+	char line[1024], last[1024] = "", prep[1024] = "";
+	while (f && fgets(line, sizeof(line), f)) {
 		if (strstr(line, "for idle workers"))
 			snprintf(last, sizeof(last), "%s", line);
+		if (strstr(line, "spares prepared"))
+			snprintf(prep, sizeof(prep), "%s", line);
+	}
 	if (f)
 		fclose(f);
+	/* the first snapshot's undo swap: its spares touched before it is armed */
+	const char *sp = strstr(prep, "spares prepared");
+	if (first && sp)
+		printf("before it, %s", sp);
 	const char *m = strstr(last, " rank ");
 	m = m ? strchr(m, ':') : NULL;
 	if (m)
@@ -70,6 +88,18 @@ static void writer_log(const char *log, int steps)
 		       "added step time: < 5 ms)\n", ms / steps, steps);
 }
 
+static double median(const double *t, int n)
+{
+	if (n <= 0)
+		return 0;
+	double *s = aoqt_xmalloc((size_t)n * sizeof(double));
+	memcpy(s, t, (size_t)n * sizeof(double));
+	qsort(s, (size_t)n, sizeof(double), cmp_d);
+	double m = s[n / 2];
+	free(s);
+	return m;
+}
+
 static void summary(const char *what, double *t, int n)
 {
 	if (n <= 0)
@@ -79,12 +109,8 @@ static void summary(const char *what, double *t, int n)
 		sum += t[i];
 		mx = t[i] > mx ? t[i] : mx;
 	}
-	double *s = aoqt_xmalloc((size_t)n * sizeof(double));
-	memcpy(s, t, (size_t)n * sizeof(double));
-	qsort(s, (size_t)n, sizeof(double), cmp_d);
 	printf("%-28s steps %3d  mean %8.2f ms  median %8.2f ms  max %8.2f ms\n", what, n, sum / n * 1e3,
-	       s[n / 2] * 1e3, mx * 1e3);
-	free(s);
+	       median(t, n) * 1e3, mx * 1e3);
 }
 
 static double mean(const double *t, int n)
@@ -95,10 +121,17 @@ static double mean(const double *t, int n)
 	return n ? s / n : 0;
 }
 
-/* One step (every tensor's push, last first; StepEnd; sync): its seconds. */
-static double timed_step(struct aoq_client *cl, unsigned tensors)
+/* One step (every tensor's push, last first; StepEnd; sync): its seconds.
+ * With a probe (tensor index `tensors`), it goes first, alone, and *probe
+ * gets the seconds until its parameter is back. */
+static double timed_step(struct aoq_client *cl, unsigned tensors, bool with_probe, double *probe)
 {
 	double t0 = aoqt_now();
+	if (with_probe) {
+		CHECK_OK(aoq_push_grad(cl, tensors, 0, NULL));
+		CHECK_OK(aoq_sync_param(cl, tensors));
+		*probe = aoqt_now() - t0;
+	}
 	for (unsigned i = tensors; i-- > 0;)
 		CHECK_OK(aoq_push_grad(cl, i, 0, NULL));
 	CHECK_OK(aoq_step_end(cl));
@@ -110,13 +143,14 @@ int main(int argc, char **argv)
 {
 	uint64_t elems = 1ull << 27;
 	unsigned tensors = 64, steps = 10, threads = 0, gap_ms = 0, nsnap = 1;
+	uint64_t probe_elems = 1u << 20;
 	const char *aoqd = AOQD_PATH, *dir = NULL, *prec_name = "fp32";
 	static const struct option opts[] = {
 		{ "elems", required_argument, NULL, 'e' }, { "tensors", required_argument, NULL, 't' },
 		{ "steps", required_argument, NULL, 'n' }, { "threads", required_argument, NULL, 'j' },
 		{ "precision", required_argument, NULL, 'p' }, { "dir", required_argument, NULL, 'd' },
 		{ "aoqd", required_argument, NULL, 'a' }, { "gap", required_argument, NULL, 'g' },
-		{ "snapshots", required_argument, NULL, 's' },
+		{ "snapshots", required_argument, NULL, 's' }, { "probe", required_argument, NULL, 'b' },
 		{ NULL, 0, NULL, 0 },
 	};
 	int c;
@@ -131,6 +165,7 @@ int main(int argc, char **argv)
 		case 'a': aoqd = optarg; break;
 		case 'g': gap_ms = (unsigned)strtoul(optarg, NULL, 0); break;
 		case 's': nsnap = (unsigned)strtoul(optarg, NULL, 0); break;
+		case 'b': probe_elems = strtoull(optarg, NULL, 0); break;
 		default: fprintf(stderr, "usage: see the comment at the top of bench-snapshot.c\n"); return 2;
 		}
 	}
@@ -165,16 +200,17 @@ int main(int argc, char **argv)
 	g.weight_decay = 0.01;
 	CHECK_OK(aoq_add_group(cl, &g));
 	uint64_t per = elems / tensors;
-	for (unsigned i = 0; i < tensors; i++) {
+	bool with_probe = probe_elems > 0;
+	for (unsigned i = 0; i < tensors + with_probe; i++) {
 		struct aoq_tensor t = AOQ_TENSOR_INIT;
 		char name[32];
-		snprintf(name, sizeof(name), "layers.%u.weight", i);
+		snprintf(name, sizeof(name), i < tensors ? "layers.%u.weight" : "probe", i);
 		t.name = name;
-		t.numel = per;
+		t.numel = i < tensors ? per : probe_elems;
 		t.param_dtype = AOQ_BF16;
 		t.grad_dtype = AOQ_BF16;
-		uint16_t *p = aoqt_xmalloc(per * 2), *gr = aoqt_xmalloc(per * 2);
-		for (uint64_t k = 0; k < per; k++) {
+		uint16_t *p = aoqt_xmalloc(t.numel * 2), *gr = aoqt_xmalloc(t.numel * 2);
+		for (uint64_t k = 0; k < t.numel; k++) {
 			p[k] = 0x3f80 ^ (uint16_t)(k & 0x7f);      /* about 1 */
 			gr[k] = 0x3c00 ^ (uint16_t)((k * 7) & 0xff); /* about 0.01 */
 		}
@@ -187,21 +223,27 @@ int main(int argc, char **argv)
 	CHECK_OK(aoqt_stats(d.socket, &env));
 	uint64_t id = env->stats->sessions[0]->id, state_bytes = env->stats->sessions[0]->state_bytes;
 	aoq_envelope_free(env);
-	printf("aoqd %s, %" PRIu64 " parameters in %u tensors, %s state (%.2f GiB), state dir %s, gap %u ms "
-	       "(not in the step times)\n", aoqd, per * tensors, tensors, prec_name, (double)state_bytes / (1u << 30), dir,
-	       gap_ms);
+	printf("aoqd %s, %" PRIu64 " parameters in %u tensors (+ a probe of %" PRIu64 "), %s state (%.2f GiB), "
+	       "state dir %s, gap %u ms (not in the step times)\n", aoqd, per * tensors, tensors, probe_elems, prec_name,
+	       (double)state_bytes / (1u << 30), dir, gap_ms);
 
 	int cap = 10000;
 	double *base = aoqt_xmalloc(sizeof(double) * cap), *during = aoqt_xmalloc(sizeof(double) * cap),
 	       *after = aoqt_xmalloc(sizeof(double) * cap);
+	/* probe latencies: pb baseline, pd during, pa after; pq the steps
+	 * without a snapshot (baseline and after) */
+	double *pb = aoqt_xmalloc(sizeof(double) * cap), *pd = aoqt_xmalloc(sizeof(double) * cap),
+	       *pa = aoqt_xmalloc(sizeof(double) * cap), *pq = aoqt_xmalloc(sizeof(double) * 2 * cap);
 	int nb = 0, nd = 0, na = 0;
-	double first = 0;
+	double first = 0, pt = 0;
 	for (unsigned s = 0; s < steps + 2; s++) {
 		if (gap_ms)
 			usleep(gap_ms * 1000u);
-		double dt = timed_step(cl, tensors);
-		if (s >= 2) /* warm-up */
+		double dt = timed_step(cl, tensors, with_probe, &pt);
+		if (s >= 2) { /* warm-up */
+			pb[nb] = pt;
 			base[nb++] = dt;
+		}
 	}
 	for (unsigned k = 0; k < nsnap; k++) {
 		nd = na = 0;
@@ -219,10 +261,11 @@ int main(int argc, char **argv)
 		while (na < (int)steps && nd + na < cap) {
 			if (gap_ms)
 				usleep(gap_ms * 1000u);
-			double dt = timed_step(cl, tensors);
+			double dt = timed_step(cl, tensors, with_probe, &pt);
 			if (!done) {
 				if (nd == 0)
 					first = dt;
+				pd[nd] = pt;
 				during[nd++] = dt;
 				struct pollfd p = { .fd = fd, .events = POLLIN };
 				if (poll(&p, 1, 0) == 1) {
@@ -233,6 +276,7 @@ int main(int argc, char **argv)
 					done = true;
 				}
 			} else {
+				pa[na] = pt;
 				after[na++] = dt;
 			}
 		}
@@ -249,7 +293,18 @@ int main(int argc, char **argv)
 		       nd > 1 ? (mean(during + 1, nd - 1) - mean(base, nb)) * 1e3 : 0.0);
 		printf("snapshot: %.3f s request to file on disk, %.2f GiB, %.2f GiB/s, %s\n", snap_s,
 		       (double)sb.st_size / (1u << 30), (double)sb.st_size / (1u << 30) / snap_s, rep->snapshot_done->path);
-		writer_log(d.log, nd);
+		if (with_probe) {
+			summary("probe, baseline", pb, nb);
+			summary("probe, while written", pd, nd);
+			summary("probe, after it", pa, na);
+			memcpy(pq, pb, sizeof(double) * (size_t)nb);
+			memcpy(pq + nb, pa, sizeof(double) * (size_t)na);
+			printf("probe added while writing (the step's start, wall clock): mean %+.3f ms, median %+.3f ms "
+			       "against the %d steps without a snapshot (target of the added step time: < 5 ms)\n",
+			       (mean(pd, nd) - mean(pq, nb + na)) * 1e3, (median(pd, nd) - median(pq, nb + na)) * 1e3,
+			       nb + na);
+		}
+		writer_log(d.log, nd, k == 0);
 		unlink(rep->snapshot_done->path);
 		aoq_envelope_free(rep);
 		close(fd);

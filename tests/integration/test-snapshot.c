@@ -242,7 +242,14 @@ static int roundtrip(const char *aoqd)
 		no_lease = round >= 4;
 		trainer_open(&t, d.socket, "snap-overlap", AOQ_STATE_FP32);
 		no_lease = false;
-		train(&t, 2);
+		train(&t, 1);
+		/* A session's first undo swap touches its spares before the
+		 * capture is armed (aoqd_snapshot_prepare); asked while the
+		 * trainer waits, it is still the state of the step asked at.
+		 * The overlap below is then the swap with its spares. */
+		if (round < 4)
+			CHECK(aoqt_snapshot(d.socket, t.id, path, sizeof(path), &step) == 0 && step == 1, "first: %s", path);
+		train(&t, 1);
 		float *want[NT][3];
 		for (int i = 0; i < NT; i++)
 			for (int k = 0; k < 3; k++) {
@@ -269,6 +276,31 @@ static int roundtrip(const char *aoqd)
 			}
 		}
 		free(b);
+		aoqd_state_free(&st, &locked);
+		trainer_close(&t);
+	}
+	/* A first snapshot asked between steps while the trainer goes on at
+	 * once: the spares are touched first, and the capture takes the step
+	 * the session is at when it is armed, which SnapshotDone reports and
+	 * the file holds. */
+	{
+		struct trainer t;
+		trainer_open(&t, d.socket, "snap-first", AOQ_STATE_FP32);
+		train(&t, 2);
+		int fd = aoqt_snapshot_ask(d.socket, t.id);
+		train(&t, 6);
+		CHECK(aoqt_snapshot_wait(fd, path, sizeof(path), &step) == 0 && step >= 2 && step <= 8, "first, overlap: %s",
+		      path);
+		struct aoqd_state st;
+		struct aoqd_snap_key key;
+		char why[512];
+		uint64_t fstep;
+		CHECK(aoqd_snapshot_load(path, 0, &locked, &key, &fstep, &st, why, sizeof(why)) == 0, "first: %s", why);
+		printf("first snapshot, asked at step 2: step %" PRIu64 "\n", step);
+		CHECK(fstep == step, "first: the file is of step %" PRIu64 ", SnapshotDone said %" PRIu64, fstep, step);
+		for (int i = 0; i < NT; i++)
+			CHECK(st.tensors[i].steps == step, "first: tensor %d at %" PRIu64 " steps in a file of step %" PRIu64,
+			      i, st.tensors[i].steps, step);
 		aoqd_state_free(&st, &locked);
 		trainer_close(&t);
 	}
