@@ -423,8 +423,25 @@ static int accept_record(struct aoqd_session *s, struct aoqd_session *origin, co
 	if (phase == PHASE_NORM)
 		atomic_fetch_add(&s->steps.norming[p], 1);
 	s->steps.accepted[p]++;
+	aoqd_step_open(s);
 	job_submit(j);
 	return 0;
+}
+
+void aoqd_step_open(struct aoqd_session *s)
+{
+	if (s->steps.open_in)
+		return;
+	s->steps.open_in = s->srv->pool;
+	aoqd_pool_step_open(s->steps.open_in);
+}
+
+void aoqd_step_close(struct aoqd_session *s)
+{
+	if (!s->steps.open_in)
+		return;
+	aoqd_pool_step_close(s->steps.open_in);
+	s->steps.open_in = NULL;
 }
 
 bool aoqd_space_wait(const struct aoqd_session *s)

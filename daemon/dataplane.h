@@ -18,6 +18,11 @@ int aoqd_drain(struct aoqd_session *s, struct aoqd_error *err);
 /* Records of s may wait in a ring for room for their answers (a replica
  * group's hub: in any member's ring). */
 bool aoqd_space_wait(const struct aoqd_session *s);
+/* s's step is open from its first accepted gradient to its StepEnded, or to
+ * the session's end (aoqd_pool_step_open: the snapshot writer writes while
+ * no step is open anywhere).  Idempotent.  Loop thread. */
+void aoqd_step_open(struct aoqd_session *s);
+void aoqd_step_close(struct aoqd_session *s);
 /* Deferred sessions: starts the ending step's updates once its norm is
  * summed (loop thread).  True when the step was released now. */
 bool aoqd_release_step(struct aoqd_session *s);

@@ -35,7 +35,8 @@ struct aoqd_pool {
 	 * the threads waiting for none queued or running.  Kept under the
 	 * lock the workers take anyway around each task: no cost added. */
 	unsigned running;
-	uint64_t started; /* tasks, ever */
+	uint64_t started; /* tasks and steps opened, ever */
+	unsigned steps_open; /* aoqd_pool_step_open */
 	unsigned idle_waiters;
 	pthread_cond_t idle_cond; /* CLOCK_MONOTONIC */
 };
@@ -162,7 +163,7 @@ static void *worker_main(void *arg)
 		pthread_mutex_unlock(&p->lock);
 		t->run(t, w->index);
 		pthread_mutex_lock(&p->lock);
-		if (--p->running == 0 && !p->rr_head && p->idle_waiters)
+		if (--p->running == 0 && !p->rr_head && !p->steps_open && p->idle_waiters)
 			pthread_cond_broadcast(&p->idle_cond);
 	}
 	pthread_mutex_unlock(&p->lock);
@@ -281,12 +282,28 @@ bool aoqd_pool_wait_idle(struct aoqd_pool *p, uint64_t timeout_ns, uint64_t *sta
 	pthread_mutex_lock(&p->lock);
 	p->idle_waiters++;
 	int r = 0;
-	while ((p->rr_head || p->running) && r != ETIMEDOUT)
+	while ((p->rr_head || p->running || p->steps_open) && r != ETIMEDOUT)
 		r = pthread_cond_timedwait(&p->idle_cond, &p->lock, &until);
 	p->idle_waiters--;
-	bool idle = !p->rr_head && p->running == 0;
+	bool idle = !p->rr_head && p->running == 0 && !p->steps_open;
 	if (started)
 		*started = p->started;
 	pthread_mutex_unlock(&p->lock);
 	return idle;
+}
+
+void aoqd_pool_step_open(struct aoqd_pool *p)
+{
+	pthread_mutex_lock(&p->lock);
+	p->steps_open++;
+	p->started++; /* a busy time begins: the writer's settle starts over */
+	pthread_mutex_unlock(&p->lock);
+}
+
+void aoqd_pool_step_close(struct aoqd_pool *p)
+{
+	pthread_mutex_lock(&p->lock);
+	if (p->steps_open && --p->steps_open == 0 && !p->rr_head && !p->running && p->idle_waiters)
+		pthread_cond_broadcast(&p->idle_cond);
+	pthread_mutex_unlock(&p->lock);
 }

@@ -76,5 +76,14 @@ bool aoqd_pool_idle(struct aoqd_pool *p);
  * workers signal it when the last running task ends with none queued,
  * under the lock they take anyway. */
 bool aoqd_pool_wait_idle(struct aoqd_pool *p, uint64_t timeout_ns, uint64_t *started);
+/* A session's step is open (from its first accepted gradient to its
+ * StepEnded) / closed.  aoqd_pool_wait_idle() counts an open step as busy
+ * even while no task runs: between two gradients of a step the workers
+ * wait for the trainer, whose copies (the device's DMA into the arena, the
+ * host backend's memcpy) are the step's path then, and a snapshot chunk
+ * written there takes memory bandwidth from them (+60-85 ms per step at 1 G
+ * parameters on the H200 host, tests/bench/RESULTS.md).  Loop thread. */
+void aoqd_pool_step_open(struct aoqd_pool *p);
+void aoqd_pool_step_close(struct aoqd_pool *p);
 
 #endif

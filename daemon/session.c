@@ -176,6 +176,7 @@ static struct aoqd_session *hub_new(struct aoqd_session *s)
 /* Takes h off the hub list; the list's reference is the caller's now. */
 static void hub_detach(struct aoqd_session *h)
 {
+	aoqd_step_close(h); /* its step, if one was open, will not end */
 	for (struct aoqd_session **p = &h->srv->hubs; *p; p = &(*p)->next)
 		if (*p == h) {
 			*p = h->next;
@@ -643,6 +644,7 @@ static void session_close(struct aoqd_session *s)
 	uint64_t lease = lease_for(s);
 	atomic_store(&s->dead, true);
 	s->state = AOQD_CLOSING;
+	aoqd_step_close(s); /* an open step will not end */
 	group_close(s); /* a replica group's member */
 	trace_finish(s); /* what was recorded goes out */
 	if (aoqd_snapshot_preparing(&s->st)) {

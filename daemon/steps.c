@@ -219,6 +219,8 @@ static bool finish_step(struct aoqd_session *s)
 	st->skipped[p] = false;
 	pthread_mutex_unlock(&st->lock);
 	st->accepted[p] = 0;
+	if (!st->accepted[p ^ 1])
+		aoqd_step_close(s); /* (records of the next step may be in already) */
 	st->end_pending = false;
 	atomic_store(&st->end_waits, false);
 	s->st.last_step = e.step;

@@ -19,7 +19,9 @@
  * for idle workers, chunks the minimum rate forced beside busy ones), and
  * for the first snapshot the touching of the undo swap's spares that came
  * before it (aoqd_snapshot_prepare).
- * Step = every tensor's push (backward order), StepEnd, sync.
+ * Step = every tensor's push (backward order), each parameter landed as
+ * its update is answered (aoq_sync_param in the same order), StepEnd,
+ * sync.
  *
  * --gap MS sleeps that long before each step's first push: the GPU's forward
  * pass, during which the workers are idle and the writer copies (0: the
@@ -43,6 +45,7 @@
 #include <poll.h>
 #include <stdlib.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "harness.h"
@@ -134,6 +137,12 @@ static double timed_step(struct aoq_client *cl, unsigned tensors, bool with_prob
 	}
 	for (unsigned i = tensors; i-- > 0;)
 		CHECK_OK(aoq_push_grad(cl, i, 0, NULL));
+	/* Each parameter lands as its update is answered, in the order they
+	 * come, the way a GPU's copy stream takes them during the step: the
+	 * host backend otherwise lands every copy in aoq_sync, one memcpy of
+	 * the whole model after StepEnded, which no device trainer has. */
+	for (unsigned i = tensors; i-- > 0;)
+		CHECK_OK(aoq_sync_param(cl, i));
 	CHECK_OK(aoq_step_end(cl));
 	CHECK_OK(aoq_sync(cl, NULL));
 	return aoqt_now() - t0;
@@ -254,6 +263,8 @@ int main(int argc, char **argv)
 		Aoq__SnapshotRequest q = AOQ__SNAPSHOT_REQUEST__INIT;
 		q.session = id;
 		double ts = aoqt_now();
+		struct timespec wall0, wall1;
+		clock_gettime(CLOCK_REALTIME, &wall0);
 		CHECK_OK(aoqt_send_msg(fd, AOQ__ENVELOPE__MSG_SNAPSHOT_REQUEST, &q));
 		bool done = false;
 		double snap_s = 0;
@@ -273,6 +284,7 @@ int main(int argc, char **argv)
 					CHECK(rep->msg_case == AOQ__ENVELOPE__MSG_SNAPSHOT_DONE, "snapshot failed: %s",
 					      rep->msg_case == AOQ__ENVELOPE__MSG_ERROR ? rep->error->message : "?");
 					snap_s = aoqt_now() - ts;
+					clock_gettime(CLOCK_REALTIME, &wall1);
 					done = true;
 				}
 			} else {
@@ -283,7 +295,10 @@ int main(int argc, char **argv)
 		CHECK(done, "the snapshot did not finish within %d steps", cap);
 		struct stat sb;
 		CHECK(stat(rep->snapshot_done->path, &sb) == 0, "stat %s", rep->snapshot_done->path);
-		printf("snapshot %u of %u:\n", k + 1, nsnap);
+		/* wall-clock times, to line the write up with system samples */
+		printf("snapshot %u of %u (step %" PRIu64 "; asked at %.3f, on disk at %.3f, CLOCK_REALTIME):\n", k + 1, nsnap,
+		       rep->snapshot_done->step, (double)wall0.tv_sec + wall0.tv_nsec / 1e9,
+		       (double)wall1.tv_sec + wall1.tv_nsec / 1e9);
 		summary("baseline", base, nb);
 		summary("while the snapshot is written", during, nd);
 		summary("after it", after, na);

@@ -8,6 +8,8 @@
  *    in a minute): after 0.5 s the snapshot is not written; once the task
  *    ends it is, no chunk was written while the worker was busy, and the
  *    writer counts the wait;
+ *  - step: no task runs but a step is open (aoqd_pool_step_open: the
+ *    trainer is copying its next gradient): not written until it closes;
  *  - guard: the worker is busy all the time: the snapshot is written
  *    anyway, its chunks due by the minimum rate (16 MiB/s after 100 ms of
  *    slack): not before that schedule allows (0.4 s) and well within it;
@@ -254,6 +256,27 @@ static void gate(uv_loop_t *loop, struct aoqd_pool *pool, struct aoqd_snapshotte
 	wait_done(&b);
 }
 
+/* An open step (aoqd_pool_step_open) with no task running: the workers
+ * wait for the trainer's next gradient, whose copy is the step's path;
+ * the writer waits as for a busy worker. */
+static void step(uv_loop_t *loop, struct aoqd_pool *pool, struct aoqd_snapshotter *w, struct aoqd_state *st)
+{
+	struct outcome o;
+	aoqd_snapshotter_set_pace(w, &(struct aoqd_snap_pace){ 64u << 10, 1, 60000000000ull, 2000000u });
+	struct stats s0 = stats(w);
+	aoqd_pool_step_open(pool);
+	EXPECT(!aoqd_pool_wait_idle(pool, 20000000u, NULL), "step: the pool counts as idle with a step open");
+	arm(w, st, &o);
+	run_until(loop, &o, 0.5);
+	EXPECT(!o.called, "step: the snapshot was written while a step was open");
+	aoqd_pool_step_close(pool);
+	EXPECT(aoqd_pool_wait_idle(pool, 1000000000u, NULL), "step: not idle once the step closed");
+	EXPECT(run_until(loop, &o, 30), "step: no snapshot 30 s after the step closed");
+	check_file("step", &o, st);
+	struct stats s1 = stats(w);
+	EXPECT(s1.forced == s0.forced, "step: %" PRIu64 " chunks written while the step was open", s1.forced - s0.forced);
+}
+
 static void guard(uv_loop_t *loop, struct aoqd_pool *pool, struct aoqd_snapshotter *w, struct aoqd_state *st)
 {
 	struct busy b;
@@ -442,6 +465,7 @@ int main(void)
 	struct aoqd_state st;
 	make_state(&st);
 	gate(&loop, pool, w, &st);
+	step(&loop, pool, w, &st);
 	guard(&loop, pool, w, &st);
 	gap(&loop, pool, w, &st);
 	settle(&loop, pool, w, &st);
