@@ -1581,6 +1581,7 @@ void aoqd_snapshot_cancel(struct aoqd_state *st, const char *why)
 {
 	struct aoqd_capture *c = st->snap;
 	if (c && c->prep) {
+		snprintf(c->why, sizeof(c->why), "%s", why);
 		atomic_store(&c->prep_cancel, true); /* prep_fn follows */
 		return;
 	}
@@ -1617,6 +1618,7 @@ int aoqd_snapshot_prepare(struct aoqd_snapshotter *w, struct aoqd_state *st, aoq
 	c->prep = true;
 	atomic_store(&c->prep_cancel, false);
 	c->prep_result = 0;
+	c->why[0] = 0;
 	c->prep_fn = fn;
 	c->prep_arg = arg;
 	capture_enqueue(c);
@@ -1882,7 +1884,7 @@ static void capture_prep(struct aoqd_capture *c)
 		volatile uint8_t *p = c->spare[i];
 		for (size_t off = 0; off < len; off += chunk) {
 			if (atomic_load(&c->prep_cancel) || atomic_load_explicit(&w->hurry, memory_order_relaxed)) {
-				r = -ECANCELED;
+				r = atomic_load(&c->prep_cancel) ? -ECANCELED : -ESHUTDOWN;
 				break;
 			}
 			if (w->pool) {
@@ -1941,7 +1943,7 @@ static void *writer_main(void *arg)
 		bool stop = w->stop;
 		pthread_mutex_unlock(&w->lock);
 		if (stop && c->prep) {
-			c->prep_result = -ECANCELED;
+			c->prep_result = -ESHUTDOWN;
 		} else if (stop) {
 			capture_disarm(c);
 			c->result = -ECANCELED;
@@ -1971,8 +1973,13 @@ static void writer_done(uv_async_t *h)
 	while (c) {
 		struct aoqd_capture *next = c->next;
 		if (c->prep) {
+			char why[512];
+			/* c->why: the loop thread's (aoqd_snapshot_cancel) */
+			snprintf(why, sizeof(why), "%s",
+			         c->prep_result == -ESHUTDOWN ? "aoqd is stopping"
+			         : c->prep_result == -ECANCELED && c->why[0] ? c->why : strerror(-c->prep_result));
 			c->prep = false;
-			c->prep_fn(c->prep_arg, c->prep_result); /* may free the state, and c with it */
+			c->prep_fn(c->prep_arg, c->prep_result, why); /* may free the state, and c with it */
 		} else {
 			capture_finish(c);
 		}

@@ -178,8 +178,8 @@ int aoqd_snapshot_arm(struct aoqd_snapshotter *w, struct aoqd_state *st, const s
  * thread; nothing when st has no capture waiting. */
 void aoqd_snapshot_ready(struct aoqd_state *st, uint64_t step_ended);
 /* Called on the loop thread when aoqd_snapshot_prepare's work is done
- * (r == 0) or stopped (r < 0). */
-typedef void (*aoqd_snapshot_prep_fn)(void *arg, int r);
+ * (r == 0) or stopped (r < 0, why says why). */
+typedef void (*aoqd_snapshot_prep_fn)(void *arg, int r, const char *why);
 /*
  * Before a capture by the undo swap: the swap maps a spare in place of the
  * undo copy it takes, and the step after it saves every element there.

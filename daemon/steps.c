@@ -109,7 +109,7 @@ static int snap_arm(struct snap_req *q, uint64_t boundary, bool ready, struct ao
 /* Loop thread: the spares for the first undo swap are ready (or not): the
  * snapshot is armed where the session is now, a later step than asked when
  * training went on meanwhile. */
-static void snap_prepared(void *arg, int r)
+static void snap_prepared(void *arg, int r, const char *why)
 {
 	struct snap_req *q = arg;
 	struct aoqd_session *s = q->s;
@@ -117,7 +117,7 @@ static void snap_prepared(void *arg, int r)
 	if (r == 0 && s->state != AOQD_READY)
 		r = AOQD_REFUSE(&err, INTERNAL, "session %" PRIu64 " closed before its snapshot began", s->id);
 	else if (r < 0)
-		snprintf(err.msg, sizeof(err.msg), "snapshot: preparing the undo pages: %s", strerror(-r));
+		snprintf(err.msg, sizeof(err.msg), "snapshot not taken: %s", why);
 	if (r == 0) {
 		bool between;
 		uint64_t b = snap_boundary(s, &between);

@@ -304,6 +304,29 @@ static int roundtrip(const char *aoqd)
 		aoqd_state_free(&st, &locked);
 		trainer_close(&t);
 	}
+	/* A first snapshot whose spares are still being touched when its
+	 * trainer goes: a step is open (one gradient pushed, no StepEnd), so
+	 * the touching waits for its minimum rate (about 1 s for these 48
+	 * MiB), and the trainer closes meanwhile.  The request fails with the
+	 * cause; the next trainer of the job trains and snapshots. */
+	{
+		struct trainer t;
+		trainer_open(&t, d.socket, "snap-gone", AOQ_STATE_FP32);
+		train(&t, 1);
+		CHECK_OK(aoq_push_grad(t.c, 0, 0, NULL));
+		CHECK_OK(aoq_sync_param(t.c, 0));
+		int fd = aoqt_snapshot_ask(d.socket, t.id);
+		usleep(100000);
+		trainer_close(&t);
+		CHECK(aoqt_snapshot_wait(fd, path, sizeof(path), &step) < 0 && strstr(path, "closed before its snapshot began"),
+		      "a snapshot whose trainer went during its preparation: %s", path);
+		printf("snapshot asked while its spares were touched, trainer gone: %s\n", path);
+		trainer_open(&t, d.socket, "snap-gone", AOQ_STATE_FP32);
+		train(&t, 2);
+		CHECK(aoqt_snapshot(d.socket, t.id, path, sizeof(path), &step) == 0, "after the cancelled one: %s", path);
+		check_file(&t, path, step, "after a cancelled preparation");
+		trainer_close(&t);
+	}
 	numel[0] = 1000;
 	numel[1] = 777;
 
