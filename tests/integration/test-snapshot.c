@@ -334,7 +334,29 @@ static int roundtrip(const char *aoqd)
 	CHECK(aoqt_snapshot(d.socket, 999999, path, sizeof(path), &step) < 0 && strstr(path, "no training session"),
 	      "snapshot of no session: %s", path);
 	CHECK(temp_files(sd) == 0, "temp files left in %s", sd);
+	/* aoqd stopped while a first snapshot's spares are touched (a step
+	 * open, so the touching waits): it stops cleanly, the request fails. */
+	numel[0] = 3u << 20;
+	numel[1] = 1u << 20;
+	struct trainer ts;
+	trainer_open(&ts, d.socket, "snap-stop", AOQ_STATE_FP32);
+	train(&ts, 1);
+	CHECK_OK(aoq_push_grad(ts.c, 0, 0, NULL));
+	CHECK_OK(aoq_sync_param(ts.c, 0));
+	int sfd = aoqt_snapshot_ask(d.socket, ts.id);
+	usleep(100000);
 	CHECK(aoqt_daemon_stop(&d, 10000, true) == 0, "aoqd did not stop cleanly");
+	/* the observer's connection closed with aoqd, or an Error came first */
+	Aoq__Envelope *srep = NULL;
+	int rr = aoq_recv_frame(sfd, &srep, NULL, 0, NULL);
+	CHECK(rr < 0 || (srep && srep->msg_case == AOQ__ENVELOPE__MSG_ERROR),
+	      "a snapshot asked before aoqd stopped was answered %d", srep ? (int)srep->msg_case : rr);
+	printf("snapshot asked while its spares were touched, aoqd stopped: %s\n",
+	       rr < 0 ? strerror(-rr) : srep->error->message);
+	if (srep)
+		aoq_envelope_free(srep);
+	close(sfd);
+	trainer_close(&ts);
 	char cmd[300];
 	snprintf(cmd, sizeof(cmd), "rm -rf %s", sd);
 	CHECK(system(cmd) == 0, "rm");
