@@ -900,25 +900,9 @@ static void *rs_run(void *arg)
 static uint64_t rs_snapshot(const char *job, char *path, size_t plen)
 {
 	Aoq__Envelope *e = NULL;
-	uint64_t id = wait_state(&e, job, "training")->id;
+	uint64_t id = wait_state(&e, job, "training")->id, step = 0;
 	aoq_envelope_free(e);
-	int fd = aoqt_raw_connect(daemon_.socket);
-	CHECK(fd >= 0, "snapshot: connect: %s", strerror(-fd));
-	CHECK_OK(aoqt_raw_hello(fd, "aoqctl", 0, true, NULL));
-	Aoq__SnapshotRequest q = AOQ__SNAPSHOT_REQUEST__INIT;
-	q.session = id;
-	Aoq__Envelope env = AOQ__ENVELOPE__INIT, *rep = NULL;
-	env.msg_case = AOQ__ENVELOPE__MSG_SNAPSHOT_REQUEST;
-	env.snapshot_request = &q;
-	char *em = NULL;
-	int r = aoq_call(fd, &env, &rep, &em);
-	CHECK(r == 0 && rep->msg_case == AOQ__ENVELOPE__MSG_SNAPSHOT_DONE, "snapshot of %s: %d %s", job, r,
-	      em ? em : "");
-	uint64_t step = rep->snapshot_done->step;
-	snprintf(path, plen, "%s", rep->snapshot_done->path);
-	aoq_envelope_free(rep);
-	free(em);
-	close(fd);
+	CHECK(aoqt_snapshot(daemon_.socket, id, path, plen, &step) == 0, "snapshot of %s: %s", job, path);
 	return step;
 }
 
