@@ -1679,6 +1679,7 @@ struct pacer {
 	uint64_t start_ns, bytes;       /* bytes: before the chunk to come */
 	uint64_t started;               /* the pool's tasks started when it was last seen idle */
 	uint64_t chunks, forced, waited_ns;
+	uint64_t gapped; /* due chunks written in a step's idle gap (no task running) */
 	/* Exposure: chunks during which an update ran (the pool was busy when
 	 * the chunk began, or a task started before it ended) and their time:
 	 * what the writer did beside the workers, measured, not estimated. */
@@ -1734,8 +1735,23 @@ static bool pace_wait(struct pacer *p, uint64_t due)
 			continue;
 		}
 		if (left == 0) {
-			p->forced++;
-			atomic_fetch_add(&w->forced, 1);
+			/* Due while a step is open or a task runs: a step's
+			 * idle gap (the workers waiting for the trainer's next
+			 * gradient) costs the trainer less than a chunk beside
+			 * running updates; wait a little for one, up to a
+			 * fixed time past the due time (so the minimum rate
+			 * holds, 20 ms late at most). */
+			uint64_t until = due + AOQD_SNAPSHOT_GAP_WAIT_MS * 1000000ull;
+			bool gap;
+			while (!(gap = aoqd_pool_idle(w->pool)) && mono_ns() < until &&
+			       !atomic_load_explicit(&w->hurry, memory_order_relaxed))
+				nanosleep(&(struct timespec){ 0, 200000 }, NULL);
+			if (gap) {
+				p->gapped++;
+			} else {
+				p->forced++;
+				atomic_fetch_add(&w->forced, 1);
+			}
 			busy = true;
 			break;
 		}
@@ -1838,10 +1854,11 @@ static void capture_write(struct aoqd_capture *c)
 	atomic_fetch_add(&c->w->overlap_ns, pace.overlap_ns);
 	aoqd_debug("snapshot",
 	           "'%s' rank %u: %.1f MiB written in %.2f s, %" PRIu64 " chunks; waited %.1f ms for idle workers, "
-	           "%" PRIu64 " chunks written while they were busy (due by the minimum rate); %" PRIu64 " chunks "
-	           "overlapped by updates, %.1f ms of writer time beside them",
+	           "%" PRIu64 " chunks written while they were busy (due by the minimum rate), %" PRIu64 " more due "
+	           "in a step's idle gap; %" PRIu64 " chunks overlapped by updates, %.1f ms of writer time beside them",
 	           c->key.job, c->key.rank, (double)pace.bytes / (1u << 20), (double)(mono_ns() - pace.start_ns) / 1e9,
-	           pace.chunks, (double)pace.waited_ns / 1e6, pace.forced, pace.overlapped, (double)pace.overlap_ns / 1e6);
+	           pace.chunks, (double)pace.waited_ns / 1e6, pace.forced, pace.gapped, pace.overlapped,
+	           (double)pace.overlap_ns / 1e6);
 	aoqd_snapfile_free(c->file); /* removes the temp file if it is still there */
 	c->file = NULL;
 }
@@ -1905,11 +1922,11 @@ static void capture_prep(struct aoqd_capture *c)
 	c->prep_result = r;
 	aoqd_debug("snapshot",
 	           "spares prepared for the undo swap: %.1f MiB touched in %.2f s, %" PRIu64 " chunks (%s); idle-worker "
-	           "waits %.1f ms, %" PRIu64 " chunks due by the minimum rate, %" PRIu64 " overlapped by updates, "
-	           "%.1f ms beside them",
+	           "waits %.1f ms, %" PRIu64 " chunks due by the minimum rate (%" PRIu64 " more in a step's idle gap), "
+	           "%" PRIu64 " overlapped by updates, %.1f ms beside them",
 	           (double)pace.bytes / (1u << 20), (double)(mono_ns() - pace.start_ns) / 1e9, pace.chunks,
-	           r == 0 ? "done" : strerror(-r), (double)pace.waited_ns / 1e6, pace.forced, pace.overlapped,
-	           (double)pace.overlap_ns / 1e6);
+	           r == 0 ? "done" : strerror(-r), (double)pace.waited_ns / 1e6, pace.forced, pace.gapped,
+	           pace.overlapped, (double)pace.overlap_ns / 1e6);
 }
 
 static void *writer_main(void *arg)

@@ -150,6 +150,10 @@ struct aoqd_snap_pace {
  * updates: the writer trusts an idle pool once it stayed idle this long
  * with no task started; then chunks follow each other while none starts. */
 #define AOQD_SNAPSHOT_SETTLE_US 2000
+/* A chunk due by the minimum rate while a step is open waits this long at
+ * most for a moment no task runs (a gap between the step's gradients)
+ * before it is written beside running updates. */
+#define AOQD_SNAPSHOT_GAP_WAIT_MS 20
 /* Tests: sets the pacing of the writes to come. */
 void aoqd_snapshotter_set_pace(struct aoqd_snapshotter *w, const struct aoqd_snap_pace *pace);
 /* Since the writer started: chunks written (counted as each begins), those

@@ -10,6 +10,8 @@
  *    writer counts the wait;
  *  - step: no task runs but a step is open (aoqd_pool_step_open: the
  *    trainer is copying its next gradient): not written until it closes;
+ *    with the minimum rate on, written in that gap as chunks come due,
+ *    none counted as beside a busy worker;
  *  - guard: the worker is busy all the time: the snapshot is written
  *    anyway, its chunks due by the minimum rate (16 MiB/s after 100 ms of
  *    slack): not before that schedule allows (0.4 s) and well within it;
@@ -275,6 +277,23 @@ static void step(uv_loop_t *loop, struct aoqd_pool *pool, struct aoqd_snapshotte
 	check_file("step", &o, st);
 	struct stats s1 = stats(w);
 	EXPECT(s1.forced == s0.forced, "step: %" PRIu64 " chunks written while the step was open", s1.forced - s0.forced);
+	/* The minimum rate on (16 MiB/s after 100 ms) and the step kept open:
+	 * the chunks come due and go out in the step's gap (no task runs),
+	 * not counted as written beside a busy worker. */
+	struct outcome o2;
+	aoqd_snapshotter_set_pace(w, &(struct aoqd_snap_pace){ 256u << 10, 16u << 20, 100000000u, 2000000u });
+	aoqd_pool_step_open(pool);
+	double t0 = now_s();
+	arm(w, st, &o2);
+	EXPECT(run_until(loop, &o2, 30), "step: no snapshot in 30 s with the minimum rate on and a step open");
+	double took = now_s() - t0;
+	printf("step: written in %.3f s by the minimum rate in a step's gap\n", took);
+	EXPECT(took >= 0.4, "step: written in %.3f s, before the minimum rate made it due", took);
+	check_file("step, due", &o2, st);
+	aoqd_pool_step_close(pool);
+	struct stats s2 = stats(w);
+	EXPECT(s2.forced == s1.forced, "step: %" PRIu64 " chunks counted as beside a busy worker in a step's gap",
+	       s2.forced - s1.forced);
 }
 
 static void guard(uv_loop_t *loop, struct aoqd_pool *pool, struct aoqd_snapshotter *w, struct aoqd_state *st)
