@@ -898,6 +898,7 @@ static int on_stats(struct aoqd_session *who, const Aoq__Envelope *env, struct a
 		x->state_bytes = s->st.state_bytes;
 		x->snapshot_step = s->snap_step;
 		x->snapshot_unix_ns = s->snap_wall_ns;
+		x->snapshot_phase = (char *)aoqd_snapshot_phase(&s->st, &x->snapshot_written_bytes, &x->snapshot_data_bytes);
 		x->last_step = s->st.last_step;
 		if (s->hub) {
 			/* A replica group's member: the group's figures once, on
@@ -917,6 +918,8 @@ static int on_stats(struct aoqd_session *who, const Aoq__Envelope *env, struct a
 			x->last_step = h->st.last_step;
 			x->snapshot_step = h->snap_step;
 			x->snapshot_unix_ns = h->snap_wall_ns;
+			x->snapshot_phase = (char *)aoqd_snapshot_phase(&h->st, &x->snapshot_written_bytes,
+			                                                &x->snapshot_data_bytes);
 			if (owner == s) {
 				aoqd_stats_fill(&h->stats, x);
 				x->state_bytes = h->st.state_bytes;

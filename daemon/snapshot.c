@@ -1140,6 +1140,10 @@ struct aoqd_capture {
 	aoqd_snapshot_prep_fn prep_fn;
 	void *prep_arg;
 	uint64_t *steps;        /* per tensor: steps at the boundary */
+	/* for Stats: array bytes the writer has passed to the file (writer
+	 * thread), of data_bytes (set when the file is prepared) */
+	_Atomic uint64_t written;
+	uint64_t data_bytes;
 	uint64_t boundary;
 	bool armed, ready;      /* loop thread */
 	struct aoqd_snapfile *file;
@@ -1538,6 +1542,8 @@ void aoqd_snapshot_ready(struct aoqd_state *st, uint64_t step_ended)
 		c->steps[i] = t->cur_step > c->boundary && t->steps ? t->steps - 1 : t->steps;
 	}
 	c->file = aoqd_snapfile_prepare(&c->key, c->boundary, st, c->steps);
+	atomic_store(&c->written, 0);
+	c->data_bytes = c->file ? c->file->data_len : 0;
 	if (!c->file) {
 		char why[128];
 		snprintf(why, sizeof(why), "snapshot header: %s", strerror(errno));
@@ -1593,6 +1599,21 @@ void aoqd_snapshot_cancel(struct aoqd_state *st, const char *why)
 bool aoqd_snapshot_busy(const struct aoqd_state *st)
 {
 	return st->snap && (st->snap->armed || st->snap->prep);
+}
+
+const char *aoqd_snapshot_phase(const struct aoqd_state *st, uint64_t *written, uint64_t *total)
+{
+	const struct aoqd_capture *c = st->snap;
+	*written = *total = 0;
+	if (!c || (!c->prep && !c->armed))
+		return "";
+	if (c->prep)
+		return "preparing";
+	if (!c->ready || c->swap_wait)
+		return "armed";
+	*written = atomic_load_explicit(&c->written, memory_order_relaxed);
+	*total = c->data_bytes;
+	return "writing";
 }
 
 bool aoqd_snapshot_preparing(const struct aoqd_state *st)
@@ -1680,6 +1701,7 @@ struct pacer {
 	uint64_t started;               /* the pool's tasks started when it was last seen idle */
 	uint64_t chunks, forced, waited_ns;
 	uint64_t gapped; /* due chunks written in a step's idle gap (no task running) */
+	_Atomic uint64_t *progress; /* when set: bytes before the chunk to come, for Stats */
 	/* Exposure: chunks during which an update ran (the pool was busy when
 	 * the chunk began, or a task started before it ended) and their time:
 	 * what the writer did beside the workers, measured, not estimated. */
@@ -1782,6 +1804,8 @@ static void pace_chunk(void *arg, uint64_t bytes)
 	struct pacer *p = arg;
 	struct aoqd_snapshotter *w = p->w;
 	uint64_t due = pace_due(p);
+	if (p->progress)
+		atomic_store_explicit(p->progress, p->bytes, memory_order_relaxed);
 	p->bytes += bytes;
 	p->chunks++;
 	if (w->pool) {
@@ -1814,7 +1838,7 @@ static void capture_write(struct aoqd_capture *c)
 		}
 	}
 	capture_disarm(c);
-	struct pacer pace = { .w = c->w, .started = UINT64_MAX };
+	struct pacer pace = { .w = c->w, .started = UINT64_MAX, .progress = &c->written };
 	pthread_mutex_lock(&c->w->lock);
 	pace.cfg = c->w->pace;
 	pthread_mutex_unlock(&c->w->lock);

@@ -200,6 +200,10 @@ int aoqd_snapshot_prepare(struct aoqd_snapshotter *w, struct aoqd_state *st, aoq
  * fails with why.  A capture already writing goes on (it holds what it
  * needs); a preparation stops at its next chunk.  Loop thread. */
 void aoqd_snapshot_cancel(struct aoqd_state *st, const char *why);
+/* What st's snapshot under way is doing, for Stats: "" (none),
+ * "preparing", "armed" or "writing", with the array bytes written so far
+ * and in all (0 until it writes).  Loop thread. */
+const char *aoqd_snapshot_phase(const struct aoqd_state *st, uint64_t *written, uint64_t *total);
 /* Whether st's spares are being prepared (aoqd_snapshot_prepare). */
 bool aoqd_snapshot_preparing(const struct aoqd_state *st);
 /* The 1 s sampler (loop thread): idle, the session is between steps with

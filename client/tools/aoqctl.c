@@ -524,9 +524,10 @@ static int print_stats_table(const struct view *v)
 static int print_sessions(const Aoq__Stats *st)
 {
 	struct table t = {
-		.ncols = 11,
-		.head = { "ID", "JOB", "RANK", "UID", "PID", "DEVICE", "STATE", "PRECISION", "STEP", "LEASE", "GROUP" },
-		.right = { true, false, true, true, true, false, false, false, true, true, false },
+		.ncols = 12,
+		.head = { "ID", "JOB", "RANK", "UID", "PID", "DEVICE", "STATE", "PRECISION", "STEP", "LEASE", "GROUP",
+		          "SNAPSHOT" },
+		.right = { true, false, true, true, true, false, false, false, true, true, false, false },
 		.nrows = st->n_sessions,
 	};
 	if (st->n_sessions == 0) {
@@ -561,6 +562,13 @@ static int print_sessions(const Aoq__Stats *st)
 			         s->local_world);
 		else
 			cell_set(row[10], "-");
+		/* a snapshot under way: its phase, and how far its write is */
+		const char *ph = str_or(s->snapshot_phase, "");
+		if (strcmp(ph, "writing") == 0 && s->snapshot_data_bytes)
+			snprintf(row[11], CELL_LEN, "writing %.0f%%",
+			         100.0 * (double)s->snapshot_written_bytes / (double)s->snapshot_data_bytes);
+		else
+			cell_set(row[11], *ph ? ph : "-");
 	}
 	int r = table_print(&t, stdout);
 	free(t.cells);
@@ -687,6 +695,16 @@ static json_object *stats_json(const struct view *v)
 			JADD(g, "owner", json_object_new_boolean(s->group_owner));
 		}
 		JADD(o, "group", g);
+		/* the last snapshot written, and one under way */
+		JADD(o, "snapshot_step", s->snapshot_step ? json_object_new_uint64(s->snapshot_step) : NULL);
+		json_object *sn = NULL;
+		if (s->snapshot_phase && *s->snapshot_phase) {
+			sn = json_object_new_object();
+			JADD(sn, "phase", json_object_new_string(s->snapshot_phase));
+			JADD(sn, "written_bytes", json_object_new_uint64(s->snapshot_written_bytes));
+			JADD(sn, "data_bytes", json_object_new_uint64(s->snapshot_data_bytes));
+		}
+		JADD(o, "snapshot", sn);
 		JADD(o, "arena_bytes", json_object_new_uint64(s->arena_bytes));
 		JADD(o, "rates", jrates(has_rates(s), s->rate_interval_seconds, s->steps_per_second,
 		                        s->params_per_second, s->bytes_in_per_second, s->bytes_out_per_second));

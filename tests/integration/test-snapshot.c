@@ -317,6 +317,15 @@ static int roundtrip(const char *aoqd)
 		CHECK_OK(aoq_sync_param(t.c, 0));
 		int fd = aoqt_snapshot_ask(d.socket, t.id);
 		usleep(100000);
+		/* Stats (aoqctl sessions' SNAPSHOT column) says what it does */
+		Aoq__Envelope *env;
+		CHECK_OK(aoqt_stats(d.socket, &env));
+		const char *phase = "?";
+		for (size_t k = 0; k < env->stats->n_sessions; k++)
+			if (env->stats->sessions[k]->id == t.id)
+				phase = env->stats->sessions[k]->snapshot_phase;
+		CHECK(strcmp(phase, "preparing") == 0, "Stats: a snapshot whose spares are touched is '%s'", phase);
+		aoq_envelope_free(env);
 		trainer_close(&t);
 		CHECK(aoqt_snapshot_wait(fd, path, sizeof(path), &step) < 0 && strstr(path, "closed before its snapshot began"),
 		      "a snapshot whose trainer went during its preparation: %s", path);
