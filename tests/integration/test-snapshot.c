@@ -169,6 +169,21 @@ static void trainer_close(struct trainer *t)
 	}
 }
 
+/* A new trainer of job with one step done and the next one open (a
+ * gradient pushed, no StepEnd) asks its first snapshot: the undo swap's
+ * spares are touched only in idle time or at the minimum rate, so 100 ms
+ * later, with the step still open, they still are.  The request's fd. */
+static int snapshot_preparing(struct trainer *t, const char *sock, const char *job)
+{
+	trainer_open(t, sock, job, AOQ_STATE_FP32);
+	train(t, 1);
+	CHECK_OK(aoq_push_grad(t->c, 0, 0, NULL));
+	CHECK_OK(aoq_sync_param(t->c, 0));
+	int fd = aoqt_snapshot_ask(sock, t->id);
+	usleep(100000);
+	return fd;
+}
+
 static int temp_files(const char *dir)
 {
 	DIR *d = opendir(dir);
@@ -311,12 +326,7 @@ static int roundtrip(const char *aoqd)
 	 * cause; the next trainer of the job trains and snapshots. */
 	{
 		struct trainer t;
-		trainer_open(&t, d.socket, "snap-gone", AOQ_STATE_FP32);
-		train(&t, 1);
-		CHECK_OK(aoq_push_grad(t.c, 0, 0, NULL));
-		CHECK_OK(aoq_sync_param(t.c, 0));
-		int fd = aoqt_snapshot_ask(d.socket, t.id);
-		usleep(100000);
+		int fd = snapshot_preparing(&t, d.socket, "snap-gone");
 		/* Stats (aoqctl sessions' SNAPSHOT column) says what it does */
 		Aoq__Envelope *env;
 		CHECK_OK(aoqt_stats(d.socket, &env));
@@ -348,12 +358,7 @@ static int roundtrip(const char *aoqd)
 	numel[0] = 3u << 20;
 	numel[1] = 1u << 20;
 	struct trainer ts;
-	trainer_open(&ts, d.socket, "snap-stop", AOQ_STATE_FP32);
-	train(&ts, 1);
-	CHECK_OK(aoq_push_grad(ts.c, 0, 0, NULL));
-	CHECK_OK(aoq_sync_param(ts.c, 0));
-	int sfd = aoqt_snapshot_ask(d.socket, ts.id);
-	usleep(100000);
+	int sfd = snapshot_preparing(&ts, d.socket, "snap-stop");
 	CHECK(aoqt_daemon_stop(&d, 10000, true) == 0, "aoqd did not stop cleanly");
 	/* the observer's connection closed with aoqd, or an Error came first */
 	Aoq__Envelope *srep = NULL;
