@@ -162,6 +162,10 @@ static int make_state(struct aoqd_session *s, struct aoqd_error *err)
 		                 r == -ENOMEM || r == -EAGAIN || r == -EPERM ? "lock" : "allocate", failed_len,
 		                 strerror(-r), cfg->lock_memory == 2 ? " (raise LimitMEMLOCK or give CAP_IPC_LOCK)" : "");
 	st->state_bytes = total;
+	/* A new state holds no parameters until the trainer loads them: it
+	 * is not leased before its first step ends (a trainer killed between
+	 * Registered and its first LoadState would leave zeros to resume). */
+	st->dirty = true;
 	return 0;
 }
 

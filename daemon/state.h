@@ -57,7 +57,8 @@ struct aoqd_state {
 	 * is saved before its update; aoqd_state_rollback() then takes the
 	 * state back to the end of last_step, the last completed step.
 	 * `dirty`: state was loaded since last_step (a LoadState), which no
-	 * rollback undoes: such a state is not leased. */
+	 * rollback undoes, or is new and not loaded yet: such a state is not
+	 * leased. */
 	bool undo;
 	bool dirty;
 	uint64_t last_step;

@@ -8,7 +8,11 @@
  *            step (the interrupted one rolled back); at the end its state
  *            (parameters, master, both moments, step counters) equals an
  *            undisturbed run of as many steps bit for bit, and so do the
- *            other two sessions.
+ *            other two sessions.  Each state a trainer resumed is compared
+ *            with an undisturbed run's at that step: a difference names
+ *            the kill that left it.
+ *   unloaded a trainer that dies between Registered and its first
+ *            LoadState leaves no lease (its state holds no parameters).
  *   layout   resuming with another layout: Error naming the first difference.
  *   expiry   a lease of 1 s ends: the session leaves the stats and the uid's
  *            locked bytes go back.
@@ -59,6 +63,7 @@ struct shared {
 	_Atomic uint64_t resumed;  /* 1 + the step it resumed at, 0 when fresh */
 	_Atomic int paused;        /* reached its kill point */
 	_Atomic int registered;
+	_Atomic int imaged;        /* wrote the state it resumed (case kill) */
 	_Atomic int done;
 };
 
@@ -122,6 +127,13 @@ static int trainer_open_window(struct trainer *tr, const char *job, enum aoq_pre
 		struct aoqt_rng rng = aoqt_rng_for(0x1417, (uint64_t)t, 0);
 		for (uint64_t i = 0; i < tdesc[t].n; i++)
 			aoqt_store(tr->param[t], i, tdesc[t].pd, aoqt_uniform(&rng) - 0.5);
+		if (t == 0 && getenv("AOQT_UNREADABLE")) {
+			/* case unloaded: libaoq faults reading the initial
+			 * parameters, after Registered, before any LoadState
+			 * (the process dies: nothing is freed) */
+			tr->param[t] = mmap(NULL, tdesc[t].n * 4, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+			CHECK(tr->param[t] != MAP_FAILED, "mmap: %s", strerror(errno));
+		}
 		char name[16];
 		snprintf(name, sizeof(name), "w%d", t);
 		struct aoq_tensor d = AOQ_TENSOR_INIT;
@@ -257,6 +269,16 @@ static int trainer_main(char **argv)
 	CHECK_OK(trainer_open(&tr, argv[2], AOQ_STATE_Q8, lease ? (uint32_t)atoi(lease) : 0));
 	atomic_store(&sh->resumed, tr.resumed ? tr.resumed_at + 1 : 0);
 	atomic_store(&sh->synced, tr.step);
+	if (tr.resumed && strcmp(argv[6], "-") != 0 && stop_step >= 0) {
+		/* the state it resumed, for the test to compare (case kill) */
+		struct image im;
+		trainer_image(&tr, &im);
+		FILE *f = fopen(argv[6], "wb");
+		CHECK(f && fwrite(im.bytes, 1, im.len, f) == im.len && fclose(f) == 0, "trainer: image: %s",
+		      strerror(errno));
+		free(im.bytes);
+		atomic_store(&sh->imaged, 1);
+	}
 	atomic_store(&sh->registered, 1);
 	while (tr.step < target) {
 		bool last = stop_step > 0 && tr.step + 1 >= (uint64_t)stop_step;
@@ -323,6 +345,66 @@ static void *other_run(void *arg)
 	return NULL;
 }
 
+/* One trainer of case kill: where it was told to stop, whether it got
+ * there, and the step it resumed at + 1 (0: fresh, or killed before it
+ * wrote the state it resumed). */
+struct kill_point {
+	long stop_step;
+	int stop_after;
+	bool random, paused;
+	uint64_t resumed;
+};
+
+/* Each state a trainer resumed equals an undisturbed run's at that step:
+ * a difference names the kill that left it (the trainer before's). */
+static void resumed_compare(const struct kill_point *kp, int kills)
+{
+	struct trainer tr;
+	CHECK_OK(trainer_open(&tr, "base-resumed", AOQ_STATE_Q8, AOQ_LEASE_NONE));
+	int checked = 0;
+	for (uint64_t next = 1;;) {
+		/* the next step a trainer resumed at, in order (+ 1) */
+		uint64_t at1 = UINT64_MAX;
+		for (int i = 0; i < kills; i++)
+			if (kp[i].resumed >= next && kp[i].resumed < at1)
+				at1 = kp[i].resumed;
+		if (at1 == UINT64_MAX)
+			break;
+		next = at1 + 1;
+		uint64_t at = at1 - 1;
+		while (tr.step < at)
+			CHECK_OK(trainer_step(&tr, -1));
+		struct image want;
+		trainer_image(&tr, &want);
+		for (int i = 0; i < kills; i++) {
+			if (kp[i].resumed != at1)
+				continue;
+			char path[300];
+			snprintf(path, sizeof(path), "%s/resumed-%d", daemon_.dir, i);
+			struct image got = { aoqt_xmalloc(want.len), 0 };
+			FILE *f = fopen(path, "rb");
+			CHECK(f, "%s: %s", path, strerror(errno));
+			got.len = fread(got.bytes, 1, want.len, f);
+			fclose(f);
+			size_t diff = 0;
+			for (size_t b = 0; b < want.len; b++)
+				diff += got.bytes[b] != want.bytes[b];
+			const struct kill_point *k = i > 0 ? &kp[i - 1] : NULL;
+			CHECK(got.len == want.len && diff == 0,
+			      "kill %d: the state resumed at step %" PRIu64 " differs from the undisturbed run's (%zu bytes); "
+			      "the trainer before was told to stop in step %ld after %d pushes%s, %s",
+			      i, at, diff, k ? k->stop_step : 0, k ? k->stop_after : 0,
+			      k && k->random ? " (killed at a random moment)" : "",
+			      k && k->paused ? "and got there" : "and was killed before");
+			free(got.bytes);
+			checked++;
+		}
+		free(want.bytes);
+	}
+	trainer_close(&tr);
+	printf("kill: %d resumed states equal an undisturbed run's at their step\n", checked);
+}
+
 static void case_kill(int kills)
 {
 	struct other others[2];
@@ -342,6 +424,7 @@ static void case_kill(int kills)
 	struct aoqt_rng rng = aoqt_rng_for(0x99, 1, 2);
 	uint64_t synced = 0, resumes = 0, rolled = 0;
 	const uint64_t target = (uint64_t)kills + 40;
+	struct kill_point *kp = aoqt_xcalloc((size_t)kills, sizeof(*kp));
 	for (int i = 0; i < kills; i++) {
 		memset(sh, 0, sizeof(*sh));
 		/* Stop in the step after 0..1 more whole steps, after 0..TT pushes
@@ -349,9 +432,14 @@ static void case_kill(int kills)
 		long stop_step = (long)(synced + 1 + (aoqt_next(&rng) % 2));
 		int stop_after = (int)(aoqt_next(&rng) % (TT + 1));
 		bool random_kill = aoqt_next(&rng) % 4 == 0; /* or at a random moment */
+		kp[i] = (struct kill_point){ .stop_step = stop_step, .stop_after = stop_after, .random = random_kill };
 		/* A random kill may come after the trainer paused in its stop
-		 * step: the kill point then is that step's. */
-		pid_t pid = spawn_trainer(shm, "victim", target, stop_step + (random_kill ? 2 : 0), stop_after, NULL);
+		 * step: the kill point then is that step's.  A trainer that
+		 * resumed writes the state it resumed to resumed-i first. */
+		char resumed_image[300];
+		snprintf(resumed_image, sizeof(resumed_image), "%s/resumed-%d", daemon_.dir, i);
+		pid_t pid = spawn_trainer(shm, "victim", target, stop_step + (random_kill ? 2 : 0), stop_after,
+		                          resumed_image);
 		double t0 = aoqt_now();
 		if (random_kill) {
 			/* at any moment: registering, loading, training */
@@ -367,6 +455,8 @@ static void case_kill(int kills)
 		int st;
 		CHECK(waitpid(pid, &st, 0) == pid && WIFSIGNALED(st), "kill %d: the trainer ended by itself (%d)", i, st);
 		uint64_t res = atomic_load(&sh->resumed);
+		kp[i].paused = atomic_load(&sh->paused);
+		kp[i].resumed = atomic_load(&sh->imaged) ? res : 0;
 		if (atomic_load(&sh->registered)) {
 			/* Once a step was complete there is a lease to resume. */
 			CHECK(res > 0 || synced == 0, "kill %d: the trainer did not resume (step %" PRIu64 " was synced)", i,
@@ -404,6 +494,8 @@ static void case_kill(int kills)
 	got.bytes = aoqt_xmalloc(want.len);
 	got.len = fread(got.bytes, 1, want.len, f);
 	fclose(f);
+	resumed_compare(kp, kills);
+	free(kp);
 	image_compare("victim", &got, &want);
 	for (int i = 0; i < 2; i++) {
 		struct image b;
@@ -461,6 +553,49 @@ static const Aoq__SessionStats *wait_state(Aoq__Envelope **e, const char *job, c
 	}
 }
 
+/* ---- case unloaded ---- */
+
+/* A trainer that dies between Registered and its first LoadState (its
+ * parameters unreadable: libaoq faults copying them) leaves a state with
+ * no parameters in it: not leased, so the next trainer of the key starts
+ * afresh instead of resuming zeros at step 0. */
+static void case_unloaded(void)
+{
+	char shm[256];
+	snprintf(shm, sizeof(shm), "%s/shared-unl", daemon_.dir);
+	int fd = open(shm, O_RDWR | O_CREAT | O_TRUNC, 0600);
+	CHECK(fd >= 0 && ftruncate(fd, 4096) == 0, "shared file");
+	close(fd);
+	setenv("AOQT_UNREADABLE", "1", 1);
+	pid_t pid = spawn_trainer(shm, "unl", 5, -1, 0, NULL);
+	unsetenv("AOQT_UNREADABLE");
+	int st;
+	CHECK(waitpid(pid, &st, 0) == pid && WIFSIGNALED(st) && WTERMSIG(st) == SIGSEGV,
+	      "unloaded: the trainer did not fault loading its parameters (%d)", st);
+	/* It died after Registered: the daemon registered its state. */
+	char *log = aoqt_daemon_log(&daemon_);
+	char hello[64], registered[64];
+	snprintf(hello, sizeof(hello), "hello from pid %d ", (int)pid);
+	const char *h = strstr(log, hello);
+	unsigned long id = 0;
+	while (h && h > log && h[-1] != '\n')
+		h--; /* "aoqd info session: session N: hello from pid P ..." */
+	CHECK(h && sscanf(h, "%*[^:]: session %lu: hello", &id) == 1, "unloaded: no hello from pid %d in the log",
+	      (int)pid);
+	snprintf(registered, sizeof(registered), "session %lu: registered ", id);
+	CHECK(strstr(log, registered), "unloaded: session %lu was not registered", id);
+	free(log);
+	Aoq__Envelope *e = NULL;
+	wait_state(&e, "unl", NULL);
+	aoq_envelope_free(e);
+	struct trainer tr;
+	CHECK_OK(trainer_open(&tr, "unl", AOQ_STATE_Q8, 0));
+	CHECK(!tr.resumed, "unloaded: the next trainer resumed a state never loaded (at step %" PRIu64 ")",
+	      tr.resumed_at);
+	trainer_close(&tr);
+	printf("unloaded: a trainer killed before loading its parameters left no lease (session %lu)\n", id);
+}
+
 /* ---- case layout ---- */
 
 static void case_layout(void)
@@ -508,13 +643,16 @@ static void case_layout(void)
 
 /* ---- case expiry ---- */
 
-static uint64_t uid_locked(void)
+/* The state bytes that sessions of `job` hold (other cases' leases,
+ * when every case runs in one daemon, are not counted). */
+static uint64_t job_state_bytes(const char *job)
 {
 	Aoq__Envelope *e = NULL;
 	CHECK_OK(aoqt_stats(daemon_.socket, &e));
 	uint64_t n = 0;
 	for (size_t i = 0; i < e->stats->n_sessions; i++)
-		n += e->stats->sessions[i]->state_bytes;
+		if (strcmp(e->stats->sessions[i]->job, job) == 0)
+			n += e->stats->sessions[i]->state_bytes;
 	aoq_envelope_free(e);
 	return n;
 }
@@ -528,12 +666,12 @@ static void case_expiry(void)
 	const Aoq__SessionStats *s = wait_state(&e, "exp", "leased");
 	CHECK(s->lease_left_seconds > 0 && s->lease_left_seconds <= 1.0, "expiry: %g s left", s->lease_left_seconds);
 	CHECK(s->last_step == 2, "expiry: last step %" PRIu64, s->last_step);
-	CHECK(uid_locked() > 0, "expiry: the leased state holds no memory");
+	CHECK(job_state_bytes("exp") > 0, "expiry: the leased state holds no memory");
 	double t0 = aoqt_now();
 	wait_state(&e, "exp", NULL);
 	aoq_envelope_free(e);
 	printf("expiry: gone after %.2f s\n", aoqt_now() - t0);
-	CHECK(uid_locked() == 0, "expiry: state bytes still held");
+	CHECK(job_state_bytes("exp") == 0, "expiry: state bytes still held");
 	char *log = aoqt_daemon_log(&daemon_);
 	CHECK(strstr(log, "lease ended (expired)"), "expiry: not logged");
 	free(log);
@@ -1181,6 +1319,8 @@ int main(int argc, char **argv)
 	bool all = strcmp(c, "all") == 0;
 	if (all || strcmp(c, "kill") == 0)
 		case_kill(getenv("AOQ_TEST_SLOW") ? 20 : 100);
+	if (all || strcmp(c, "unloaded") == 0)
+		case_unloaded();
 	if (all || strcmp(c, "layout") == 0)
 		case_layout();
 	if (all || strcmp(c, "expiry") == 0)
