@@ -430,18 +430,18 @@ static int accept_record(struct aoqd_session *s, struct aoqd_session *origin, co
 
 void aoqd_step_open(struct aoqd_session *s)
 {
-	if (s->steps.open_in)
+	if (s->steps.open)
 		return;
-	s->steps.open_in = s->srv->pool;
-	aoqd_pool_step_open(s->steps.open_in);
+	s->steps.open = true;
+	aoqd_pool_step_open(s->srv->pool);
 }
 
 void aoqd_step_close(struct aoqd_session *s)
 {
-	if (!s->steps.open_in)
+	if (!s->steps.open)
 		return;
-	aoqd_pool_step_close(s->steps.open_in);
-	s->steps.open_in = NULL;
+	aoqd_pool_step_close(s->srv->pool);
+	s->steps.open = false;
 }
 
 bool aoqd_space_wait(const struct aoqd_session *s)

@@ -37,7 +37,7 @@ struct aoqd_pool {
 	unsigned running;
 	uint64_t started; /* tasks and steps opened, ever */
 	unsigned steps_open; /* aoqd_pool_step_open */
-	unsigned idle_waiters;
+	unsigned idle_waiters, gap_waiters;
 	pthread_cond_t idle_cond; /* CLOCK_MONOTONIC */
 };
 
@@ -163,7 +163,7 @@ static void *worker_main(void *arg)
 		pthread_mutex_unlock(&p->lock);
 		t->run(t, w->index);
 		pthread_mutex_lock(&p->lock);
-		if (--p->running == 0 && !p->rr_head && !p->steps_open && p->idle_waiters)
+		if (--p->running == 0 && !p->rr_head && ((!p->steps_open && p->idle_waiters) || p->gap_waiters))
 			pthread_cond_broadcast(&p->idle_cond);
 	}
 	pthread_mutex_unlock(&p->lock);
@@ -272,13 +272,19 @@ bool aoqd_pool_idle(struct aoqd_pool *p)
 	return idle;
 }
 
-bool aoqd_pool_wait_idle(struct aoqd_pool *p, uint64_t timeout_ns, uint64_t *started)
+static struct timespec deadline(uint64_t timeout_ns)
 {
 	struct timespec until;
 	clock_gettime(CLOCK_MONOTONIC, &until);
 	uint64_t ns = (uint64_t)until.tv_nsec + timeout_ns % 1000000000u;
 	until.tv_sec += (time_t)(timeout_ns / 1000000000u + ns / 1000000000u);
 	until.tv_nsec = (long)(ns % 1000000000u);
+	return until;
+}
+
+bool aoqd_pool_wait_idle(struct aoqd_pool *p, uint64_t timeout_ns, uint64_t *started)
+{
+	struct timespec until = deadline(timeout_ns);
 	pthread_mutex_lock(&p->lock);
 	p->idle_waiters++;
 	int r = 0;
@@ -290,6 +296,20 @@ bool aoqd_pool_wait_idle(struct aoqd_pool *p, uint64_t timeout_ns, uint64_t *sta
 		*started = p->started;
 	pthread_mutex_unlock(&p->lock);
 	return idle;
+}
+
+bool aoqd_pool_wait_gap(struct aoqd_pool *p, uint64_t timeout_ns)
+{
+	struct timespec until = deadline(timeout_ns);
+	pthread_mutex_lock(&p->lock);
+	p->gap_waiters++;
+	int r = 0;
+	while ((p->rr_head || p->running) && r != ETIMEDOUT)
+		r = pthread_cond_timedwait(&p->idle_cond, &p->lock, &until);
+	p->gap_waiters--;
+	bool gap = !p->rr_head && p->running == 0;
+	pthread_mutex_unlock(&p->lock);
+	return gap;
 }
 
 void aoqd_pool_step_open(struct aoqd_pool *p)

@@ -85,5 +85,9 @@ bool aoqd_pool_wait_idle(struct aoqd_pool *p, uint64_t timeout_ns, uint64_t *sta
  * parameters on the H200 host, tests/bench/RESULTS.md).  Loop thread. */
 void aoqd_pool_step_open(struct aoqd_pool *p);
 void aoqd_pool_step_close(struct aoqd_pool *p);
+/* Waits until no task is queued or running, an open step or not (a gap in
+ * a step), at most timeout_ns: true when that is so on return.  For the
+ * writer's chunk that is due while a step is open (snapshot.c, pace_wait). */
+bool aoqd_pool_wait_gap(struct aoqd_pool *p, uint64_t timeout_ns);
 
 #endif

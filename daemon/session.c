@@ -178,7 +178,7 @@ static void hub_detach(struct aoqd_session *h)
 {
 	aoqd_step_close(h); /* its step, if one was open, will not end */
 	if (aoqd_snapshot_preparing(&h->st))
-		aoqd_snapshot_cancel(&h->st, "the replica group ended before its snapshot began");
+		aoqd_snapshot_cancel(&h->st, "the replica group ended");
 	for (struct aoqd_session **p = &h->srv->hubs; *p; p = &(*p)->next)
 		if (*p == h) {
 			*p = h->next;
@@ -649,16 +649,9 @@ static void session_close(struct aoqd_session *s)
 	aoqd_step_close(s); /* an open step will not end */
 	group_close(s); /* a replica group's member */
 	trace_finish(s); /* what was recorded goes out */
-	if (aoqd_snapshot_preparing(&s->st)) {
-		char why[160];
-		snprintf(why, sizeof(why), "session %" PRIu64 " closed before its snapshot began", s->id);
-		aoqd_snapshot_cancel(&s->st, why);
-	} else if (aoqd_snapshot_pending_boundary(&s->st) != UINT64_MAX) {
-		char why[160];
-		snprintf(why, sizeof(why), "session %" PRIu64 " closed before step %" PRIu64 " ended", s->id,
-		         aoqd_snapshot_pending_boundary(&s->st));
-		aoqd_snapshot_cancel(&s->st, why);
-	}
+	char gone[64];
+	snprintf(gone, sizeof(gone), "session %" PRIu64 " closed", s->id);
+	aoqd_snapshot_cancel(&s->st, gone);
 	aoqd_drop_deferred(s);
 	if (aoqd_conn_close(&s->conn))
 		s->srv->connections--;

@@ -1583,16 +1583,19 @@ void aoqd_snapshot_tick(struct aoqd_state *st, bool idle)
 	capture_enqueue(c);
 }
 
-void aoqd_snapshot_cancel(struct aoqd_state *st, const char *why)
+void aoqd_snapshot_cancel(struct aoqd_state *st, const char *gone)
 {
 	struct aoqd_capture *c = st->snap;
 	if (c && c->prep) {
-		snprintf(c->why, sizeof(c->why), "%s", why);
+		snprintf(c->why, sizeof(c->why), "%s before its snapshot began", gone);
 		atomic_store(&c->prep_cancel, true); /* prep_fn follows */
 		return;
 	}
-	if (!c || !c->armed || (c->ready && !c->swap_wait))
-		return;
+	uint64_t boundary = aoqd_snapshot_pending_boundary(st);
+	if (boundary == UINT64_MAX)
+		return; /* none, or writing already */
+	char why[sizeof(c->why)];
+	snprintf(why, sizeof(why), "%s before step %" PRIu64 " ended", gone, boundary);
 	capture_fail_now(c, -ECANCELED, why);
 }
 
@@ -1763,11 +1766,8 @@ static bool pace_wait(struct pacer *p, uint64_t due)
 			 * running updates; wait a little for one, up to a
 			 * fixed time past the due time (so the minimum rate
 			 * holds, 20 ms late at most). */
-			uint64_t until = due + AOQD_SNAPSHOT_GAP_WAIT_MS * 1000000ull;
-			bool gap;
-			while (!(gap = aoqd_pool_idle(w->pool)) && mono_ns() < until &&
-			       !atomic_load_explicit(&w->hurry, memory_order_relaxed))
-				nanosleep(&(struct timespec){ 0, 200000 }, NULL);
+			uint64_t until = due + AOQD_SNAPSHOT_GAP_WAIT_MS * 1000000ull, now = mono_ns();
+			bool gap = aoqd_pool_wait_gap(w->pool, until > now ? until - now : 0);
 			if (gap) {
 				p->gapped++;
 			} else {

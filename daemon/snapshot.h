@@ -196,10 +196,12 @@ typedef void (*aoqd_snapshot_prep_fn)(void *arg, int r, const char *why);
  * (no undo swap, or every spare is there); -errno.  Loop thread.
  */
 int aoqd_snapshot_prepare(struct aoqd_snapshotter *w, struct aoqd_state *st, aoqd_snapshot_prep_fn fn, void *arg);
-/* The state's owner goes away before the boundary was reached: the capture
- * fails with why.  A capture already writing goes on (it holds what it
- * needs); a preparation stops at its next chunk.  Loop thread. */
-void aoqd_snapshot_cancel(struct aoqd_state *st, const char *why);
+/* The state's owner went away (`gone`: "session 7 closed"): a capture
+ * whose boundary is not reached fails ("session 7 closed before step 12
+ * ended"), a preparation stops at its next chunk ("... before its snapshot
+ * began").  A capture already writing goes on (it holds what it needs).
+ * Loop thread. */
+void aoqd_snapshot_cancel(struct aoqd_state *st, const char *gone);
 /* What st's snapshot under way is doing, for Stats: "" (none),
  * "preparing", "armed" or "writing", with the array bytes written so far
  * and in all (0 until it writes).  Loop thread. */

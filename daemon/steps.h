@@ -36,7 +36,7 @@ struct aoqd_steps {
 	_Atomic uint64_t inflight[2];   /* jobs per step parity */
 	_Atomic uint64_t outstanding;   /* jobs accepted, record not yet posted */
 	uint64_t accepted[2];           /* records accepted per step parity */
-	struct aoqd_pool *open_in;      /* the step is open in this pool (dataplane.h, aoqd_step_open) */
+	bool open;                      /* a step is open in the pool (dataplane.h, aoqd_step_open) */
 	uint64_t arrivals;              /* records accepted, ever: the order of the pool keys */
 	pthread_mutex_t lock;           /* guards the per-step sums and lists below */
 	double sumsq[2];
