@@ -14,7 +14,9 @@
  *      swap (a session with a lease, as here) the second snapshot finds the
  *      first one's pages to reuse.
  * Prints the baseline, the steps during the write (mean, median, max), the
- * added time (mean during - mean baseline), the snapshot's seconds and
+ * added time (mean during - mean baseline; and, since the host's step time
+ * drifts between windows, against the mean of the no-snapshot windows on
+ * both sides of the write, +- two standard errors), the snapshot's seconds and
  * bytes, and the writer's pacing from aoqd's debug log (chunks, time waited
  * for idle workers, chunks the minimum rate forced beside busy ones), and
  * for the first snapshot the touching of the undo swap's spares that came
@@ -42,6 +44,7 @@
 #include <errno.h>
 #include <getopt.h>
 #include <inttypes.h>
+#include <math.h>
 #include <poll.h>
 #include <stdlib.h>
 #include <sys/stat.h>
@@ -122,6 +125,17 @@ static double mean(const double *t, int n)
 	for (int i = 0; i < n; i++)
 		s += t[i];
 	return n ? s / n : 0;
+}
+
+/* Variance of the mean of t[0..n) (the squared standard error). */
+static double var_mean(const double *t, int n)
+{
+	if (n < 2)
+		return 0;
+	double m = mean(t, n), ss = 0;
+	for (int i = 0; i < n; i++)
+		ss += (t[i] - m) * (t[i] - m);
+	return ss / (n - 1) / n;
 }
 
 /* One step (every tensor's push, last first; StepEnd; sync): its seconds.
@@ -238,12 +252,12 @@ int main(int argc, char **argv)
 
 	int cap = 10000;
 	double *base = aoqt_xmalloc(sizeof(double) * cap), *during = aoqt_xmalloc(sizeof(double) * cap),
-	       *after = aoqt_xmalloc(sizeof(double) * cap);
+	       *after = aoqt_xmalloc(sizeof(double) * cap), *before = aoqt_xmalloc(sizeof(double) * cap);
 	/* probe latencies: pb baseline, pd during, pa after; pq the steps
 	 * without a snapshot (baseline and after) */
 	double *pb = aoqt_xmalloc(sizeof(double) * cap), *pd = aoqt_xmalloc(sizeof(double) * cap),
 	       *pa = aoqt_xmalloc(sizeof(double) * cap), *pq = aoqt_xmalloc(sizeof(double) * 2 * cap);
-	int nb = 0, nd = 0, na = 0;
+	int nb = 0, nd = 0, na = 0, nbf = 0;
 	double first = 0, pt = 0;
 	for (unsigned s = 0; s < steps + 2; s++) {
 		if (gap_ms)
@@ -254,7 +268,13 @@ int main(int argc, char **argv)
 			base[nb++] = dt;
 		}
 	}
+	memcpy(before, base, sizeof(double) * (size_t)nb);
+	nbf = nb;
 	for (unsigned k = 0; k < nsnap; k++) {
+		if (k > 0) { /* the window before this write: the last one's after */
+			memcpy(before, after, sizeof(double) * (size_t)na);
+			nbf = na;
+		}
 		nd = na = 0;
 		first = 0;
 		int fd = aoqt_raw_connect(d.socket);
@@ -306,6 +326,15 @@ int main(int argc, char **argv)
 		printf("added step time while writing: %+.2f ms per step (mean), %+.2f ms excluding the first step\n",
 		       (mean(during, nd) - mean(base, nb)) * 1e3,
 		       nd > 1 ? (mean(during + 1, nd - 1) - mean(base, nb)) * 1e3 : 0.0);
+		/* The host's step time drifts by tens of ms between windows of
+		 * the same run, both ways: against the mean of the windows on
+		 * both sides the drift over the write cancels to first order.
+		 * +- two standard errors of that difference. */
+		double side = (mean(before, nbf) + mean(after, na)) / 2;
+		double se = sqrt(var_mean(during, nd) + (var_mean(before, nbf) + var_mean(after, na)) / 4);
+		printf("added step time while writing, against the windows on both sides (%d and %d steps without a "
+		       "snapshot): %+.2f +- %.2f ms per step (2 standard errors)\n",
+		       nbf, na, (mean(during, nd) - side) * 1e3, 2 * se * 1e3);
 		printf("snapshot: %.3f s request to file on disk, %.2f GiB, %.2f GiB/s, %s\n", snap_s,
 		       (double)sb.st_size / (1u << 30), (double)sb.st_size / (1u << 30) / snap_s, rep->snapshot_done->path);
 		if (with_probe) {
