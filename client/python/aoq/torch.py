@@ -146,6 +146,35 @@ class _Slot:
         self.graph_pushed = False   # this step's final gradient went from the compiled backward
 
 
+def _number(x):
+    """A real number as torch takes one (int, float, numpy scalar, a
+    one-element tensor); not a bool or a string."""
+    if isinstance(x, (bool, str, bytes)):
+        return False
+    try:
+        float(x)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+    return True
+
+
+def _check_hp(kind, g):
+    """A parameter group's hyperparameters, checked as torch's optimizers
+    check theirs (ValueError naming the value), before aoqd sees them."""
+    for k in ("lr", "weight_decay") + (("momentum", "dampening") if kind == "sgd" else ("eps",)):
+        v = g.get(k)
+        if v is not None and (not _number(v) or not v >= 0):
+            raise ValueError("OffloadOptimizer: %s must be a number >= 0, got %r" % (k, v))
+    if kind != "sgd":
+        b = g.get("betas")
+        try:
+            ok = len(b) == 2 and all(_number(x) and 0 <= x < 1 for x in b)
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError("OffloadOptimizer: betas must be a pair (beta1, beta2), each in [0, 1), got %r" % (b,))
+
+
 def _is_dtensor(t):
     return type(t).__name__ == "DTensor" and hasattr(t, "_local_tensor")
 
@@ -751,6 +780,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
                                            or gpu_state_budget < 0):
             raise ValueError("gpu_state_budget must be a number of bytes >= 0 (0: everything in aoqd) or 'auto', "
                              "got %r" % (gpu_state_budget,))
+        if lease is not None and (isinstance(lease, bool) or not isinstance(lease, int) or lease < 0):
+            raise ValueError("lease must be None (the daemon's lease_seconds), 0 (none) or seconds > 0, got %r"
+                             % (lease,))
+        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not _number(max_grad_norm)
+                                          or not max_grad_norm >= 0):
+            raise ValueError("max_grad_norm must be None or a number >= 0 (0: no clipping), got %r" % (max_grad_norm,))
+        if timeout is not None and (isinstance(timeout, bool) or not _number(timeout) or not timeout > 0):
+            raise ValueError("timeout must be None (120 s) or seconds > 0, got %r" % (timeout,))
         if device is not None:
             from .client import check_device
             check_device(device)
@@ -779,6 +816,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
         clean, names = _parse_params(params)
         super().__init__(clean, defaults)
+        for g in self.param_groups:
+            _check_hp(kind, g)
         self._names = names                       # param -> name
         self._by_name = {n: p for p, n in names.items()}
         # Gradient edits between backward and step(): None learns them at the

@@ -618,6 +618,19 @@ def case_errors():
     expect_value_error(lambda: mk(master_dtype="fp8"), "'fp8'", "'bf16'")
     expect_value_error(lambda: mk(device="gpu:0"), "'gpu:0'", "'cuda:N'")
     expect_value_error(lambda: mk(copy_mode="zero"), "'zero'", "'framework'")
+    # hyperparameters and options torch or aoqd would refuse later (or a
+    # bare IndexError at the first step): refused at construction, by name
+    expect_value_error(lambda: mk(betas=(0.9,)), "betas", "(0.9,)")
+    expect_value_error(lambda: mk(betas=(0.9, 1.0)), "betas", "[0, 1)")
+    expect_value_error(lambda: mk(lr=-1e-3), "lr", "-0.001")
+    expect_value_error(lambda: mk(eps="1e-8"), "eps", "'1e-8'")
+    expect_value_error(lambda: mk(weight_decay=-0.1), "weight_decay", "-0.1")
+    expect_value_error(lambda: OffloadOptimizer(m.parameters(), torch.optim.SGD, lr=0.1, momentum=-0.9,
+                                                socket=SOCKET), "momentum", "-0.9")
+    expect_value_error(lambda: mk(lease=-1), "lease", "-1")
+    expect_value_error(lambda: mk(max_grad_norm=-1.0), "max_grad_norm", "-1.0")
+    expect_value_error(lambda: mk(timeout=0), "timeout", "0")
+    mk(lr=torch.tensor(1e-3), betas=[0.9, 0.95], lease=0, max_grad_norm=1.0, timeout=30).close()  # all valid
     expect_value_error(lambda: OffloadOptimizer([torch.zeros(8192, dtype=torch.float64, requires_grad=True)],
                                                 socket=SOCKET), "float64", "bf16")
     expect_value_error(lambda: OffloadOptimizer(m.parameters(), "adamw", socket=SOCKET), "'adamw'")
