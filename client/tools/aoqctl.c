@@ -1492,8 +1492,12 @@ int main(int argc, char **argv)
 		return usage_error("unknown command '%s'", cmd);
 	uint64_t session = 0;
 	if (is_drop) {
-		if (noperands != 1 || !parse_u64(operands[0], 1, UINT64_MAX, &session))
-			return usage_error("drop: one session id (aoqctl drop SESSION; ids: aoqctl sessions)");
+		if (noperands < 1)
+			return usage_error("drop: which session? (aoqctl drop SESSION; ids: aoqctl sessions)");
+		if (!parse_u64(operands[0], 1, UINT64_MAX, &session))
+			return usage_error("drop: '%s' is not a session id", operands[0]);
+		if (noperands > 1)
+			return usage_error("unexpected argument '%s'", operands[1]);
 		if (a.json || a.prometheus || a.watch > 0 || a.output || a.steps_set || a.all)
 			return usage_error("drop takes no options");
 	} else if (is_trace) {

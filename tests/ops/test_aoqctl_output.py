@@ -290,6 +290,10 @@ def main():
                            (["trace"], "trace: which session?"),
                            (["trace", "x", "-o", "f"], "'x' is not a session id"),
                            (["trace", "1"], "-o FILE is required"),
+                           (["drop"], "drop: which session?"),
+                           (["drop", "abc"], "drop: 'abc' is not a session id"),
+                           (["drop", "3", "4"], "unexpected argument '4'"),
+                           (["snapshot", "0"], "snapshot: '0' is not a session id"),
                            (["trace", "1", "--steps", "0", "-o", "f"], "--steps: '0'"),
                            (["sessions", "--json"], "--json goes with 'stats'"),
                            (["stats", "extra"], "unexpected argument 'extra'")):
