@@ -18,6 +18,7 @@ Gradient pushes (README-python.md has the full story):
     dropped, so gradients never accumulate on the device.  A step that ends
     before its final push (fewer passes than counted) pushes zeros as final.
 """
+import math
 import collections
 import itertools
 import logging
@@ -160,19 +161,39 @@ def _number(x):
 
 def _check_hp(kind, g):
     """A parameter group's hyperparameters, checked as torch's optimizers
-    check theirs (ValueError naming the value), before aoqd sees them."""
-    for k in ("lr", "weight_decay") + (("momentum", "dampening") if kind == "sgd" else ("eps",)):
+    check theirs and in the ranges aoqd takes (daemon/state.c,
+    aoqd_hp_valid): a ValueError naming the value, before aoqd sees it."""
+    def bad(k, want):
+        raise ValueError("OffloadOptimizer: %s must be %s, got %r" % (k, want, g.get(k)))
+
+    def num(k, lo, hi=math.inf, lo_open=False, hi_open=False):
         v = g.get(k)
-        if v is not None and (not _number(v) or not v >= 0):
-            raise ValueError("OffloadOptimizer: %s must be a number >= 0, got %r" % (k, v))
-    if kind != "sgd":
-        b = g.get("betas")
-        try:
-            ok = len(b) == 2 and all(_number(x) and 0 <= x < 1 for x in b)
-        except TypeError:
-            ok = False
-        if not ok:
-            raise ValueError("OffloadOptimizer: betas must be a pair (beta1, beta2), each in [0, 1), got %r" % (b,))
+        if v is None:
+            return
+        if not _number(v) or not math.isfinite(float(v)):
+            bad(k, "a finite number")
+        v = float(v)
+        if v < lo or (lo_open and v == lo) or v > hi or (hi_open and v == hi):
+            bad(k, "in %s%g, %g%s" % ("(" if lo_open else "[", lo, hi, ")" if hi_open else "]"))
+
+    num("lr", 0)
+    num("weight_decay", 0)
+    if kind == "sgd":
+        num("momentum", 0, 1, hi_open=True)
+        num("dampening", 0, 1)
+        if g.get("nesterov") and not (float(g.get("momentum", 0)) > 0 and float(g.get("dampening", 0)) == 0):
+            raise ValueError("OffloadOptimizer: nesterov=True needs momentum > 0 and dampening 0 (as torch's SGD), "
+                             "got momentum %r dampening %r" % (g.get("momentum"), g.get("dampening")))
+        return
+    if kind != "lion":
+        num("eps", 0, lo_open=True)
+    b = g.get("betas")
+    try:
+        ok = len(b) == 2 and all(_number(x) and 0 <= float(x) < 1 for x in b)
+    except TypeError:
+        ok = False
+    if not ok:
+        bad("betas", "a pair (beta1, beta2), each in [0, 1)")
 
 
 def _is_dtensor(t):

@@ -623,10 +623,15 @@ def case_errors():
     expect_value_error(lambda: mk(betas=(0.9,)), "betas", "(0.9,)")
     expect_value_error(lambda: mk(betas=(0.9, 1.0)), "betas", "[0, 1)")
     expect_value_error(lambda: mk(lr=-1e-3), "lr", "-0.001")
+    expect_value_error(lambda: mk(lr=float("inf")), "lr", "inf")
     expect_value_error(lambda: mk(eps="1e-8"), "eps", "'1e-8'")
+    expect_value_error(lambda: mk(eps=0.0), "eps", "(0,")
     expect_value_error(lambda: mk(weight_decay=-0.1), "weight_decay", "-0.1")
-    expect_value_error(lambda: OffloadOptimizer(m.parameters(), torch.optim.SGD, lr=0.1, momentum=-0.9,
-                                                socket=SOCKET), "momentum", "-0.9")
+    sgd = lambda **kw: OffloadOptimizer(m.parameters(), torch.optim.SGD, lr=0.1, socket=SOCKET, **kw)  # noqa: E731
+    expect_value_error(lambda: sgd(momentum=-0.9), "momentum", "-0.9")
+    expect_value_error(lambda: sgd(momentum=1.5), "momentum", "1.5")
+    expect_value_error(lambda: sgd(momentum=0.9, dampening=2), "dampening", "2")
+    expect_value_error(lambda: sgd(momentum=0.9, dampening=0.1, nesterov=True), "nesterov", "0.1")
     expect_value_error(lambda: mk(lease=-1), "lease", "-1")
     expect_value_error(lambda: mk(max_grad_norm=-1.0), "max_grad_norm", "-1.0")
     expect_value_error(lambda: mk(timeout=0), "timeout", "0")
