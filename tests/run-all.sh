@@ -10,7 +10,8 @@
 #   build          again, `meson test --setup valgrind --suite unit`
 #   build-minimal  every optional feature off (cuda, level_zero, systemd),
 #                  every suite but python and kernels (which no optional
-#                  feature reaches)
+#                  feature reaches); its kernels plain C and AVX2 only, as
+#                  in build-fuzz and build-tsan (AOQ_SIDE_KERNELS)
 #   build-fuzz     clang, -Dfuzz=true, address+undefined: the libFuzzer
 #                  targets of tests/fuzz replay their seed corpus (suite
 #                  fuzz), then fuzz for a while, two at a time (a crash, a
@@ -35,6 +36,9 @@
 #   AOQ_FUZZ_KEEP     a directory: the fuzz phase leaves there the inputs it
 #                found (new corpus entries and crashes), else they go
 #   AOQ_WERROR   1 (default): warnings are errors in build and build-minimal
+#   AOQ_SIDE_KERNELS  the kernel variants of build-minimal, build-fuzz and
+#                build-tsan (meson -Dkernel_variants; default avx2, "all"
+#                for every one)
 #   AOQ_PYTHON   the interpreter of the python suite (meson -Dpython=); default
 #                $AOQ_VENV/bin/python (AOQ_VENV: /opt/aoq-venv, the venv with
 #                torch that deploy/python-venv.sh makes) when it exists, else
@@ -46,6 +50,11 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 phases=${AOQ_PHASES:-main asan valgrind minimal fuzz tsan}
 werror=${AOQ_WERROR:-1}
+# The CPU kernels' SIMD variants take most of a build's time on a small
+# machine (a few minutes each).  main and asan build and test all of them
+# (suite kernels); minimal, fuzz and tsan, which test the daemon around
+# them, build plain C and AVX2 only (meson -Dkernel_variants).
+side_kernels=(-Dkernel_variants=${AOQ_SIDE_KERNELS:-avx2})
 logdir=$(mktemp -d "${TMPDIR:-/tmp}/aoq-run-all.XXXXXX")
 trap 'rm -rf "$logdir"' EXIT
 
@@ -211,7 +220,7 @@ for phase in $phases; do
 		;;
 	minimal)
 		if build minimal build-minimal -Dcuda=disabled -Dlevel_zero=disabled \
-			-Dsystemd=disabled "${werror_arg[@]}" "${python_arg[@]}"; then
+			-Dsystemd=disabled "${side_kernels[@]}" "${werror_arg[@]}" "${python_arg[@]}"; then
 			# The python suite and the kernels run the same code as in
 			# main (no optional feature reaches them): not run twice.
 			run_tests minimal build-minimal --no-suite python --no-suite kernels
@@ -224,7 +233,7 @@ for phase in $phases; do
 			total_fail=$((total_fail + 1))
 		elif CC=clang build_only fuzz build-fuzz "$fuzz_targets" -Dfuzz=true \
 			-Db_lundef=false -Dcuda=disabled -Dlevel_zero=disabled \
-			-Dsystemd=disabled; then
+			-Dsystemd=disabled "${side_kernels[@]}"; then
 			# The seeds and the crashes found before must pass.
 			run_tests fuzz-corpus build-fuzz --no-rebuild --suite fuzz
 			secs=${AOQ_FUZZ_SECONDS:-60}
@@ -301,7 +310,7 @@ for phase in $phases; do
 		# atomic_thread_fence, which the rings use (proto/aoq-arena.h);
 		# the main build checks warnings.
 		if build_only tsan build-tsan "$tsan_targets" -Db_sanitize=thread -Db_lundef=false -Dcuda=disabled \
-			-Dlevel_zero=disabled -Dsystemd=disabled -Dwerror=false; then
+			-Dlevel_zero=disabled -Dsystemd=disabled -Dwerror=false "${side_kernels[@]}"; then
 			# shellcheck disable=SC2086 # the tests are words
 			TSAN_OPTIONS="suppressions=$PWD/tests/tsan.supp second_deadlock_stack=1 ${TSAN_OPTIONS:-}" \
 				AOQ_STRESS_STEPS=${AOQ_STRESS_STEPS:-15} \
