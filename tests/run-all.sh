@@ -6,7 +6,8 @@
 #   build          default features (auto: CUDA code compiles when
 #                  /usr/local/cuda is there), every suite
 #   build-asan     AddressSanitizer + UndefinedBehaviorSanitizer, CUDA off,
-#                  suites unit, integration, hostile, kernels
+#                  suites unit, integration, hostile, kernels; kernels plain
+#                  C, AVX2 and AVX-512 BF16 (AOQ_ASAN_KERNELS)
 #   build          again, `meson test --setup valgrind --suite unit`
 #   build-minimal  every optional feature off (cuda, level_zero, systemd),
 #                  every suite but python and kernels (which no optional
@@ -38,7 +39,8 @@
 #   AOQ_WERROR   1 (default): warnings are errors in build and build-minimal
 #   AOQ_SIDE_KERNELS  the kernel variants of build-minimal, build-fuzz and
 #                build-tsan (meson -Dkernel_variants; default avx2, "all"
-#                for every one)
+#                for every one); AOQ_ASAN_KERNELS those of build-asan
+#                (default avx2,avx512bf16)
 #   AOQ_PYTHON   the interpreter of the python suite (meson -Dpython=); default
 #                $AOQ_VENV/bin/python (AOQ_VENV: /opt/aoq-venv, the venv with
 #                torch that deploy/python-venv.sh makes) when it exists, else
@@ -51,10 +53,13 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 phases=${AOQ_PHASES:-main asan valgrind minimal fuzz tsan}
 werror=${AOQ_WERROR:-1}
 # The CPU kernels' SIMD variants take most of a build's time on a small
-# machine (a few minutes each).  main and asan build and test all of them
-# (suite kernels); minimal, fuzz and tsan, which test the daemon around
-# them, build plain C and AVX2 only (meson -Dkernel_variants).
+# machine (a few minutes each).  main builds and tests all of them (suite
+# kernels); asan all but avx512, which is avx512bf16's source without its
+# bf16 conversions (the same loads and stores); minimal, fuzz and tsan,
+# which test the daemon around them, plain C and AVX2 only (meson
+# -Dkernel_variants).
 side_kernels=(-Dkernel_variants=${AOQ_SIDE_KERNELS:-avx2})
+asan_kernels=(-Dkernel_variants=${AOQ_ASAN_KERNELS:-avx2,avx512bf16})
 logdir=$(mktemp -d "${TMPDIR:-/tmp}/aoq-run-all.XXXXXX")
 trap 'rm -rf "$logdir"' EXIT
 
@@ -206,7 +211,7 @@ for phase in $phases; do
 		;;
 	asan)
 		if build asan build-asan -Db_sanitize=address,undefined -Db_lundef=false \
-			-Dcuda=disabled -Dlevel_zero=auto -Dsystemd=auto; then
+			-Dcuda=disabled -Dlevel_zero=auto -Dsystemd=auto "${asan_kernels[@]}"; then
 			run_tests asan build-asan --timeout-multiplier 3 \
 				--suite unit --suite integration --suite hostile --suite kernels
 		fi
