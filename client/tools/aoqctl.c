@@ -1491,31 +1491,23 @@ int main(int argc, char **argv)
 	if (!is_stats && !is_sessions && !is_trace && !is_snapshot && !is_drop)
 		return usage_error("unknown command '%s'", cmd);
 	uint64_t session = 0;
-	if (is_drop) {
+	if (is_drop || is_trace || is_snapshot) {
+		/* one operand, the session id */
 		if (noperands < 1)
-			return usage_error("drop: which session? (aoqctl drop SESSION; ids: aoqctl sessions)");
+			return usage_error("%s: which session? (aoqctl %s SESSION%s; ids: aoqctl sessions)", cmd, cmd,
+			                   is_trace ? " -o FILE" : "");
 		if (!parse_u64(operands[0], 1, UINT64_MAX, &session))
-			return usage_error("drop: '%s' is not a session id", operands[0]);
+			return usage_error("%s: '%s' is not a session id", cmd, operands[0]);
 		if (noperands > 1)
 			return usage_error("unexpected argument '%s'", operands[1]);
+	}
+	if (is_drop) {
 		if (a.json || a.prometheus || a.watch > 0 || a.output || a.steps_set || a.all)
 			return usage_error("drop takes no options");
 	} else if (is_trace) {
-		if (noperands < 1)
-			return usage_error("trace: which session? (aoqctl trace SESSION -o FILE; ids: aoqctl sessions)");
-		if (!parse_u64(operands[0], 1, UINT64_MAX, &session))
-			return usage_error("trace: '%s' is not a session id", operands[0]);
-		if (noperands > 1)
-			return usage_error("unexpected argument '%s'", operands[1]);
 		if (!a.output)
 			return usage_error("trace: -o FILE is required (the trace is JSON for Perfetto)");
 	} else if (is_snapshot) {
-		if (noperands < 1)
-			return usage_error("snapshot: which session? (aoqctl snapshot SESSION; ids: aoqctl sessions)");
-		if (!parse_u64(operands[0], 1, UINT64_MAX, &session))
-			return usage_error("snapshot: '%s' is not a session id", operands[0]);
-		if (noperands > 1)
-			return usage_error("unexpected argument '%s'", operands[1]);
 		if (a.output || a.all || a.steps_set || a.json || a.prometheus || a.watch > 0)
 			return usage_error("snapshot takes no options but --socket");
 	} else if (noperands > 0) {
