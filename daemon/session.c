@@ -45,12 +45,33 @@ void aoqd_session_ref(struct aoqd_session *s)
 	atomic_fetch_add_explicit(&s->refs, 1, memory_order_relaxed);
 }
 
+/* The LEASING bit of refs: set while the session is leased, so that the
+ * reference before the last one, dropped on a worker, wakes the loop to
+ * settle the lease.  It shares the count's word because nothing of s may
+ * be read after the decrement (the loop may free s at once): the one
+ * atomic read-modify-write tells both the count and whether to wake. */
+#define REFS_LEASING (1 << 30)
+
+void aoqd_session_set_leasing(struct aoqd_session *s, bool on)
+{
+	if (on)
+		atomic_fetch_or_explicit(&s->refs, REFS_LEASING, memory_order_acq_rel);
+	else
+		atomic_fetch_and_explicit(&s->refs, ~REFS_LEASING, memory_order_acq_rel);
+}
+
+int aoqd_session_refcount(struct aoqd_session *s)
+{
+	return atomic_load_explicit(&s->refs, memory_order_acquire) & ~REFS_LEASING;
+}
+
 void aoqd_session_unref(struct aoqd_session *s)
 {
+	struct aoqd_server *srv = s->srv; /* outlives every session */
 	int was = atomic_fetch_sub_explicit(&s->refs, 1, memory_order_acq_rel);
-	if (was == 2 && atomic_load(&s->leasing))
-		uv_async_send(&s->srv->wake); /* the loop settles the lease */
-	if (was != 1)
+	if (was == (REFS_LEASING | 2))
+		uv_async_send(&srv->wake); /* the loop settles the lease */
+	if ((was & ~REFS_LEASING) != 1)
 		return;
 	if (s->rep) {
 		/* A replica group's hub: its members' references go now (their
@@ -207,7 +228,7 @@ static void group_gone(struct aoqd_session *h)
 	link_session(h); /* the hub list's reference is the session list's now */
 	h->state = AOQD_LEASED;
 	h->lease_until = aoqd_now_ns() + lease;
-	atomic_store(&h->leasing, true);
+	aoqd_session_set_leasing(h, true);
 	aoqd_info("session", "replica group %" PRIu64 " (uid %u job '%s', %u local ranks): %s; state leased for %" PRIu64
 	          " s, resumable at step %" PRIu64, h->id, (unsigned)h->conn.uid, h->conn.job, h->rep->world, h->rep->why,
 	          lease / 1000000000u, h->st.last_step + 1);
@@ -436,7 +457,7 @@ static uint64_t lease_for(const struct aoqd_session *s)
  * resumes gets a new one) and stops counting against the quota. */
 static void lease_settle(struct aoqd_session *s)
 {
-	if (s->state != AOQD_LEASED || s->settled || atomic_load(&s->refs) != 1)
+	if (s->state != AOQD_LEASED || s->settled || aoqd_session_refcount(s) != 1)
 		return;
 	aoqd_state_rollback(&s->st);
 	if (s->arena.size && s->st.account) {
@@ -464,7 +485,7 @@ static void lease_end(struct aoqd_session *s, const char *why)
 	aoqd_info("session", "session %" PRIu64 " (uid %u job '%s' rank %u): lease ended (%s)", s->id,
 	          (unsigned)s->conn.uid, s->conn.job ? s->conn.job : "", s->conn.rank, why);
 	s->state = AOQD_CLOSING;
-	atomic_store(&s->leasing, false);
+	aoqd_session_set_leasing(s, false);
 	if (unlink_session(s)) {
 		s->zombie_next = zombies;
 		zombies = s;
@@ -624,7 +645,7 @@ int64_t aoqd_lease_adopt(struct aoqd_server *srv, const struct aoqd_lease_key *k
 	s->state = AOQD_LEASED;
 	s->settled = true;
 	s->lease_until = aoqd_now_ns() + lease_ns;
-	atomic_store(&s->leasing, true);
+	aoqd_session_set_leasing(s, true);
 	link_session(s);
 	aoqd_info("session", "session %" PRIu64 " (uid %u job '%s' rank %u): restored state leased for %" PRIu64
 	          " s, resumable at step %" PRIu64, s->id, (unsigned)key->uid, job, key->rank, lease_ns / 1000000000u,
@@ -666,7 +687,7 @@ static void session_close(struct aoqd_session *s)
 		/* Stays in the list: the state waits for its trainer. */
 		s->state = AOQD_LEASED;
 		s->lease_until = aoqd_now_ns() + lease;
-		atomic_store(&s->leasing, true);
+		aoqd_session_set_leasing(s, true);
 		aoqd_info("session", "session %" PRIu64 " (uid %u job '%s' rank %u): trainer gone; state leased for %" PRIu64
 		          " s, resumable at step %" PRIu64, s->id, (unsigned)s->conn.uid, s->conn.job, s->conn.rank,
 		          lease / 1000000000u, s->st.last_step + 1);

@@ -70,7 +70,7 @@ struct aoqd_session {
 	struct aoqd_server *srv;
 	struct aoqd_session *prev, *next; /* the session list; loop thread only */
 	uint64_t id;
-	_Atomic int refs;
+	_Atomic int refs;       /* count | REFS_LEASING (session.c) */
 	_Atomic bool dead;      /* set on close: workers skip its chunks */
 	enum aoqd_session_state state;
 
@@ -95,15 +95,15 @@ struct aoqd_session {
 	/* Lease and resume (README, "Lease and resume").  lease_ns: how long
 	 * the state stays once the trainer is gone (from Hello, capped by
 	 * lease_seconds again at the close); no_lease: Bye or drop.  LEASED:
-	 * lease_until on the monotonic clock; `leasing` tells unref to wake
-	 * the loop when only the list's reference is left, and `settled`
+	 * lease_until on the monotonic clock, and refs carries a LEASING bit
+	 * (session.c) that tells unref to wake the loop when only the
+	 * list's reference is left; `settled`
 	 * says the interrupted step was rolled back and the arena freed.
 	 * adopt_wait: the id of the leased session this registration waits
 	 * for to settle.  resumed_from: the leased session's id. */
 	uint64_t lease_ns;
 	bool no_lease;
 	uint64_t lease_until;
-	_Atomic bool leasing;
 	bool settled;
 	uint64_t adopt_wait;
 	uint64_t resumed_from;
@@ -172,6 +172,10 @@ void aoqd_session_accept(struct aoqd_server *srv, uv_stream_t *listener);
  */
 void aoqd_session_ref(struct aoqd_session *s);
 void aoqd_session_unref(struct aoqd_session *s);
+/* Leased or not (the LEASING bit of refs); loop thread.  References held
+ * now, without the bit; any thread. */
+void aoqd_session_set_leasing(struct aoqd_session *s, bool on);
+int aoqd_session_refcount(struct aoqd_session *s);
 /* The server's wake: every session looks at what its workers finished. */
 void aoqd_sessions_wake(struct aoqd_server *srv);
 /* Fails sessions whose handshake (Hello, then Register or observer) is

@@ -300,15 +300,16 @@ for phase in $phases; do
 		;;
 	tsan)
 		# The concurrency-heavy tests: the pool, the rings, the snapshot
-		# writer waiting for the pool's idle times, libaoq's
+		# writer waiting for the pool's idle times, a session's last two
+		# references dropped on two threads, libaoq's
 		# progress thread against the daemon's workers (both built with
 		# TSan; a report makes aoqd or the test exit 66).  integration-train
 		# and demo-deterministic add little beyond these and take minutes
 		# under TSan; push-stress runs 15 steps instead of 60.
-		tsan_tests="unit-ring unit-pool unit-wire unit-account unit-snapshot-pace integration-push-stress
+		tsan_tests="unit-ring unit-pool unit-wire unit-account unit-snapshot-pace unit-session-refs integration-push-stress
 			integration-accumulate integration-modes integration-optimizers integration-timeout demo"
 		tsan_targets="daemon/aoqd client/examples/aoq-demo tests/unit/test-ring tests/unit/test-pool
-			tests/unit/test-wire tests/unit/test-account tests/unit/test-snapshot-pace tests/integration/test-push-stress
+			tests/unit/test-wire tests/unit/test-account tests/unit/test-snapshot-pace tests/unit/test-session-refs tests/integration/test-push-stress
 			tests/integration/test-accumulate tests/integration/test-modes tests/integration/test-optimizers
 			tests/integration/test-timeout"
 		# Not -Dwerror: gcc warns (-Wtsan) that TSan does not model

@@ -273,7 +273,7 @@ static bool quiet(struct fz_client *c)
 {
 	struct aoqd_session *s = c->s;
 	if (s->state == AOQD_CLOSING)
-		return atomic_load(&s->refs) == 1;
+		return aoqd_session_refcount(s) == 1;
 	if (s->backlog || s->steps.xfer_busy || aoqd_conn_queued(&s->conn) != 0)
 		return false;
 	/* Jobs out: running, or (clipping, step skipping) summed and waiting
@@ -332,11 +332,11 @@ void fz_close(struct fz_client *c)
 	/* The daemon sees the close on its next turn; the session is freed
 	 * once the list, its handles and its jobs let it go. */
 	double t0 = now_s();
-	while (c->s->state != AOQD_CLOSING || atomic_load(&c->s->refs) != 1) {
+	while (c->s->state != AOQD_CLOSING || aoqd_session_refcount(c->s) != 1) {
 		uv_run(&loop, UV_RUN_NOWAIT);
 		if (now_s() - t0 > SETTLE_LIMIT_S) {
 			fprintf(stderr, "fuzz-daemon: a closed session is not released (%d references)\n",
-			        atomic_load(&c->s->refs));
+			        aoqd_session_refcount(c->s));
 			abort();
 		}
 	}
