@@ -1583,6 +1583,15 @@ void aoqd_snapshot_tick(struct aoqd_state *st, bool idle)
 	capture_enqueue(c);
 }
 
+/* Boundary of st's capture waiting to be ready, or UINT64_MAX. */
+static uint64_t pending_boundary(const struct aoqd_state *st)
+{
+	const struct aoqd_capture *c = st->snap;
+	if (!c || !c->armed)
+		return UINT64_MAX;
+	return c->swap_wait ? c->boundary + 1 : !c->ready ? c->boundary : UINT64_MAX;
+}
+
 void aoqd_snapshot_cancel(struct aoqd_state *st, const char *gone)
 {
 	struct aoqd_capture *c = st->snap;
@@ -1591,7 +1600,7 @@ void aoqd_snapshot_cancel(struct aoqd_state *st, const char *gone)
 		atomic_store(&c->prep_cancel, true); /* prep_fn follows */
 		return;
 	}
-	uint64_t boundary = aoqd_snapshot_pending_boundary(st);
+	uint64_t boundary = pending_boundary(st);
 	if (boundary == UINT64_MAX)
 		return; /* none, or writing already */
 	char why[sizeof(c->why)];
@@ -1647,14 +1656,6 @@ int aoqd_snapshot_prepare(struct aoqd_snapshotter *w, struct aoqd_state *st, aoq
 	c->prep_arg = arg;
 	capture_enqueue(c);
 	return 1;
-}
-
-uint64_t aoqd_snapshot_pending_boundary(const struct aoqd_state *st)
-{
-	const struct aoqd_capture *c = st->snap;
-	if (!c || !c->armed)
-		return UINT64_MAX;
-	return c->swap_wait ? c->boundary + 1 : !c->ready ? c->boundary : UINT64_MAX;
 }
 
 void aoqd_snapshot_state_free(struct aoqd_state *st)

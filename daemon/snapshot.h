@@ -215,8 +215,6 @@ bool aoqd_snapshot_preparing(const struct aoqd_state *st);
 void aoqd_snapshot_tick(struct aoqd_state *st, bool idle);
 /* Whether st has a capture armed or writing, or spares being prepared. */
 bool aoqd_snapshot_busy(const struct aoqd_state *st);
-/* Boundary of st's capture waiting to be ready, or UINT64_MAX. */
-uint64_t aoqd_snapshot_pending_boundary(const struct aoqd_state *st);
 /* Frees what captures of st keep (the state is being freed; no capture
  * runs). */
 void aoqd_snapshot_state_free(struct aoqd_state *st);
