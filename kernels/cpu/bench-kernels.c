@@ -616,6 +616,8 @@ static const char bench_usage[] =
 	"  -r N       repetitions; the median is reported (default 5)\n"
 	"  -c N       chunk elements (default 32768)\n"
 	"  -k LIST    kernel variants to run, comma separated\n"
+	"  --modes    only the triads and the Adam state precisions of the variants\n"
+	"             (-k, default: the best) and the MODE lines\n"
 	"  --resident[=N]  compute only: one thread, one N-element tensor (default 65536)\n"
 	"             updated over and over in cache; per precision G params/s, ns and cycles\n"
 	"  -h, --help this text\n";
@@ -639,7 +641,7 @@ int main(int argc, char **argv)
 {
 	const char *klist = NULL;
 	int opt;
-	bool resident = false;
+	bool resident = false, modes_only = false;
 	size_t res_n = 0;
 	cpu_set_t set;
 
@@ -651,6 +653,7 @@ int main(int argc, char **argv)
 	static const struct option longopts[] = {
 		{ "help", no_argument, NULL, 'h' },
 		{ "resident", optional_argument, NULL, 'R' },
+		{ "modes", no_argument, NULL, 'M' },
 		{ NULL, 0, NULL, 0 },
 	};
 	unsigned long long v;
@@ -678,6 +681,9 @@ int main(int argc, char **argv)
 			break;
 		case 'k':
 			klist = optarg;
+			break;
+		case 'M':
+			modes_only = true;
 			break;
 		case 'R':
 			resident = true;
@@ -771,12 +777,14 @@ int main(int argc, char **argv)
 	const struct aoqk_variant *vars = aoqk_variants(&nv);
 	for (size_t i = 0; i < nv; i++) {
 		const struct aoqk_kernel *k = vars[i].kernel;
-		if (!vars[i].runnable || !wanted(klist, k->name)) {
+		if (!vars[i].runnable || (modes_only && !klist ? k != aoqk_select(NULL) : !wanted(klist, k->name))) {
 			printf("%s: skipped\n", k->name);
 			continue;
 		}
 		for (int p = 0; p <= AOQK_STATE_BF16_ALL; p++)
 			bench_kernel(k, (enum aoqk_precision)p, AOQK_BF16, AOQK_BF16, 0, CHUNK, "");
+		if (modes_only)
+			continue;
 		bench_kernel(k, AOQK_STATE_FP32, AOQK_FP32, AOQK_FP32, 0, CHUNK, "");
 		static const enum aoqk_precision slp[] = { AOQK_STATE_FP32, AOQK_STATE_BF16,
 		                                           AOQK_STATE_BF16_ALL };
@@ -788,6 +796,8 @@ int main(int argc, char **argv)
 
 	/* where the headline job's time goes, with the default kernel */
 	const struct aoqk_kernel *best = aoqk_select(NULL);
+	if (modes_only)
+		goto again;
 	bench_kernel(best, AOQK_STATE_FP32, AOQK_BF16, AOQK_BF16, 1, CHUNK, "_prescan");
 	bench_kernel(best, AOQK_STATE_FP32, AOQK_FP16, AOQK_FP16, 0, CHUNK, "");
 	bench_kernel(best, AOQK_STATE_FP32, AOQK_BF16, AOQK_BF16, 0, 4096, "_chunk4k");
@@ -824,6 +834,7 @@ int main(int argc, char **argv)
 		}
 	}
 
+again:
 	stream_all("_again");
 
 	quit = 1;
