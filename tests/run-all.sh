@@ -7,12 +7,13 @@
 #                  /usr/local/cuda is there), every suite
 #   build-asan     AddressSanitizer + UndefinedBehaviorSanitizer, CUDA off,
 #                  suites unit, integration, hostile, kernels; kernels plain
-#                  C, AVX2 and AVX-512 BF16 (AOQ_ASAN_KERNELS)
+#                  C, AVX2, and AVX-512 BF16 where the CPU runs it
+#                  (AOQ_ASAN_KERNELS)
 #   build          again, `meson test --setup valgrind --suite unit`
 #   build-minimal  every optional feature off (cuda, level_zero, systemd),
 #                  every suite but python and kernels (which no optional
-#                  feature reaches); its kernels plain C and AVX2 only, as
-#                  in build-fuzz and build-tsan (AOQ_SIDE_KERNELS)
+#                  feature reaches); its kernels plain C only, as in
+#                  build-fuzz and build-tsan (AOQ_SIDE_KERNELS)
 #   build-fuzz     clang, -Dfuzz=true, address+undefined: the libFuzzer
 #                  targets of tests/fuzz replay their seed corpus (suite
 #                  fuzz), then fuzz for a while, two at a time (a crash, a
@@ -38,9 +39,10 @@
 #                found (new corpus entries and crashes), else they go
 #   AOQ_WERROR   1 (default): warnings are errors in build and build-minimal
 #   AOQ_SIDE_KERNELS  the kernel variants of build-minimal, build-fuzz and
-#                build-tsan (meson -Dkernel_variants; default avx2, "all"
-#                for every one); AOQ_ASAN_KERNELS those of build-asan
-#                (default avx2,avx512bf16)
+#                build-tsan (meson -Dkernel_variants; default none: plain C
+#                only, "all" for every one); AOQ_ASAN_KERNELS those of
+#                build-asan (default avx2, and avx512bf16 where the CPU has
+#                AVX-512 BF16)
 #   AOQ_PYTHON   the interpreter of the python suite (meson -Dpython=); default
 #                $AOQ_VENV/bin/python (AOQ_VENV: /opt/aoq-venv, the venv with
 #                torch that deploy/python-venv.sh makes) when it exists, else
@@ -53,13 +55,19 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 phases=${AOQ_PHASES:-main asan valgrind minimal fuzz tsan}
 werror=${AOQ_WERROR:-1}
 # The CPU kernels' SIMD variants take most of a build's time on a small
-# machine (a few minutes each).  main builds and tests all of them (suite
-# kernels); asan all but avx512, which is avx512bf16's source without its
-# bf16 conversions (the same loads and stores); minimal, fuzz and tsan,
-# which test the daemon around them, plain C and AVX2 only (meson
-# -Dkernel_variants).
-side_kernels=(-Dkernel_variants=${AOQ_SIDE_KERNELS:-avx2})
-asan_kernels=(-Dkernel_variants=${AOQ_ASAN_KERNELS:-avx2,avx512bf16})
+# machine (gcc -O2, 2-core VM: about 160 s of CPU each, plain C 24 s).
+# main builds and tests all of them (suite kernels: every variant the CPU
+# runs, bit-identical).  asan builds the ones it can run of avx2 and
+# avx512bf16 (avx512 is avx512bf16's source without its bf16 conversions:
+# the same loads and stores); a variant the CPU cannot run would only be
+# compiled again.  minimal, fuzz and tsan test the daemon around the
+# kernels and build plain C only (meson -Dkernel_variants=none).
+side_kernels=(-Dkernel_variants=${AOQ_SIDE_KERNELS:-none})
+asan_default=avx2
+if grep -qw avx512_bf16 /proc/cpuinfo 2>/dev/null; then
+	asan_default=avx2,avx512bf16
+fi
+asan_kernels=(-Dkernel_variants=${AOQ_ASAN_KERNELS:-$asan_default})
 logdir=$(mktemp -d "${TMPDIR:-/tmp}/aoq-run-all.XXXXXX")
 trap 'rm -rf "$logdir"' EXIT
 
