@@ -198,8 +198,11 @@ static struct aoqd_session *hub_new(struct aoqd_session *s)
 static void hub_detach(struct aoqd_session *h)
 {
 	aoqd_step_close(h); /* its step, if one was open, will not end */
-	if (aoqd_snapshot_preparing(&h->st))
-		aoqd_snapshot_cancel(&h->st, "the replica group ended");
+	/* as at a session's close (session_close): a snapshot waiting for a
+	 * step's end or still preparing fails; one writing goes on */
+	char gone[80];
+	snprintf(gone, sizeof(gone), "replica group %" PRIu64 " ended", h->id);
+	aoqd_snapshot_cancel(&h->st, gone);
 	for (struct aoqd_session **p = &h->srv->hubs; *p; p = &(*p)->next)
 		if (*p == h) {
 			*p = h->next;

@@ -1628,11 +1628,6 @@ const char *aoqd_snapshot_phase(const struct aoqd_state *st, uint64_t *written, 
 	return "writing";
 }
 
-bool aoqd_snapshot_preparing(const struct aoqd_state *st)
-{
-	return st->snap && st->snap->prep;
-}
-
 int aoqd_snapshot_prepare(struct aoqd_snapshotter *w, struct aoqd_state *st, aoqd_snapshot_prep_fn fn, void *arg)
 {
 	if (!swap_possible(st))

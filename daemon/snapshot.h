@@ -206,8 +206,6 @@ void aoqd_snapshot_cancel(struct aoqd_state *st, const char *gone);
  * "preparing", "armed" or "writing", with the array bytes written so far
  * and in all (0 until it writes).  Loop thread. */
 const char *aoqd_snapshot_phase(const struct aoqd_state *st, uint64_t *written, uint64_t *total);
-/* Whether st's spares are being prepared (aoqd_snapshot_prepare). */
-bool aoqd_snapshot_preparing(const struct aoqd_state *st);
 /* The 1 s sampler (loop thread): idle, the session is between steps with
  * nothing of the next accepted.  A capture waiting for the undo swap
  * (snapshot.c) that saw the session idle at two ticks in a row copies the
