@@ -682,8 +682,31 @@ static int test_restart(const char *exe)
 	check_saved(g, 2, at5, "after the restart");
 	printf("restart: the group's snapshot at step 3 (%s), aoqd killed in step 4 and restarted, a new group resumed "
 	       "at step 3, bit-exact with one session at step %d\n", path, NSTEPS);
+	/* A snapshot that waits for the group's step to end when the group
+	 * ends fails with the cause, as at a session's close.  The first
+	 * snapshot of this aoqd prepares the spares; the second, asked in the
+	 * middle of a step, waits for its end. */
+	CHECK_OK(aoqt_stats(d.socket, &env));
+	row = find_row(env->stats, job, 0);
+	CHECK(row && row->local_world == 2, "no row of local rank 0");
+	member = row->id;
+	aoq_envelope_free(env);
+	r = aoqt_snapshot(d.socket, member, path, sizeof(path), &step);
+	CHECK(r == 0 && step == NSTEPS, "snapshot of the group at step %d: %d %s, step %" PRIu64, NSTEPS, r, path, step);
+	for (int t = NT - 1; t >= NT / 2; t--)
+		for (uint32_t q = 0; q < 2; q++) {
+			fill_grad(&g[q], t, NSTEPS + 1, 0);
+			CHECK_OK(aoq_push_grad(g[q].c, (uint32_t)t, 0, NULL));
+		}
+	int fd = aoqt_snapshot_ask(d.socket, member);
+	CHECK(fd >= 0, "snapshot request");
+	usleep(100000);
 	for (uint32_t q = 0; q < 2; q++)
 		close_rank(&g[q]);
+	CHECK(aoqt_snapshot_wait(fd, path, sizeof(path), &step) < 0 && strstr(path, "replica group") &&
+	      strstr(path, "ended before step"),
+	      "a snapshot waiting for the step of a group that ended: %s", path);
+	printf("restart: a snapshot asked in step %d, the group gone before its end: %s\n", NSTEPS + 1, path);
 	for (int t = 0; t < NT; t++) {
 		free(at3[t]);
 		free(at5[t]);
