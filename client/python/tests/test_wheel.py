@@ -24,8 +24,15 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.normpath(os.path.join(HERE, "..", "..", ".."))
-# The wheel of the test: no GPU backends (CI has none; the build stays short).
-SETUP_ARGS = ["-Dcuda=disabled", "-Dlevel_zero=disabled", "-Dsystemd=disabled"]
+# The wheel of the test: no GPU backends (CI has none; the build stays
+# short), and the CPU kernels in plain C only unless $AOQ_WHEEL_KERNELS
+# names variants (meson -Dkernel_variants): each SIMD variant is minutes of
+# compile time on a 2-core machine (all four made this test 381 s of CI's
+# main phase), and they are the same sources the suite "kernels" tests;
+# what this test checks is the packaging.  A wheel built with `pip install
+# .` has every variant (the option's default).
+SETUP_ARGS = ["-Dcuda=disabled", "-Dlevel_zero=disabled", "-Dsystemd=disabled",
+              "-Dkernel_variants=" + (os.environ.get("AOQ_WHEEL_KERNELS") or "none")]
 
 TRAIN = r'''
 import importlib.metadata, os, sys
