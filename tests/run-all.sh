@@ -8,7 +8,7 @@
 #   build-asan     AddressSanitizer + UndefinedBehaviorSanitizer, CUDA off,
 #                  suites unit, integration, hostile, kernels; kernels plain
 #                  C, AVX2, and AVX-512 BF16 where the CPU runs it
-#                  (AOQ_ASAN_KERNELS)
+#                  (AOQ_ASAN_KERNELS), with ASan only (kernels/meson.build)
 #   build          again, `meson test --setup valgrind --suite unit`
 #   build-minimal  every optional feature off (cuda, level_zero, systemd),
 #                  every suite but python and kernels (which no optional
