@@ -532,15 +532,59 @@ static void k_accumulate(float *acc, const void *grad, enum aoqk_dtype gd, float
 #undef ACC_LOOP
 }
 
-#define RUN_CASE(P, G, D, NT)                                                              \
-	case (P) * 12 + (G) * 4 + (D):                                                     \
-		run_chunk(&k, st, c, want_ss, &ss, P, G, D, NT);                           \
-		break;
-#define RUN_CASES_PG(P, G, NT) \
-	RUN_CASE(P, G, 0, NT) RUN_CASE(P, G, 1, NT) RUN_CASE(P, G, 2, NT) RUN_CASE(P, G, 3, NT)
-#define RUN_CASES_P(P, NT) RUN_CASES_PG(P, 0, NT) RUN_CASES_PG(P, 1, NT) RUN_CASES_PG(P, 2, NT)
-#define RUN_CASES(NT) \
-	RUN_CASES_P(0, NT) RUN_CASES_P(1, NT) RUN_CASES_P(2, NT) RUN_CASES_P(3, NT) RUN_CASES_P(4, NT)
+/* One out-of-line function per (precision, gradient dtype, parameter
+ * dtype, non-temporal stores) for each optimizer, reached through a table
+ * indexed by chunk_sel(): the default and "-cached" tables share the
+ * plain-store instances, and a non-temporal instance exists only where a
+ * parameter is written.  Each instance is a whole chunk's loop, so the call
+ * costs nothing measurable; inlining them all into one switch made each
+ * SIMD translation unit compile for minutes (kernels/README.md). */
+typedef void chunk_fn(const struct aoqk_consts *k, const struct aoqk_state *st,
+                      const struct aoqk_chunk *c, int want_ss, double *ssum);
+
+#define CHUNK_SEL(P, G, D) ((P) * 12 + (G) * 4 + (D))
+#define CHUNK_SELS 60
+
+/* X(P, G, D, NT, ...) for every gradient dtype G and parameter dtype D of
+ * precision P: D = PD_NONE only without non-temporal stores */
+#define FOR_PD(X, P, G, NT, ...) X(P, G, 0, NT, __VA_ARGS__) X(P, G, 1, NT, __VA_ARGS__) \
+	X(P, G, 2, NT, __VA_ARGS__)
+#define FOR_PD_NONE(X, P, G, NT, ...) FOR_PD(X, P, G, NT, __VA_ARGS__) X(P, G, 3, NT, __VA_ARGS__)
+#define FOR_G(F, X, P, NT, ...) F(X, P, 0, NT, __VA_ARGS__) F(X, P, 1, NT, __VA_ARGS__) \
+	F(X, P, 2, NT, __VA_ARGS__)
+/* precisions 0..4 are AOQK_STATE_FP32 .. AOQK_STATE_BF16_ALL (literals:
+ * they are pasted into names) */
+#define FOR_ADAM_P(F, X, NT, ...) FOR_G(F, X, 0, NT, __VA_ARGS__) FOR_G(F, X, 1, NT, __VA_ARGS__) \
+	FOR_G(F, X, 2, NT, __VA_ARGS__) FOR_G(F, X, 3, NT, __VA_ARGS__) FOR_G(F, X, 4, NT, __VA_ARGS__)
+/* SGD and Lion: no q8 (precisions 1 and 3) */
+#define FOR_SL_P(F, X, NT, ...) FOR_G(F, X, 0, NT, __VA_ARGS__) FOR_G(F, X, 2, NT, __VA_ARGS__) \
+	FOR_G(F, X, 4, NT, __VA_ARGS__)
+
+#define ADAM_FN(P, G, D, NT, _)                                                            \
+	static __attribute__((noinline)) void adam_##P##_##G##_##D##_##NT(                  \
+		const struct aoqk_consts *k, const struct aoqk_state *st,                  \
+		const struct aoqk_chunk *c, int want_ss, double *ssum)                     \
+	{                                                                                  \
+		run_chunk(k, st, c, want_ss, ssum, P, G, D, NT);                           \
+	}
+#define ADAM_ENTRY(P, G, D, NT, _) [CHUNK_SEL(P, G, D)] = adam_##P##_##G##_##D##_##NT,
+
+FOR_ADAM_P(FOR_PD_NONE, ADAM_FN, 0, _)
+static chunk_fn *const adam_plain[CHUNK_SELS] = { FOR_ADAM_P(FOR_PD_NONE, ADAM_ENTRY, 0, _) };
+#if KHAS_NT
+FOR_ADAM_P(FOR_PD, ADAM_FN, 1, _)
+static chunk_fn *const adam_nt[CHUNK_SELS] = { FOR_ADAM_P(FOR_PD, ADAM_ENTRY, 1, _) };
+#endif
+
+/* The chunk's table index; *nt_ok: a parameter is written and its pointer
+ * is vector-aligned, so non-temporal stores may write it. */
+static inline int chunk_sel(const struct aoqk_state *st, const struct aoqk_chunk *c, int *nt_ok)
+{
+	int pd = c->param ? (int)c->param_dtype : PD_NONE;
+
+	*nt_ok = pd != PD_NONE && (uintptr_t)c->param % (W * (pd == PD_FP32 ? 4 : 2)) == 0;
+	return CHUNK_SEL((int)st->precision, (int)c->grad_dtype, pd);
+}
 
 static AOQK_ALWAYS_INLINE int adam_common(const struct aoqk_hparams *hp, const struct aoqk_state *st,
                                           const struct aoqk_chunk *c, struct aoqk_report *rep,
@@ -566,21 +610,16 @@ static AOQK_ALWAYS_INLINE int adam_common(const struct aoqk_hparams *hp, const s
 		want_ss = 0;
 	}
 	aoqk_consts_init(&k, hp, c->seed);
-	int pd = c->param ? (int)c->param_dtype : PD_NONE;
-	int sel = (int)st->precision * 12 + (int)c->grad_dtype * 4 + pd;
+	int nt_ok, sel = chunk_sel(st, c, &nt_ok);
 
-	if (nt && pd != PD_NONE && (uintptr_t)c->param % (W * (pd == PD_FP32 ? 4 : 2)) == 0) {
+	(void)nt, (void)nt_ok;
 #if KHAS_NT
-		switch (sel) {
-			RUN_CASES(1)
-		}
+	if (nt && nt_ok) {
+		adam_nt[sel](&k, st, c, want_ss, &ss);
 		vf_sfence();
+	} else
 #endif
-	} else {
-		switch (sel) {
-			RUN_CASES(0)
-		}
-	}
+		adam_plain[sel](&k, st, c, want_ss, &ss);
 	if (want_ss) {
 		rep->sumsq = ss;
 		rep->nonfinite = !isfinite(ss);
@@ -733,17 +772,30 @@ static AOQK_ALWAYS_INLINE void run_chunk_sl(const struct aoqk_consts *k, const s
 		*ssum = vacc_sum(ss);
 }
 
-#define SL_CASE(P, G, D, NT, L)                                                            \
-	case (P) * 12 + (G) * 4 + (D):                                                     \
-		run_chunk_sl(&k, st, c, want_ss, &ss, P, G, D, NT, L);                     \
-		break;
-#define SL_CASES_PG(P, G, NT, L) \
-	SL_CASE(P, G, 0, NT, L) SL_CASE(P, G, 1, NT, L) SL_CASE(P, G, 2, NT, L) SL_CASE(P, G, 3, NT, L)
-#define SL_CASES_P(P, NT, L) \
-	SL_CASES_PG(P, 0, NT, L) SL_CASES_PG(P, 1, NT, L) SL_CASES_PG(P, 2, NT, L)
-#define SL_CASES(NT, L) \
-	SL_CASES_P(AOQK_STATE_FP32, NT, L) SL_CASES_P(AOQK_STATE_BF16, NT, L) \
-	SL_CASES_P(AOQK_STATE_BF16_ALL, NT, L)
+#define SL_FN(P, G, D, NT, L)                                                              \
+	static __attribute__((noinline)) void sl_##P##_##G##_##D##_##NT##_##L(               \
+		const struct aoqk_consts *k, const struct aoqk_state *st,                  \
+		const struct aoqk_chunk *c, int want_ss, double *ssum)                     \
+	{                                                                                  \
+		run_chunk_sl(k, st, c, want_ss, ssum, P, G, D, NT, L);                     \
+	}
+#define SL_ENTRY(P, G, D, NT, L) [CHUNK_SEL(P, G, D)] = sl_##P##_##G##_##D##_##NT##_##L,
+
+/* [lion] */
+FOR_SL_P(FOR_PD_NONE, SL_FN, 0, 0)
+FOR_SL_P(FOR_PD_NONE, SL_FN, 0, 1)
+static chunk_fn *const sl_plain[2][CHUNK_SELS] = {
+	{ FOR_SL_P(FOR_PD_NONE, SL_ENTRY, 0, 0) },
+	{ FOR_SL_P(FOR_PD_NONE, SL_ENTRY, 0, 1) },
+};
+#if KHAS_NT
+FOR_SL_P(FOR_PD, SL_FN, 1, 0)
+FOR_SL_P(FOR_PD, SL_FN, 1, 1)
+static chunk_fn *const sl_nt[2][CHUNK_SELS] = {
+	{ FOR_SL_P(FOR_PD, SL_ENTRY, 1, 0) },
+	{ FOR_SL_P(FOR_PD, SL_ENTRY, 1, 1) },
+};
+#endif
 
 static AOQK_ALWAYS_INLINE int sl_common(const struct aoqk_hparams *hp, const struct aoqk_state *st,
                                         const struct aoqk_chunk *c, struct aoqk_report *rep,
@@ -769,21 +821,16 @@ static AOQK_ALWAYS_INLINE int sl_common(const struct aoqk_hparams *hp, const str
 		want_ss = 0;
 	}
 	aoqk_consts_init(&k, hp, c->seed);
-	int pd = c->param ? (int)c->param_dtype : PD_NONE;
-	int sel = (int)st->precision * 12 + (int)c->grad_dtype * 4 + pd;
+	int nt_ok, sel = chunk_sel(st, c, &nt_ok);
 
-	if (nt && pd != PD_NONE && (uintptr_t)c->param % (W * (pd == PD_FP32 ? 4 : 2)) == 0) {
+	(void)nt, (void)nt_ok;
 #if KHAS_NT
-		switch (sel) {
-			SL_CASES(1, lion)
-		}
+	if (nt && nt_ok) {
+		sl_nt[lion][sel](&k, st, c, want_ss, &ss);
 		vf_sfence();
+	} else
 #endif
-	} else {
-		switch (sel) {
-			SL_CASES(0, lion)
-		}
-	}
+		sl_plain[lion][sel](&k, st, c, want_ss, &ss);
 	if (want_ss) {
 		rep->sumsq = ss;
 		rep->nonfinite = !isfinite(ss);
