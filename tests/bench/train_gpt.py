@@ -246,10 +246,14 @@ def run_mode(mode, args, socket):
     data = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen).to(dev) for _ in range(4)]
     times, losses = [], []
     mem_fwd = mem_bwd = 0   # allocated after the loss (activations) and after backward (gradients)
-    for step in range(args.warmup + args.steps):
+    prof = None
+    timed = args.warmup + args.steps
+    for step in range(timed + (2 if args.profile else 0)):
         if step == args.warmup:
             synchronize(dev)
             reset_peak(dev)
+        if step == timed:
+            prof = start_profile(dev)     # two more steps, not timed
         t0 = time.perf_counter()
         for k in range(args.grad_accum):
             loss = loss_of(fwd, data[(step * args.grad_accum + k) % len(data)], args.amp)
@@ -259,9 +263,19 @@ def run_mode(mode, args, socket):
         opt.step()
         opt.zero_grad(set_to_none=True)
         synchronize(dev)   # step time as the trainer sees it (the next forward's waits are in it)
+        if step >= timed:
+            print("#   step %d (profiled): %.3f s" % (step, time.perf_counter() - t0), file=sys.stderr, flush=True)
+            continue
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
         print("#   step %d: %.3f s" % (step, times[-1]), file=sys.stderr, flush=True)
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        os.makedirs(args.profile, exist_ok=True)
+        path = os.path.join(args.profile, "%s.json" % mode)
+        prof.export_chrome_trace(path)
+        print("# %s: trace of two steps after the timed ones in %s (tests/bench/trace_gaps.py reads it)" % (mode, path),
+              file=sys.stderr, flush=True)
     peak = peak_bytes(dev)
     base_mode = parse_mode(mode)[0]
     floor = pcie_floor(model, dev) if mode == "gpu-adamw" else None
@@ -286,6 +300,17 @@ def run_mode(mode, args, socket):
                 pcie_floor_s=floor, loss=losses[-1], grad_gib=grad_bytes / 2 ** 30, state_gib=state_bytes / 2 ** 30,
                 after_loss_gib=mem_fwd / 2 ** 30, after_backward_gib=mem_bwd / 2 ** 30,
                 times=times)
+
+
+def start_profile(dev):
+    """torch.profiler over the CPU and the device (--profile)."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU]
+    if torch.device(dev).type == "cuda":
+        acts.append(ProfilerActivity.CUDA)
+    p = profile(activities=acts)
+    p.__enter__()
+    return p
 
 
 def _dist_rank(rank, mode, args, socket, store, out):
@@ -509,6 +534,8 @@ def main():
     ap.add_argument("--daemon-config", default=None, metavar="FILE",
                     help="--spawn-daemon: aoqd's configuration (e.g. a larger max_state_bytes_per_uid than the "
                          "default 50%% of RAM, for the largest models)")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="after the timed steps, two more under torch.profiler, traced to DIR/MODE.json")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--in-process", action="store_true", help="every mode in this process (default: one each)")
