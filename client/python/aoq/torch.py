@@ -582,6 +582,8 @@ def _shared_job_default():
 
 
 _AUTO_PROBE_STEP = 3      # "auto" measures the third step: the first learns the pushes, the second streams
+_AUTO_ROUNDS = 3          # "auto" probes at most this often, two steps apart (the step after a move settles)
+_AUTO_MIN_LATE = 0.01     # ...and again only while more than this share of the offloaded parameters was late
 _AUTO_LATE_S = 1e-3       # a tail shorter than this is none
 
 
@@ -603,6 +605,17 @@ def _auto_late(total, span, tail, fwd=None):
     if span + tail <= 0 or (tail <= _AUTO_LATE_S and b0 >= span):
         return 0, b0
     return max(0, total - int(total * b0 / (span + tail))), b0
+
+
+def _auto_again(late, offloaded, moved, rounds):
+    """gpu_state_budget="auto", after a probe that moved `moved` parameters
+    of `offloaded` (late of them were late), the `rounds`-th: probe again
+    (two steps on) while state still moves and more than _AUTO_MIN_LATE of
+    the offloaded parameters were late.  One probe can misjudge the
+    daemon's pace (the host's memory bandwidth moves between steps, and the
+    move itself changes what the daemon shares the host with), so the split
+    converges over a few probes; state never moves back."""
+    return rounds < _AUTO_ROUNDS and moved > 0 and late > offloaded * _AUTO_MIN_LATE
 
 
 def _auto_choice(numels, costs, late, cap, margin=1.1):
@@ -868,7 +881,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._fp32_master = master is None
         self._nstep = 0
         self._push_log = None           # "auto": the slots in the order of their final push, on the probe step
-        self.auto_split = None          # "auto": what the probe measured and chose (a dict)
+        self.auto_split = None          # "auto": what the last probe measured, what all moved (a dict)
+        self._auto_probe = _AUTO_PROBE_STEP   # "auto": the step (count) whose end probes next; None: done
         self._probe_fwd_armed = False   # "auto": mark the next forward's start (the probe step's)
         share_left = 0 if offload_all or gpu_state_budget == "auto" else gpu_state_budget
         share = []                                 # (group, parameter)
@@ -1644,7 +1658,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._nstep += 1
             if t_backward is not None:
                 self._auto_split(t_backward)
-            elif self._auto and self._nstep == _AUTO_PROBE_STEP - 1:
+            elif self._auto and self._auto_probe is not None and self._nstep == self._auto_probe - 1:
                 self._push_log = []
                 self._probe_fwd, self._probe_fwd_armed = None, True   # marked at the probe step's first forward hook
         return loss
@@ -1672,7 +1686,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         the forward's start to the first final push; _auto_late says how
         many parameters' updates end late.  The parameters pushed last (the
         first layers), that many plus 10%, move with their state to the
-        device share, within the device's free memory less a margin."""
+        device share, within the device's free memory less a margin.  While
+        a probe moves state and finds more than 1% late, the step after next
+        probes again (_auto_again), at most _AUTO_ROUNDS probes in all."""
         log, self._push_log = self._push_log, None
         self._probe_fwd_armed = False
         pushed = set(log)
@@ -1700,14 +1716,24 @@ class OffloadOptimizer(torch.optim.Optimizer):
         moved = [order[i] for i in chosen]
         if moved:
             self._move_to_share(moved)
+        prev = self.auto_split or {}
+        rounds = prev.get("rounds", 0) + 1
+        n_moved = sum(s.numel for s in moved)
+        # the last probe's measurements; device_* count every probe's moves
         self.auto_split = dict(backward_seconds=span, tail_seconds=tail, forward_seconds=fwd,
                                device_backward_seconds=b0, late_params=late, params=total,
-                               device_params=sum(s.numel for s in moved),
-                               device_bytes=sum(_share_bytes(s.p, self._kind, master) for s in moved))
+                               moved_params=n_moved, rounds=rounds,
+                               device_params=prev.get("device_params", 0) + n_moved,
+                               device_bytes=prev.get("device_bytes", 0) + sum(
+                                   _share_bytes(s.p, self._kind, master) for s in moved))
+        again = _auto_again(late, total, n_moved, rounds)
+        self._auto_probe = self._nstep + 2 if again else None
         logging.getLogger("aoq").info(
-            "aoq: gpu_state_budget='auto': the update ended %.1f ms after backward (%.1f ms after the first push; "
-            "~%d of %d parameters late); %d parameters' state (%.2f GiB) moved to the device", 1e3 * tail,
-            1e3 * span, late, total, self.auto_split["device_params"], self.auto_split["device_bytes"] / 2 ** 30)
+            "aoq: gpu_state_budget='auto', probe %d: the update ended %.1f ms after backward (%.1f ms after the "
+            "first push; ~%d of %d offloaded parameters late); %d parameters' state moved to the device, %d "
+            "(%.2f GiB) in all%s", rounds, 1e3 * tail, 1e3 * span, late, total, n_moved,
+            self.auto_split["device_params"], self.auto_split["device_bytes"] / 2 ** 30,
+            "; probing again at step %d" % self._auto_probe if again else "")
 
     def _move_to_share(self, slots):
         """The state of slots (synchronized) leaves aoqd for the device share."""

@@ -714,28 +714,46 @@ def case_gpu_share():
     # forward of 0.1 s: B0 = 0.2 s) leaves late what it could not do in B0
     assert at._auto_late(1000, 0.75, 0.01, fwd=0.1) == (1000 - int(1000 * 0.2 / 0.76), 0.2)
     assert at._auto_late(1000, 0.3, 0.1, fwd=0.2) == (250, 0.3)    # not held back: as without a window
-    # ...and the move of the chosen state out of aoqd at the probe step, training on equal to AdamW
+    # another probe while a probe moved state and more than 1% were late, at most _AUTO_ROUNDS
+    assert at._auto_again(late=20, offloaded=1000, moved=10, rounds=1)
+    assert not at._auto_again(late=10, offloaded=1000, moved=10, rounds=1)     # 1%: close enough
+    assert not at._auto_again(late=500, offloaded=1000, moved=0, rounds=1)     # nothing fits: no use
+    assert not at._auto_again(late=500, offloaded=1000, moved=10, rounds=at._AUTO_ROUNDS)
+    # ...and the moves of the chosen state out of aoqd at the probe steps (3, then 5: the
+    # second probe still finds some late), training on equal to AdamW
     m1 = make_model(W, DEV)
     loop(m1, torch.optim.AdamW(trainable(m1), lr=1e-2), STEPS + 2)
     m2 = make_model(W, DEV)
     big = [p for p in trainable(m2) if p.numel() >= 4096]
     opt = aoq_opt(m2, gpu_state_budget="auto")
     assert opt._share is None
-    real = at._auto_choice
-    at._auto_choice = lambda numels, costs, late, cap: [len(numels) - 1]    # the last pushed one
+    real_choice, real_late = at._auto_choice, at._auto_late
+    probes = []
+
+    def late(total, span, tail, fwd=None):
+        probes.append((opt._nstep, total))
+        return (total if len(probes) < 3 else 0), span     # late after probes 1 and 2, none after 3
+
+    at._auto_choice = lambda numels, costs, late, cap: [len(numels) - 1] if late else []    # the last pushed one
+    at._auto_late = late
     try:
         loop(m2, opt, STEPS + 2)
     finally:
-        at._auto_choice = real
+        at._auto_choice, at._auto_late = real_choice, real_late
     opt.synchronize()
-    assert opt.auto_split is not None and opt._share is not None and len(opt._share.params) == 1, opt.auto_split
-    moved = opt._share.params[0]
-    assert moved not in opt._slot_of and len(opt._slots) == len(big) - 1
-    assert moved is big[0], "the last gradient pushed is the first parameter's"
-    same(m2, m1, "gpu_state_budget='auto': state moved to the device after the probe step")
+    total = sum(p.numel() for p in big)
+    assert probes == [(3, total), (5, total - big[0].numel()),
+                      (7, total - big[0].numel() - big[1].numel())], probes
+    assert opt.auto_split["rounds"] == 3 and opt._auto_probe is None, opt.auto_split
+    assert opt._share is not None and opt._share.params == big[:2], opt.auto_split
+    assert opt.auto_split["device_params"] == big[0].numel() + big[1].numel(), opt.auto_split
+    assert all(p not in opt._slot_of for p in big[:2]) and len(opt._slots) == len(big) - 2
+    same(m2, m1, "gpu_state_budget='auto': state moved to the device after two probe steps")
     sd = opt.state_dict()
-    assert sorted(sd["state"]) == trained, ("state_dict after the move", sorted(sd["state"]), trained)
-    assert float(sd["state"][opt._positions().index(moved)]["step"]) == STEPS + 2
+    assert sorted(sd["state"]) == trained, ("state_dict after the moves", sorted(sd["state"]), trained)
+    pos = opt._positions()
+    for p in big[:2]:
+        assert float(sd["state"][next(i for i, q in enumerate(pos) if q is p)]["step"]) == STEPS + 2
     opt.close()
     try:
         aoq_opt(make_model(W, DEV), gpu_state_budget="lots")
