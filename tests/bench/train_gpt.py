@@ -35,7 +35,9 @@ median), the ratio to ddp-gpu / fsdp-gpu and the largest peak device memory of a
         --d-model 64 --layers 2 --heads 4 --vocab 512 --seq 32 --batch 2 --steps 2 --warmup 1
 
 Needs a running aoqd (--socket / $AOQ_SOCKET) or --spawn-daemon (build/daemon/aoqd
-or $AOQD).  Results go to tests/bench/RESULTS.md by hand.
+or $AOQD).  Results go to tests/bench/RESULTS.md by hand.  --profile DIR runs two more
+steps of each mode under torch.profiler and writes DIR/MODE.json; trace_gaps.py (beside
+this file) says where the device sat idle in them.
 """
 import argparse
 import contextlib
