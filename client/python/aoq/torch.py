@@ -618,6 +618,47 @@ def _auto_again(late, offloaded, moved, rounds):
     return rounds < _AUTO_ROUNDS and moved > 0 and late > offloaded * _AUTO_MIN_LATE
 
 
+def _dist_group():
+    """torch.distributed's module when a default group of 2+ ranks is up."""
+    dist = getattr(torch, "distributed", None)
+    if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return None
+    return dist
+
+
+def _agree(*values):
+    """gpu_state_budget="auto" under torch.distributed: the largest of each
+    value over the ranks of the default process group (the values as they
+    are without one).  Every rank must take the same split: replicas that
+    step a parameter in different places (aoqd's kernel here, torch's
+    AdamW there) drift apart in the last bits, and a replica group's state
+    is one for all.  A collective, so every rank probes at the same steps;
+    exact for integers below 2^53."""
+    dist = _dist_group()
+    if dist is None:
+        return values
+    dev = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        dev = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor([max(-2.0 ** 62, min(2.0 ** 62, float(v))) for v in values], dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return tuple(t.tolist())
+
+
+def _first_ranks(chosen, slots):
+    """gpu_state_budget="auto" under torch.distributed: rank 0's choice
+    (elements of slots) on every rank.  The order of the final pushes, from
+    which each rank chooses, differs between DDP ranks (their buckets'
+    all-reduces finish in any order), so equal counts are not enough."""
+    dist = _dist_group()
+    if dist is None:
+        return chosen
+    pos = {id(s): i for i, s in enumerate(slots)}
+    box = [[pos[id(s)] for s in chosen]]
+    dist.broadcast_object_list(box, src=0)
+    return [slots[i] for i in box[0]]
+
+
 def _auto_choice(numels, costs, late, cap, margin=1.1):
     """gpu_state_budget="auto": indices (into push order) of the parameters
     to keep on the device: the parameters pushed last first, until they hold
@@ -1710,10 +1751,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             cap = max(0, free - max(2 << 30, free // 10))
+        # every rank of a process group the same: the most late, the least room
+        late, neg_cap = _agree(late, -cap)
+        late, cap = int(late), -neg_cap
         master = None if self._fp32_master else "bf16"
         chosen = _auto_choice([s.numel for s in order], [_share_bytes(s.p, self._kind, master) for s in order],
                               late, cap)
-        moved = [order[i] for i in chosen]
+        moved = _first_ranks([order[i] for i in chosen], self._slots)
         if moved:
             self._move_to_share(moved)
         prev = self.auto_split or {}
@@ -1726,7 +1770,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                                device_params=prev.get("device_params", 0) + n_moved,
                                device_bytes=prev.get("device_bytes", 0) + sum(
                                    _share_bytes(s.p, self._kind, master) for s in moved))
-        again = _auto_again(late, total, n_moved, rounds)
+        again = bool(_agree(int(_auto_again(late, total, n_moved, rounds)))[0])   # any rank: all probe
         self._auto_probe = self._nstep + 2 if again else None
         logging.getLogger("aoq").info(
             "aoq: gpu_state_budget='auto', probe %d: the update ended %.1f ms after backward (%.1f ms after the "

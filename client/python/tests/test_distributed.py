@@ -149,6 +149,44 @@ def case_ddp(rank, ws, env):
         o.close()
 
 
+def case_ddp_auto(rank, ws, env):
+    """DDP + gpu_state_budget="auto": the ranks measure different timelines
+    (here: only the last rank finds updates late at the first probe), yet
+    every rank moves the same parameters (rank 0's choice) to its device
+    share at the same probe, so the replicas stay bit-identical, equal to
+    DDP + torch AdamW within assert_close (the share steps with torch's
+    AdamW, aoqd the rest)."""
+    import torch.distributed as dist
+    import aoq.torch as at
+    dev = env["dev"]
+    ref = ddp(make_model(), env)
+    train(ref, torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1), rank, dev, STEPS + 2)
+    m = ddp(make_model(), env)
+    o = Offload(m.named_parameters(), env, grad_edits=False, gpu_state_budget="auto")
+    probes = []
+    real_late = at._auto_late
+
+    def late(total, span, tail, fwd=None):
+        probes.append(total)
+        return (total // 10 if rank == ws - 1 and len(probes) == 1 else 0), span    # one weight moves
+    at._auto_late = late
+    try:
+        train(m, o, rank, dev, STEPS + 2)
+    finally:
+        at._auto_late = real_late
+    o.synchronize()
+    assert len(probes) == 2 and o.auto_split["rounds"] == 2, (probes, o.auto_split)
+    assert o._share is not None and len(o._share.params) == 1, o.auto_split
+    names = {id(p): n for n, p in m.named_parameters()}
+    mine = sorted(names[id(p)] for p in o._share.params)
+    every = [None] * ws
+    dist.all_gather_object(every, mine)
+    assert all(x == every[0] for x in every), "ranks moved different parameters: %s" % (every,)
+    same_across_ranks(m, "DDP + auto (%d ranks)" % ws)
+    close_to(m, ref, "DDP + auto vs DDP + torch AdamW")
+    o.close()
+
+
 def _aoqctl():
     """aoqctl: $AOQCTL, else the build tree's (meson sets AOQCTL for the tests)."""
     path = os.environ.get("AOQCTL") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..",
@@ -532,7 +570,7 @@ def case_fsdp_dcp(rank, ws, env):
     o.close()
 
 
-CASES = {"ddp": case_ddp, "shared": case_shared, "shared_disconnect": case_shared_disconnect,
+CASES = {"ddp": case_ddp, "ddp_auto": case_ddp_auto, "shared": case_shared, "shared_disconnect": case_shared_disconnect,
          "shared_resume": case_shared_resume, "nosync": case_nosync, "dcp_save": case_dcp_save, "dcp_load": case_dcp_load,
          "nodes": case_nodes, "disconnect": case_disconnect, "fsdp": case_fsdp, "fsdp_dcp": case_fsdp_dcp}
 
@@ -621,7 +659,7 @@ def main():
         print("SKIP: %d CUDA devices (%d needed)" % (torch.cuda.device_count(), need))
         return 77
     sizes = [a.world] if a.world else ([2] if a.device == "cuda" else [2, 3])
-    want = a.cases.split(",") if a.cases else ["ddp", "shared", "shared_disconnect", "shared_resume", "nosync", "dcp", "nodes", "disconnect", "fsdp", "fsdp_dcp"]
+    want = a.cases.split(",") if a.cases else ["ddp", "ddp_auto", "shared", "shared_disconnect", "shared_resume", "nosync", "dcp", "nodes", "disconnect", "fsdp", "fsdp_dcp"]
     failed = 0
     for case in want:
         with tempfile.TemporaryDirectory(prefix="aoq-dist-") as tmp, aoq.Daemon(threads=2) as d:
