@@ -618,23 +618,28 @@ def _auto_again(late, offloaded, moved, rounds):
     return rounds < _AUTO_ROUNDS and moved > 0 and late > offloaded * _AUTO_MIN_LATE
 
 
-def _dist_group():
-    """torch.distributed's module when a default group of 2+ ranks is up."""
+def _dist_group(numels):
+    """gpu_state_budget="auto": torch.distributed's module when a default
+    group of 2+ ranks is up and every rank offloads tensors of these sizes
+    (data-parallel replicas), else None: then each rank splits alone (e.g.
+    pipeline stages, whose layouts differ).  A collective: every rank calls
+    it at its first probe."""
     dist = getattr(torch, "distributed", None)
     if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
         return None
-    return dist
+    h = hash(tuple(numels)) & ((1 << 52) - 1)      # ints hash alike in every process
+    hi, neg_lo = _agree(dist, h, -h)
+    return dist if hi == -neg_lo else None
 
 
-def _agree(*values):
-    """gpu_state_budget="auto" under torch.distributed: the largest of each
-    value over the ranks of the default process group (the values as they
-    are without one).  Every rank must take the same split: replicas that
-    step a parameter in different places (aoqd's kernel here, torch's
-    AdamW there) drift apart in the last bits, and a replica group's state
-    is one for all.  A collective, so every rank probes at the same steps;
-    exact for integers below 2^53."""
-    dist = _dist_group()
+def _agree(dist, *values):
+    """gpu_state_budget="auto" under torch.distributed (dist: _dist_group's
+    answer): the largest of each value over the ranks of the default
+    process group (the values as they are without one).  Every replica must
+    take the same split: replicas that step a parameter in different places
+    (aoqd's kernel here, torch's AdamW there) drift apart in the last bits,
+    and a replica group's state is one for all.  A collective, so every
+    rank probes at the same steps; exact for integers below 2^53."""
     if dist is None:
         return values
     dev = torch.device("cpu")
@@ -645,12 +650,11 @@ def _agree(*values):
     return tuple(t.tolist())
 
 
-def _first_ranks(chosen, slots):
+def _first_ranks(dist, chosen, slots):
     """gpu_state_budget="auto" under torch.distributed: rank 0's choice
     (elements of slots) on every rank.  The order of the final pushes, from
     which each rank chooses, differs between DDP ranks (their buckets'
     all-reduces finish in any order), so equal counts are not enough."""
-    dist = _dist_group()
     if dist is None:
         return chosen
     pos = {id(s): i for i, s in enumerate(slots)}
@@ -924,6 +928,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._push_log = None           # "auto": the slots in the order of their final push, on the probe step
         self.auto_split = None          # "auto": what the last probe measured, what all moved (a dict)
         self._auto_probe = _AUTO_PROBE_STEP   # "auto": the step (count) whose end probes next; None: done
+        self._auto_dist = False         # "auto": torch.distributed when the replicas agree on splits (_dist_group)
         self._probe_fwd_armed = False   # "auto": mark the next forward's start (the probe step's)
         share_left = 0 if offload_all or gpu_state_budget == "auto" else gpu_state_budget
         share = []                                 # (group, parameter)
@@ -1751,13 +1756,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             cap = max(0, free - max(2 << 30, free // 10))
-        # every rank of a process group the same: the most late, the least room
-        late, neg_cap = _agree(late, -cap)
+        # every replica of a process group the same: the most late, the least room
+        if self._auto_dist is False:
+            self._auto_dist = _dist_group([s.numel for s in self._slots])
+        dist = self._auto_dist
+        late, neg_cap = _agree(dist, late, -cap)
         late, cap = int(late), -neg_cap
         master = None if self._fp32_master else "bf16"
         chosen = _auto_choice([s.numel for s in order], [_share_bytes(s.p, self._kind, master) for s in order],
                               late, cap)
-        moved = _first_ranks([order[i] for i in chosen], self._slots)
+        moved = _first_ranks(dist, [order[i] for i in chosen], self._slots)
         if moved:
             self._move_to_share(moved)
         prev = self.auto_split or {}
@@ -1770,7 +1778,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                                device_params=prev.get("device_params", 0) + n_moved,
                                device_bytes=prev.get("device_bytes", 0) + sum(
                                    _share_bytes(s.p, self._kind, master) for s in moved))
-        again = bool(_agree(int(_auto_again(late, total, n_moved, rounds)))[0])   # any rank: all probe
+        again = bool(_agree(dist, int(_auto_again(late, total, n_moved, rounds)))[0])   # any rank: all probe
         self._auto_probe = self._nstep + 2 if again else None
         logging.getLogger("aoq").info(
             "aoq: gpu_state_budget='auto', probe %d: the update ended %.1f ms after backward (%.1f ms after the "

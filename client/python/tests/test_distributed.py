@@ -155,7 +155,8 @@ def case_ddp_auto(rank, ws, env):
     every rank moves the same parameters (rank 0's choice) to its device
     share at the same probe, so the replicas stay bit-identical, equal to
     DDP + torch AdamW within assert_close (the share steps with torch's
-    AdamW, aoqd the rest)."""
+    AdamW, aoqd the rest).  Ranks with different tensors (pipeline stages)
+    each split alone."""
     import torch.distributed as dist
     import aoq.torch as at
     dev = env["dev"]
@@ -184,6 +185,16 @@ def case_ddp_auto(rank, ws, env):
     assert all(x == every[0] for x in every), "ranks moved different parameters: %s" % (every,)
     same_across_ranks(m, "DDP + auto (%d ranks)" % ws)
     close_to(m, ref, "DDP + auto vs DDP + torch AdamW")
+    assert o._auto_dist is not None, "the replicas did not agree on the split"
+    o.close()
+    # Ranks whose offloaded tensors differ (as pipeline stages' do) split alone, without a hang.
+    torch.manual_seed(rank)
+    stage = torch.nn.Sequential(torch.nn.Linear(32, 128 + 32 * rank), torch.nn.Tanh(),
+                                torch.nn.Linear(128 + 32 * rank, 64)).to(dev)
+    o = Offload(stage.named_parameters(), env, gpu_state_budget="auto")
+    train(stage, o, rank, dev, STEPS + 2)
+    o.synchronize()
+    assert o._auto_dist is None and o.auto_split is not None, (o._auto_dist, o.auto_split)
     o.close()
 
 
