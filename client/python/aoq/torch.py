@@ -930,6 +930,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._auto_probe = _AUTO_PROBE_STEP   # "auto": the step (count) whose end probes next; None: done
         self._auto_dist = False         # "auto": torch.distributed when the replicas agree on splits (_dist_group)
         self._probe_fwd_armed = False   # "auto": mark the next forward's start (the probe step's)
+        self._probe_fwd = self._probe_fwd_last = None   # "auto": marks of the probe step's forward
         share_left = 0 if offload_all or gpu_state_budget == "auto" else gpu_state_budget
         share = []                                 # (group, parameter)
         for gi, g in enumerate(self.param_groups):
@@ -1375,6 +1376,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self._probe_fwd_armed and not _is_compiling():   # "auto": the probe step's forward starts
             self._probe_fwd_armed = False
             self._probe_fwd = self._mark()
+        elif self._probe_fwd is not None and self._push_log == [] and not _is_compiling():
+            self._probe_fwd_last = self._mark()     # ...and its last module starts (before any final push)
         if mod not in self._hooked:
             self._hook_module(mod)
             orig = getattr(mod, "_orig_mod", None)
@@ -1707,6 +1710,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             elif self._auto and self._auto_probe is not None and self._nstep == self._auto_probe - 1:
                 self._push_log = []
                 self._probe_fwd, self._probe_fwd_armed = None, True   # marked at the probe step's first forward hook
+                self._probe_fwd_last = None
         return loss
 
     def _mark(self):
@@ -1748,9 +1752,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         span = self._since(start, t_backward) if start is not None else 0.0
         total = sum(s.numel for s in order)
         fwd_start = getattr(self, "_probe_fwd", None)
+        fwd_last = getattr(self, "_probe_fwd_last", None)
         fwd = None
         if self.staging_window and fwd_start is not None and start is not None:
-            fwd = self._since(fwd_start, start)
+            # F: to the last module's start where the modules ran eagerly (the
+            # first push comes after the loss and the last layer's backward,
+            # which 2F would count twice), else to the first final push
+            fwd = self._since(fwd_start, fwd_last if fwd_last is not None else start)
+        self._probe_fwd = self._probe_fwd_last = None
         late, b0 = _auto_late(total, span, tail, fwd)
         cap = float("inf")
         if self.device.type == "cuda":

@@ -725,13 +725,15 @@ def case_gpu_share():
     loop(m1, torch.optim.AdamW(trainable(m1), lr=1e-2), STEPS + 2)
     m2 = make_model(W, DEV)
     big = [p for p in trainable(m2) if p.numel() >= 4096]
-    opt = aoq_opt(m2, gpu_state_budget="auto")
+    # (with a staging window, which makes the probes time the forward too)
+    opt = aoq_opt(m2, gpu_state_budget="auto", staging_window=1 << 20)
     assert opt._share is None
     real_choice, real_late = at._auto_choice, at._auto_late
-    probes = []
+    probes, fwds = [], []
 
     def late(total, span, tail, fwd=None):
         probes.append((opt._nstep, total))
+        fwds.append(fwd)
         return (total if len(probes) < 3 else 0), span     # late after probes 1 and 2, none after 3
 
     at._auto_choice = lambda numels, costs, late, cap: [len(numels) - 1] if late else []    # the last pushed one
@@ -745,6 +747,9 @@ def case_gpu_share():
     assert probes == [(3, total), (5, total - big[0].numel()),
                       (7, total - big[0].numel() - big[1].numel())], probes
     assert opt.auto_split["rounds"] == 3 and opt._auto_probe is None, opt.auto_split
+    # F: the forward's start to its last module's start, before the first final push
+    assert len(fwds) == 3 and all(f is not None and f > 0 for f in fwds), fwds
+    assert opt._probe_fwd is None and opt._probe_fwd_last is None
     assert opt._share is not None and opt._share.params == big[:2], opt.auto_split
     assert opt.auto_split["device_params"] == big[0].numel() + big[1].numel(), opt.auto_split
     assert all(p not in opt._slot_of for p in big[:2]) and len(opt._slots) == len(big) - 2
