@@ -1377,7 +1377,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._probe_fwd_armed = False
             self._probe_fwd = self._mark()
         elif self._probe_fwd is not None and self._push_log == [] and not _is_compiling():
-            self._probe_fwd_last = self._mark()     # ...and its last module starts (before any final push)
+            self._probe_fwd_last = self._mark()     # ...and a module of it starts (before any final push)
         if mod not in self._hooked:
             self._hook_module(mod)
             orig = getattr(mod, "_orig_mod", None)
@@ -1479,6 +1479,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         mutation without putting it back in place, copies taken before it.
         The op must leave the updated values in what it was given, so a copy
         gets them from the parameter (stream-ordered after the wait)."""
+        if self._probe_fwd is not None and self._push_log == []:
+            self._probe_fwd_last = self._mark()     # "auto": a compiled module of the probe step's forward starts
         for t, p in zip(params, originals):
             addr = p.data_ptr()
             s = self._slot_at(addr)
@@ -1755,9 +1757,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         fwd_last = getattr(self, "_probe_fwd_last", None)
         fwd = None
         if self.staging_window and fwd_start is not None and start is not None:
-            # F: to the last module's start where the modules ran eagerly (the
-            # first push comes after the loss and the last layer's backward,
-            # which 2F would count twice), else to the first final push
+            # F: to the last module's start (a forward pre-hook, or a compiled
+            # module's in-graph wait): the first push comes after the loss and
+            # the last layer's backward, which 2F would count twice; without
+            # such a mark, to the first final push
             fwd = self._since(fwd_start, fwd_last if fwd_last is not None else start)
         self._probe_fwd = self._probe_fwd_last = None
         late, b0 = _auto_late(total, span, tail, fwd)

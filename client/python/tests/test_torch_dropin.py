@@ -719,6 +719,26 @@ def case_gpu_share():
     assert not at._auto_again(late=10, offloaded=1000, moved=10, rounds=1)     # 1%: close enough
     assert not at._auto_again(late=500, offloaded=1000, moved=0, rounds=1)     # nothing fits: no use
     assert not at._auto_again(late=500, offloaded=1000, moved=10, rounds=at._AUTO_ROUNDS)
+    _PROBE = at._AUTO_PROBE_STEP
+    # A compiled model's probe ends F at its last in-graph wait (aoq::wait_params) before the
+    # first final push, as an eager model's at its last forward pre-hook.
+    torch._dynamo.reset()
+    m3 = make_model(W, DEV)
+    opt = aoq_opt(m3, gpu_state_budget="auto", staging_window=1 << 20)
+    marks = []
+    real_wig = opt._wait_in_graph
+
+    def wig(params, originals):
+        before = opt._probe_fwd_last
+        real_wig(params, originals)
+        if opt._probe_fwd is not None and opt._push_log == []:
+            marks.append(opt._probe_fwd_last is not before)     # this wait marked
+    opt._wait_in_graph = wig
+    loop_compiled(torch.compile(m3, backend="aot_eager"), m3, opt, _PROBE)
+    assert marks and all(marks), marks
+    assert opt.auto_split is not None and opt.auto_split["forward_seconds"] is not None, opt.auto_split
+    opt.close()
+    torch._dynamo.reset()
     # ...and the moves of the chosen state out of aoqd at the probe steps (3, then 5: the
     # second probe still finds some late), training on equal to AdamW
     m1 = make_model(W, DEV)
