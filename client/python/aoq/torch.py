@@ -1753,8 +1753,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         start = getattr(self, "_probe_start", None)
         span = self._since(start, t_backward) if start is not None else 0.0
         total = sum(s.numel for s in order)
-        fwd_start = getattr(self, "_probe_fwd", None)
-        fwd_last = getattr(self, "_probe_fwd_last", None)
+        fwd_start, fwd_last = self._probe_fwd, self._probe_fwd_last
         fwd = None
         if self.staging_window and fwd_start is not None and start is not None:
             # F: to the last module's start (a forward pre-hook, or a compiled
