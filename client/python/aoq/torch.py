@@ -122,7 +122,7 @@ class _Slot:
     """One parameter stepped by aoqd."""
     __slots__ = ("t", "p", "x", "name", "group", "numel", "host_param", "host_grad", "count", "final", "held",
                  "inflight", "wait", "covered", "seen", "seen_ver", "fwd", "ver", "ddp", "in_graph", "moved",
-                 "graph_calls", "graph_ok", "graph_pushed")
+                 "graph_calls", "graph_ok", "graph_pushed", "tap")
 
     def __init__(self, t, p, name, group):
         self.t, self.p, self.name, self.group = t, p, name, group
@@ -145,6 +145,7 @@ class _Slot:
         self.graph_calls = 0    # aoq::push_grad calls this step (compiled backward)
         self.graph_ok = None    # one call per backward pass (not tied twice into a graph): may push in-graph
         self.graph_pushed = False   # this step's final gradient went from the compiled backward
+        self.tap = None         # the 0-d tensor that names it in compiled backward (aoq::push_grad)
 
 
 def _number(x):
@@ -480,17 +481,22 @@ _WAIT_OP = _define_wait_op()
 # the view's backward calls aoq::push_grad on the parameter's gradient as
 # soon as the graph has computed it, and returns the gradient unchanged.
 # The op "mutates" the gradient so that nothing removes or moves it.  The
-# parameter is named by an int, (optimizer id << 32) | aoq tensor id, which
-# the pre-hook reads from the parameter's _aoq_tap attribute (with the
-# parameter's id(), so that a deepcopy of the model is not taken for it)
-# while tracing:
-# in the graph the parameter itself may be a copy (the in-graph wait's
-# declared mutation, functionalized), so its address names nothing.
-def _push_grad_impl(grad: torch.Tensor, tap: int) -> None:
-    ref = _OPTIMIZERS.get(tap >> 32)
+# parameter is named by a 0-d int64 CPU tensor holding (optimizer id << 32)
+# | aoq tensor id, which the pre-hook reads from the parameter's
+# _aoq_tap<optimizer id> attribute while tracing: in the graph the parameter
+# itself may be a copy (the in-graph wait's declared mutation,
+# functionalized), so its address names nothing.  A tensor, not an int: an
+# int would be a constant of the graph, so identical blocks compiled one by
+# one (regional compilation) would each compile again and, past dynamo's
+# recompile limit (8), run uncompiled.  A tensor is a graph input; at run time
+# the op checks it is the very tensor the optimizer made (a parameter
+# unpickled with its __dict__ carries a copy, whose gradients are not ours).
+def _push_grad_impl(grad: torch.Tensor, tap: torch.Tensor) -> None:
+    v = int(tap)
+    ref = _OPTIMIZERS.get(v >> 32)
     o = ref() if ref is not None else None
     if o is not None:
-        o._push_in_graph(grad, tap & 0xFFFFFFFF)
+        o._push_in_graph(grad, v & 0xFFFFFFFF, tap)
 
 
 def _define_push_op():
@@ -501,7 +507,7 @@ def _define_push_op():
         return None
     try:
         op = custom_op("aoq::push_grad", _push_grad_impl, mutates_args=("grad",),
-                       schema="(Tensor(a!) grad, int tap) -> ()")
+                       schema="(Tensor(a!) grad, Tensor tap) -> ()")
         op.register_fake(lambda grad, tap: None)
     except Exception as e:   # noqa: BLE001 -- any failure only costs the in-graph pushes
         warnings.warn("aoq: cannot define the in-graph push op (%s); compiled models push their gradients "
@@ -519,12 +525,12 @@ class _GraphTap(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, p, tap):
-        ctx.tap = tap
+        ctx.save_for_backward(tap)
         return p.view_as(p)
 
     @staticmethod
     def backward(ctx, g):
-        _PUSH_OP(g, ctx.tap)
+        _PUSH_OP(g, ctx.saved_tensors[0])
         return g, None
 
 
@@ -1100,10 +1106,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
             wait_op = _WAIT_OP
             taps = _PUSH_OP is not None and graph_push
             self._slot_by_t = {}
+            tap_attr = self._tap_attr = "_aoq_tap%d" % oid
             if taps:
                 for s in self._slots:
                     if s.x is s.p:        # not an FSDP2 shard (DTensor)
-                        s.p._aoq_tap = ((oid << 32) | s.t, id(s.p))   # id: not a deepcopy of it
+                        s.tap = torch.tensor((oid << 32) | s.t, dtype=torch.int64)
+                        setattr(s.p, tap_attr, s.tap)
                         self._slot_by_t[s.t] = s
 
             def pre(mod, args):
@@ -1118,9 +1126,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
                                 wait_op(ps, ps, oid)
                     if taps and torch.is_grad_enabled():
                         for name, p in mod._parameters.items():
-                            tap = getattr(p, "_aoq_tap", None) if p is not None else None
-                            if tap is not None and tap[1] == id(p) and tap[0] >> 32 == oid and p.requires_grad:
-                                mod.__dict__[name] = _GraphTap.apply(p, tap[0])
+                            tap = getattr(p, tap_attr, None) if p is not None else None
+                            if tap is not None and p.requires_grad:
+                                mod.__dict__[name] = _GraphTap.apply(p, tap)
                     return
                 opt = ref()
                 if opt is not None:
@@ -1452,7 +1460,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self._not_slots.add(addr)
         return s
 
-    def _push_in_graph(self, grad, t):
+    def _push_in_graph(self, grad, t, tap):
         """aoq::push_grad at run time (compiled backward): param's gradient
         of this backward pass, as soon as the graph has it.  Pushed as the
         step's final gradient where the hook would push this very gradient:
@@ -1461,7 +1469,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         this parameter (a parameter tied into the graph twice gets two
         partial gradients: its hook pushes the sum as before)."""
         s = self._slot_by_t.get(t)
-        if s is None or s.moved or self._client is None:
+        if s is None or s.moved or self._client is None or tap.data_ptr() != s.tap.data_ptr():
             return
         s.graph_calls += 1
         k = self._learned if self._edits is False else None
@@ -1878,10 +1886,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if h is not None:
                 h.remove()
                 setattr(self, name, None)
+        attr = getattr(self, "_tap_attr", None)
         for s in getattr(self, "_slot_by_t", {}).values():
-            tap = getattr(s.p, "_aoq_tap", None)
-            if tap is not None and tap[0] >> 32 == getattr(self, "_oid", None):
-                del s.p._aoq_tap
+            if getattr(s.p, attr, None) is s.tap:
+                delattr(s.p, attr)
         self._slot_by_t = {}
 
     def close(self):
