@@ -33,6 +33,7 @@ void aoqd_config_defaults(struct aoqd_config *c)
 	c->lock_memory = 1;
 	c->max_sessions_per_uid = 64;
 	c->lease_seconds = 600;
+	c->worker_spin_us = 50;
 	c->max_connections = 1024;
 	c->max_tensors = 1u << 20;
 	c->max_tensor_elems = 1ull << 36;
@@ -116,6 +117,7 @@ struct key {
 static const struct key keys[] = {
 	{ "socket", K_STRING, OFF(socket_path), 0, 0, 0 },
 	{ "threads", K_COUNT, OFF(threads), W(threads), 0, AOQD_MAX_THREADS },
+	{ "worker_spin_us", K_COUNT, OFF(worker_spin_us), W(worker_spin_us), 0, 10000 },
 	{ "kernel", K_KERNEL, OFF(kernel), 0, 0, 0 },
 	{ "lock_memory", K_LOCK, OFF(lock_memory), 0, 0, 0 },
 	{ "log_level", K_LOG, 0, 0, 0, 0 },
@@ -425,6 +427,7 @@ void aoqd_config_print(const struct aoqd_config *c, FILE *f)
 		fprintf(f, "threads = %u\n", c->threads);
 	else
 		fprintf(f, "threads = auto\n");
+	fprintf(f, "worker_spin_us = %" PRIu32 "\n", c->worker_spin_us);
 	fprintf(f, "kernel = %s\n", c->kernel && *c->kernel ? c->kernel : "auto");
 	fprintf(f, "lock_memory = %s\n", c->lock_memory == 0 ? "no" : c->lock_memory == 2 ? "yes" : "try");
 	fprintf(f, "log_level = %s\n", levels[c->log_level >= 0 && c->log_level <= AOQD_LOG_DEBUG ? c->log_level : AOQD_LOG_INFO]);

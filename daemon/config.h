@@ -17,6 +17,7 @@ struct aoqd_config {
 	const char *socket_path;  /* --socket */
 	int listen_fd;            /* --listen-fd, or -1 */
 	unsigned threads;         /* 0: all cores but one */
+	uint32_t worker_spin_us;  /* a pinned worker gone idle spins this long before it sleeps */
 	const char *kernel;       /* NULL/"auto" or a variant name */
 	int lock_memory;          /* 0 no, 1 try (default), 2 required */
 	uint32_t max_sessions_per_uid;

@@ -54,8 +54,10 @@ struct aoqd_pool;
  * (dataplane.c), about 30 us of AdamW on one core. */
 #define AOQD_POOL_QUANTUM 65536
 
-/* cpus: the cores to pin to (n of them), or NULL for no pinning. */
-struct aoqd_pool *aoqd_pool_new(unsigned n, const int *cpus);
+/* cpus: the cores to pin to (n of them), or NULL for no pinning.  spin_ns:
+ * how long a worker gone idle spins before it sleeps (0: it sleeps at
+ * once; pool.c, spin_until_woken). */
+struct aoqd_pool *aoqd_pool_new(unsigned n, const int *cpus, uint64_t spin_ns);
 void aoqd_pool_free(struct aoqd_pool *p);
 unsigned aoqd_pool_threads(const struct aoqd_pool *p);
 

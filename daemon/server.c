@@ -262,7 +262,8 @@ int aoqd_server_init(struct aoqd_server *srv, uv_loop_t *loop, const struct aoqd
 	bool pin = ncpus > 1 && n <= ncpus - 1;
 	for (unsigned i = 0; pin && i < n; i++)
 		pins[i] = cpus[i + 1];
-	srv->pool = aoqd_pool_new(n, pin ? pins : NULL);
+	/* pinned workers spin a while before they sleep (pool.c, spin_until_woken) */
+	srv->pool = aoqd_pool_new(n, pin ? pins : NULL, pin ? (uint64_t)cfg->worker_spin_us * 1000u : 0);
 	if (!srv->pool)
 		return -errno;
 	aoqd_info("server", "%u workers%s (%ld cpus), kernel %s", n, pin ? " pinned" : "", ncpu, srv->kernel->name);
@@ -370,6 +371,11 @@ void aoqd_server_apply(struct aoqd_server *srv, const struct aoqd_config *n)
 	if (!same_str(o->socket_path, n->socket_path) || o->listen_fd != n->listen_fd) {
 		aoqd_warn("server", "reload: socket changed (%s -> %s): takes a restart; still listening on the old one",
 		          o->socket_path ? o->socket_path : "a given fd", n->socket_path ? n->socket_path : "a given fd");
+		restart++;
+	}
+	if (o->worker_spin_us != n->worker_spin_us) {
+		aoqd_warn("server", "reload: worker_spin_us %" PRIu32 " -> %" PRIu32 " takes a restart", o->worker_spin_us,
+		          n->worker_spin_us);
 		restart++;
 	}
 	if (o->threads != n->threads) {

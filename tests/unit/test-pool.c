@@ -126,7 +126,7 @@ static void release_and_wait(int n)
 
 int main(void)
 {
-	struct aoqd_pool *p = aoqd_pool_new(1, NULL);
+	struct aoqd_pool *p = aoqd_pool_new(1, NULL, 0);
 	EXPECT(p != NULL, "pool");
 	if (!p)
 		return 1;
@@ -193,6 +193,37 @@ int main(void)
 	release_and_wait(8);
 	EXPECT(strcmp(order, "A0 A1 B0 B1 A2 A3 B2 B3 ") == 0, "equal shares: %s", order);
 
+	aoqd_pool_free(p);
+
+	/* Spinning workers (spin_ns): every task submitted runs, whether it
+	 * comes while the worker spins (at once) or after the spin, when it
+	 * sleeps (every 8th, after 3 ms); and a pool stops while its workers
+	 * spin (freed right after the last task). */
+	p = aoqd_pool_new(2, NULL, 1000000);
+	EXPECT(p != NULL, "pool with spin");
+	if (!p)
+		return 1;
+	pthread_mutex_lock(&lock);
+	ran = 0;
+	order[0] = 0;
+	pthread_mutex_unlock(&lock);
+	for (int i = 0; i < 64; i++) {
+		struct ttask *x = &tasks[i];
+		memset(x, 0, sizeof(*x));
+		x->task.run = run_rec;
+		snprintf(x->name, sizeof(x->name), "s");
+		aoqd_pool_submit(p, &a, (struct aoqd_key){ 1, 0 }, &x->task, &x->task, 1);
+		struct timespec dl;
+		clock_gettime(CLOCK_REALTIME, &dl);
+		dl.tv_sec += 10;
+		pthread_mutex_lock(&lock);
+		while (ran < i + 1 && pthread_cond_timedwait(&cond, &lock, &dl) == 0)
+			;
+		EXPECT(ran == i + 1, "spinning pool: task %d of 64 ran? (%d ran)", i, ran);
+		pthread_mutex_unlock(&lock);
+		if (i % 8 == 7)
+			nanosleep(&(struct timespec){ 0, 3000000 }, NULL);
+	}
 	aoqd_pool_free(p);
 	if (failures)
 		fprintf(stderr, "%d failures\n", failures);

@@ -473,7 +473,7 @@ int main(void)
 		return 1;
 	uv_loop_t loop;
 	uv_loop_init(&loop);
-	struct aoqd_pool *pool = aoqd_pool_new(1, NULL);
+	struct aoqd_pool *pool = aoqd_pool_new(1, NULL, 0);
 	struct aoqd_snapshotter *w = aoqd_snapshotter_new(&loop, NULL, pool);
 	if (!pool || !w) {
 		fprintf(stderr, "cannot start the pool or the writer\n");
