@@ -54,7 +54,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "client", "python"))
 
-MODES = ["gpu-adamw", "aoq-fp32", "aoq-q8", "aoq-bf16master", "aoq-delayed", "aoq-delayed-q8", "aoq-bf16-q8",
+MODES = ["gpu-adamw", "gpu-adamw-master", "aoq-fp32", "aoq-q8", "aoq-bf16master", "aoq-delayed", "aoq-delayed-q8", "aoq-bf16-q8",
          "aoq-delayed-bf16-q8", "torchao"]
 VARIANTS = ("swap", "attach", "compile", "rcompile")
 DROPIN = ["gpu-adamw", "gpu-adamw-compile", "gpu-adamw-rcompile", "aoq-fp32-swap", "aoq-fp32-attach",
@@ -161,9 +161,39 @@ def reset_peak(device):
         m.reset_peak_memory_stats()
 
 
+class MasterAdamW:
+    """gpu-adamw-master: torch's fused AdamW on fp32 master copies of the
+    bf16 parameters, on the device, each parameter the master rounded after
+    the step: the numerics of aoq's fp32 state (fp32 master and moments), as
+    the reference for its loss (gpu-adamw keeps bf16 parameters and state)."""
+
+    def __init__(self, params, **kw):
+        self.params = [p for p in params if p.requires_grad]
+        self.master = [p.detach().float().clone().requires_grad_() for p in self.params]
+        self.opt = torch.optim.AdamW(self.master, **kw)
+        self.state = {}
+
+    def step(self):
+        for p, m in zip(self.params, self.master):
+            m.grad = None if p.grad is None else p.grad.float()
+        self.opt.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.master):
+                p.copy_(m)
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+        for m in self.master:
+            m.grad = None
+
+
 def make_optimizer(mode, model, args, socket):
     attach, _ = variant_flags(mode, args)
     mode = parse_mode(mode)[0]
+    if mode == "gpu-adamw-master":
+        return MasterAdamW(model.parameters(), lr=args.lr, weight_decay=0.1,
+                           fused=torch.device(args.device).type == "cuda")
     if mode == "gpu-adamw":
         fused = torch.device(args.device).type == "cuda"
         return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=fused)
