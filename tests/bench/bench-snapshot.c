@@ -38,8 +38,23 @@
  * with and without a snapshot shows in wall-clock time what the writer
  * adds where it can add anything.
  *
+ * --alternate K measures the writer's cost against the host's drift: the
+ * run's steps go in blocks of K, and blocks alternate between "on" (the
+ * writer may use the gap before each step, as always) and "off" (a second,
+ * tiny session holds a step open through the gap, so the writer, which
+ * writes only while no step is open, waits).  The trainer's own steps are
+ * the same in both; only the writer's access to the gaps differs.  Blocks
+ * pair up (on, off), then (off, on), and so on, so a linear drift cancels
+ * within every two pairs; each window (baseline, while written, after)
+ * prints on - off over its whole pairs, +- two standard errors.  Without a
+ * snapshot that difference is the method's zero; while one is written it
+ * is the writer's cost per step, free of the drift between windows that
+ * dominates the whole-window comparison (tests/bench/RESULTS.md, ninth
+ * session).  A chunk the minimum rate forces (counted in the writer's
+ * line) can still land in an off gap.
+ *
  *   bench-snapshot [--elems N] [--tensors T] [--steps N] [--threads N] [--gap MS] [--snapshots K]
- *                  [--probe N] [--precision fp32|q8|bf16_all] [--dir DIR] [--aoqd PATH]
+ *                  [--probe N] [--alternate K] [--precision fp32|q8|bf16_all] [--dir DIR] [--aoqd PATH]
  */
 #include <errno.h>
 #include <getopt.h>
@@ -138,6 +153,54 @@ static double var_mean(const double *t, int n)
 	return ss / (n - 1) / n;
 }
 
+/* --alternate: the step's block is on (the writer may use its gap) or off.
+ * Blocks pair up as (on, off), (off, on), ...: block b's pair is b / 2. */
+static bool block_on(unsigned step, unsigned k)
+{
+	unsigned b = step / k, pair = b / 2;
+	return (b % 2 == 0) == (pair % 2 == 0);
+}
+
+/* on - off over the whole pairs of blocks inside steps [lo, hi) of the run
+ * (step times t[i] of run step lo + i), +- two standard errors. */
+static void alternation(const char *what, const double *t, unsigned lo, unsigned hi, unsigned k)
+{
+	unsigned first = (lo + 2 * k - 1) / (2 * k); /* the first pair that starts at or after lo */
+	double d[4096];
+	int n = 0;
+	for (unsigned p = first; (p + 1) * 2 * k <= hi && n < 4096; p++) {
+		double on = 0, off = 0;
+		for (unsigned i = p * 2 * k; i < (p + 1) * 2 * k; i++) {
+			if (block_on(i, k))
+				on += t[i - lo];
+			else
+				off += t[i - lo];
+		}
+		d[n++] = (on - off) / k;
+	}
+	if (n < 2) {
+		printf("alternation, %s: fewer than two whole pairs of %u-step blocks\n", what, k);
+		return;
+	}
+	printf("alternation, %s: writer on - off %+.2f +- %.2f ms per step (2 standard errors, %d pairs of %u-step "
+	       "blocks)\n", what, mean(d, n) * 1e3, 2 * sqrt(var_mean(d, n)) * 1e3, n, k);
+}
+
+/* The other session of --alternate: holds a step open (one tiny push, no
+ * StepEnd yet) through the off blocks. */
+static void keeper_set(struct aoq_client *kp, bool *open, bool want)
+{
+	if (!kp || *open == want)
+		return;
+	if (want) {
+		CHECK_OK(aoq_push_grad(kp, 0, 0, NULL));
+	} else {
+		CHECK_OK(aoq_step_end(kp));
+		CHECK_OK(aoq_sync(kp, NULL));
+	}
+	*open = want;
+}
+
 /* One step (every tensor's push, last first; StepEnd; sync): its seconds.
  * With a probe (tensor index `tensors`), it goes first, alone, and *probe
  * gets the seconds until its parameter is back. */
@@ -162,10 +225,32 @@ static double timed_step(struct aoq_client *cl, unsigned tensors, bool with_prob
 	return aoqt_now() - t0;
 }
 
+/* The run's steps in order, for --alternate. */
+struct run {
+	struct aoq_client *cl, *keeper;
+	unsigned tensors, gap_ms, alt;
+	bool with_probe, keeper_open;
+	unsigned n; /* steps so far */
+	double *t;  /* their times */
+};
+
+/* The gap (the keeper holding a step open through it in an off block),
+ * then one timed step. */
+static double run_step(struct run *r, double *probe)
+{
+	if (r->alt)
+		keeper_set(r->keeper, &r->keeper_open, !block_on(r->n, r->alt));
+	if (r->gap_ms)
+		usleep(r->gap_ms * 1000u);
+	double dt = timed_step(r->cl, r->tensors, r->with_probe, probe);
+	r->t[r->n++] = dt;
+	return dt;
+}
+
 int main(int argc, char **argv)
 {
 	uint64_t elems = 1ull << 27;
-	unsigned tensors = 64, steps = 10, threads = 0, gap_ms = 0, nsnap = 1;
+	unsigned tensors = 64, steps = 10, threads = 0, gap_ms = 0, nsnap = 1, alt = 0;
 	uint64_t probe_elems = 1u << 20;
 	const char *aoqd = AOQD_PATH, *dir = NULL, *prec_name = "fp32";
 	static const struct option opts[] = {
@@ -174,6 +259,7 @@ int main(int argc, char **argv)
 		{ "precision", required_argument, NULL, 'p' }, { "dir", required_argument, NULL, 'd' },
 		{ "aoqd", required_argument, NULL, 'a' }, { "gap", required_argument, NULL, 'g' },
 		{ "snapshots", required_argument, NULL, 's' }, { "probe", required_argument, NULL, 'b' },
+		{ "alternate", required_argument, NULL, 'k' },
 		{ NULL, 0, NULL, 0 },
 	};
 	int c;
@@ -189,6 +275,7 @@ int main(int argc, char **argv)
 		case 'g': gap_ms = (unsigned)strtoul(optarg, NULL, 0); break;
 		case 's': nsnap = (unsigned)strtoul(optarg, NULL, 0); break;
 		case 'b': probe_elems = strtoull(optarg, NULL, 0); break;
+		case 'k': alt = (unsigned)strtoul(optarg, NULL, 0); break;
 		default: fprintf(stderr, "usage: see the comment at the top of bench-snapshot.c\n"); return 2;
 		}
 	}
@@ -246,6 +333,26 @@ int main(int argc, char **argv)
 	CHECK_OK(aoqt_stats(d.socket, &env));
 	uint64_t id = env->stats->sessions[0]->id, state_bytes = env->stats->sessions[0]->state_bytes;
 	aoq_envelope_free(env);
+	/* --alternate's keeper: another session of one small tensor */
+	struct aoq_client *kp = NULL;
+	if (alt) {
+		struct aoq_options ko = AOQ_OPTIONS_INIT;
+		ko.socket = d.socket;
+		ko.device = "cpu";
+		ko.job = "bench-snapshot-keeper";
+		CHECK_OK(aoq_connect(&kp, &ko));
+		CHECK_OK(aoq_add_group(kp, &g));
+		static uint16_t kparam[4096], kgrad[4096];
+		struct aoq_tensor t = AOQ_TENSOR_INIT;
+		t.name = "keeper";
+		t.numel = 4096;
+		t.param_dtype = AOQ_BF16;
+		t.grad_dtype = AOQ_BF16;
+		t.param = kparam;
+		t.grad = kgrad;
+		CHECK_OK(aoq_add_tensor(kp, &t));
+		CHECK_OK(aoq_register(kp));
+	}
 	printf("aoqd %s, %" PRIu64 " parameters in %u tensors (+ a probe of %" PRIu64 "), %s state (%.2f GiB), "
 	       "state dir %s, gap %u ms (not in the step times)\n", aoqd, per * tensors, tensors, probe_elems, prec_name,
 	       (double)state_bytes / (1u << 30), dir, gap_ms);
@@ -259,10 +366,13 @@ int main(int argc, char **argv)
 	       *pa = aoqt_xmalloc(sizeof(double) * cap), *pq = aoqt_xmalloc(sizeof(double) * 2 * cap);
 	int nb = 0, nd = 0, na = 0, nbf = 0;
 	double first = 0, pt = 0;
+	struct run run = { .cl = cl, .keeper = kp, .tensors = tensors, .gap_ms = gap_ms, .alt = alt,
+		           .with_probe = with_probe, .t = aoqt_xmalloc(sizeof(double) * (size_t)(cap + 2) * (nsnap + 1)) };
+	if (alt)
+		printf("alternating blocks of %u steps: the writer may use the gaps of \"on\" blocks only (a second "
+		       "session holds a step open through the \"off\" ones)\n", alt);
 	for (unsigned s = 0; s < steps + 2; s++) {
-		if (gap_ms)
-			usleep(gap_ms * 1000u);
-		double dt = timed_step(cl, tensors, with_probe, &pt);
+		double dt = run_step(&run, &pt);
 		if (s >= 2) { /* warm-up */
 			pb[nb] = pt;
 			base[nb++] = dt;
@@ -270,6 +380,8 @@ int main(int argc, char **argv)
 	}
 	memcpy(before, base, sizeof(double) * (size_t)nb);
 	nbf = nb;
+	if (alt)
+		alternation("baseline (no snapshot)", run.t + 2, 2, run.n, alt);
 	for (unsigned k = 0; k < nsnap; k++) {
 		if (k > 0) { /* the window before this write: the last one's after */
 			memcpy(before, after, sizeof(double) * (size_t)na);
@@ -289,10 +401,9 @@ int main(int argc, char **argv)
 		bool done = false;
 		double snap_s = 0;
 		Aoq__Envelope *rep = NULL;
+		unsigned d_lo = run.n, a_lo = 0;
 		while (na < (int)steps && nd + na < cap) {
-			if (gap_ms)
-				usleep(gap_ms * 1000u);
-			double dt = timed_step(cl, tensors, with_probe, &pt);
+			double dt = run_step(&run, &pt);
 			if (!done) {
 				if (nd == 0)
 					first = dt;
@@ -306,6 +417,7 @@ int main(int argc, char **argv)
 					snap_s = aoqt_now() - ts;
 					clock_gettime(CLOCK_REALTIME, &wall1);
 					done = true;
+					a_lo = run.n;
 				}
 			} else {
 				pa[na] = pt;
@@ -348,11 +460,21 @@ int main(int argc, char **argv)
 			       (mean(pd, nd) - mean(pq, nb + na)) * 1e3, (median(pd, nd) - median(pq, nb + na)) * 1e3,
 			       nb + na);
 		}
+		if (alt) {
+			/* without the first step after the request (the undo capture's) */
+			alternation("while written", run.t + d_lo + 1, d_lo + 1, a_lo, alt);
+			alternation("after it (no snapshot)", run.t + a_lo, a_lo, run.n, alt);
+		}
 		writer_log(d.log, nd, k == 0);
 		unlink(rep->snapshot_done->path);
 		aoq_envelope_free(rep);
 		close(fd);
 	}
+	if (kp) {
+		keeper_set(kp, &run.keeper_open, false);
+		aoq_close(kp);
+	}
+	free(run.t);
 	aoq_close(cl);
 	aoqt_daemon_stop(&d, 60000, true);
 	if (dir == tmpl)
