@@ -733,22 +733,23 @@ def case_gpu_share():
         torch.testing.assert_close(a, b, rtol=8e-3, atol=1e-5)     # one bf16 ulp
     # "auto": the choice from the measured tail (pure function)...
     import aoq.torch as at
-    assert at._auto_choice([10, 10, 10, 10], [80] * 4, 20, float("inf")) == [3, 2, 1]
-    assert at._auto_choice([10, 10, 10, 10], [80] * 4, 20, 200) == [3, 2]
-    assert at._auto_choice([10, 10, 10, 10], [80] * 4, 0, float("inf")) == []
+    import aoq._share as sh
+    assert sh._auto_choice([10, 10, 10, 10], [80] * 4, 20, float("inf")) == [3, 2, 1]
+    assert sh._auto_choice([10, 10, 10, 10], [80] * 4, 20, 200) == [3, 2]
+    assert sh._auto_choice([10, 10, 10, 10], [80] * 4, 0, float("inf")) == []
     # how many are late: the tail's share without a window (B0 = B)...
-    assert at._auto_late(1000, 0.3, 0.1) == (250, 0.3)
-    assert at._auto_late(1000, 0.3, 0.0005) == (0, 0.3)
+    assert sh._auto_late(1000, 0.3, 0.1) == (250, 0.3)
+    assert sh._auto_late(1000, 0.3, 0.0005) == (0, 0.3)
     # ...and with one, a backward held back to the daemon's pace (B 0.75 s, a
     # forward of 0.1 s: B0 = 0.2 s) leaves late what it could not do in B0
-    assert at._auto_late(1000, 0.75, 0.01, fwd=0.1) == (1000 - int(1000 * 0.2 / 0.76), 0.2)
-    assert at._auto_late(1000, 0.3, 0.1, fwd=0.2) == (250, 0.3)    # not held back: as without a window
+    assert sh._auto_late(1000, 0.75, 0.01, fwd=0.1) == (1000 - int(1000 * 0.2 / 0.76), 0.2)
+    assert sh._auto_late(1000, 0.3, 0.1, fwd=0.2) == (250, 0.3)    # not held back: as without a window
     # another probe while a probe moved state and more than 1% were late, at most _AUTO_ROUNDS
-    assert at._auto_again(late=20, offloaded=1000, moved=10, rounds=1)
-    assert not at._auto_again(late=10, offloaded=1000, moved=10, rounds=1)     # 1%: close enough
-    assert not at._auto_again(late=500, offloaded=1000, moved=0, rounds=1)     # nothing fits: no use
-    assert not at._auto_again(late=500, offloaded=1000, moved=10, rounds=at._AUTO_ROUNDS)
-    _PROBE = at._AUTO_PROBE_STEP
+    assert sh._auto_again(late=20, offloaded=1000, moved=10, rounds=1)
+    assert not sh._auto_again(late=10, offloaded=1000, moved=10, rounds=1)     # 1%: close enough
+    assert not sh._auto_again(late=500, offloaded=1000, moved=0, rounds=1)     # nothing fits: no use
+    assert not sh._auto_again(late=500, offloaded=1000, moved=10, rounds=sh._AUTO_ROUNDS)
+    _PROBE = sh._AUTO_PROBE_STEP
     # A compiled model's probe ends F at its last in-graph wait (aoq::wait_params) before the
     # first final push, as an eager model's at its last forward pre-hook.
     torch._dynamo.reset()

@@ -1,0 +1,230 @@
+# SPDX-License-Identifier: MIT
+"""aoq.torch's GPU share (gpu_state_budget=): the parameters whose optimizer
+state stays on the device (_DeviceShare), and "auto"'s arithmetic: which
+updates of a probe step end late (_auto_late), which parameters move
+(_auto_choice), whether to probe again (_auto_again), and how the ranks of a
+data-parallel job agree on one split (_dist_group, _agree, _first_ranks).
+OffloadOptimizer (torch.py) measures the probe step and moves the state."""
+import torch
+
+
+def _state_copy(p, key, v):
+    """A loaded optimizer state value for parameter p, as torch's
+    Optimizer.load_state_dict casts it (floating state to p's dtype and
+    device, "step" as it is), but always a copy of the loaded tensor."""
+    if not torch.is_tensor(v):
+        return v
+    v = v.detach()
+    if key == "step":
+        return v.clone()
+    if v.is_floating_point() and p.is_floating_point():
+        return v.to(device=p.device, dtype=p.dtype, copy=True)
+    return v.to(device=p.device, copy=True)
+
+
+_AUTO_PROBE_STEP = 3      # "auto" measures the third step: the first learns the pushes, the second streams
+_AUTO_ROUNDS = 3          # "auto" probes at most this often, two steps apart (the step after a move settles)
+_AUTO_MIN_LATE = 0.01     # ...and again only while more than this share of the offloaded parameters was late
+_AUTO_LATE_S = 1e-3       # a tail shorter than this is none
+
+
+def _auto_late(total, span, tail, fwd=None):
+    """gpu_state_budget="auto": (late, B0), the number of the total offloaded
+    parameters whose update ends too late, from the probe step's timeline:
+    span B (the first final push to the end of backward, on the device),
+    tail T (the end of backward to the last update landed) and, with a
+    staging window, fwd F (the forward's start to the first final push).
+
+    The daemon updated the total in B + T at one pace; it can keep what it
+    does within B0, the backward the device alone would take, and the rest
+    is late.  Without a window B0 = B.  With one, a daemon slower than
+    backward holds gradients back (a push waits for a free slot): backward
+    stretches to the daemon's pace and the tail stays short.  The forward is
+    not held back, and backward takes about twice a forward's time (twice
+    its FLOPs): B0 = min(B, 2 F)."""
+    b0 = span if fwd is None else min(span, 2 * fwd)
+    if span + tail <= 0 or (tail <= _AUTO_LATE_S and b0 >= span):
+        return 0, b0
+    return max(0, total - int(total * b0 / (span + tail))), b0
+
+
+def _auto_again(late, offloaded, moved, rounds):
+    """gpu_state_budget="auto", after a probe that moved `moved` parameters
+    of `offloaded` (late of them were late), the `rounds`-th: probe again
+    (two steps on) while state still moves and more than _AUTO_MIN_LATE of
+    the offloaded parameters were late.  One probe can misjudge the
+    daemon's pace (the host's memory bandwidth moves between steps, and the
+    move itself changes what the daemon shares the host with), so the split
+    converges over a few probes; state never moves back."""
+    return rounds < _AUTO_ROUNDS and moved > 0 and late > offloaded * _AUTO_MIN_LATE
+
+
+def _dist_group(numels):
+    """gpu_state_budget="auto": torch.distributed's module when a default
+    group of 2+ ranks is up and every rank offloads tensors of these sizes
+    (data-parallel replicas), else None: then each rank splits alone (e.g.
+    pipeline stages, whose layouts differ).  A collective: every rank calls
+    it at its first probe."""
+    dist = getattr(torch, "distributed", None)
+    if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return None
+    h = hash(tuple(numels)) & ((1 << 52) - 1)      # ints hash alike in every process
+    hi, neg_lo = _agree(dist, h, -h)
+    return dist if hi == -neg_lo else None
+
+
+def _agree(dist, *values):
+    """gpu_state_budget="auto" under torch.distributed (dist: _dist_group's
+    answer): the largest of each value over the ranks of the default
+    process group (the values as they are without one).  Every replica must
+    take the same split: replicas that step a parameter in different places
+    (aoqd's kernel here, torch's AdamW there) drift apart in the last bits,
+    and a replica group's state is one for all.  A collective, so every
+    rank probes at the same steps; exact for integers below 2^53."""
+    if dist is None:
+        return values
+    dev = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        dev = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor([max(-2.0 ** 62, min(2.0 ** 62, float(v))) for v in values], dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return tuple(t.tolist())
+
+
+def _first_ranks(dist, chosen, slots):
+    """gpu_state_budget="auto" under torch.distributed: rank 0's choice
+    (elements of slots) on every rank.  The order of the final pushes, from
+    which each rank chooses, differs between DDP ranks (their buckets'
+    all-reduces finish in any order), so equal counts are not enough."""
+    if dist is None:
+        return chosen
+    pos = {id(s): i for i, s in enumerate(slots)}
+    box = [[pos[id(s)] for s in chosen]]
+    dist.broadcast_object_list(box, src=0)
+    return [slots[i] for i in box[0]]
+
+
+def _auto_choice(numels, costs, late, cap, margin=1.1):
+    """gpu_state_budget="auto": indices (into push order) of the parameters
+    to keep on the device: the parameters pushed last first, until they hold
+    margin x late parameters or the next one's state (costs, bytes) does not
+    fit in cap bytes."""
+    need, got, used, chosen = late * margin, 0, 0, []
+    for i in reversed(range(len(numels))):
+        if got >= need or used + costs[i] > cap:
+            break
+        chosen.append(i)
+        got += numels[i]
+        used += costs[i]
+    return chosen
+
+
+def _share_bytes(p, kind, master):
+    """Device bytes of p's optimizer state in the GPU share: the moments
+    (two for Adam/AdamW, one for SGD with momentum and Lion, as fp32) and an
+    fp32 master where p is not fp32 and the state's master is."""
+    moments = 2 if kind in ("adam", "adamw") else 1
+    b = moments * 4 * p.numel()
+    if master is None and p.dtype != torch.float32:
+        b += 4 * p.numel()
+    return b
+
+
+class _DeviceShare:
+    """The GPU share (gpu_state_budget=): parameters whose optimizer state
+    stays on the device, stepped there at step() by optimizer_class (fused
+    on CUDA where torch has it), on an fp32 master where the parameter is not
+    fp32 and aoq's master would be, so the numerics are those of the
+    offloaded part.  They are the first parameters in order: the last
+    gradients of backward, whose update would otherwise end after it."""
+
+    def __init__(self, share, groups, optimizer_class, kwargs, kind, fp32_master):
+        self.fp32_master = fp32_master
+        self.params = []
+        self.master = {}
+        self.group_of = []
+        per_group = self._take(share)
+        opt_groups = []
+        for gi in sorted(per_group):
+            opt_groups.append(self._group(groups, gi, per_group[gi]))
+            self.group_of.append(gi)
+        kw = {k: v for k, v in kwargs.items()
+              if k not in ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov")}
+        dev = self.params[0].device
+        if (dev.type == "cuda" and kind in ("adam", "adamw") and "fused" not in kw and "foreach" not in kw):
+            kw["fused"] = True
+        self.opt = optimizer_class(opt_groups, **kw)
+
+    def _take(self, share):
+        """The tensors the device optimizer steps for share's (group,
+        parameter) pairs, by group: the parameter, or its fp32 master."""
+        per_group = {}
+        for gi, p in share:
+            t = p
+            if self.fp32_master and p.dtype != torch.float32:
+                t = p.detach().to(torch.float32).clone()
+                self.master[p] = t
+            self.params.append(p)
+            per_group.setdefault(gi, []).append(t)
+        return per_group
+
+    @staticmethod
+    def _group(groups, gi, tensors):
+        g = {k: v for k, v in groups[gi].items() if k != "params"}
+        g["params"] = tensors
+        return g
+
+    def add(self, share, groups):
+        """More parameters (gpu_state_budget="auto" moves them in)."""
+        for gi, ts in sorted(self._take(share).items()):
+            if gi in self.group_of:
+                self.opt.param_groups[self.group_of.index(gi)]["params"].extend(ts)
+            else:
+                self.opt.add_param_group(self._group(groups, gi, ts))
+                self.group_of.append(gi)
+
+    def step(self, groups):
+        for og, gi in zip(self.opt.param_groups, self.group_of):
+            g = groups[gi]
+            for k in ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov"):
+                if k in g and k in og:
+                    og[k] = g[k]
+        for p, m in self.master.items():
+            m.grad = None if p.grad is None else p.grad.detach().to(torch.float32)
+        self.opt.step()
+        with torch.no_grad():
+            for p, m in self.master.items():
+                if m.grad is not None:
+                    p.copy_(m)
+                m.grad = None
+
+    def state_items(self):
+        """(parameter, its state as torch's optimizer keeps it, plus
+        "master" where the share keeps one)."""
+        for p in self.params:
+            t = self.master.get(p, p)
+            st = self.opt.state.get(t)
+            if not st:
+                continue
+            d = {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in st.items()}
+            if t is not p:
+                d["master"] = t.detach().clone()
+            yield p, d
+
+    def load(self, entries):
+        mine = set(self.params)
+        for p, st in entries:
+            if p not in mine or st is None:
+                continue
+            t = self.master.get(p, p)
+            with torch.no_grad():
+                if t is not p:
+                    t.copy_(st["master"].to(t.device, t.dtype).view(t.shape) if st.get("master") is not None
+                            else p.detach().to(torch.float32))
+                    p.copy_(t)
+                elif st.get("master") is not None:
+                    p.copy_(st["master"].to(p.device, p.dtype).view(p.shape))
+            d = {k: _state_copy(t, k, v) for k, v in st.items() if k != "master"}
+            if torch.is_tensor(d.get("step")) and self.opt.defaults.get("fused"):
+                d["step"] = d["step"].to(device=t.device, dtype=torch.float32)   # fused keeps it there
+            self.opt.state[t] = d
