@@ -1341,14 +1341,6 @@ static uint64_t mono_ns(void)
 	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
-static inline void cpu_relax(void)
-{
-#if defined(__x86_64__) || defined(__i386__)
-	__builtin_ia32_pause();
-#elif defined(__aarch64__)
-	__asm__ __volatile__("yield");
-#endif
-}
 
 /*
  * A waiting thread takes the answers itself: it polls the to-client ring
@@ -1396,7 +1388,7 @@ static bool spin_answers(struct aoq_client *c, const struct tensor *x)
 				break;
 			sched_yield();
 		} else {
-			cpu_relax();
+			aoq_cpu_relax();
 		}
 	}
 	aoq_ring_set_spinning(&c->to_client, false);

@@ -5,8 +5,10 @@
 #include <string.h>
 #include <time.h>
 
+#include "aoq-arena.h"
 #include "log.h"
 #include "pool.h"
+#include "stats.h"
 
 struct worker {
 	struct aoqd_pool *pool;
@@ -131,21 +133,6 @@ static struct aoqd_task *take(struct aoqd_pool *p)
 	return t;
 }
 
-static uint64_t now_ns(void)
-{
-	struct timespec t;
-	clock_gettime(CLOCK_MONOTONIC, &t);
-	return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
-}
-
-static inline void cpu_relax(void)
-{
-#if defined(__x86_64__) || defined(__i386__)
-	__builtin_ia32_pause();
-#elif defined(__aarch64__)
-	__asm__ __volatile__("yield");
-#endif
-}
 
 /* A worker gone idle spins a while (lock dropped) before it sleeps on its
  * condition variable: a submit in that time (wake() clears idle) reaches it
@@ -159,11 +146,11 @@ static inline void cpu_relax(void)
 static void spin_until_woken(struct aoqd_pool *p, struct worker *w)
 {
 	pthread_mutex_unlock(&p->lock);
-	uint64_t end = now_ns() + p->spin_ns;
+	uint64_t end = aoqd_now_ns() + p->spin_ns;
 	while (__atomic_load_n(&w->idle, __ATOMIC_ACQUIRE)) {
 		for (int i = 0; i < 64; i++)
-			cpu_relax();
-		if (now_ns() >= end)
+			aoq_cpu_relax();
+		if (aoqd_now_ns() >= end)
 			break;
 	}
 	pthread_mutex_lock(&p->lock);

@@ -138,6 +138,17 @@ _Static_assert(sizeof(struct aoq_rec) == 40, "record layout");
 _Static_assert(sizeof(struct aoq_ring) == 128, "ring layout");
 _Static_assert(sizeof(struct aoq_arena_header) == 120, "header layout");
 
+/* A spin-wait loop's pause (both sides poll rings and flags a while
+ * before they sleep). */
+static inline void aoq_cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+	__builtin_ia32_pause();
+#elif defined(__aarch64__)
+	__asm__ __volatile__("yield");
+#endif
+}
+
 static inline uint64_t aoq_align_up(uint64_t v, uint64_t a)
 {
 	return (v + a - 1) & ~(a - 1);
