@@ -1341,7 +1341,6 @@ static uint64_t mono_ns(void)
 	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
-
 /*
  * A waiting thread takes the answers itself: it polls the to-client ring
  * for at most spin_ns, handling every record that comes (drain_ring), until

@@ -133,7 +133,6 @@ static struct aoqd_task *take(struct aoqd_pool *p)
 	return t;
 }
 
-
 /* A worker gone idle spins a while (lock dropped) before it sleeps on its
  * condition variable: a submit in that time (wake() clears idle) reaches it
  * without a futex wake-up.  Waking a sleeping core costs most of a small
