@@ -8,7 +8,6 @@
 #include "aoq-arena.h"
 #include "log.h"
 #include "pool.h"
-#include "stats.h"
 
 struct worker {
 	struct aoqd_pool *pool;
@@ -133,6 +132,17 @@ static struct aoqd_task *take(struct aoqd_pool *p)
 	return t;
 }
 
+/* CLOCK_MONOTONIC now + timeout_ns. */
+static struct timespec deadline(uint64_t timeout_ns)
+{
+	struct timespec until;
+	clock_gettime(CLOCK_MONOTONIC, &until);
+	uint64_t ns = (uint64_t)until.tv_nsec + timeout_ns % 1000000000u;
+	until.tv_sec += (time_t)(timeout_ns / 1000000000u + ns / 1000000000u);
+	until.tv_nsec = (long)(ns % 1000000000u);
+	return until;
+}
+
 /* A worker gone idle spins a while (lock dropped) before it sleeps on its
  * condition variable: a submit in that time (wake() clears idle) reaches it
  * without a futex wake-up.  Waking a sleeping core costs most of a small
@@ -145,11 +155,12 @@ static struct aoqd_task *take(struct aoqd_pool *p)
 static void spin_until_woken(struct aoqd_pool *p, struct worker *w)
 {
 	pthread_mutex_unlock(&p->lock);
-	uint64_t end = aoqd_now_ns() + p->spin_ns;
+	struct timespec until = deadline(p->spin_ns), now;
 	while (__atomic_load_n(&w->idle, __ATOMIC_ACQUIRE)) {
 		for (int i = 0; i < 64; i++)
 			aoq_cpu_relax();
-		if (aoqd_now_ns() >= end)
+		clock_gettime(CLOCK_MONOTONIC, &now);
+		if (now.tv_sec > until.tv_sec || (now.tv_sec == until.tv_sec && now.tv_nsec >= until.tv_nsec))
 			break;
 	}
 	pthread_mutex_lock(&p->lock);
@@ -300,16 +311,6 @@ bool aoqd_pool_idle(struct aoqd_pool *p)
 	bool idle = !p->rr_head && p->running == 0;
 	pthread_mutex_unlock(&p->lock);
 	return idle;
-}
-
-static struct timespec deadline(uint64_t timeout_ns)
-{
-	struct timespec until;
-	clock_gettime(CLOCK_MONOTONIC, &until);
-	uint64_t ns = (uint64_t)until.tv_nsec + timeout_ns % 1000000000u;
-	until.tv_sec += (time_t)(timeout_ns / 1000000000u + ns / 1000000000u);
-	until.tv_nsec = (long)(ns % 1000000000u);
-	return until;
 }
 
 bool aoqd_pool_wait_idle(struct aoqd_pool *p, uint64_t timeout_ns, uint64_t *started)
