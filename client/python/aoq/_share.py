@@ -33,12 +33,14 @@ def _auto_late(total, span, tail, fwd=None):
     parameters whose update ends too late, from the probe step's timeline:
     span B (the first final push to the end of backward, on the device),
     tail T (the end of backward to the last update landed) and, with a
-    staging window, fwd F (the forward's start to the first final push).
+    staging window or the delayed update, fwd F (the forward's start to the
+    first final push).
 
     The daemon updated the total in B + T at one pace; it can keep what it
     does within B0, the backward the device alone would take, and the rest
     is late.  Without a window B0 = B.  With one, a daemon slower than
-    backward holds gradients back (a push waits for a free slot): backward
+    backward holds gradients back (a push waits for a free slot; with the
+    delayed update, for the tensor's previous update to be answered): backward
     stretches to the daemon's pace and the tail stays short.  The forward is
     not held back, and backward takes about twice a forward's time (twice
     its FLOPs): B0 = min(B, 2 F)."""

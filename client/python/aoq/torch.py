@@ -1428,7 +1428,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         total = sum(s.numel for s in order)
         fwd_start, fwd_last = self._probe_fwd, self._probe_fwd_last
         fwd = None
-        if self.staging_window and fwd_start is not None and start is not None:
+        # a daemon behind backward holds it back (the tail stays short) with a
+        # staging window (a push waits for a free slot) and with the delayed
+        # update (a tensor's push waits for its previous update's answer)
+        if (self.staging_window or self.delayed_update) and fwd_start is not None and start is not None:
             # F: to the last module's start (a forward pre-hook, or a compiled
             # module's in-graph wait): the first push comes after the loss and
             # the last layer's backward, which 2F would count twice; without

@@ -769,6 +769,13 @@ def case_gpu_share():
     assert opt.auto_split is not None and opt.auto_split["forward_seconds"] is not None, opt.auto_split
     opt.close()
     torch._dynamo.reset()
+    # The delayed update holds backward back as a window does (a tensor's push waits for
+    # its previous update's answer), so its probes time the forward too.
+    m4 = make_model(W, DEV)
+    opt = aoq_opt(m4, gpu_state_budget="auto", delayed_update=True)
+    loop(m4, opt, _PROBE)
+    assert opt.auto_split is not None and opt.auto_split["forward_seconds"] is not None, opt.auto_split
+    opt.close()
     # ...and the moves of the chosen state out of aoqd at the probe steps (3, then 5: the
     # second probe still finds some late), training on equal to AdamW
     m1 = make_model(W, DEV)
