@@ -171,7 +171,6 @@ class MasterAdamW:
         self.params = [p for p in params if p.requires_grad]
         self.master = [p.detach().float().clone().requires_grad_() for p in self.params]
         self.opt = torch.optim.AdamW(self.master, **kw)
-        self.state = {}
 
     def step(self):
         for p, m in zip(self.params, self.master):

@@ -40,27 +40,27 @@ def _wait_params_fake(params, originals, opt):
     return None
 
 
-def _define_wait_op():
-    """torch.ops.aoq.wait_params, or None where torch cannot define it (no
-    torch.library.custom_op): compiled modules then wait for all their
-    parameters before they run."""
-    if hasattr(getattr(torch.ops, "aoq", None), "wait_params"):
+def _define_op(name, impl, fake, mutates, schema, lost):
+    """torch.ops.aoq.<name>.default, defined with torch.library.custom_op, or
+    None where torch cannot define it (lost: what compiled code does
+    instead, for the warning)."""
+    if hasattr(getattr(torch.ops, "aoq", None), name):
         return None          # this module imported twice (importlib.reload): the op calls the first copy
     custom_op = getattr(torch.library, "custom_op", None)
     if custom_op is None:
         return None
     try:
-        op = custom_op("aoq::wait_params", _wait_params_impl, mutates_args=("params",),
-                       schema="(Tensor(a!)[] params, Tensor[] originals, int opt) -> ()")
-        op.register_fake(_wait_params_fake)
-    except Exception as e:   # noqa: BLE001 -- any failure only costs the in-graph waits
-        warnings.warn("aoq: cannot define the in-graph wait op (%s); compiled modules wait for all their "
-                      "parameters before they run" % (e,), RuntimeWarning)
+        op = custom_op("aoq::" + name, impl, mutates_args=mutates, schema=schema)
+        op.register_fake(fake)
+    except Exception as e:   # noqa: BLE001 -- any failure only costs the in-graph op
+        warnings.warn("aoq: cannot define the in-graph op aoq::%s (%s); %s" % (name, e, lost), RuntimeWarning)
         return None
-    return torch.ops.aoq.wait_params.default
+    return getattr(torch.ops.aoq, name).default
 
 
-_WAIT_OP = _define_wait_op()
+_WAIT_OP = _define_op("wait_params", _wait_params_impl, _wait_params_fake, ("params",),
+                      "(Tensor(a!)[] params, Tensor[] originals, int opt) -> ()",
+                      "compiled modules wait for all their parameters before they run")
 
 
 # Pushes inside torch.compile'd backward.  A compiled model's backward is
@@ -90,24 +90,8 @@ def _push_grad_impl(grad: torch.Tensor, tap: torch.Tensor) -> None:
         o._push_in_graph(grad, v & 0xFFFFFFFF, tap)
 
 
-def _define_push_op():
-    if hasattr(getattr(torch.ops, "aoq", None), "push_grad"):
-        return None
-    custom_op = getattr(torch.library, "custom_op", None)
-    if custom_op is None:
-        return None
-    try:
-        op = custom_op("aoq::push_grad", _push_grad_impl, mutates_args=("grad",),
-                       schema="(Tensor(a!) grad, Tensor tap) -> ()")
-        op.register_fake(lambda grad, tap: None)
-    except Exception as e:   # noqa: BLE001 -- any failure only costs the in-graph pushes
-        warnings.warn("aoq: cannot define the in-graph push op (%s); compiled models push their gradients "
-                      "after backward" % (e,), RuntimeWarning)
-        return None
-    return torch.ops.aoq.push_grad.default
-
-
-_PUSH_OP = _define_push_op()
+_PUSH_OP = _define_op("push_grad", _push_grad_impl, lambda grad, tap: None, ("grad",),
+                      "(Tensor(a!) grad, Tensor tap) -> ()", "compiled models push their gradients after backward")
 
 
 class _GraphTap(torch.autograd.Function):
