@@ -1133,15 +1133,20 @@ static int on_trace(struct aoqd_session *who, const Aoq__Envelope *env, struct a
 		return AOQD_REFUSE(err, INVALID, "traces of a replica group's members are not supported yet");
 	if (s->trace_to)
 		return AOQD_REFUSE(err, BUSY, "session %" PRIu64 " is being traced already", m->session);
-	/* Step next_step may be under way: the trace starts at the one after. */
-	uint64_t first = s->steps.next_step + 1;
+	/* Step next_step may be under way, and the client may already be copying
+	 * the one after it (next_step moves when the loop reads a StepEnd), with
+	 * its copies untimed: the trace starts at the step after that.  The client
+	 * times its copies from now on, so that step's are all timed. */
+	uint64_t first = s->steps.next_step + 2;
+	if (s->state == AOQD_READY)
+		aoqd_arena_set_trace(&s->arena, true);
 	if (aoqd_trace_start(&s->stats, first, first + m->steps - 1) < 0)
 		return AOQD_REFUSE(err, BUSY, "session %" PRIu64 " is being traced already", m->session);
 	/* steps_done counts StepEnded replies: the step before next_step may
 	 * still be ending (end_pending), then next_step, then the traced ones,
-	 * then one more: the client reports a step's parameter copies (H2D)
-	 * with the next StepEnd, once they have landed. */
-	s->trace_done_at = s->stats.steps_done + (s->steps.end_pending ? 1 : 0) + 1 + m->steps + 1;
+	 * the step skipped above, then one more: the client reports a step's
+	 * parameter copies (H2D) with the next StepEnd, once they have landed. */
+	s->trace_done_at = s->stats.steps_done + (s->steps.end_pending ? 1 : 0) + 2 + m->steps + 1;
 	aoqd_session_ref(who);
 	s->trace_to = who;
 	aoqd_info("session", "session %" PRIu64 ": tracing steps %" PRIu64 "..%" PRIu64 " for session %" PRIu64, s->id,
