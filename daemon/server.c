@@ -229,6 +229,12 @@ static void restore_snapshots(struct aoqd_server *srv)
 	int n = aoqd_snapshot_restore_all(dir, srv->cfg.lock_memory, &srv->locked_bytes, restore_one, srv);
 	if (n > 0)
 		aoqd_info("server", "%d session(s) restored from the snapshots in %s", n, dir);
+	else if (n == -ENOENT && (strcmp(dir, "/var/lib/aoq") != 0 || srv->cfg.snapshot_every_steps ||
+	                          srv->cfg.snapshot_every_seconds))
+		/* chosen by hand (or needed by periodic snapshots) and missing: say
+		 * so now, not at the first snapshot; aoqd does not create it (a
+		 * mistyped path would get a directory of its own) */
+		aoqd_warn("server", "state_dir %s does not exist: snapshots fail until it is created", dir);
 	else if (n < 0 && n != -ENOENT)
 		aoqd_warn("server", "cannot read the snapshots in %s: %s", dir, strerror(-n));
 }

@@ -287,6 +287,9 @@ int main(int argc, char **argv)
 		if (!mkdtemp(tmpl))
 			return 1;
 		dir = tmpl;
+	} else if (mkdir(dir, 0700) < 0 && errno != EEXIST) {
+		fprintf(stderr, "bench-snapshot: --dir %s: %s\n", dir, strerror(errno));
+		return 1;
 	}
 	char th[16];
 	snprintf(th, sizeof(th), "%u", threads);

@@ -164,5 +164,17 @@ kill -TERM "$pid"
 wait "$pid" || fail "aoqd exited $? after SIGTERM"
 [[ -e $sock ]] && fail "socket $sock left after a clean stop"
 
+# A state_dir chosen by hand that does not exist: a warning naming it at
+# start, not an error at the first snapshot.
+n=$((n + 1))
+"$aoqd" --socket "$sock" --threads 1 --state-dir "$tmp/no-such-dir" 2>"$tmp/err" &
+pid=$!
+for _ in $(seq 100); do [[ -S $sock ]] && break; sleep 0.05; done
+kill -TERM "$pid"
+wait "$pid"
+grep -qF "state_dir $tmp/no-such-dir does not exist: snapshots fail until it is created" "$tmp/err" ||
+	fail "no warning for a missing state_dir: $(cat "$tmp/err")"
+[[ -e $tmp/no-such-dir ]] && fail "aoqd created the missing state_dir"
+
 echo "$n checks, $fails failed"
 ((fails == 0))
