@@ -139,6 +139,12 @@ KI void vacc_add_sq(vacc *a, vf g)
 	a->a = _mm256_fmadd_pd(lo, lo, a->a);
 	a->b = _mm256_fmadd_pd(hi, hi, a->b);
 }
+/* adds the lanes of x (once per q8 block: the fp32 sums of squares) */
+KI void vacc_add(vacc *a, vf x)
+{
+	a->a = _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(x)), a->a);
+	a->b = _mm256_add_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)), a->b);
+}
 KI double vacc_sum(vacc a)
 {
 	__m256d s = _mm256_add_pd(a.a, a.b);

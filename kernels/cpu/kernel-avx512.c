@@ -133,6 +133,12 @@ KI void vacc_add_sq(vacc *a, vf g)
 	a->a = _mm512_fmadd_pd(lo, lo, a->a);
 	a->b = _mm512_fmadd_pd(hi, hi, a->b);
 }
+/* adds the lanes of x (once per q8 block: the fp32 sums of squares) */
+KI void vacc_add(vacc *a, vf x)
+{
+	a->a = _mm512_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(x)), a->a);
+	a->b = _mm512_add_pd(_mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1))), a->b);
+}
 KI double vacc_sum(vacc a) { return _mm512_reduce_add_pd(_mm512_add_pd(a.a, a.b)); }
 
 #include "kernel-body.h"

@@ -186,8 +186,8 @@ static AOQK_ALWAYS_INLINE struct kvec kvec_make(const struct aoqk_consts *k)
 static AOQK_ALWAYS_INLINE void vstep(const struct kvec kc, const struct kptrs *p,
                                      size_t j, uint64_t gi, const int prec, const int gd,
                                      const int pd, const int nt, int want_ss, vacc *ss,
-                                     float *bm, float *bu, uint32_t *hb, vi *xs, vf sm, vf su,
-                                     vf *mx_m, vf *mx_u, const int fast)
+                                     float *bm, float *bu, uint32_t *hb, vi *xs, vf *sq, vf sm,
+                                     vf su, vf *mx_m, vf *mx_u, const int fast)
 {
 	const int q8 = aoqk_precision_q8(prec);
 	const int bfm = aoqk_precision_bf16_master(prec);
@@ -196,14 +196,21 @@ static AOQK_ALWAYS_INLINE void vstep(const struct kvec kc, const struct kptrs *p
 	vf pw, m, v, u;
 
 	/* fast (a compile-time 1): the common case's flags are constants, no
-	 * accumulator, the report wanted, AdamW, the small-weight lerp (the
-	 * tests of the runtime flags cost q8's vector ports; run_chunk) */
+	 * accumulator, the report wanted, no L2 weight decay, the small-weight
+	 * lerp (the tests of the runtime flags cost q8's vector ports;
+	 * run_chunk).  It multiplies by the decay also without weight decay,
+	 * where the decay is exactly 1 and the product p itself. */
 	if (!fast && p->acc) {
 		g = vf_add(vf_loadu(p->acc + j), g);
 		vf_storeu(p->acc + j, vf_zero());
 	}
 	g = vf_mul(g, kc.gscale);
-	if (fast || want_ss)
+	/* the report: fast sums g * g in fp32 lanes of at most 16 terms each
+	 * (sq, added to the double sum once per block by run_chunk: a
+	 * relative error below 16 * 2^-24), the rest in double */
+	if (fast)
+		*sq = vf_fma(g, g, *sq);
+	else if (want_ss)
 		vacc_add_sq(ss, g);
 
 	if (bfm)
@@ -332,6 +339,8 @@ struct ksizes {
 	size_t g, master, mom;
 };
 
+static double scan_sumsq(const void *grad, enum aoqk_dtype gd, const float *acc, float scale, size_t n);
+
 static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const struct aoqk_state *st,
                                          const struct aoqk_chunk *c, int want_ss, double *ssum,
                                          const int prec, const int gd, const int pd, const int nt)
@@ -356,12 +365,13 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 	_Alignas(64) float bm[AOQK_Q8_BLOCK], bu[AOQK_Q8_BLOCK];
 	_Alignas(64) uint32_t hb[AOQK_Q8_BLOCK];
 	vi xs[XS_N];
+	vf sq[XS_N];
 	vacc ss = vacc_zero();
 	const struct kvec kc = kvec_make(k);
 	const size_t blk = q8 ? AOQK_Q8_BLOCK : n;
 	/* q8 is compute-bound: its update loop has a twin for the common
 	 * case with the flags as constants */
-	const int fast = q8 && !d.acc && want_ss && !kc.l2 && kc.adamw && kc.lerp_small;
+	const int fast = q8 && !d.acc && want_ss && !kc.l2 && kc.lerp_small;
 
 	for (size_t jb = 0; jb < n; jb += blk) {
 		size_t len = n - jb < blk ? n - jb : blk;
@@ -375,14 +385,22 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 			su = vf_set1(st->v_scale[bidx] / AOQK_Q8_U_TOP);
 		}
 		size_t t = 0;
-		if (q8 && fast)
+		if (q8 && fast) {
+			/* a block is 16 vectors of 16 lanes: each sq lane sums at
+			 * most 16 squares whatever W is */
+			for (unsigned g = 0; g < XS_N; g++)
+				sq[g] = vf_zero();
 			for (; t + W <= len; t += W)
 				vstep(kc, &d, jb + t, b0 + jb + t, prec, gd, pd, nt, want_ss, &ss, bm + t,
-				      bu + t, hb + t, &xs[(t / W) % XS_N], sm, su, &mx_m, &mx_u, 1);
-		else
+				      bu + t, hb + t, &xs[(t / W) % XS_N], &sq[(t / W) % XS_N], sm, su, &mx_m,
+				      &mx_u, 1);
+			for (unsigned g = 0; g < XS_N; g++)
+				vacc_add(&ss, sq[g]);
+		} else {
 			for (; t + W <= len; t += W)
 				vstep(kc, &d, jb + t, b0 + jb + t, prec, gd, pd, nt, want_ss, &ss, bm + t,
-				      bu + t, hb + t, &xs[(t / W) % XS_N], sm, su, &mx_m, &mx_u, 0);
+				      bu + t, hb + t, &xs[(t / W) % XS_N], &sq[0], sm, su, &mx_m, &mx_u, 0);
+		}
 		if (t < len) {
 			size_t j = jb + t;
 			/* the tail: run the same step on zero-padded copies */
@@ -409,7 +427,7 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 				.param = lp,
 			};
 			vstep(kc, &l, 0, b0 + j, prec, gd, pd, 0, want_ss, &ss, bm + t, bu + t,
-			      hb + t, &xs[(t / W) % XS_N], sm, su, &mx_m, &mx_u, 0);
+			      hb + t, &xs[(t / W) % XS_N], &sq[0], sm, su, &mx_m, &mx_u, 0);
 			if (d.acc)
 				memset(d.acc + j, 0, r * 4);
 			memcpy((char *)d.master + j * sz.master, lmst, r * sz.master);
@@ -449,8 +467,13 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 			}
 		}
 	}
-	if (want_ss)
+	if (want_ss) {
 		*ssum = vacc_sum(ss);
+		/* an fp32 lane can overflow where the double sum does not (g
+		 * around 1e18 and up): such a chunk is counted again in double */
+		if (fast && !isfinite(*ssum))
+			*ssum = scan_sumsq(c->grad, (enum aoqk_dtype)gd, NULL, k->gscale, n);
+	}
 }
 
 /* Sum of squares of (acc + grad) * scale, in double. */

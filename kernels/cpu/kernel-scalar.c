@@ -89,6 +89,7 @@ static AOQK_ALWAYS_INLINE void vb_store_u8(uint8_t *p, vi q) { *p = (uint8_t)q; 
 
 static AOQK_ALWAYS_INLINE vacc vacc_zero(void) { return 0.0; }
 static AOQK_ALWAYS_INLINE void vacc_add_sq(vacc *a, vf g) { *a += (double)g * (double)g; }
+static AOQK_ALWAYS_INLINE void vacc_add(vacc *a, vf x) { *a += (double)x; }
 static AOQK_ALWAYS_INLINE double vacc_sum(vacc a) { return a; }
 
 #include "kernel-body.h"
