@@ -125,12 +125,13 @@ _Static_assert((AOQK_Q8_M_C0 & 0x7fu) == 0 && (AOQK_Q8_U_C0 & 0xffu) == 0, "q8 c
  * exact, so this is aoqk_q8_m_decode / aoqk_q8_v_decode bit for bit. */
 static AOQK_ALWAYS_INLINE vf q8_m_decode(const uint8_t *p, vf sm)
 {
-	vi b = vb_load_u8(p);
+	/* sign-extended: bit 31 is the code's bit 7, the sign, which the mask
+	 * keeps out of the pattern and the xor-and puts on x without a shift */
+	vi b = vb_load_i8((const int8_t *)p);
 	vi e = vi_andor(vi_slli(b, AOQK_Q8_M_SHIFT), vi_set1(0x7fu << AOQK_Q8_M_SHIFT),
 	                vi_set1(AOQK_Q8_M_C0 << AOQK_Q8_M_SHIFT));
 	vf x = vf_mul(vf_sub(vi_as_vf(e), vf_set1(AOQK_Q8_M_K)), sm);
-	/* the code's bit 7 is the sign */
-	return vi_as_vf(vi_xorand(vf_as_vi(x), vi_slli(b, 24), vi_set1(0x80000000u)));
+	return vi_as_vf(vi_xorand(vf_as_vi(x), b, vi_set1(0x80000000u)));
 }
 
 static AOQK_ALWAYS_INLINE vf q8_u_decode(const uint8_t *p, vf su)
