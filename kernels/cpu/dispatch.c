@@ -50,7 +50,7 @@ static unsigned cpu_features(void)
 		return 0;
 	__cpuid_count(7, 0, a, b, c, d);
 	bool avx2 = b & (1u << 5), avx512f = b & (1u << 16), avx512bw = b & (1u << 30),
-	     avx512vl = b & (1u << 31);
+	     avx512vl = b & (1u << 31), vbmi = c & (1u << 1);
 	unsigned sub_max = a;
 	bool bf16 = false;
 	if (sub_max >= 1) {
@@ -61,7 +61,9 @@ static unsigned cpu_features(void)
 		f |= F_AVX2;
 	if ((f & F_AVX2) && os_avx512 && avx512f && avx512bw && avx512vl)
 		f |= F_AVX512;
-	if ((f & F_AVX512) && bf16)
+	/* avx512bf16 also packs q8 codes with VBMI: every CPU with BF16 but
+	 * Cooper Lake has it, and Cooper Lake runs avx512 */
+	if ((f & F_AVX512) && bf16 && vbmi)
 		f |= F_AVX512BF16;
 #endif
 	return f;

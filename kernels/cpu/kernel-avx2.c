@@ -129,6 +129,12 @@ KI void vb_store_u8(uint8_t *p, vi q)
 	_mm_storel_epi64((__m128i *)(void *)p, _mm_packus_epi16(h, h));
 }
 
+KI void vb_store2_u8(uint8_t *a, uint8_t *b, vi x, vi y)
+{
+	vb_store_u8(a, x);
+	vb_store_u8(b, y);
+}
+
 KI vacc vacc_zero(void) { return (vacc){ _mm256_setzero_pd(), _mm256_setzero_pd() }; }
 KI void vacc_add_sq(vacc *a, vf g)
 {

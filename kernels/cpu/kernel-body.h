@@ -322,7 +322,7 @@ static AOQK_ALWAYS_INLINE void q8_encode(const float *bm, const float *bu, vi h,
 	 * NaN m gives the low 7 bits of its out-of-range pattern, alike in
 	 * every variant.) */
 	vi c = vi_srli(vi_add(vf_as_vi(x), rm), AOQK_Q8_M_SHIFT);
-	vb_store_u8(cm, vi_bitsel(vi_set1(0x7fu), c, vi_srli(vf_as_vi(m), 24)));
+	c = vi_bitsel(vi_set1(0x7fu), c, vi_srli(vf_as_vi(m), 24));
 
 	vf u = vf_loadu(bu);
 	vf y = vf_fma(u, inv_u, vf_set1(AOQK_Q8_U_K));
@@ -332,7 +332,7 @@ static AOQK_ALWAYS_INLINE void q8_encode(const float *bm, const float *bu, vi h,
 	 * sqrt(2^-149), whose bits exceed C0 + 1, so max(q, min(bits(u),
 	 * C0 + 1)) is q, or C0 + 1 (code 1) where u > 0 and q is code 0. */
 	q = vi_max_s(q, vi_min_u(vf_as_vi(u), vi_set1(AOQK_Q8_U_C0 + 1)));
-	vb_store_u8(cu, q);
+	vb_store2_u8(cm, cu, c, q);
 }
 
 /* Bytes of element type for the tail copies. */

@@ -87,6 +87,12 @@ static AOQK_ALWAYS_INLINE vi vb_load_u8(const uint8_t *p) { return *p; }
 static AOQK_ALWAYS_INLINE void vb_store_i8(int8_t *p, vi q) { *p = (int8_t)(int32_t)q; }
 static AOQK_ALWAYS_INLINE void vb_store_u8(uint8_t *p, vi q) { *p = (uint8_t)q; }
 
+static AOQK_ALWAYS_INLINE void vb_store2_u8(uint8_t *a, uint8_t *b, vi x, vi y)
+{
+	*a = (uint8_t)x;
+	*b = (uint8_t)y;
+}
+
 static AOQK_ALWAYS_INLINE vacc vacc_zero(void) { return 0.0; }
 static AOQK_ALWAYS_INLINE void vacc_add_sq(vacc *a, vf g) { *a += (double)g * (double)g; }
 static AOQK_ALWAYS_INLINE void vacc_add(vacc *a, vf x) { *a += (double)x; }
