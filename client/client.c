@@ -1149,7 +1149,9 @@ static void grad_copied(void *arg, int status)
 		while ((r = aoq_ring_push(&c->to_daemon, &d->rec)) == -EAGAIN && !c->error)
 			if (!aoq_ring_wait_space(&c->to_daemon, 1))
 				wait_daemon(c, &dl);
-		if (r == 1)
+		/* the ring was empty: wake aoqd, unless its loop polls the ring
+		 * (loop_spin_us; aoq-arena.h, consumer_spinning) */
+		if (r == 1 && aoq_ring_consumer_sleeps(&c->to_daemon))
 			ring(c->bell_out);
 		else if (r < 0 && !c->error)
 			fail_session(c, r, "the daemon's ring counter is corrupt");

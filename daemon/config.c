@@ -34,6 +34,7 @@ void aoqd_config_defaults(struct aoqd_config *c)
 	c->max_sessions_per_uid = 64;
 	c->lease_seconds = 600;
 	c->worker_spin_us = 50;
+	c->loop_spin_us = AOQD_LOOP_SPIN_AUTO;
 	c->max_connections = 1024;
 	c->max_tensors = 1u << 20;
 	c->max_tensor_elems = 1ull << 36;
@@ -118,6 +119,7 @@ static const struct key keys[] = {
 	{ "socket", K_STRING, OFF(socket_path), 0, 0, 0 },
 	{ "threads", K_COUNT, OFF(threads), W(threads), 0, AOQD_MAX_THREADS },
 	{ "worker_spin_us", K_COUNT, OFF(worker_spin_us), W(worker_spin_us), 0, 10000 },
+	{ "loop_spin_us", K_COUNT, OFF(loop_spin_us), W(loop_spin_us), 0, 10000 },
 	{ "kernel", K_KERNEL, OFF(kernel), 0, 0, 0 },
 	{ "lock_memory", K_LOCK, OFF(lock_memory), 0, 0, 0 },
 	{ "log_level", K_LOG, 0, 0, 0, 0 },
@@ -164,7 +166,8 @@ static int set_number(struct aoqd_config *c, const struct key *k, const char *v,
 	if (r == -EINVAL) {
 		snprintf(err, errlen, "'%s' is not a whole number%s", v,
 		         size ? (k->kind == K_MEMSIZE ? " (optionally with a K, M, G or T suffix), or N% of the memory"
-		                                      : " (optionally with a K, M, G or T suffix)") : "");
+		                                      : " (optionally with a K, M, G or T suffix)")
+		              : k->off == offsetof(struct aoqd_config, loop_spin_us) ? " or auto" : "");
 		return r;
 	}
 	if (r == -ERANGE || x < k->lo || x > k->hi) {
@@ -206,6 +209,10 @@ int aoqd_config_set(struct aoqd_config *c, const char *key, const char *v, char 
 	if (!*v) {
 		snprintf(err, errlen, "needs a value");
 		return -EINVAL;
+	}
+	if (strcmp(key, "loop_spin_us") == 0 && strcmp(v, "auto") == 0) {
+		c->loop_spin_us = AOQD_LOOP_SPIN_AUTO;
+		return 0;
 	}
 	char words[128];
 	int i;
@@ -428,6 +435,10 @@ void aoqd_config_print(const struct aoqd_config *c, FILE *f)
 	else
 		fprintf(f, "threads = auto\n");
 	fprintf(f, "worker_spin_us = %" PRIu32 "\n", c->worker_spin_us);
+	if (c->loop_spin_us == AOQD_LOOP_SPIN_AUTO)
+		fprintf(f, "loop_spin_us = auto\n");
+	else
+		fprintf(f, "loop_spin_us = %" PRIu32 "\n", c->loop_spin_us);
 	fprintf(f, "kernel = %s\n", c->kernel && *c->kernel ? c->kernel : "auto");
 	fprintf(f, "lock_memory = %s\n", c->lock_memory == 0 ? "no" : c->lock_memory == 2 ? "yes" : "try");
 	fprintf(f, "log_level = %s\n", levels[c->log_level >= 0 && c->log_level <= AOQD_LOG_DEBUG ? c->log_level : AOQD_LOG_INFO]);

@@ -44,6 +44,21 @@ static void on_wake(uv_async_t *a)
 	aoqd_sessions_wake(a->data);
 }
 
+/* The loop's spin (session.c, spin_start) in ns: only when the workers are
+ * pinned, so that the loop has a core of its own; "auto" spins with 4
+ * cores or more.  On 2 cores the trainer shares the loop's core (the other
+ * is the worker's), and a spinning loop doubled bench-spine's round trip
+ * there; on the 16-core H200 host it cut it by a third (RESULTS.md,
+ * thirteenth session). */
+static uint64_t loop_spin_ns(const struct aoqd_server *srv, uint32_t us)
+{
+	if (!srv->pinned)
+		return 0;
+	if (us == AOQD_LOOP_SPIN_AUTO)
+		us = srv->ncpus >= 4 ? 50 : 0;
+	return (uint64_t)us * 1000u;
+}
+
 static void on_sweep(uv_timer_t *t)
 {
 	aoqd_sessions_sweep(t->data);
@@ -272,7 +287,7 @@ int aoqd_server_init(struct aoqd_server *srv, uv_loop_t *loop, const struct aoqd
 	srv->pool = aoqd_pool_new(n, pin ? pins : NULL, pin ? (uint64_t)cfg->worker_spin_us * 1000u : 0);
 	if (!srv->pool)
 		return -errno;
-	aoqd_info("server", "%u workers%s (%ld cpus), kernel %s", n, pin ? " pinned" : "", ncpu, srv->kernel->name);
+
 	fit_fd_limit(&srv->cfg);
 	/* The snapshot writer runs on the cores no worker is pinned to. */
 	cpu_set_t spare;
@@ -287,6 +302,13 @@ int aoqd_server_init(struct aoqd_server *srv, uv_loop_t *loop, const struct aoqd
 	}
 	uv_async_init(loop, &srv->wake, on_wake);
 	srv->wake.data = srv;
+	srv->pinned = pin;
+	srv->ncpus = ncpus;
+	srv->spin_ns = loop_spin_ns(srv, cfg->loop_spin_us);
+	aoqd_info("server", "%u workers%s (%ld cpus), kernel %s, loop spin %" PRIu64 " us", n, pin ? " pinned" : "", ncpu,
+	          srv->kernel->name, srv->spin_ns / 1000u);
+	uv_idle_init(loop, &srv->spin);
+	srv->spin.data = srv;
 	uv_timer_init(loop, &srv->sweep);
 	srv->sweep.data = srv;
 	uint64_t every = cfg->handshake_timeout_ms / 4 + 1;
@@ -379,6 +401,14 @@ void aoqd_server_apply(struct aoqd_server *srv, const struct aoqd_config *n)
 		          o->socket_path ? o->socket_path : "a given fd", n->socket_path ? n->socket_path : "a given fd");
 		restart++;
 	}
+	if (o->loop_spin_us != n->loop_spin_us) {
+		aoqd_info("server", "reload: loop_spin_us: the loop now polls %" PRIu64 " us after a record%s",
+		          loop_spin_ns(srv, n->loop_spin_us) / 1000u,
+		          srv->pinned ? "" : " (0: the workers are not pinned)");
+		o->loop_spin_us = n->loop_spin_us;
+		srv->spin_ns = loop_spin_ns(srv, n->loop_spin_us);
+		changed++;
+	}
 	if (o->worker_spin_us != n->worker_spin_us) {
 		aoqd_warn("server", "reload: worker_spin_us %" PRIu32 " -> %" PRIu32 " takes a restart", o->worker_spin_us,
 		          n->worker_spin_us);
@@ -420,6 +450,7 @@ void aoqd_server_stop(struct aoqd_server *srv)
 	if (uv_is_active((uv_handle_t *)&srv->listener) || srv->listener.loop)
 		uv_close((uv_handle_t *)&srv->listener, NULL);
 	uv_close((uv_handle_t *)&srv->wake, NULL);
+	uv_close((uv_handle_t *)&srv->spin, NULL);
 	uv_close((uv_handle_t *)&srv->sweep, NULL);
 	uv_close((uv_handle_t *)&srv->rates, NULL);
 	uv_close((uv_handle_t *)&srv->sigterm, NULL);

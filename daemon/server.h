@@ -24,6 +24,13 @@ struct aoqd_server {
 	uv_loop_t *loop;
 	uv_pipe_t listener;
 	uv_async_t wake;          /* workers -> loop: a step may have finished */
+	/* While active the loop does not sleep and polls the rings of the
+	 * sessions that spin (session.c, aoqd_session_spin) until spin_until. */
+	uv_idle_t spin;
+	uint64_t spin_ns;         /* loop_spin_us, when workers are pinned (else 0) */
+	unsigned ncpus;           /* cores we may run on */
+	uint64_t spin_until;
+	bool pinned;              /* the loop has a core of its own */
 	uv_signal_t sigterm, sigint, sighup;
 	uv_timer_t watchdog;
 	uv_timer_t rates;         /* ends each session's rate interval */

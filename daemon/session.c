@@ -1418,6 +1418,96 @@ void aoqd_session_accept(struct aoqd_server *srv, uv_stream_t *listener)
 
 /* ---- the data plane's events ---- */
 
+/* Takes what the session's ring holds, as its doorbell does; true when it
+ * took a record (records of the next step wait for StepEnd, and all wait
+ * while the answers have no room). */
+static bool ring_poll(struct aoqd_session *s)
+{
+	struct aoqd_error err;
+	uint64_t tail = s->arena.to_daemon.tail;
+	int r = aoqd_steps_poll(s, true, &err);
+	if (r < 0)
+		session_fail(s, &err);
+	else if (r == 1)
+		process_frames(s); /* frames that waited behind StepEnd */
+	return r >= 0 && s->arena.to_daemon.tail != tail;
+}
+
+static void on_spin(uv_idle_t *h)
+{
+	aoqd_sessions_spin(h->data);
+}
+
+/*
+ * After a doorbell the loop polls the session's to-daemon ring for
+ * loop_spin_us instead of going back to sleep (README, "Configuration"):
+ * the ring's consumer_spinning word tells libaoq not to ring meanwhile, so
+ * a small tensor's next push reaches a worker without the socket write and
+ * the loop's wake-up.  The loop keeps serving everything else while it
+ * spins (a libuv idle handle: the loop polls its events without blocking).
+ * Replica groups keep the doorbell.
+ */
+static void spin_start(struct aoqd_session *s)
+{
+	struct aoqd_server *srv = s->srv;
+	if (!srv->spin_ns || s->hub || s->rep || s->state != AOQD_READY || srv->stopping)
+		return;
+	srv->spin_until = aoqd_now_ns() + srv->spin_ns;
+	if (!s->spinning) {
+		s->spinning = true;
+		aoq_ring_set_spinning(&s->arena.to_daemon, true);
+	}
+	if (!uv_is_active((uv_handle_t *)&srv->spin))
+		uv_idle_start(&srv->spin, on_spin);
+}
+
+void aoqd_sessions_spin(struct aoqd_server *srv)
+{
+	bool took = false, any = false;
+	struct aoqd_session *next;
+	for (struct aoqd_session *s = srv->sessions; s; s = next) {
+		next = s->next;
+		if (!s->spinning)
+			continue;
+		if (s->state != AOQD_READY || atomic_load(&s->dead)) {
+			s->spinning = false; /* its arena may be going: not touched */
+			continue;
+		}
+		any = true;
+		if (aoq_ring_idle(&s->arena.to_daemon))
+			continue;
+		aoqd_session_ref(s);
+		took |= ring_poll(s);
+		next = s->next; /* s may have left the list (its ref keeps it) */
+		aoqd_session_unref(s);
+	}
+	uint64_t now = aoqd_now_ns();
+	if (took)
+		srv->spin_until = now + srv->spin_ns;
+	if (any && now < srv->spin_until && !srv->stopping)
+		return;
+	/* Back to the doorbells: withdraw the word, then look once more (a
+	 * push that saw it set did not ring; aoq-arena.h, aoq_ring_idle). */
+	uv_idle_stop(&srv->spin);
+	for (struct aoqd_session *s = srv->sessions; s; s = next) {
+		next = s->next;
+		if (!s->spinning)
+			continue;
+		s->spinning = false;
+		if (s->state != AOQD_READY || atomic_load(&s->dead))
+			continue;
+		aoq_ring_set_spinning(&s->arena.to_daemon, false);
+		if (!aoq_ring_idle(&s->arena.to_daemon)) {
+			/* a push came meanwhile: take it, and spin again */
+			aoqd_session_ref(s);
+			if (ring_poll(s))
+				spin_start(s);
+			next = s->next;
+			aoqd_session_unref(s);
+		}
+	}
+}
+
 void aoqd_session_on_doorbell(uv_poll_t *h, int status, int events)
 {
 	struct aoqd_session *s = h->data;
@@ -1436,12 +1526,13 @@ void aoqd_session_on_doorbell(uv_poll_t *h, int status, int events)
 		group_poll(s->hub);
 		return;
 	}
-	int r = status < 0 ? AOQD_FAIL(&err, INTERNAL, "doorbell: %s", uv_strerror(status))
-	                     : aoqd_steps_poll(s, true, &err);
-	if (r < 0)
+	if (status < 0) {
+		AOQD_FAIL(&err, INTERNAL, "doorbell: %s", uv_strerror(status));
 		session_fail(s, &err);
-	else if (r == 1)
-		process_frames(s); /* frames that waited behind StepEnd */
+		return;
+	}
+	ring_poll(s);
+	spin_start(s);
 }
 
 void aoqd_sessions_sweep(struct aoqd_server *srv)

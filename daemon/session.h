@@ -77,6 +77,7 @@ struct aoqd_session {
 	struct aoqd_account *account; /* the uid's (account.c) */
 	bool counted;           /* in account->connections */
 	bool backlog;           /* whole frames wait for the next turn */
+	bool spinning;          /* the loop polls our to-daemon ring (aoqd_sessions_spin) */
 	uint64_t accepted_ns;   /* the handshake's deadline counts from here */
 
 	struct aoqd_conn conn;
@@ -178,6 +179,9 @@ void aoqd_session_set_leasing(struct aoqd_session *s, bool on);
 int aoqd_session_refcount(struct aoqd_session *s);
 /* The server's wake: every session looks at what its workers finished. */
 void aoqd_sessions_wake(struct aoqd_server *srv);
+/* The server's idle handle while the loop spins: polls the to-daemon rings
+ * of the sessions that spin; stops once none got a record for spin_ns. */
+void aoqd_sessions_spin(struct aoqd_server *srv);
 /* Fails sessions whose handshake (Hello, then Register or observer) is
  * past the deadline; the server's timer calls it. */
 void aoqd_sessions_sweep(struct aoqd_server *srv);

@@ -15,6 +15,12 @@
  * Every session must end its STEPS steps without an error, and its
  * parameters must equal, bit for bit, those of the same session (same
  * seed) pushed from a single thread afterwards.
+ *
+ * "spin" (second argument): aoqd with one pinned worker and loop_spin_us =
+ * 20, so that its loop polls the rings after each doorbell and libaoq skips
+ * the doorbell meanwhile; the spin starts and stops thousands of times
+ * while pushes race it.  A lost wake-up hangs a session (the test's
+ * timeout); on one core aoqd does not pin, and the run is the plain one.
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -170,7 +176,17 @@ int main(int argc, char **argv)
 		steps = (unsigned)strtoul(e, NULL, 0);
 	else if (getenv("AOQ_TEST_SLOW"))
 		steps = 15;
-	static const char *const args[] = { "--threads", "2", NULL };
+	static const char *args[] = { "--threads", "2", NULL, NULL, NULL };
+	bool spin = argc > 2 && strcmp(argv[2], "spin") == 0;
+	char conf[] = "/tmp/aoq-push-stress-XXXXXX";
+	if (spin) {
+		int fd = mkstemp(conf);
+		CHECK(fd >= 0 && dprintf(fd, "loop_spin_us = 20\n") > 0, "config file");
+		close(fd);
+		args[1] = "1";
+		args[2] = "--config";
+		args[3] = conf;
+	}
 	CHECK_OK(aoqt_daemon_start(&daemon_, exe, args));
 
 	static struct sess mt[SESSIONS], st[SESSIONS];
@@ -199,6 +215,12 @@ int main(int argc, char **argv)
 	printf("threaded == single-threaded, bit for bit\n");
 	char *log = aoqt_daemon_log(&daemon_);
 	CHECK(log && !strstr(log, "corrupt"), "the daemon's log reports a corrupt ring");
+	if (spin) {
+		unlink(conf);
+		bool pinned = strstr(log, "pinned") != NULL;
+		CHECK(!pinned || strstr(log, "loop spin 20 us"), "the pinned daemon's loop did not spin");
+		printf("loop spin: %s\n", pinned ? "20 us" : "off (one core: no pinning)");
+	}
 	/* A sanitizer build of the daemon reports into its log. */
 	CHECK(!strstr(log, "ThreadSanitizer") && !strstr(log, "AddressSanitizer") && !strstr(log, "runtime error"),
 	      "the daemon's log has a sanitizer report");

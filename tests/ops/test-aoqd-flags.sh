@@ -123,6 +123,13 @@ good "threads = 16" --threads 0x10
 bad "--threads: '0x' is not a whole number" --threads 0x --socket "$sock"
 bad "--threads: '0x-1' is not a whole number" --threads 0x-1 --socket "$sock"
 good "lock_memory = no" --lock-memory=no
+good "loop_spin_us = auto" --socket "$sock"
+printf 'loop_spin_us = 20\n' >"$tmp/spin.conf"
+good "loop_spin_us = 20" --config "$tmp/spin.conf" --socket "$sock"
+printf 'loop_spin_us = auto\n' >"$tmp/spin.conf"
+good "loop_spin_us = auto" --config "$tmp/spin.conf" --socket "$sock"
+badconf "loop_spin_us: 'fast' is not a whole number or auto" "loop_spin_us = fast"
+badconf "loop_spin_us: 10001 is out of range (0..10000)" "loop_spin_us = 10001"
 good "log_level = debug" --log-level debug
 cat >"$tmp/ok.conf" <<CONF
 # a comment line

@@ -70,12 +70,14 @@ def main():
 
         # log level info -> debug, a limit, a restart-only setting, the command line winning
         n = len(log())
-        write_conf("log_level = debug\nmax_sessions_per_uid = 8\nkernel = scalar\nthreads = 3\nworker_spin_us = 7\n")
+        write_conf("log_level = debug\nmax_sessions_per_uid = 8\nkernel = scalar\nthreads = 3\nworker_spin_us = 7\n"
+                   "loop_spin_us = 5\n")
         d.send_signal(signal.SIGHUP)
         check(wait_log("reload: log_level info -> debug", n), "the reload logs the new log level")
         check(wait_log("reload: max_sessions_per_uid 64 -> 8", n), "the reload logs the new limit")
         check(wait_log("kernel auto -> scalar takes a restart", n), "kernel is named as taking a restart")
         check(wait_log("worker_spin_us 50 -> 7 takes a restart", n), "worker_spin_us is named as taking a restart")
+        check(wait_log("reload: loop_spin_us: the loop now polls", n), "loop_spin_us changes on reload")
         time.sleep(0.2)
         check("threads" not in log()[n:], "--threads 1 on the command line wins over the file's threads = 3")
         n = len(log())
