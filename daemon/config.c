@@ -57,7 +57,7 @@ void aoqd_config_defaults(struct aoqd_config *c)
 		sd[strcspn(e, ":")] = 0;
 		c->state_dir = sd;
 	} else {
-		c->state_dir = "/var/lib/aoq";
+		c->state_dir = AOQD_STATE_DIR;
 	}
 }
 
@@ -143,6 +143,20 @@ static const struct key keys[] = {
 	{ "snapshot_every_seconds", K_COUNT, OFF(snapshot_every_seconds), W(snapshot_every_seconds), 0, 1ull << 40 },
 };
 
+/* The counts that also take "auto", and the value it stores. */
+static const struct {
+	const char *key;
+	uint64_t value;
+} autos[] = { { "threads", 0 }, { "loop_spin_us", AOQD_LOOP_SPIN_AUTO } };
+
+static const uint64_t *auto_value(const struct key *k)
+{
+	for (size_t i = 0; i < sizeof(autos) / sizeof(autos[0]); i++)
+		if (strcmp(k->name, autos[i].key) == 0)
+			return &autos[i].value;
+	return NULL;
+}
+
 /* Every string value ever set. */
 struct owned {
 	struct owned *next;
@@ -170,7 +184,7 @@ static int set_number(struct aoqd_config *c, const struct key *k, const char *v,
 		snprintf(err, errlen, "'%s' is not a whole number%s", v,
 		         size ? (k->kind == K_MEMSIZE ? " (optionally with a K, M, G or T suffix), or N% of the memory"
 		                                      : " (optionally with a K, M, G or T suffix)")
-		              : k->off == offsetof(struct aoqd_config, loop_spin_us) ? " or auto" : "");
+		              : auto_value(k) ? " or auto" : "");
 		return r;
 	}
 	if (r == -ERANGE || x < k->lo || x > k->hi) {
@@ -213,10 +227,6 @@ int aoqd_config_set(struct aoqd_config *c, const char *key, const char *v, char 
 		snprintf(err, errlen, "needs a value");
 		return -EINVAL;
 	}
-	if (strcmp(key, "loop_spin_us") == 0 && strcmp(v, "auto") == 0) {
-		c->loop_spin_us = AOQD_LOOP_SPIN_AUTO;
-		return 0;
-	}
 	char words[128];
 	int i;
 	switch (k->kind) {
@@ -244,8 +254,10 @@ int aoqd_config_set(struct aoqd_config *c, const char *key, const char *v, char 
 	}
 	case K_COUNT:
 	case K_SIZE:
-		if (k->kind == K_COUNT && strcmp(k->name, "threads") == 0 && strcmp(v, "auto") == 0) {
-			c->threads = 0;
+		if (auto_value(k) && strcmp(v, "auto") == 0) {
+			uint64_t x = *auto_value(k);
+			uint32_t x4 = (uint32_t)x;
+			memcpy((char *)c + k->off, k->width == 8 ? (const void *)&x : (const void *)&x4, k->width);
 			return 0;
 		}
 		return set_number(c, k, v, err, errlen);

@@ -14,6 +14,8 @@
 #include <stdio.h>
 
 #define AOQD_LOOP_SPIN_AUTO UINT32_MAX
+/* state_dir without systemd's StateDirectory= */
+#define AOQD_STATE_DIR "/var/lib/aoq"
 
 struct aoqd_config {
 	const char *socket_path;  /* --socket */

@@ -245,7 +245,7 @@ static void restore_snapshots(struct aoqd_server *srv)
 	int n = aoqd_snapshot_restore_all(dir, srv->cfg.lock_memory, &srv->locked_bytes, restore_one, srv);
 	if (n > 0)
 		aoqd_info("server", "%d session(s) restored from the snapshots in %s", n, dir);
-	else if (n == -ENOENT && (strcmp(dir, "/var/lib/aoq") != 0 || srv->cfg.snapshot_every_steps ||
+	else if (n == -ENOENT && (strcmp(dir, AOQD_STATE_DIR) != 0 || srv->cfg.snapshot_every_steps ||
 	                          srv->cfg.snapshot_every_seconds))
 		/* chosen by hand (or needed by periodic snapshots) and missing: say
 		 * so now, not at the first snapshot; aoqd does not create it (a

@@ -25,7 +25,7 @@ struct aoqd_server {
 	uv_pipe_t listener;
 	uv_async_t wake;          /* workers -> loop: a step may have finished */
 	/* While active the loop does not sleep and polls the rings of the
-	 * sessions that spin (session.c, aoqd_session_spin) until spin_until. */
+	 * sessions that spin (session.c, aoqd_sessions_spin) until spin_until. */
 	uv_idle_t spin;
 	uint64_t spin_ns;         /* loop_spin_us, when workers are pinned (else 0) */
 	unsigned ncpus;           /* cores we may run on */

@@ -981,6 +981,16 @@ static void nonfinite_case(const struct aoqk_kernel *k, enum aoqk_precision prec
  * fp32 lanes, a block at a time (kernels/README.md, "Reports"): within
  * 16 * 2^-24 of the double sum, and a gradient whose square overflows fp32
  * but not double (3e19) still gives a finite report, not a non-finite one. */
+static double sumsq_ref(const float *g, size_t n, float scale)
+{
+	double ref = 0;
+	for (size_t i = 0; i < n; i++) {
+		double x = (double)(g[i] * scale);
+		ref += x * x;
+	}
+	return ref;
+}
+
 static void q8_report_case(const struct aoqk_kernel *k, enum aoqk_precision prec, int huge)
 {
 	struct tcase t = { .prec = prec, .gd = AOQK_FP32, .pd = AOQK_BF16, .n = 2048 + rnd() % 3000,
@@ -995,11 +1005,7 @@ static void q8_report_case(const struct aoqk_kernel *k, enum aoqk_precision prec
 	float *g = (float *)(void *)b.grad;
 	if (huge)
 		g[rnd() % t.n] = (rnd() & 1) ? 3e19f : -3e19f;
-	double ref = 0;
-	for (size_t i = 0; i < t.n; i++) {
-		double x = (double)(g[i] * t.hp.grad_scale);
-		ref += x * x;
-	}
+	double ref = sumsq_ref(g, t.n, t.hp.grad_scale);
 	int r = run_kernel(k, &t, &b, 0, t.n, 0, &r1);
 	CHECK(r == 0 && !r1.nonfinite && fabs(r1.sumsq - ref) <= 1e-6 * ref,
 	      "%s q8 report prec=%d huge=%d: sumsq %.17g ref %.17g nonfinite %d", k->name, prec, huge,
@@ -1008,11 +1014,7 @@ static void q8_report_case(const struct aoqk_kernel *k, enum aoqk_precision prec
 	fill_state(&b, &t);
 	if (huge)
 		g[rnd() % t.n] = 3e19f;
-	ref = 0;
-	for (size_t i = 0; i < t.n; i++) {
-		double x = (double)(g[i] * t.hp.grad_scale);
-		ref += x * x;
-	}
+	ref = sumsq_ref(g, t.n, t.hp.grad_scale);
 	run_kernel(k, &t, &b, 0, t.n, 1, &r2);
 	CHECK(!r2.nonfinite && fabs(r2.sumsq - ref) <= 1e-6 * ref, "%s q8 report with skip prec=%d: %.17g ref %.17g",
 	      k->name, prec, r2.sumsq, ref);
