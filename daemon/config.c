@@ -37,7 +37,7 @@ void aoqd_config_defaults(struct aoqd_config *c)
 	/* off: on the H200 host the loop's polling took the trainer's one free
 	 * core while the workers updated 3.48 B parameters (0.473 -> 0.612 s
 	 * a step); README, "Configuration" */
-	c->loop_spin_us = 0;
+	c->loop_spin_us = AOQD_LOOP_SPIN_AUTO;
 	c->max_connections = 1024;
 	c->max_tensors = 1u << 20;
 	c->max_tensor_elems = 1ull << 36;

@@ -23,8 +23,8 @@ struct aoqd_config {
 	unsigned threads;         /* 0: all cores but one */
 	uint32_t worker_spin_us;  /* a pinned worker gone idle spins this long before it sleeps */
 	/* the loop thread polls the rings this long after a record (pinned
-	 * workers only; default 0); AOQD_LOOP_SPIN_AUTO: 50 with 4 cores or
-	 * more, else 0 */
+	 * workers only, while a worker is idle); AOQD_LOOP_SPIN_AUTO (the
+	 * default): 50 with 4 cores or more, else 0 */
 	uint32_t loop_spin_us;
 	const char *kernel;       /* NULL/"auto" or a variant name */
 	int lock_memory;          /* 0 no, 1 try (default), 2 required */

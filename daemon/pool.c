@@ -33,7 +33,7 @@ struct aoqd_pool {
 	unsigned n;
 	struct worker *workers;
 	unsigned *idle; /* worker indexes, the last gone idle on top */
-	unsigned nidle;
+	unsigned nidle; /* written under the lock, atomically: aoqd_pool_has_idle reads it without */
 	/* For the snapshot writer (aoqd_pool_wait_idle): tasks running, and
 	 * the threads waiting for none queued or running.  Kept under the
 	 * lock the workers take anyway around each task: no cost added. */
@@ -49,7 +49,8 @@ struct aoqd_pool {
 static void wake(struct aoqd_pool *p, uint64_t n)
 {
 	while (n-- > 0 && p->nidle > 0) {
-		struct worker *w = &p->workers[p->idle[--p->nidle]];
+		struct worker *w = &p->workers[p->idle[p->nidle - 1]];
+		__atomic_store_n(&p->nidle, p->nidle - 1, __ATOMIC_RELAXED);
 		__atomic_store_n(&w->idle, false, __ATOMIC_RELEASE);
 		pthread_cond_signal(&w->cond);
 	}
@@ -181,7 +182,8 @@ static void *worker_main(void *arg)
 	for (;;) {
 		while (!p->stop && !p->rr_head) {
 			__atomic_store_n(&w->idle, true, __ATOMIC_RELAXED);
-			p->idle[p->nidle++] = w->index;
+			p->idle[p->nidle] = w->index;
+			__atomic_store_n(&p->nidle, p->nidle + 1, __ATOMIC_RELAXED);
 			if (p->spin_ns && !p->stop)
 				spin_until_woken(p, w);
 			while (w->idle && !p->stop)
@@ -191,7 +193,7 @@ static void *worker_main(void *arg)
 				while (p->idle[k] != w->index)
 					k++;
 				memmove(&p->idle[k], &p->idle[k + 1], (p->nidle - k - 1) * sizeof(*p->idle));
-				p->nidle--;
+				__atomic_store_n(&p->nidle, p->nidle - 1, __ATOMIC_RELAXED);
 				__atomic_store_n(&w->idle, false, __ATOMIC_RELAXED);
 			}
 		}
@@ -303,6 +305,11 @@ uint64_t aoqd_pool_queued(struct aoqd_pool *p, struct aoqd_queue *q)
 	uint64_t n = q->queued;
 	pthread_mutex_unlock(&p->lock);
 	return n;
+}
+
+bool aoqd_pool_has_idle(struct aoqd_pool *p)
+{
+	return __atomic_load_n(&p->nidle, __ATOMIC_RELAXED) > 0;
 }
 
 bool aoqd_pool_idle(struct aoqd_pool *p)

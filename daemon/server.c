@@ -45,12 +45,13 @@ static void on_wake(uv_async_t *a)
 }
 
 /* The loop's spin (session.c, spin_start) in ns: only when the workers are
- * pinned, so that the loop has a core of its own; "auto" spins with 4
- * cores or more.  On 2 cores the trainer shares the loop's core (the other
- * is the worker's), and a spinning loop doubled bench-spine's round trip
- * there; on the 16-core H200 host it cut it by a third, but made a 3.48 B
- * model's CPU-bound step 29% slower (RESULTS.md, thirteenth session): off
- * by default. */
+ * pinned, so that the loop has a core of its own; "auto" (the default)
+ * spins with 4 cores or more.  On 2 cores the trainer shares the loop's
+ * core (the other is the worker's), and a spinning loop doubled
+ * bench-spine's round trip there; on the 16-core H200 host it cut it by a
+ * third.  The spin stops while every worker is busy (spin_start): spinning
+ * then made a 3.48 B model's CPU-bound step 29% slower (RESULTS.md,
+ * thirteenth and fourteenth sessions). */
 static uint64_t loop_spin_ns(const struct aoqd_server *srv, uint32_t us)
 {
 	if (!srv->pinned)

@@ -1445,12 +1445,17 @@ static void on_spin(uv_idle_t *h)
  * a small tensor's next push reaches a worker without the socket write and
  * the loop's wake-up.  The loop keeps serving everything else while it
  * spins (a libuv idle handle: the loop polls its events without blocking).
- * Replica groups keep the doorbell.
+ * Replica groups keep the doorbell.  Only while some worker is idle: with
+ * every worker busy a record waits for one anyway, and the polling loop
+ * would take a core from the trainer when the update is the step's limit
+ * (a 3.48 B model's step on the H200 host, 0.473 -> 0.612 s with an
+ * unconditional spin; RESULTS.md, thirteenth session).
  */
 static void spin_start(struct aoqd_session *s)
 {
 	struct aoqd_server *srv = s->srv;
-	if (!srv->spin_ns || s->hub || s->rep || s->state != AOQD_READY || srv->stopping)
+	if (!srv->spin_ns || s->hub || s->rep || s->state != AOQD_READY || srv->stopping ||
+	    !aoqd_pool_has_idle(srv->pool))
 		return;
 	srv->spin_until = aoqd_now_ns() + srv->spin_ns;
 	if (!s->spinning) {
@@ -1484,7 +1489,7 @@ void aoqd_sessions_spin(struct aoqd_server *srv)
 	uint64_t now = aoqd_now_ns();
 	if (took)
 		srv->spin_until = now + srv->spin_ns;
-	if (any && now < srv->spin_until && !srv->stopping)
+	if (any && now < srv->spin_until && !srv->stopping && aoqd_pool_has_idle(srv->pool))
 		return;
 	/* Back to the doorbells: withdraw the word, then look once more (a
 	 * push that saw it set did not ring; aoq-arena.h, aoq_ring_idle). */

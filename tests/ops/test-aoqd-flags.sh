@@ -123,7 +123,9 @@ good "threads = 16" --threads 0x10
 bad "--threads: '0x' is not a whole number" --threads 0x --socket "$sock"
 bad "--threads: '0x-1' is not a whole number" --threads 0x-1 --socket "$sock"
 good "lock_memory = no" --lock-memory=no
-good "loop_spin_us = 0" --socket "$sock"
+good "loop_spin_us = auto" --socket "$sock"
+printf 'loop_spin_us = 0\n' >"$tmp/spin.conf"
+good "loop_spin_us = 0" --config "$tmp/spin.conf" --socket "$sock"
 printf 'loop_spin_us = 20\n' >"$tmp/spin.conf"
 good "loop_spin_us = 20" --config "$tmp/spin.conf" --socket "$sock"
 printf 'loop_spin_us = auto\n' >"$tmp/spin.conf"
