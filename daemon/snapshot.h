@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * Snapshots of a session's optimizer state (snapshot.c), in the safetensors
+ * Snapshots of a session's optimizer state (snapfile.c writes the file,
+ * snapload.c loads it, snapshot.c captures and runs the writer), in the safetensors
  * format (docs/snapshots.md): an 8-byte little-endian header length, a JSON
  * header (per tensor dtype, shape, data_offsets; a __metadata__ map of
  * strings), then the raw arrays.
@@ -76,6 +77,8 @@ int aoqd_snapfile_commit(struct aoqd_snapfile *f, char *path, size_t len, struct
 void aoqd_snapfile_free(struct aoqd_snapfile *f);
 /* Tensors of the file (in write order, the order captures take them). */
 uint32_t aoqd_snapfile_tensors(const struct aoqd_snapfile *f);
+/* Bytes of the file's data section (every array). */
+uint64_t aoqd_snapfile_data_bytes(const struct aoqd_snapfile *f);
 
 /* The whole state at once from its arrays (the caller keeps it still):
  * prepare, open, put every tensor, commit. */
