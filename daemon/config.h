@@ -23,7 +23,7 @@ struct aoqd_config {
 	unsigned threads;         /* 0: all cores but one */
 	uint32_t worker_spin_us;  /* a pinned worker gone idle spins this long before it sleeps */
 	/* the loop thread polls the rings this long after a record (pinned
-	 * workers only, while a worker is idle); AOQD_LOOP_SPIN_AUTO (the
+	 * workers only, not while tasks wait for a worker); AOQD_LOOP_SPIN_AUTO (the
 	 * default): 50 with 4 cores or more, else 0 */
 	uint32_t loop_spin_us;
 	const char *kernel;       /* NULL/"auto" or a variant name */

@@ -33,7 +33,12 @@ struct aoqd_pool {
 	unsigned n;
 	struct worker *workers;
 	unsigned *idle; /* worker indexes, the last gone idle on top */
-	unsigned nidle; /* written under the lock, atomically: aoqd_pool_has_idle reads it without */
+	unsigned nidle;
+	/* Tasks queued that no worker has taken, and workers woken for them
+	 * that have not run yet: written under the lock, atomically, for
+	 * aoqd_pool_backlog, which reads them without. */
+	uint64_t waiting;
+	unsigned waking;
 	/* For the snapshot writer (aoqd_pool_wait_idle): tasks running, and
 	 * the threads waiting for none queued or running.  Kept under the
 	 * lock the workers take anyway around each task: no cost added. */
@@ -49,8 +54,8 @@ struct aoqd_pool {
 static void wake(struct aoqd_pool *p, uint64_t n)
 {
 	while (n-- > 0 && p->nidle > 0) {
-		struct worker *w = &p->workers[p->idle[p->nidle - 1]];
-		__atomic_store_n(&p->nidle, p->nidle - 1, __ATOMIC_RELAXED);
+		struct worker *w = &p->workers[p->idle[--p->nidle]];
+		__atomic_store_n(&p->waking, p->waking + 1, __ATOMIC_RELAXED);
 		__atomic_store_n(&w->idle, false, __ATOMIC_RELEASE);
 		pthread_cond_signal(&w->cond);
 	}
@@ -121,6 +126,7 @@ static struct aoqd_task *take(struct aoqd_pool *p)
 		}
 	}
 	struct aoqd_task *t = pop_task(q);
+	__atomic_store_n(&p->waiting, p->waiting - 1, __ATOMIC_RELAXED);
 	q->credit -= (int64_t)(t->cost ? t->cost : AOQD_POOL_QUANTUM);
 	if (!q->head) {
 		p->rr_head = q->next;
@@ -182,8 +188,7 @@ static void *worker_main(void *arg)
 	for (;;) {
 		while (!p->stop && !p->rr_head) {
 			__atomic_store_n(&w->idle, true, __ATOMIC_RELAXED);
-			p->idle[p->nidle] = w->index;
-			__atomic_store_n(&p->nidle, p->nidle + 1, __ATOMIC_RELAXED);
+			p->idle[p->nidle++] = w->index;
 			if (p->spin_ns && !p->stop)
 				spin_until_woken(p, w);
 			while (w->idle && !p->stop)
@@ -193,8 +198,10 @@ static void *worker_main(void *arg)
 				while (p->idle[k] != w->index)
 					k++;
 				memmove(&p->idle[k], &p->idle[k + 1], (p->nidle - k - 1) * sizeof(*p->idle));
-				__atomic_store_n(&p->nidle, p->nidle - 1, __ATOMIC_RELAXED);
+				p->nidle--;
 				__atomic_store_n(&w->idle, false, __ATOMIC_RELAXED);
+			} else { /* woken by wake() */
+				__atomic_store_n(&p->waking, p->waking - 1, __ATOMIC_RELAXED);
 			}
 		}
 		if (!p->rr_head) /* stop, and nothing left */
@@ -285,6 +292,7 @@ void aoqd_pool_submit(struct aoqd_pool *p, struct aoqd_queue *q, struct aoqd_key
 	pthread_mutex_lock(&p->lock);
 	insert_chain(q, first);
 	q->queued += n;
+	__atomic_store_n(&p->waiting, p->waiting + n, __ATOMIC_RELAXED);
 	if (!q->active) {
 		q->active = true;
 		q->credit = AOQD_POOL_QUANTUM;
@@ -307,9 +315,9 @@ uint64_t aoqd_pool_queued(struct aoqd_pool *p, struct aoqd_queue *q)
 	return n;
 }
 
-bool aoqd_pool_has_idle(struct aoqd_pool *p)
+bool aoqd_pool_backlog(struct aoqd_pool *p)
 {
-	return __atomic_load_n(&p->nidle, __ATOMIC_RELAXED) > 0;
+	return __atomic_load_n(&p->waiting, __ATOMIC_RELAXED) > __atomic_load_n(&p->waking, __ATOMIC_RELAXED);
 }
 
 bool aoqd_pool_idle(struct aoqd_pool *p)

@@ -69,9 +69,10 @@ void aoqd_pool_submit(struct aoqd_pool *p, struct aoqd_queue *q, struct aoqd_key
 /* Tasks in q not yet started. */
 uint64_t aoqd_pool_queued(struct aoqd_pool *p, struct aoqd_queue *q);
 
-/* Some worker waits for work (it spins or sleeps): a hint, read without
- * the lock, for the loop's spin (session.c, spin_start). */
-bool aoqd_pool_has_idle(struct aoqd_pool *p);
+/* More tasks are queued than workers were woken for them: some wait for a
+ * worker to finish.  A hint, read without the lock, for the loop's spin
+ * (session.c, spin_start). */
+bool aoqd_pool_backlog(struct aoqd_pool *p);
 
 /* No task queued or running, in any queue. */
 bool aoqd_pool_idle(struct aoqd_pool *p);

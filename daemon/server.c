@@ -49,7 +49,7 @@ static void on_wake(uv_async_t *a)
  * spins with 4 cores or more.  On 2 cores the trainer shares the loop's
  * core (the other is the worker's), and a spinning loop doubled
  * bench-spine's round trip there; on the 16-core H200 host it cut it by a
- * third.  The spin stops while every worker is busy (spin_start): spinning
+ * third.  The spin stops while tasks wait for a worker (spin_start): spinning
  * then made a 3.48 B model's CPU-bound step 29% slower (RESULTS.md,
  * thirteenth and fourteenth sessions). */
 static uint64_t loop_spin_ns(const struct aoqd_server *srv, uint32_t us)

@@ -30,6 +30,11 @@ struct aoqd_server {
 	uint64_t spin_ns;         /* loop_spin_us, when workers are pinned (else 0) */
 	unsigned ncpus;           /* cores we may run on */
 	uint64_t spin_until;
+	/* For Stats (loop thread): when the spin began, the time spun before,
+	 * the polls that took records (doorbells the trainers did not ring),
+	 * and the doorbells after which the loop did not spin because tasks
+	 * were waiting for a worker. */
+	uint64_t spin_since, spin_total_ns, spin_takes, spin_busy;
 	bool pinned;              /* the loop has a core of its own */
 	uv_signal_t sigterm, sigint, sighup;
 	uv_timer_t watchdog;

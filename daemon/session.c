@@ -981,6 +981,11 @@ static int on_stats(struct aoqd_session *who, const Aoq__Envelope *env, struct a
 	st.version = AOQ_VERSION;
 	st.pid = (uint32_t)getpid();
 	st.timestamp_unix_ns = aoqd_wall_ns();
+	st.loop_spin_us = (uint32_t)(srv->spin_ns / 1000u);
+	st.loop_spin_seconds = (double)(srv->spin_total_ns + (uv_is_active((uv_handle_t *)&srv->spin)
+	                                                          ? aoqd_now_ns() - srv->spin_since : 0)) / 1e9;
+	st.loop_spin_takes = srv->spin_takes;
+	st.loop_spin_busy = srv->spin_busy;
 	Aoq__Envelope reply = AOQ__ENVELOPE__INIT;
 	reply.msg_case = AOQ__ENVELOPE__MSG_STATS;
 	reply.stats = &st;
@@ -1445,25 +1450,31 @@ static void on_spin(uv_idle_t *h)
  * a small tensor's next push reaches a worker without the socket write and
  * the loop's wake-up.  The loop keeps serving everything else while it
  * spins (a libuv idle handle: the loop polls its events without blocking).
- * Replica groups keep the doorbell.  Only while some worker is idle: with
- * every worker busy a record waits for one anyway, and the polling loop
- * would take a core from the trainer when the update is the step's limit
- * (a 3.48 B model's step on the H200 host, 0.473 -> 0.612 s with an
- * unconditional spin; RESULTS.md, thirteenth session).
+ * Replica groups keep the doorbell.  Not while tasks wait for a worker:
+ * a record then waits in the queue anyway, and the polling loop would take
+ * a core from the trainer when the update is the step's limit (a 3.48 B
+ * model's step on the H200 host, 0.473 -> 0.612 s with an unconditional
+ * spin; RESULTS.md, thirteenth session).
  */
 static void spin_start(struct aoqd_session *s)
 {
 	struct aoqd_server *srv = s->srv;
-	if (!srv->spin_ns || s->hub || s->rep || s->state != AOQD_READY || srv->stopping ||
-	    !aoqd_pool_has_idle(srv->pool))
+	if (!srv->spin_ns || s->hub || s->rep || s->state != AOQD_READY || srv->stopping)
 		return;
-	srv->spin_until = aoqd_now_ns() + srv->spin_ns;
+	if (aoqd_pool_backlog(srv->pool)) {
+		srv->spin_busy++;
+		return;
+	}
+	uint64_t now = aoqd_now_ns();
+	srv->spin_until = now + srv->spin_ns;
 	if (!s->spinning) {
 		s->spinning = true;
 		aoq_ring_set_spinning(&s->arena.to_daemon, true);
 	}
-	if (!uv_is_active((uv_handle_t *)&srv->spin))
+	if (!uv_is_active((uv_handle_t *)&srv->spin)) {
+		srv->spin_since = now;
 		uv_idle_start(&srv->spin, on_spin);
+	}
 }
 
 void aoqd_sessions_spin(struct aoqd_server *srv)
@@ -1482,18 +1493,22 @@ void aoqd_sessions_spin(struct aoqd_server *srv)
 		if (aoq_ring_idle(&s->arena.to_daemon))
 			continue;
 		aoqd_session_ref(s);
-		took |= ring_poll(s);
+		if (ring_poll(s)) {
+			took = true;
+			srv->spin_takes++;
+		}
 		next = s->next; /* s may have left the list (its ref keeps it) */
 		aoqd_session_unref(s);
 	}
 	uint64_t now = aoqd_now_ns();
 	if (took)
 		srv->spin_until = now + srv->spin_ns;
-	if (any && now < srv->spin_until && !srv->stopping && aoqd_pool_has_idle(srv->pool))
+	if (any && now < srv->spin_until && !srv->stopping && !aoqd_pool_backlog(srv->pool))
 		return;
 	/* Back to the doorbells: withdraw the word, then look once more (a
 	 * push that saw it set did not ring; aoq-arena.h, aoq_ring_idle). */
 	uv_idle_stop(&srv->spin);
+	srv->spin_total_ns += now - srv->spin_since;
 	for (struct aoqd_session *s = srv->sessions; s; s = next) {
 		next = s->next;
 		if (!s->spinning)

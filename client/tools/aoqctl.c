@@ -477,6 +477,10 @@ static int print_stats_table(const struct view *v)
 	fmt_time(when, sizeof(when), v->timestamp);
 	printf("%s  aoqd %s  pid %" PRIu32 "  threads %" PRIu32 "  kernel %s  locked %s  rss %s  uptime %s\n",
 	       when, str_or(st->version, "?"), st->pid, st->threads, str_or(st->kernel, "?"), locked, rss, up);
+	if (st->loop_spin_us || st->loop_spin_takes || st->loop_spin_busy)
+		printf("loop spin %" PRIu32 " us: polled %.3f s, %" PRIu64 " polls took records (no doorbell), %" PRIu64
+		       " doorbells with tasks waiting (no spin)\n",
+		       st->loop_spin_us, st->loop_spin_seconds, st->loop_spin_takes, st->loop_spin_busy);
 	if (st->n_sessions == 0) {
 		printf("no sessions\n");
 		return ferror(stdout) ? -EIO : 0;
@@ -658,6 +662,10 @@ static json_object *stats_json(const struct view *v)
 	JADD(root, "locked_bytes", json_object_new_uint64(st->locked_bytes));
 	JADD(root, "rss_bytes", json_object_new_uint64(st->rss_bytes));
 	JADD(root, "uptime_seconds", jdouble_fmt(st->uptime_seconds, true));
+	JADD(root, "loop_spin_us", json_object_new_uint64(st->loop_spin_us));
+	JADD(root, "loop_spin_seconds", jdouble_fmt(st->loop_spin_seconds, true));
+	JADD(root, "loop_spin_takes", json_object_new_uint64(st->loop_spin_takes));
+	JADD(root, "loop_spin_busy", json_object_new_uint64(st->loop_spin_busy));
 	json_object *arr = json_object_new_array();
 	for (size_t i = 0; i < st->n_sessions; i++) {
 		const Aoq__SessionStats *s = st->sessions[i];
@@ -817,6 +825,19 @@ static int print_stats_prometheus(const struct view *v, FILE *f)
 	fputs("aoq_daemon_uptime_seconds ", f);
 	prom_value(f, st->uptime_seconds);
 	fputc('\n', f);
+	prom_head(f, "aoq_daemon_loop_spin_setting_seconds", "gauge",
+	          "How long the loop polls a session's ring after a doorbell (loop_spin_us; 0: off).");
+	fprintf(f, "aoq_daemon_loop_spin_setting_seconds %.6f\n", st->loop_spin_us / 1e6);
+	prom_head(f, "aoq_daemon_loop_spin_seconds_total", "counter", "Time the loop spent polling rings.");
+	fputs("aoq_daemon_loop_spin_seconds_total ", f);
+	prom_value(f, st->loop_spin_seconds);
+	fputc('\n', f);
+	prom_head(f, "aoq_daemon_loop_spin_takes_total", "counter",
+	          "Polls of the spinning loop that took records (doorbells not rung).");
+	fprintf(f, "aoq_daemon_loop_spin_takes_total %" PRIu64 "\n", st->loop_spin_takes);
+	prom_head(f, "aoq_daemon_loop_spin_busy_total", "counter",
+	          "Doorbells after which the loop did not spin: tasks were waiting for a worker.");
+	fprintf(f, "aoq_daemon_loop_spin_busy_total %" PRIu64 "\n", st->loop_spin_busy);
 	prom_head(f, "aoq_stats_timestamp_seconds", "gauge", "When these figures were taken (Unix time).");
 	fprintf(f, "aoq_stats_timestamp_seconds %.3f\n", v->timestamp);
 	prom_head(f, "aoq_sessions", "gauge", "Training sessions visible to the caller.");

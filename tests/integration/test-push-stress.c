@@ -26,6 +26,7 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -219,9 +220,17 @@ int main(int argc, char **argv)
 	CHECK(log && !strstr(log, "corrupt"), "the daemon's log reports a corrupt ring");
 	if (spin) {
 		unlink(conf);
-		bool pinned = strstr(log, "pinned") != NULL;
-		CHECK(!pinned || strstr(log, "loop spin 20 us"), "the pinned daemon's loop did not spin");
-		printf("loop spin: %s\n", pinned ? "20 us" : "off (one core: no pinning)");
+		/* one worker is pinned (and the loop spins) with 2 cores or more */
+		cpu_set_t cs;
+		CHECK(sched_getaffinity(0, sizeof(cs), &cs) == 0, "sched_getaffinity");
+		Aoq__Envelope *env = NULL;
+		CHECK_OK(aoqt_stats(daemon_.socket, &env));
+		uint32_t us = env->stats->loop_spin_us;
+		uint64_t takes = env->stats->loop_spin_takes;
+		aoq_envelope_free(env);
+		CHECK(CPU_COUNT(&cs) < 2 || us == 20, "Stats loop_spin_us %u, configured 20 (one worker, pinned)", us);
+		printf("loop spin: %u us, %llu polls took records\n", us, (unsigned long long)takes);
+		CHECK(us == 0 || takes > 0, "the spinning loop never took a push without a doorbell");
 	}
 	/* A sanitizer build of the daemon reports into its log. */
 	CHECK(!strstr(log, "ThreadSanitizer") && !strstr(log, "AddressSanitizer") && !strstr(log, "runtime error"),

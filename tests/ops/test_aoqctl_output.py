@@ -136,6 +136,7 @@ def main():
         digits = [len(re.sub(r"\D", "", m).lstrip("0")) for m in re.findall(r"-?\d+\.\d+", raw)]
         check(digits and max(digits) <= 13, f"floats print short (%.6g, or %.3f for times): {max(digits)} digits")
         for key in ("version", "pid", "threads", "kernel", "locked_bytes", "rss_bytes", "uptime_seconds",
+                    "loop_spin_us", "loop_spin_seconds", "loop_spin_takes", "loop_spin_busy",
                     "sessions", "jobs", "uids"):
             check(key in st, f"JSON has {key}")
         ss = st["sessions"]
@@ -192,7 +193,11 @@ def main():
         fams = strict_prometheus(text)
         for name, typ in (("aoq_session_bytes_in_total", "counter"), ("aoq_session_steps_total", "counter"),
                           ("aoq_session_optimizer_cpu_seconds_total", "counter"),
-                          ("aoq_session_state_bytes", "gauge"), ("aoq_daemon_threads", "gauge")):
+                          ("aoq_session_state_bytes", "gauge"), ("aoq_daemon_threads", "gauge"),
+                          ("aoq_daemon_loop_spin_setting_seconds", "gauge"),
+                          ("aoq_daemon_loop_spin_seconds_total", "counter"),
+                          ("aoq_daemon_loop_spin_takes_total", "counter"),
+                          ("aoq_daemon_loop_spin_busy_total", "counter")):
             check(fams.get(name, {}).get("type") == typ, f"{name} is a {typ}")
         samples = fams.get("aoq_session_bytes_in_total", {}).get("samples", [])
         check(len(samples) == 3, "a bytes_in sample per session")
