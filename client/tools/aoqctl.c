@@ -771,6 +771,16 @@ static void prom_value(FILE *f, double v)
 		fprintf(f, "%.6g", v);
 }
 
+/* A daemon-wide family: one sample, no labels. */
+static void prom_daemon(FILE *f, const char *name, const char *type, const char *help, double v)
+{
+	prom_head(f, name, type, help);
+	fputs(name, f);
+	fputc(' ', f);
+	prom_value(f, v);
+	fputc('\n', f);
+}
+
 static void prom_session_labels(FILE *f, const Aoq__SessionStats *s)
 {
 	fprintf(f, "{session=\"%" PRIu64 "\",job=\"", s->id);
@@ -815,29 +825,21 @@ static int print_stats_prometheus(const struct view *v, FILE *f)
 	fputs("\",kernel=\"", f);
 	prom_label_value(f, st->kernel);
 	fputs("\"} 1\n", f);
-	prom_head(f, "aoq_daemon_threads", "gauge", "Worker threads of aoqd.");
-	fprintf(f, "aoq_daemon_threads %" PRIu32 "\n", st->threads);
-	prom_head(f, "aoq_daemon_locked_memory_bytes", "gauge", "Optimizer state locked in memory (mlock).");
-	fprintf(f, "aoq_daemon_locked_memory_bytes %" PRIu64 "\n", st->locked_bytes);
-	prom_head(f, "aoq_daemon_resident_memory_bytes", "gauge", "Resident set size of aoqd.");
-	fprintf(f, "aoq_daemon_resident_memory_bytes %" PRIu64 "\n", st->rss_bytes);
-	prom_head(f, "aoq_daemon_uptime_seconds", "gauge", "Seconds since aoqd started.");
-	fputs("aoq_daemon_uptime_seconds ", f);
-	prom_value(f, st->uptime_seconds);
-	fputc('\n', f);
-	prom_head(f, "aoq_daemon_loop_spin_setting_seconds", "gauge",
-	          "How long the loop polls a session's ring after a doorbell (loop_spin_us; 0: off).");
-	fprintf(f, "aoq_daemon_loop_spin_setting_seconds %.6f\n", st->loop_spin_us / 1e6);
-	prom_head(f, "aoq_daemon_loop_spin_seconds_total", "counter", "Time the loop spent polling rings.");
-	fputs("aoq_daemon_loop_spin_seconds_total ", f);
-	prom_value(f, st->loop_spin_seconds);
-	fputc('\n', f);
-	prom_head(f, "aoq_daemon_loop_spin_takes_total", "counter",
-	          "Polls of the spinning loop that took records (doorbells not rung).");
-	fprintf(f, "aoq_daemon_loop_spin_takes_total %" PRIu64 "\n", st->loop_spin_takes);
-	prom_head(f, "aoq_daemon_loop_spin_busy_total", "counter",
-	          "Doorbells after which the loop did not spin: tasks were waiting for a worker.");
-	fprintf(f, "aoq_daemon_loop_spin_busy_total %" PRIu64 "\n", st->loop_spin_busy);
+	prom_daemon(f, "aoq_daemon_threads", "gauge", "Worker threads of aoqd.", st->threads);
+	prom_daemon(f, "aoq_daemon_locked_memory_bytes", "gauge", "Optimizer state locked in memory (mlock).",
+	            (double)st->locked_bytes);
+	prom_daemon(f, "aoq_daemon_resident_memory_bytes", "gauge", "Resident set size of aoqd.", (double)st->rss_bytes);
+	prom_daemon(f, "aoq_daemon_uptime_seconds", "gauge", "Seconds since aoqd started.", st->uptime_seconds);
+	prom_daemon(f, "aoq_daemon_loop_spin_setting_seconds", "gauge",
+	            "How long the loop polls a session's ring after a doorbell (loop_spin_us; 0: off).",
+	            st->loop_spin_us / 1e6);
+	prom_daemon(f, "aoq_daemon_loop_spin_seconds_total", "counter", "Time the loop spent polling rings.",
+	            st->loop_spin_seconds);
+	prom_daemon(f, "aoq_daemon_loop_spin_takes_total", "counter",
+	            "Polls of the spinning loop that took records (doorbells not rung).", (double)st->loop_spin_takes);
+	prom_daemon(f, "aoq_daemon_loop_spin_busy_total", "counter",
+	            "Doorbells after which the loop did not spin: tasks were waiting for a worker.",
+	            (double)st->loop_spin_busy);
 	prom_head(f, "aoq_stats_timestamp_seconds", "gauge", "When these figures were taken (Unix time).");
 	fprintf(f, "aoq_stats_timestamp_seconds %.3f\n", v->timestamp);
 	prom_head(f, "aoq_sessions", "gauge", "Training sessions visible to the caller.");
