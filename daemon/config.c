@@ -213,6 +213,46 @@ static void list_words(char *buf, size_t len, const char *const *words, size_t n
 	}
 }
 
+/* Edit distance of a and b, letters compared without case; keys are short
+ * (anything past 63 bytes counts as different). */
+static unsigned edit_distance(const char *a, const char *b)
+{
+	size_t la = strlen(a), lb = strlen(b);
+	if (la > 63 || lb > 63)
+		return UINT32_MAX;
+	unsigned row[64];
+	for (size_t j = 0; j <= lb; j++)
+		row[j] = (unsigned)j;
+	for (size_t i = 1; i <= la; i++) {
+		unsigned diag = row[0];
+		row[0] = (unsigned)i;
+		for (size_t j = 1; j <= lb; j++) {
+			unsigned up = row[j];
+			unsigned sub = diag + (tolower((unsigned char)a[i - 1]) != tolower((unsigned char)b[j - 1]));
+			unsigned best = up + 1 < row[j - 1] + 1 ? up + 1 : row[j - 1] + 1;
+			row[j] = sub < best ? sub : best;
+			diag = up;
+		}
+	}
+	return row[lb];
+}
+
+/* The key an unknown one was most likely meant to be: the nearest within 3
+ * edits (and fewer than its own length), or NULL. */
+static const char *nearest_key(const char *key)
+{
+	const char *best = NULL;
+	unsigned bd = 4;
+	for (size_t i = 0; i < sizeof(keys) / sizeof(keys[0]); i++) {
+		unsigned d = edit_distance(key, keys[i].name);
+		if (d < bd && d < strlen(key)) {
+			bd = d;
+			best = keys[i].name;
+		}
+	}
+	return best;
+}
+
 int aoqd_config_set(struct aoqd_config *c, const char *key, const char *v, char *err, size_t errlen)
 {
 	const struct key *k = NULL;
@@ -220,7 +260,11 @@ int aoqd_config_set(struct aoqd_config *c, const char *key, const char *v, char 
 		if (strcmp(key, keys[i].name) == 0)
 			k = &keys[i];
 	if (!k) {
-		snprintf(err, errlen, "unknown key '%s'", key);
+		const char *near = nearest_key(key);
+		if (near)
+			snprintf(err, errlen, "unknown key '%s' (did you mean '%s'?)", key, near);
+		else
+			snprintf(err, errlen, "unknown key '%s'", key);
 		return -ENOENT;
 	}
 	if (!*v) {

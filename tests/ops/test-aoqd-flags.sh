@@ -94,7 +94,9 @@ p107="$p107$(printf 'y%.0s' $(seq 1 $((107 - ${#p107}))))"
 good "socket = $p107" --socket "$p107"
 
 # Config lines.
-badconf "unknown key 'thread'" "thread = 4"
+badconf "unknown key 'thread' (did you mean 'threads'?)" "thread = 4"
+badconf "unknown key 'loop_spin' (did you mean 'loop_spin_us'?)" "loop_spin = 5"
+badconf "unknown key 'colour'" "colour = blue"
 badconf "threads: 'abc' is not a whole number" "threads = abc"
 badconf "threads: '1.5' is not a whole number" "threads = 1.5"
 badconf "threads: '-1' is not a whole number" "threads = -1"
@@ -114,7 +116,7 @@ badconf "admin_gid: 'no-such-group-aoq' is neither a gid nor a known group name"
 badconf "admin_gid: 4294967295 is out of range" "admin_gid = 4294967295"
 badconf "expected 'key = value', got 'threads 4'" "threads 4"
 badconf "a value without a key" "= 4"
-badconf "unknown key 'Threads'" "Threads = 4"
+badconf "unknown key 'Threads' (did you mean 'threads'?)" "Threads = 4"
 
 # Good forms: '=' flags, trailing comments, suffixes, the command line wins.
 good "threads = 3" --threads=3
