@@ -17,9 +17,10 @@
  * seed) pushed from a single thread afterwards.
  *
  * "spin" (second argument): aoqd with one pinned worker and loop_spin_us =
- * 20, so that its loop polls the rings after each doorbell and libaoq skips
- * the doorbell meanwhile; the spin starts and stops thousands of times
- * while pushes race it, in half the steps.  A lost wake-up hangs a session
+ * 20, so that its loop polls the rings after a doorbell that finds no
+ * backlog and libaoq skips the doorbell meanwhile; the spin starts and
+ * stops while pushes race it, in half the steps (how often depends on the
+ * pace: a slower, sanitized worker has a backlog more of the time).  A lost wake-up hangs a session
  * (the test's timeout); on one core aoqd does not pin, and the run is the
  * plain one.
  */
@@ -226,11 +227,14 @@ int main(int argc, char **argv)
 		Aoq__Envelope *env = NULL;
 		CHECK_OK(aoqt_stats(daemon_.socket, &env));
 		uint32_t us = env->stats->loop_spin_us;
-		uint64_t takes = env->stats->loop_spin_takes;
+		uint64_t takes = env->stats->loop_spin_takes, busy = env->stats->loop_spin_busy;
 		aoq_envelope_free(env);
 		CHECK(CPU_COUNT(&cs) < 2 || us == 20, "Stats loop_spin_us %u, configured 20 (one worker, pinned)", us);
-		printf("loop spin: %u us, %llu polls took records\n", us, (unsigned long long)takes);
-		CHECK(us == 0 || takes > 0, "the spinning loop never took a push without a doorbell");
+		/* How often it spun depends on the pace: 18 pushing threads keep
+		 * the one worker's queue long, and the loop does not spin over a
+		 * backlog (integration-loop-spin checks that rule by itself). */
+		printf("loop spin: %u us, %llu polls took records, %llu doorbells with tasks waiting\n", us,
+		       (unsigned long long)takes, (unsigned long long)busy);
 	}
 	/* A sanitizer build of the daemon reports into its log. */
 	CHECK(!strstr(log, "ThreadSanitizer") && !strstr(log, "AddressSanitizer") && !strstr(log, "runtime error"),
