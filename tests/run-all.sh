@@ -319,7 +319,7 @@ for phase in $phases; do
 		tsan_tests="unit-ring unit-pool unit-wire unit-account unit-snapshot-pace unit-session-refs integration-push-stress
 			integration-push-stress-spin integration-loop-spin integration-accumulate integration-modes integration-optimizers integration-timeout demo"
 		tsan_targets="daemon/aoqd client/examples/aoq-demo tests/unit/test-ring tests/unit/test-pool
-			tests/unit/test-wire tests/unit/test-account tests/unit/test-snapshot-pace tests/unit/test-session-refs tests/integration/test-push-stress
+			tests/unit/test-wire tests/unit/test-account tests/unit/test-snapshot-pace tests/unit/test-session-refs tests/integration/test-push-stress tests/integration/test-loop-spin
 			tests/integration/test-accumulate tests/integration/test-modes tests/integration/test-optimizers
 			tests/integration/test-timeout"
 		# Not -Dwerror: gcc warns (-Wtsan) that TSan does not model
