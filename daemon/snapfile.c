@@ -285,7 +285,7 @@ struct aoqd_snapfile *aoqd_snapfile_prepare(const struct aoqd_snap_key *key, uin
 	tens = json_object_new_array();
 	if (!f->arrs || !f->moments || !pre || !root || !meta || !groups || !tens)
 		goto fail;
-	if ((unsigned)st->precision >= sizeof(snap_prec_names) / sizeof(snap_prec_names[0])) {
+	if ((unsigned)st->precision >= SNAP_NPREC) {
 		err = EINVAL;
 		goto fail;
 	}
@@ -297,7 +297,7 @@ struct aoqd_snapfile *aoqd_snapfile_prepare(const struct aoqd_snap_key *key, uin
 			json_object_put(o);
 			goto fail;
 		}
-		if ((unsigned)gr->kind >= sizeof(snap_kind_names) / sizeof(snap_kind_names[0])) {
+		if ((unsigned)gr->kind >= SNAP_NKIND) {
 			err = EINVAL;
 			goto fail;
 		}
@@ -434,12 +434,12 @@ fail:
 	return NULL;
 }
 
-static int pwrite_all(int fd, const void *p, uint64_t n, uint64_t off)
+int snap_pio(int fd, void *p, uint64_t n, uint64_t off, bool write)
 {
-	const uint8_t *b = p;
+	uint8_t *b = p;
 	while (n) {
 		size_t k = n > (1u << 30) ? (1u << 30) : (size_t)n;
-		ssize_t w = pwrite(fd, b, k, (off_t)off);
+		ssize_t w = write ? pwrite(fd, b, k, (off_t)off) : pread(fd, b, k, (off_t)off);
 		if (w < 0) {
 			if (errno == EINTR)
 				continue;
@@ -452,6 +452,12 @@ static int pwrite_all(int fd, const void *p, uint64_t n, uint64_t off)
 		n -= (uint64_t)w;
 	}
 	return 0;
+}
+
+/* snap_pio's write, for the const data it writes */
+static int pwrite_all(int fd, const void *p, uint64_t n, uint64_t off)
+{
+	return snap_pio(fd, (void *)(uintptr_t)p, n, off, true);
 }
 
 static int write_header(struct aoqd_snapfile *f)

@@ -33,6 +33,10 @@ bool snap_arr_info(enum aoqk_precision p, uint64_t n, unsigned moments, int k, c
                    uint64_t *elems, unsigned *esize);
 /* Array k of a tensor's state (enum above). */
 const void *snap_arr_ptr(const struct aoqk_state *a, int k);
+/* Reads (write false) or writes n bytes at offset off of fd, whole: a
+ * short transfer goes on, EINTR is retried, end of file is -EIO.  0 or
+ * -errno. */
+int snap_pio(int fd, void *p, uint64_t n, uint64_t off, bool write);
 /* zlib's CRC-32 of n bytes, continued from crc (any length). */
 uint32_t snap_crc(uint32_t crc, const void *p, uint64_t n);
 

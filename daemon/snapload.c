@@ -82,26 +82,6 @@ static bool jint(json_object *o, const char *k, uint64_t max, uint64_t *out)
 	return true;
 }
 
-static int read_all(int fd, void *p, uint64_t n, uint64_t off)
-{
-	uint8_t *b = p;
-	while (n) {
-		size_t k = n > (1u << 30) ? (1u << 30) : (size_t)n;
-		ssize_t g = pread(fd, b, k, (off_t)off);
-		if (g < 0) {
-			if (errno == EINTR)
-				continue;
-			return -errno;
-		}
-		if (g == 0)
-			return -EIO;
-		b += g;
-		off += (uint64_t)g;
-		n -= (uint64_t)g;
-	}
-	return 0;
-}
-
 struct load_arr {
 	uint64_t b, e;
 	uint32_t t;
@@ -133,7 +113,7 @@ int aoqd_snapshot_load(const char *path, int lock_memory, _Atomic uint64_t *lock
 		FAIL("%s: not a regular file", path);
 	uint64_t fsize = (uint64_t)sb.st_size;
 	uint8_t lb[8];
-	if (fsize < 8 || read_all(fd, lb, 8, 0) < 0)
+	if (fsize < 8 || snap_pio(fd, lb, 8, 0, false) < 0)
 		FAIL("%s: truncated (%" PRIu64 " bytes, no header length)", path, fsize);
 	uint64_t hlen = 0;
 	for (int i = 0; i < 8; i++)
@@ -147,7 +127,7 @@ int aoqd_snapshot_load(const char *path, int lock_memory, _Atomic uint64_t *lock
 		r = -ENOMEM;
 		goto out;
 	}
-	if (read_all(fd, hdr, hlen, 8) < 0)
+	if (snap_pio(fd, hdr, hlen, 8, false) < 0)
 		FAIL("%s: cannot read the header", path);
 	hdr[hlen] = 0;
 	if (strlen(hdr) != hlen)
@@ -377,7 +357,7 @@ int aoqd_snapshot_load(const char *path, int lock_memory, _Atomic uint64_t *lock
 	for (size_t k = 0; k < nla; k++) {
 		void *dst = (void *)snap_arr_ptr(&st->tensors[la[k].t].st, la[k].k);
 		uint64_t n = la[k].e - la[k].b;
-		if (read_all(fd, dst, n, 8 + hlen + la[k].b) < 0)
+		if (snap_pio(fd, dst, n, 8 + hlen + la[k].b, false) < 0)
 			FAIL("%s: cannot read the data", path);
 		crc = snap_crc(crc, dst, n);
 	}
