@@ -34,9 +34,9 @@ void aoqd_config_defaults(struct aoqd_config *c)
 	c->max_sessions_per_uid = 64;
 	c->lease_seconds = 600;
 	c->worker_spin_us = 50;
-	/* off: on the H200 host the loop's polling took the trainer's one free
-	 * core while the workers updated 3.48 B parameters (0.473 -> 0.612 s
-	 * a step); README, "Configuration" */
+	/* auto: 50 us with 4 cores or more; the loop does not spin over a
+	 * backlog (session.c, spin_start), so a CPU-bound update keeps the
+	 * trainer's core; README, "Configuration" */
 	c->loop_spin_us = AOQD_LOOP_SPIN_AUTO;
 	c->max_connections = 1024;
 	c->max_tensors = 1u << 20;
