@@ -35,7 +35,7 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 cc=${CC:-gcc}
 base="-std=gnu11 -O2 -ffp-contract=off -fno-math-errno -I$here/.. -I$here"
-a512="-mavx512f -mavx512bw -mavx512vl -mavx2 -mfma -mf16c"
+a512="-mavx512f -mavx512bw -mavx512vl -mavx2 -mfma -mf16c -maes"
 {
 	echo "# $(date -u +%Y-%m-%dT%H:%M:%SZ) $(uname -srm)"
 	echo "# $($cc --version | head -1)"
@@ -45,12 +45,12 @@ a512="-mavx512f -mavx512bw -mavx512vl -mavx2 -mfma -mf16c"
 } | tee "$out/host.txt"
 t0=$(date +%s)
 $cc $base -c "$here/kernel-scalar.c" -o "$tmp/scalar.o" &
-$cc $base -mavx2 -mfma -mf16c -c "$here/kernel-avx2.c" -o "$tmp/avx2.o" &
+$cc $base -mavx2 -mfma -mf16c -maes -c "$here/kernel-avx2.c" -o "$tmp/avx2.o" &
 $cc $base $a512 -c "$here/kernel-avx512.c" -o "$tmp/avx512.o" &
-$cc $base $a512 -mavx512bf16 -DAOQK_AVX512BF16 -c "$here/kernel-avx512.c" -o "$tmp/avx512bf16.o" &
+$cc $base $a512 -mavx512bf16 -mavx512vbmi -mvaes -DAOQK_AVX512BF16 -c "$here/kernel-avx512.c" -o "$tmp/avx512bf16.o" &
 for d in decode hash encode; do
 	D=$(echo $d | tr a-z A-Z)
-	$cc $base $a512 -mavx512bf16 -DAOQK_AVX512BF16 -DAOQK_KVAR=q8_no$d -DAOQK_DROP_$D=1 \
+	$cc $base $a512 -mavx512bf16 -mavx512vbmi -mvaes -DAOQK_AVX512BF16 -DAOQK_KVAR=q8_no$d -DAOQK_DROP_$D=1 \
 		-c "$here/kernel-avx512.c" -o "$tmp/drop-$d.o" &
 done
 $cc $base -DAOQK_HAVE_AVX2 -DAOQK_HAVE_AVX512 -DAOQK_HAVE_AVX512BF16 -c "$here/dispatch.c" -o "$tmp/dispatch.o" &

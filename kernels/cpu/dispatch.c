@@ -38,8 +38,8 @@ static unsigned cpu_features(void)
 
 	if (!__get_cpuid(1, &a, &b, &c, &d))
 		return 0;
-	bool fma = c & (1u << 12), osxsave = c & (1u << 27), avx = c & (1u << 28),
-	     f16c = c & (1u << 29);
+	bool fma = c & (1u << 12), aes = c & (1u << 25), osxsave = c & (1u << 27),
+	     avx = c & (1u << 28), f16c = c & (1u << 29);
 	if (!osxsave || !avx)
 		return 0;
 	unsigned xlo, xhi;
@@ -50,20 +50,24 @@ static unsigned cpu_features(void)
 		return 0;
 	__cpuid_count(7, 0, a, b, c, d);
 	bool avx2 = b & (1u << 5), avx512f = b & (1u << 16), avx512bw = b & (1u << 30),
-	     avx512vl = b & (1u << 31), vbmi = c & (1u << 1);
+	     avx512vl = b & (1u << 31), vbmi = c & (1u << 1),
+	     vaes = c & (1u << 9);
 	unsigned sub_max = a;
 	bool bf16 = false;
 	if (sub_max >= 1) {
 		__cpuid_count(7, 1, a, b, c, d);
 		bf16 = a & (1u << 5);
 	}
-	if (avx2 && fma && f16c)
+	/* AES-NI (q8's random bits: kernel-common.h) is on every x86 CPU with
+	 * AVX2 but may be masked by a hypervisor */
+	if (avx2 && fma && f16c && aes)
 		f |= F_AVX2;
 	if ((f & F_AVX2) && os_avx512 && avx512f && avx512bw && avx512vl)
 		f |= F_AVX512;
-	/* avx512bf16 also packs q8 codes with VBMI: every CPU with BF16 but
-	 * Cooper Lake has it, and Cooper Lake runs avx512 */
-	if ((f & F_AVX512) && bf16 && vbmi)
+	/* avx512bf16 also packs q8 codes with VBMI and draws their random
+	 * bits with VAES: every CPU with BF16 but Cooper Lake has both, and
+	 * Cooper Lake runs avx512 */
+	if ((f & F_AVX512) && bf16 && vbmi && vaes)
 		f |= F_AVX512BF16;
 #endif
 	return f;

@@ -82,6 +82,15 @@ KI vi vi_add_or_quiet(vf x, vi b, vi r)
 	return _mm256_blendv_epi8(_mm256_or_si256(b, _mm256_set1_epi32(0x400000)), _mm256_add_epi32(b, r),
 	                          _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q)));
 }
+/* One AESENC per 128-bit lane with round key 1 or 2 (kernel-common.h),
+ * by AES-NI (built with -maes; dispatch checks the CPU has it) */
+KI vi vi_aesenc(vi x, int which)
+{
+	const __m128i k = which == 1 ? _mm_setr_epi32((int)AOQK_RK1_0, (int)AOQK_RK1_1, (int)AOQK_RK1_2, (int)AOQK_RK1_3)
+	                             : _mm_setr_epi32((int)AOQK_RK2_0, (int)AOQK_RK2_1, (int)AOQK_RK2_2, (int)AOQK_RK2_3);
+	return _mm256_set_m128i(_mm_aesenc_si128(_mm256_extracti128_si256(x, 1), k),
+	                        _mm_aesenc_si128(_mm256_castsi256_si128(x), k));
+}
 #define vi_srli(a, s) _mm256_srli_epi32((a), (s))
 #define vi_slli(a, s) _mm256_slli_epi32((a), (s))
 KI vi vf_as_vi(vf a) { return _mm256_castps_si256(a); }
@@ -93,6 +102,13 @@ KI vi vi_select_nan(vf x, vi if_nan, vi other)
 	return _mm256_blendv_epi8(other, if_nan, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
 }
 
+/* The top 16 bits of each lane of a, then of b: 16 bf16 in element order */
+KI vi vi_pack_hi16(vi a, vi b)
+{
+	return _mm256_permute4x64_epi64(_mm256_packus_epi32(_mm256_srli_epi32(a, 16), _mm256_srli_epi32(b, 16)),
+	                                0xd8);
+}
+KI void vi_stream(uint32_t *p, vi x) { _mm256_stream_si256((__m256i *)(void *)p, x); }
 KI vh vh_zero(void) { return _mm_setzero_si128(); }
 KI vh vh_loadu(const uint16_t *p) { return _mm_loadu_si128((const __m128i *)(const void *)p); }
 KI void vh_storeu(uint16_t *p, vh x) { _mm_storeu_si128((__m128i *)(void *)p, x); }
@@ -129,9 +145,10 @@ KI void vb_store_u8(uint8_t *p, vi q)
 	_mm_storel_epi64((__m128i *)(void *)p, _mm_packus_epi16(h, h));
 }
 
-KI void vb_store2_u8(uint8_t *a, uint8_t *b, vi x, vi y)
+/* the top byte of each lane of x to a, the low byte of each lane of y to b */
+KI void vb_store_codes(uint8_t *a, uint8_t *b, vi x, vi y)
 {
-	vb_store_u8(a, x);
+	vb_store_u8(a, _mm256_srli_epi32(x, 24));
 	vb_store_u8(b, y);
 }
 

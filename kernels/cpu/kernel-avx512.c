@@ -86,6 +86,22 @@ KI vi vi_add_or_quiet(vf x, vi b, vi r)
 	return _mm512_mask_add_epi32(_mm512_or_si512(b, _mm512_set1_epi32(0x400000)),
 	                             _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), b, r);
 }
+/* One AESENC per 128-bit lane with round key 1 or 2 (kernel-common.h):
+ * VAES in the avx512bf16 build (every CPU with AVX512_BF16 and VBMI has
+ * it, and dispatch checks), AES-NI lane by lane in the avx512 build. */
+KI vi vi_aesenc(vi x, int which)
+{
+	const __m128i k = which == 1 ? _mm_setr_epi32((int)AOQK_RK1_0, (int)AOQK_RK1_1, (int)AOQK_RK1_2, (int)AOQK_RK1_3)
+	                             : _mm_setr_epi32((int)AOQK_RK2_0, (int)AOQK_RK2_1, (int)AOQK_RK2_2, (int)AOQK_RK2_3);
+#ifdef __VAES__
+	return _mm512_aesenc_epi128(x, _mm512_broadcast_i32x4(k));
+#else
+	vi r = _mm512_castsi128_si512(_mm_aesenc_si128(_mm512_castsi512_si128(x), k));
+	r = _mm512_inserti32x4(r, _mm_aesenc_si128(_mm512_extracti32x4_epi32(x, 1), k), 1);
+	r = _mm512_inserti32x4(r, _mm_aesenc_si128(_mm512_extracti32x4_epi32(x, 2), k), 2);
+	return _mm512_inserti32x4(r, _mm_aesenc_si128(_mm512_extracti32x4_epi32(x, 3), k), 3);
+#endif
+}
 #define vi_srli(a, s) _mm512_srli_epi32((a), (s))
 #define vi_slli(a, s) _mm512_slli_epi32((a), (s))
 KI vi vf_as_vi(vf a) { return _mm512_castps_si512(a); }
@@ -97,12 +113,43 @@ KI vi vi_select_nan(vf x, vi if_nan, vi other)
 	return _mm512_mask_mov_epi32(other, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), if_nan);
 }
 
+/* The top 16 bits of each lane of a, then of b: 32 bf16 in element order
+ * (one two-table permute: bytes with VBMI, words without) */
+KI vi vi_pack_hi16(vi a, vi b)
+{
+#ifdef AOQK_AVX512BF16
+	const vi idx = _mm512_set_epi32((int)0x7f7e7b7a, (int)0x77767372, (int)0x6f6e6b6a, (int)0x67666362,
+	                                 (int)0x5f5e5b5a, (int)0x57565352, (int)0x4f4e4b4a, (int)0x47464342,
+	                                 (int)0x3f3e3b3a, (int)0x37363332, (int)0x2f2e2b2a, (int)0x27262322,
+	                                 (int)0x1f1e1b1a, (int)0x17161312, (int)0x0f0e0b0a, (int)0x07060302);
+	return _mm512_permutex2var_epi8(a, idx, b);
+#else
+	const vi idx = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27,
+	                                25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+	return _mm512_permutex2var_epi16(a, idx, b);
+#endif
+}
+KI void vi_stream(uint32_t *p, vi x) { _mm512_stream_si512((void *)p, x); }
 KI vh vh_zero(void) { return _mm256_setzero_si256(); }
 KI vh vh_loadu(const uint16_t *p) { return _mm256_loadu_si256((const __m256i *)(const void *)p); }
 KI void vh_storeu(uint16_t *p, vh x) { _mm256_storeu_si256((__m256i *)(void *)p, x); }
 KI void vh_stream(uint16_t *p, vh x) { _mm256_stream_si256((__m256i *)(void *)p, x); }
 KI vh vi_to_vh(vi a) { return _mm512_cvtepi32_epi16(a); }
+#ifdef AOQK_AVX512BF16
+/* bf16 bytes 2k, 2k+1 to bytes 4k+2, 4k+3 of lane k, zeros below: one
+ * vpermb (with VBMI) where the widening and the shift are two uops */
+KI vf vh_bf16_to_f(vh h)
+{
+	const vi idx = _mm512_set_epi32((int)0x1f1e0000, (int)0x1d1c0000, (int)0x1b1a0000, (int)0x19180000,
+	                                (int)0x17160000, (int)0x15140000, (int)0x13120000, (int)0x11100000,
+	                                (int)0x0f0e0000, (int)0x0d0c0000, (int)0x0b0a0000, (int)0x09080000,
+	                                (int)0x07060000, (int)0x05040000, (int)0x03020000, (int)0x01000000);
+	return _mm512_castsi512_ps(
+		_mm512_maskz_permutexvar_epi8(0xccccccccccccccccull, idx, _mm512_castsi256_si512(h)));
+}
+#else
 KI vf vh_bf16_to_f(vh h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+#endif
 KI vf vh_f16_to_f(vh h) { return _mm512_cvtph_ps(h); }
 KI vh vf_to_f16(vf x) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 #ifdef AOQK_AVX512BF16
@@ -122,18 +169,20 @@ KI vi vb_load_i8(const int8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(
 KI vi vb_load_u8(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)p)); }
 KI void vb_store_i8(int8_t *p, vi q) { _mm_storeu_si128((__m128i *)(void *)p, _mm512_cvtepi32_epi8(q)); }
 KI void vb_store_u8(uint8_t *p, vi q) { _mm_storeu_si128((__m128i *)(void *)p, _mm512_cvtepi32_epi8(q)); }
-/* The low bytes of x to a and of y to b: with VBMI one two-table byte
- * permute and two stores (two vpmovdb are two uops each on port 5) */
-KI void vb_store2_u8(uint8_t *a, uint8_t *b, vi x, vi y)
+/* The top byte of each lane of x to a, the low byte of each lane of y to
+ * b (q8's m and v codes): with VBMI one two-table byte permute and two
+ * stores (vpmovdb is two uops on port 5) */
+KI void vb_store_codes(uint8_t *a, uint8_t *b, vi x, vi y)
 {
 #ifdef AOQK_AVX512BF16
-	const vi idx = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0x7c787470, 0x6c686460, 0x5c585450, 0x4c484440,
-	                                0x3c383430, 0x2c282420, 0x1c181410, 0x0c080400);
+	const vi idx = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, (int)0x7c787470, (int)0x6c686460,
+	                                (int)0x5c585450, (int)0x4c484440, (int)0x3f3b3733, (int)0x2f2b2723,
+	                                (int)0x1f1b1713, (int)0x0f0b0703);
 	vi r = _mm512_permutex2var_epi8(x, idx, y);
 	_mm_storeu_si128((__m128i *)(void *)a, _mm512_castsi512_si128(r));
 	_mm_storeu_si128((__m128i *)(void *)b, _mm512_extracti32x4_epi32(r, 1));
 #else
-	vb_store_u8(a, x);
+	vb_store_u8(a, _mm512_srli_epi32(x, 24));
 	vb_store_u8(b, y);
 #endif
 }

@@ -92,19 +92,42 @@ static AOQK_ALWAYS_INLINE vi sr_hash(uint32_t key, uint64_t i0)
 	return h;
 }
 
-/* q8 states' random bits: 16 lanes of xorshift32 per block, seeded from
- * the index hash of the block's first 16 elements (| 1: never the fixed
- * point 0) and stepped once per 16 elements (README.md, "bf16 master with
- * stochastic rounding"): one xorshift per vector instead of one hash per
- * element, the same bits for every vector width.  A variant with W < 16
- * keeps 16 / W states and uses them in turn. */
+/* q8 states' random bits (README.md, "bf16 master with stochastic
+ * rounding"): per block, 16 words seeded from the index hash of the block's
+ * first 16 elements, taken as four 128-bit AES states A; before each group
+ * of 16 elements A = AESENC(A, RK1) (rng_step), and the group's second
+ * word is B = AESENC(A, RK2) (rng_second).  One instruction each on
+ * AVX-512 with VAES.  The same bits for every vector width: a variant
+ * with W < 16 keeps 16 / W vectors and uses them in turn; plain C (W = 1)
+ * steps a state's four words when it reaches the first of them. */
 #define XS_N (16 / W)
 
-static AOQK_ALWAYS_INLINE vi xs_next(vi x)
+static AOQK_ALWAYS_INLINE vi rng_step(vi *xs, unsigned slot)
 {
-	x = vi_xor(x, vi_slli(x, 13));
-	x = vi_xor(x, vi_srli(x, 17));
-	return vi_xor(x, vi_slli(x, 5));
+#if W == 1
+	if (slot % 4 == 0)
+		aoqk_aesenc_soft(&xs[slot], AOQK_RK1_0, AOQK_RK1_1, AOQK_RK1_2, AOQK_RK1_3);
+	return xs[slot];
+#else
+	return xs[slot] = vi_aesenc(xs[slot], 1);
+#endif
+}
+
+/* B for the W elements whose A is a; plain C: lane4 is the element's
+ * 128-bit state (its four words of A), sub the element's word in it. */
+static AOQK_ALWAYS_INLINE vi rng_second(vi a, const uint32_t *lane4, unsigned sub)
+{
+#if W == 1
+	(void)a;
+	uint32_t t[4];
+	memcpy(t, lane4, sizeof(t));
+	aoqk_aesenc_soft(t, AOQK_RK2_0, AOQK_RK2_1, AOQK_RK2_2, AOQK_RK2_3);
+	return t[sub];
+#else
+	(void)lane4;
+	(void)sub;
+	return vi_aesenc(a, 2);
+#endif
 }
 
 /* Stochastic rounding of x to bf16 with 16 random bits per lane in r;
@@ -122,22 +145,31 @@ _Static_assert((AOQK_Q8_M_C0 & 0x7fu) == 0 && (AOQK_Q8_U_C0 & 0xffu) == 0, "q8 c
 
 /* Decode q8 codes (format 2, aoq-convert.h): m = +-(F(c) - K) * sm,
  * u = sqrt(v) = (F(c) - K) * su, with sm, su = scale / TOP.  F - K is
- * exact, so this is aoqk_q8_m_decode / aoqk_q8_v_decode bit for bit. */
-static AOQK_ALWAYS_INLINE vf q8_m_decode(const uint8_t *p, vf sm)
+ * exact, so this is aoqk_q8_m_decode / aoqk_q8_v_decode bit for bit.
+ * fmadec (the fast loops): fma(F, s, nk) with nk = -K * s, one
+ * operation less and the same bits where K * s is exact (K is a power of
+ * two: s zero or a normal number whose product with K is normal, and F *
+ * s finite), which run_chunk checks per block (q8_fma_ok). */
+static AOQK_ALWAYS_INLINE int q8_fma_ok(float s)
+{
+	return s == 0.0f || (s >= 0x1p-100f && s <= 0x1p100f);
+}
+
+static AOQK_ALWAYS_INLINE vf q8_m_decode(const uint8_t *p, vf sm, vf nk, const int fmadec)
 {
 	/* sign-extended: bit 31 is the code's bit 7, the sign, which the mask
 	 * keeps out of the pattern and the xor-and puts on x without a shift */
 	vi b = vb_load_i8((const int8_t *)p);
 	vi e = vi_andor(vi_slli(b, AOQK_Q8_M_SHIFT), vi_set1(0x7fu << AOQK_Q8_M_SHIFT),
 	                vi_set1(AOQK_Q8_M_C0 << AOQK_Q8_M_SHIFT));
-	vf x = vf_mul(vf_sub(vi_as_vf(e), vf_set1(AOQK_Q8_M_K)), sm);
+	vf x = fmadec ? vf_fma(vi_as_vf(e), sm, nk) : vf_mul(vf_sub(vi_as_vf(e), vf_set1(AOQK_Q8_M_K)), sm);
 	return vi_as_vf(vi_xorand(vf_as_vi(x), b, vi_set1(0x80000000u)));
 }
 
-static AOQK_ALWAYS_INLINE vf q8_u_decode(const uint8_t *p, vf su)
+static AOQK_ALWAYS_INLINE vf q8_u_decode(const uint8_t *p, vf su, vf nk, const int fmadec)
 {
 	vi e = vi_add(vi_slli(vb_load_u8(p), AOQK_Q8_U_SHIFT), vi_set1(AOQK_Q8_U_C0 << AOQK_Q8_U_SHIFT));
-	return vf_mul(vf_sub(vi_as_vf(e), vf_set1(AOQK_Q8_U_K)), su);
+	return fmadec ? vf_fma(vi_as_vf(e), su, nk) : vf_mul(vf_sub(vi_as_vf(e), vf_set1(AOQK_Q8_U_K)), su);
 }
 
 /* The per-call constants broadcast once, held in registers: a struct
@@ -183,12 +215,15 @@ static AOQK_ALWAYS_INLINE struct kvec kvec_make(const struct aoqk_consts *k)
 
 /* One vector of the update, elements [j, j + W) of the pointers in p.
  * q8: the new m and sqrt(v) go to bm/bu (block buffers), the maxima to
- * mx_m/mx_u; the codes are written by q8_encode once the block is done. */
-static AOQK_ALWAYS_INLINE void vstep(const struct kvec kc, const struct kptrs *p,
+ * mx_m/mx_u; the codes are written by q8_encode once the block is done.
+ * fast = 2 (bf16 master, run_chunk's pair loop): the master is neither
+ * rounded nor stored; vstep returns bits(p) + r, whose top halves the
+ * caller stores for two vectors at once. */
+static AOQK_ALWAYS_INLINE vi vstep(const struct kvec kc, const struct kptrs *p,
                                      size_t j, uint64_t gi, const int prec, const int gd,
                                      const int pd, const int nt, int want_ss, vacc *ss,
-                                     float *bm, float *bu, uint32_t *hb, vi *xs, vf *sq, vf sm,
-                                     vf su, vf *mx_m, vf *mx_u, const int fast)
+                                     float *bm, float *bu, uint32_t *hb, vi *xs, unsigned slot, vf *sq, vf sm,
+                                     vf su, vf nkm, vf nku, vf *mx_m, vf *mx_u, const int fast)
 {
 	const int q8 = aoqk_precision_q8(prec);
 	const int bfm = aoqk_precision_bf16_master(prec);
@@ -228,8 +263,8 @@ static AOQK_ALWAYS_INLINE void vstep(const struct kvec kc, const struct kptrs *p
 		m = sm;
 		v = su;
 	} else if (q8) {
-		m = q8_m_decode((const uint8_t *)p->m + j, sm);
-		u = q8_u_decode((const uint8_t *)p->v + j, su);
+		m = q8_m_decode((const uint8_t *)p->m + j, sm, nkm, fast);
+		u = q8_u_decode((const uint8_t *)p->v + j, su, nku, fast);
 		v = vf_mul(u, u);
 	} else if (bfmom) {
 		m = vh_bf16_to_f(vh_loadu((const uint16_t *)p->m + j));
@@ -267,23 +302,32 @@ static AOQK_ALWAYS_INLINE void vstep(const struct kvec kc, const struct kptrs *p
 	}
 
 	/* one hash per element: bits 16..31 round the bf16 master, bits 0..15
-	 * the two q8 codes (in q8_encode) or the two bf16 moments (8 random
-	 * bits each, the rest of the 16 at one half: P(up) within 2^-9 of
-	 * exact).  q8 with an fp32 master steps its xorshift in q8_encode
-	 * only; with a bf16 master here, and hands the bits on through hb. */
+	 * the two bf16 moments (8 random bits each, the rest of the 16 at one
+	 * half: P(up) within 2^-9 of exact).  q8: the word A of rng_step,
+	 * whose bits 16..31 round a bf16 master and bits 0..7 the v code (in
+	 * q8_encode, which draws m's from B); with an fp32 master q8_encode
+	 * steps it, with a bf16 master this does and hands A on through hb. */
 	vi h = vi_zero();
 	if (q8 && bfm && !AOQK_DROP_HASH)
-		h = *xs = xs_next(*xs);
+		h = rng_step(xs, slot);
 	else if (bfm && !q8 && !AOQK_DROP_HASH)
 		h = sr_hash(kc.srkey, gi);
-	if (q8 && bfm)
+	if (q8 && bfm) {
+#if W == 1
+		/* q8_encode's rng_second reads the state's four words */
+		if (slot % 4 == 0)
+			memcpy(hb, &xs[slot], 4 * sizeof(*hb));
+#endif
 		vi_storeu(hb, h);
+	}
 	if (bfmom) {
 		vi rm = vi_or(vi_slli(vi_and(h, vi_set1(0xffu)), 8), vi_set1(0x80u));
 		vi rv = vi_or(vi_and(h, vi_set1(0xff00u)), vi_set1(0x80u));
 		vh_storeu((uint16_t *)p->m + j, vi_to_vh(sr_bf16(m, rm)));
 		vh_storeu((uint16_t *)p->v + j, vi_to_vh(sr_bf16(v, rv)));
 	}
+	if (bfm && fast == 2)
+		return vi_add(vf_as_vi(pw), vi_srli(h, 16));
 	if (bfm) {
 		vi s = sr_bf16(pw, vi_srli(h, 16));
 		vh sh = vi_to_vh(s);
@@ -295,34 +339,36 @@ static AOQK_ALWAYS_INLINE void vstep(const struct kvec kc, const struct kptrs *p
 		if (pd != PD_NONE)
 			store_param(p->param, j, pw, vh_zero(), pd, 0, nt);
 	}
+	return vi_zero();
 }
 
 /* Encode W elements of the block buffers into q8 codes (format 2,
  * aoq-convert.h): the code of x * inv + K is the top bits of its fp32
- * pattern.  Stochastic rounding: 8 random bits of the element's hash (hb)
- * at the top of the discarded bits, the rest at one half, added before the
+ * pattern.  Stochastic rounding: 8 random bits (m: bits 0..7 of the
+ * group's word B, v: bits 0..7 of A) at the top of the discarded bits, the rest at one half, added before the
  * shift, so P(up) is within 2^-9 of the discarded fraction (E[code] is the
  * exact code position to that much) and the moments do not stick (a step
  * moves v by 1 - beta2 = 0.1%, far below one code's spacing). */
-static AOQK_ALWAYS_INLINE void q8_encode(const float *bm, const float *bu, vi h, uint8_t *cm,
-                                         uint8_t *cu, vf inv_m, vf inv_u)
+static AOQK_ALWAYS_INLINE void q8_encode(const float *bm, const float *bu, vi a, vi b,
+                                         uint8_t *cm, uint8_t *cu, vf inv_m, vf inv_u)
 {
 	/* r = 8 random bits at the top of the discarded ones, the rest at
-	 * one half: (h << s) & mask | half, one vpternlogd */
-	vi rm = vi_andor(vi_slli(h, AOQK_Q8_M_SHIFT - 8), vi_set1(0xffu << (AOQK_Q8_M_SHIFT - 8)),
-	                 vi_set1(1u << (AOQK_Q8_M_SHIFT - 9)));
-	vi ru = vi_andor(vi_slli(h, AOQK_Q8_U_SHIFT - 16), vi_set1(0xffu << (AOQK_Q8_U_SHIFT - 8)),
+	 * one half: m's are B's bits 11..18 in place (one vpternlogd), v's
+	 * A's bits 0..7 shifted there */
+	vi rm = vi_andor(b, vi_set1(0xffu << (AOQK_Q8_M_SHIFT - 8)), vi_set1(1u << (AOQK_Q8_M_SHIFT - 9)));
+	vi ru = vi_andor(vi_slli(a, AOQK_Q8_U_SHIFT - 8), vi_set1(0xffu << (AOQK_Q8_U_SHIFT - 8)),
 	                 vi_set1(1u << (AOQK_Q8_U_SHIFT - 9)));
 	vf m = vf_loadu(bm);
 	vf x = vf_fma(vf_abs(m), inv_m, vf_set1(AOQK_Q8_M_K));
 	/* no clamp to the top code: |m| <= the block max s and inv = TOP / s
 	 * rounded, so x <= TOP + K + 1 ulp, whose bits plus r stay below the
 	 * next binade.  The shifted pattern is c | C0 (C0's low 7 bits are
-	 * zero): its low 7 bits are the code, bit 7 comes from m's sign.  (A
-	 * NaN m gives the low 7 bits of its out-of-range pattern, alike in
+	 * zero), shifted left so that the code is bits 24..30: the top byte
+	 * is the code byte once bit 31 is m's sign, one bit-select with m.
+	 * (A NaN m gives the low 7 bits of its out-of-range pattern, alike in
 	 * every variant.) */
-	vi c = vi_srli(vi_add(vf_as_vi(x), rm), AOQK_Q8_M_SHIFT);
-	c = vi_bitsel(vi_set1(0x7fu), c, vi_srli(vf_as_vi(m), 24));
+	vi c = vi_slli(vi_add(vf_as_vi(x), rm), 24 - AOQK_Q8_M_SHIFT);
+	c = vi_bitsel(vi_set1(0x7fu << 24), c, vf_as_vi(m));
 
 	vf u = vf_loadu(bu);
 	vf y = vf_fma(u, inv_u, vf_set1(AOQK_Q8_U_K));
@@ -332,7 +378,7 @@ static AOQK_ALWAYS_INLINE void q8_encode(const float *bm, const float *bu, vi h,
 	 * sqrt(2^-149), whose bits exceed C0 + 1, so max(q, min(bits(u),
 	 * C0 + 1)) is q, or C0 + 1 (code 1) where u > 0 and q is code 0. */
 	q = vi_max_s(q, vi_min_u(vf_as_vi(u), vi_set1(AOQK_Q8_U_C0 + 1)));
-	vb_store2_u8(cm, cu, c, q);
+	vb_store_codes(cm, cu, c, q);
 }
 
 /* Bytes of element type for the tail copies. */
@@ -373,34 +419,88 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 	/* q8 is compute-bound: its update loop has a twin for the common
 	 * case with the flags as constants */
 	const int fast = q8 && !d.acc && want_ss && !kc.l2 && kc.lerp_small;
+#if W >= 8
+	/* bf16 master + q8 with bf16 gradients and bf16 or no parameters:
+	 * the fast loop takes two vectors at a time and stores the top
+	 * halves of both sums bits(p) + r with one permute (vi_pack_hi16),
+	 * where sr_bf16 quiets NaNs, shifts and narrows each vector.  The
+	 * quieting is not needed here: every NaN this loop can make has the
+	 * low 16 bits zero (the gradient's and the master's are bf16, the
+	 * codes decode to finite values, the rest are x86's default NaN) and
+	 * is quiet (the result of arithmetic), so its sum with r < 2^16 has
+	 * the same top half as sr_bf16's.  Unless a constant is itself NaN
+	 * (with any payload): then the loop of one vector runs (a NaN block
+	 * scale fails q8_fma_ok: its block takes the loop with the flags). */
+	const int pair = prec == AOQK_STATE_BF16_Q8 && gd == AOQK_BF16 &&
+	                 (pd == PD_BF16 || pd == PD_NONE);
+	const int pair_ok = pair && fast && !isnan(k->gscale) && !isnan(k->decay) && !isnan(k->w1) &&
+	                    !isnan(k->b2) && !isnan(k->w2) && !isnan(k->bc2s) && !isnan(k->eps) &&
+	                    !isnan(k->nstep) &&
+	                    (!nt || (uintptr_t)c->param % (2 * W * sizeof(uint16_t)) == 0);
+#endif
 
 	for (size_t jb = 0; jb < n; jb += blk) {
 		size_t len = n - jb < blk ? n - jb : blk;
 		size_t bidx = (b0 + jb) / AOQK_Q8_BLOCK;
 		vf sm = vf_zero(), su = vf_zero(), mx_m = vf_zero(), mx_u = vf_zero();
+		vf nkm = vf_zero(), nku = vf_zero();
+		/* the fast loops decode with an FMA, which needs the block's
+		 * scales in q8_fma_ok's range; other blocks take the loop with
+		 * the runtime flags, which gives the same bits (a report of the
+		 * block in double rather than in fp32 lanes) */
+		int fast_blk = 0;
 
 		if (q8) {
 			for (unsigned g = 0; g < XS_N; g++)
-				xs[g] = vi_or(sr_hash(kc.srkey, b0 + jb + g * W), vi_set1(1));
-			sm = vf_set1(st->m_scale[bidx] / AOQK_Q8_M_TOP);
-			su = vf_set1(st->v_scale[bidx] / AOQK_Q8_U_TOP);
+				xs[g] = sr_hash(kc.srkey, b0 + jb + g * W);
+			float fm = st->m_scale[bidx] / AOQK_Q8_M_TOP, fu = st->v_scale[bidx] / AOQK_Q8_U_TOP;
+			sm = vf_set1(fm);
+			su = vf_set1(fu);
+			fast_blk = fast && q8_fma_ok(fm) && q8_fma_ok(fu);
+			if (fast_blk) {
+				nkm = vf_set1(-AOQK_Q8_M_K * fm);
+				nku = vf_set1(-AOQK_Q8_U_K * fu);
+			}
 		}
 		size_t t = 0;
-		if (q8 && fast) {
+		if (q8 && fast_blk) {
 			/* a block is 16 vectors of 16 lanes: each sq lane sums at
 			 * most 16 squares whatever W is */
 			for (unsigned g = 0; g < XS_N; g++)
 				sq[g] = vf_zero();
+#if W >= 8
+			if (pair_ok) {
+				for (; t + 2 * W <= len; t += 2 * W) {
+					unsigned s0 = (unsigned)(t / W) % XS_N, s1 = (unsigned)(t / W + 1) % XS_N;
+					vi a = vstep(kc, &d, jb + t, b0 + jb + t, prec, gd, pd, nt, want_ss, &ss,
+					             bm + t, bu + t, hb + t, xs, s0, &sq[s0], sm, su, nkm, nku, &mx_m,
+					             &mx_u, 2);
+					vi b = vstep(kc, &d, jb + t + W, b0 + jb + t + W, prec, gd, pd, nt, want_ss,
+					             &ss, bm + t + W, bu + t + W, hb + t + W, xs, s1, &sq[s1], sm,
+					             su, nkm, nku, &mx_m, &mx_u, 2);
+					vi h2 = vi_pack_hi16(a, b);
+					uint16_t *pm = (uint16_t *)d.master + jb + t;
+					vi_storeu((uint32_t *)(void *)pm, h2);
+					if (pd == PD_BF16) {
+						uint32_t *pp = (uint32_t *)(void *)((uint16_t *)d.param + jb + t);
+						if (nt)
+							vi_stream(pp, h2);
+						else
+							vi_storeu(pp, h2);
+					}
+				}
+			}
+#endif
 			for (; t + W <= len; t += W)
 				vstep(kc, &d, jb + t, b0 + jb + t, prec, gd, pd, nt, want_ss, &ss, bm + t,
-				      bu + t, hb + t, &xs[(t / W) % XS_N], &sq[(t / W) % XS_N], sm, su, &mx_m,
+				      bu + t, hb + t, xs, (t / W) % XS_N, &sq[(t / W) % XS_N], sm, su, nkm, nku, &mx_m,
 				      &mx_u, 1);
 			for (unsigned g = 0; g < XS_N; g++)
 				vacc_add(&ss, sq[g]);
 		} else {
 			for (; t + W <= len; t += W)
 				vstep(kc, &d, jb + t, b0 + jb + t, prec, gd, pd, nt, want_ss, &ss, bm + t,
-				      bu + t, hb + t, &xs[(t / W) % XS_N], &sq[0], sm, su, &mx_m, &mx_u, 0);
+				      bu + t, hb + t, xs, (t / W) % XS_N, &sq[0], sm, su, nkm, nku, &mx_m, &mx_u, 0);
 		}
 		if (t < len) {
 			size_t j = jb + t;
@@ -428,7 +528,7 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 				.param = lp,
 			};
 			vstep(kc, &l, 0, b0 + j, prec, gd, pd, 0, want_ss, &ss, bm + t, bu + t,
-			      hb + t, &xs[(t / W) % XS_N], &sq[0], sm, su, &mx_m, &mx_u, 0);
+			      hb + t, xs, (t / W) % XS_N, &sq[0], sm, su, nkm, nku, &mx_m, &mx_u, 0);
 			if (d.acc)
 				memset(d.acc + j, 0, r * 4);
 			memcpy((char *)d.master + j * sz.master, lmst, r * sz.master);
@@ -451,18 +551,28 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 			/* the random bits: with a bf16 master the update's
 			 * (it rounded the master with their top half), else
 			 * the xorshift steps here */
-#define Q8_BITS(e) \
+#define Q8_A(e) \
 	(aoqk_precision_bf16_master(prec) ? vi_loadu(hb + (e)) \
-	 : AOQK_DROP_HASH ? vi_zero() : (xs[((e) / W) % XS_N] = xs_next(xs[((e) / W) % XS_N])))
-			for (; e + W <= len && !AOQK_DROP_ENCODE; e += W)
-				q8_encode(bm + e, bu + e, Q8_BITS(e), cm + e, cu + e, im, iu);
+	 : AOQK_DROP_HASH ? vi_zero() : rng_step(xs, ((e) / W) % XS_N))
+			/* plain C: the four words of the element's AES state */
+#define Q8_LANE(e) \
+	(aoqk_precision_bf16_master(prec) ? hb + ((e) & ~(size_t)3) \
+	 : (const uint32_t *)(const void *)&xs[((e) / W) % XS_N & ~3u])
+			for (; e + W <= len && !AOQK_DROP_ENCODE; e += W) {
+				vi a = Q8_A(e);
+				q8_encode(bm + e, bu + e, a, rng_second(a, Q8_LANE(e), (unsigned)(e % 4)),
+				          cm + e, cu + e, im, iu);
+			}
 			if (e < len && !AOQK_DROP_ENCODE) {
 				_Alignas(64) uint8_t tm[W];
 				_Alignas(64) uint8_t tu[W];
 				/* lanes past len hold zeros from the padded step */
 				size_t rem = len - e < W ? len - e : W;
-				q8_encode(bm + e, bu + e, Q8_BITS(e), tm, tu, im, iu);
-#undef Q8_BITS
+				vi a = Q8_A(e);
+				q8_encode(bm + e, bu + e, a, rng_second(a, Q8_LANE(e), (unsigned)(e % 4)), tm,
+				          tu, im, iu);
+#undef Q8_A
+#undef Q8_LANE
 				memcpy(cm + e, tm, rem);
 				memcpy(cu + e, tu, rem);
 			}

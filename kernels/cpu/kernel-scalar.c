@@ -87,9 +87,10 @@ static AOQK_ALWAYS_INLINE vi vb_load_u8(const uint8_t *p) { return *p; }
 static AOQK_ALWAYS_INLINE void vb_store_i8(int8_t *p, vi q) { *p = (int8_t)(int32_t)q; }
 static AOQK_ALWAYS_INLINE void vb_store_u8(uint8_t *p, vi q) { *p = (uint8_t)q; }
 
-static AOQK_ALWAYS_INLINE void vb_store2_u8(uint8_t *a, uint8_t *b, vi x, vi y)
+/* the top byte of x to a, the low byte of y to b */
+static AOQK_ALWAYS_INLINE void vb_store_codes(uint8_t *a, uint8_t *b, vi x, vi y)
 {
-	*a = (uint8_t)x;
+	*a = (uint8_t)(x >> 24);
 	*b = (uint8_t)y;
 }
 
