@@ -114,18 +114,22 @@ static AOQK_ALWAYS_INLINE vi rng_step(vi *xs, unsigned slot)
 }
 
 /* B for the W elements whose A is a; plain C: lane4 is the element's
- * 128-bit state (its four words of A), sub the element's word in it. */
-static AOQK_ALWAYS_INLINE vi rng_second(vi a, const uint32_t *lane4, unsigned sub)
+ * 128-bit state (its four words of A), sub the element's word in it, and
+ * the state's B is computed into bc at its first word (the encode loop
+ * visits the words in order). */
+static AOQK_ALWAYS_INLINE vi rng_second(vi a, const uint32_t *lane4, unsigned sub, uint32_t *bc)
 {
 #if W == 1
 	(void)a;
-	uint32_t t[4];
-	memcpy(t, lane4, sizeof(t));
-	aoqk_aesenc_soft(t, AOQK_RK2_0, AOQK_RK2_1, AOQK_RK2_2, AOQK_RK2_3);
-	return t[sub];
+	if (sub == 0) {
+		memcpy(bc, lane4, 4 * sizeof(*bc));
+		aoqk_aesenc_soft(bc, AOQK_RK2_0, AOQK_RK2_1, AOQK_RK2_2, AOQK_RK2_3);
+	}
+	return bc[sub];
 #else
 	(void)lane4;
 	(void)sub;
+	(void)bc;
 	return vi_aesenc(a, 2);
 #endif
 }
@@ -411,6 +415,7 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 	};
 	_Alignas(64) float bm[AOQK_Q8_BLOCK], bu[AOQK_Q8_BLOCK];
 	_Alignas(64) uint32_t hb[AOQK_Q8_BLOCK];
+	uint32_t bc[4] = { 0, 0, 0, 0 }; /* plain C: the current state's B */
 	vi xs[XS_N];
 	vf sq[XS_N];
 	vacc ss = vacc_zero();
@@ -560,7 +565,7 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 	 : (const uint32_t *)(const void *)&xs[((e) / W) % XS_N & ~3u])
 			for (; e + W <= len && !AOQK_DROP_ENCODE; e += W) {
 				vi a = Q8_A(e);
-				q8_encode(bm + e, bu + e, a, rng_second(a, Q8_LANE(e), (unsigned)(e % 4)),
+				q8_encode(bm + e, bu + e, a, rng_second(a, Q8_LANE(e), (unsigned)(e % 4), bc),
 				          cm + e, cu + e, im, iu);
 			}
 			if (e < len && !AOQK_DROP_ENCODE) {
@@ -569,7 +574,7 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 				/* lanes past len hold zeros from the padded step */
 				size_t rem = len - e < W ? len - e : W;
 				vi a = Q8_A(e);
-				q8_encode(bm + e, bu + e, a, rng_second(a, Q8_LANE(e), (unsigned)(e % 4)), tm,
+				q8_encode(bm + e, bu + e, a, rng_second(a, Q8_LANE(e), (unsigned)(e % 4), bc), tm,
 				          tu, im, iu);
 #undef Q8_A
 #undef Q8_LANE
