@@ -553,9 +553,9 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 			uint8_t *cm = (uint8_t *)d.m + jb;
 			uint8_t *cu = (uint8_t *)d.v + jb;
 			size_t e = 0;
-			/* the random bits: with a bf16 master the update's
-			 * (it rounded the master with their top half), else
-			 * the xorshift steps here */
+			/* the random bits: A is the update's with a bf16 master (it
+			 * rounded the master with its top half), else steps here;
+			 * B is computed here */
 #define Q8_A(e) \
 	(aoqk_precision_bf16_master(prec) ? vi_loadu(hb + (e)) \
 	 : AOQK_DROP_HASH ? vi_zero() : rng_step(xs, ((e) / W) % XS_N))
