@@ -86,8 +86,7 @@ KI vi vi_add_or_quiet(vf x, vi b, vi r)
  * by AES-NI (built with -maes; dispatch checks the CPU has it) */
 KI vi vi_aesenc(vi x, int which)
 {
-	const __m128i k = which == 1 ? _mm_setr_epi32((int)AOQK_RK1_0, (int)AOQK_RK1_1, (int)AOQK_RK1_2, (int)AOQK_RK1_3)
-	                             : _mm_setr_epi32((int)AOQK_RK2_0, (int)AOQK_RK2_1, (int)AOQK_RK2_2, (int)AOQK_RK2_3);
+	const __m128i k = _mm_loadu_si128((const __m128i *)(const void *)aoqk_rk[which - 1]);
 	return _mm256_set_m128i(_mm_aesenc_si128(_mm256_extracti128_si256(x, 1), k),
 	                        _mm_aesenc_si128(_mm256_castsi256_si128(x), k));
 }

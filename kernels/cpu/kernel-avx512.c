@@ -91,8 +91,7 @@ KI vi vi_add_or_quiet(vf x, vi b, vi r)
  * it, and dispatch checks), AES-NI lane by lane in the avx512 build. */
 KI vi vi_aesenc(vi x, int which)
 {
-	const __m128i k = which == 1 ? _mm_setr_epi32((int)AOQK_RK1_0, (int)AOQK_RK1_1, (int)AOQK_RK1_2, (int)AOQK_RK1_3)
-	                             : _mm_setr_epi32((int)AOQK_RK2_0, (int)AOQK_RK2_1, (int)AOQK_RK2_2, (int)AOQK_RK2_3);
+	const __m128i k = _mm_loadu_si128((const __m128i *)(const void *)aoqk_rk[which - 1]);
 #ifdef __VAES__
 	return _mm512_aesenc_epi128(x, _mm512_broadcast_i32x4(k));
 #else

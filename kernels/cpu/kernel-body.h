@@ -106,7 +106,7 @@ static AOQK_ALWAYS_INLINE vi rng_step(vi *xs, unsigned slot)
 {
 #if W == 1
 	if (slot % 4 == 0)
-		aoqk_aesenc_soft(&xs[slot], AOQK_RK1_0, AOQK_RK1_1, AOQK_RK1_2, AOQK_RK1_3);
+		aoqk_aesenc_soft(&xs[slot], aoqk_rk[0]);
 	return xs[slot];
 #else
 	return xs[slot] = vi_aesenc(xs[slot], 1);
@@ -123,7 +123,7 @@ static AOQK_ALWAYS_INLINE vi rng_second(vi a, const uint32_t *lane4, unsigned su
 	(void)a;
 	if (sub == 0) {
 		memcpy(bc, lane4, 4 * sizeof(*bc));
-		aoqk_aesenc_soft(bc, AOQK_RK2_0, AOQK_RK2_1, AOQK_RK2_2, AOQK_RK2_3);
+		aoqk_aesenc_soft(bc, aoqk_rk[1]);
 	}
 	return bc[sub];
 #else
@@ -226,8 +226,9 @@ static AOQK_ALWAYS_INLINE struct kvec kvec_make(const struct aoqk_consts *k)
 static AOQK_ALWAYS_INLINE vi vstep(const struct kvec kc, const struct kptrs *p,
                                      size_t j, uint64_t gi, const int prec, const int gd,
                                      const int pd, const int nt, int want_ss, vacc *ss,
-                                     float *bm, float *bu, uint32_t *hb, vi *xs, unsigned slot, vf *sq, vf sm,
-                                     vf su, vf nkm, vf nku, vf *mx_m, vf *mx_u, const int fast)
+                                     float *bm, float *bu, uint32_t *hb, vi *xs, unsigned slot,
+                                     vf *sq, vf sm, vf su, vf nkm, vf nku, vf *mx_m, vf *mx_u,
+                                     const int fast)
 {
 	const int q8 = aoqk_precision_q8(prec);
 	const int bfm = aoqk_precision_bf16_master(prec);
@@ -348,11 +349,12 @@ static AOQK_ALWAYS_INLINE vi vstep(const struct kvec kc, const struct kptrs *p,
 
 /* Encode W elements of the block buffers into q8 codes (format 2,
  * aoq-convert.h): the code of x * inv + K is the top bits of its fp32
- * pattern.  Stochastic rounding: 8 random bits (m: bits 0..7 of the
- * group's word B, v: bits 0..7 of A) at the top of the discarded bits, the rest at one half, added before the
- * shift, so P(up) is within 2^-9 of the discarded fraction (E[code] is the
- * exact code position to that much) and the moments do not stick (a step
- * moves v by 1 - beta2 = 0.1%, far below one code's spacing). */
+ * pattern.  Stochastic rounding: 8 random bits (m: bits 11..18 of the
+ * group's word B, v: bits 0..7 of A) at the top of the discarded bits,
+ * the rest at one half, added before the shift, so P(up) is within 2^-9
+ * of the discarded fraction (E[code] is the exact code position to that
+ * much) and the moments do not stick (a step moves v by 1 - beta2 = 0.1%,
+ * far below one code's spacing). */
 static AOQK_ALWAYS_INLINE void q8_encode(const float *bm, const float *bu, vi a, vi b,
                                          uint8_t *cm, uint8_t *cu, vf inv_m, vf inv_u)
 {
@@ -369,8 +371,8 @@ static AOQK_ALWAYS_INLINE void q8_encode(const float *bm, const float *bu, vi a,
 	 * next binade.  The shifted pattern is c | C0 (C0's low 7 bits are
 	 * zero), shifted left so that the code is bits 24..30: the top byte
 	 * is the code byte once bit 31 is m's sign, one bit-select with m.
-	 * (A NaN m gives the low 7 bits of its out-of-range pattern, alike in
-	 * every variant.) */
+	 * (A NaN m gives the bits of its out-of-range pattern that land
+	 * there, alike in every variant.) */
 	vi c = vi_slli(vi_add(vf_as_vi(x), rm), 24 - AOQK_Q8_M_SHIFT);
 	c = vi_bitsel(vi_set1(0x7fu << 24), c, vf_as_vi(m));
 

@@ -88,14 +88,10 @@ static inline uint32_t aoqk_sr_bits(uint32_t srkey, uint64_t i)
  * arbitrary constants (the digits of pi, then of e, in hex); the seed
  * already carries the step's key.  Words in the order of an xmm register:
  * word j is bytes 4j..4j+3, little-endian. */
-#define AOQK_RK1_0 0x243f6a88u
-#define AOQK_RK1_1 0x85a308d3u
-#define AOQK_RK1_2 0x13198a2eu
-#define AOQK_RK1_3 0x03707344u
-#define AOQK_RK2_0 0xb7e15162u
-#define AOQK_RK2_1 0x8aed2a6au
-#define AOQK_RK2_2 0xbf715880u
-#define AOQK_RK2_3 0x9cf4f3c7u
+static const uint32_t aoqk_rk[2][4] = {
+	{ 0x243f6a88u, 0x85a308d3u, 0x13198a2eu, 0x03707344u }, /* RK1, A's */
+	{ 0xb7e15162u, 0x8aed2a6au, 0xbf715880u, 0x9cf4f3c7u }, /* RK2, B's */
+};
 
 /* AES's SubBytes and MixColumns for one byte of row 0, as a column
  * (little-endian: byte r is row r): the word (2 S(x), S(x), S(x), 3 S(x)),
@@ -148,10 +144,8 @@ static inline uint32_t aoqk_rotl32(uint32_t x, unsigned r)
  * the SIMD variants use the instruction (test-kernels checks that every
  * variant gives plain C's bits).  Output column c takes row r from input
  * column c + r (ShiftRows). */
-static inline void aoqk_aesenc_soft(uint32_t w[4], uint32_t k0, uint32_t k1, uint32_t k2,
-                                    uint32_t k3)
+static inline void aoqk_aesenc_soft(uint32_t w[4], const uint32_t k[4])
 {
-	const uint32_t k[4] = { k0, k1, k2, k3 };
 	uint32_t o[4];
 
 	for (unsigned c = 0; c < 4; c++)
