@@ -130,11 +130,6 @@ KI vh vf_to_bf16(vf x)
 
 KI vi vb_load_i8(const int8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)p)); }
 KI vi vb_load_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)p)); }
-KI void vb_store_i8(int8_t *p, vi q)
-{
-	__m128i h = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
-	_mm_storel_epi64((__m128i *)(void *)p, _mm_packs_epi16(h, h));
-}
 /* the low 8 bits of each lane, as the AVX-512 truncating vpmovdb and the
  * plain C cast (q8 codes of NaN moments lie outside 0..255) */
 KI void vb_store_u8(uint8_t *p, vi q)

@@ -166,7 +166,6 @@ KI vh vf_to_bf16(vf x)
 
 KI vi vb_load_i8(const int8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(const void *)p)); }
 KI vi vb_load_u8(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)p)); }
-KI void vb_store_i8(int8_t *p, vi q) { _mm_storeu_si128((__m128i *)(void *)p, _mm512_cvtepi32_epi8(q)); }
 KI void vb_store_u8(uint8_t *p, vi q) { _mm_storeu_si128((__m128i *)(void *)p, _mm512_cvtepi32_epi8(q)); }
 /* The top byte of each lane of x to a, the low byte of each lane of y to
  * b (q8's m and v codes): with VBMI one two-table byte permute and two

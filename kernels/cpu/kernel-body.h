@@ -500,14 +500,15 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 #endif
 			for (; t + W <= len; t += W)
 				vstep(kc, &d, jb + t, b0 + jb + t, prec, gd, pd, nt, want_ss, &ss, bm + t,
-				      bu + t, hb + t, xs, (t / W) % XS_N, &sq[(t / W) % XS_N], sm, su, nkm, nku, &mx_m,
-				      &mx_u, 1);
+				      bu + t, hb + t, xs, (t / W) % XS_N, &sq[(t / W) % XS_N], sm, su, nkm,
+				      nku, &mx_m, &mx_u, 1);
 			for (unsigned g = 0; g < XS_N; g++)
 				vacc_add(&ss, sq[g]);
 		} else {
 			for (; t + W <= len; t += W)
 				vstep(kc, &d, jb + t, b0 + jb + t, prec, gd, pd, nt, want_ss, &ss, bm + t,
-				      bu + t, hb + t, xs, (t / W) % XS_N, &sq[0], sm, su, nkm, nku, &mx_m, &mx_u, 0);
+				      bu + t, hb + t, xs, (t / W) % XS_N, &sq[0], sm, su, nkm, nku, &mx_m,
+				      &mx_u, 0);
 		}
 		if (t < len) {
 			size_t j = jb + t;

@@ -84,7 +84,6 @@ static AOQK_ALWAYS_INLINE vh vf_to_f16(vf x) { return aoqk_f32_to_f16(x); }
 
 static AOQK_ALWAYS_INLINE vi vb_load_i8(const int8_t *p) { return (uint32_t)(int32_t)*p; }
 static AOQK_ALWAYS_INLINE vi vb_load_u8(const uint8_t *p) { return *p; }
-static AOQK_ALWAYS_INLINE void vb_store_i8(int8_t *p, vi q) { *p = (int8_t)(int32_t)q; }
 static AOQK_ALWAYS_INLINE void vb_store_u8(uint8_t *p, vi q) { *p = (uint8_t)q; }
 
 /* the top byte of x to a, the low byte of y to b */
