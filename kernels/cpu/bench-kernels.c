@@ -224,6 +224,7 @@ static const struct aoqk_kernel *cur_k;
 static enum aoqk_precision cur_prec;
 static enum aoqk_dtype cur_gd, cur_pd;
 static int cur_skip;
+static int cur_noparam; /* no parameter out: the bf16 master is the parameter (issue 15, item 2) */
 static struct aoqk_hparams cur_hp;
 static size_t cur_chunk;
 enum { OPT_ADAM, OPT_SGD, OPT_LION };
@@ -261,7 +262,7 @@ static void kernel_job(int tid)
 			.count = cnt,
 			.grad = (char *)grad + b * gs,
 			.grad_dtype = cur_gd,
-			.param = (char *)param + b * ps,
+			.param = cur_noparam ? NULL : (char *)param + b * ps,
 			.param_dtype = cur_pd,
 			.seed = 12345,
 			.skip_nonfinite = cur_skip,
@@ -406,6 +407,52 @@ __attribute__((target("avx512f,avx512bw"))) static void memonly512(size_t lo, si
 	}
 }
 
+/* The q8 precisions' loads and stores with no math (the ceiling of
+ * their access pattern): per 256-element block both fp32 scales read and
+ * written; per element the bf16 grad read, the master (bf16 or fp32) and
+ * both codes read and written back with plain stores, the bf16 param
+ * written with non-temporal stores, as the kernel does.  Each value
+ * written depends on what was read (xor, byte add), so nothing is dropped. */
+__attribute__((target("avx512f,avx512bw"))) static void memonly_q8_512(size_t lo, size_t hi, int bfm)
+{
+	const uint16_t *g = grad;
+	uint16_t *p = param;
+	for (size_t b = lo; b + AOQK_Q8_BLOCK <= hi; b += AOQK_Q8_BLOCK) {
+		size_t blk = b / AOQK_Q8_BLOCK;
+		ms[blk] = ms[blk] * 0.5f + 1.0f;
+		vs[blk] = vs[blk] * 0.5f + 1.0f;
+		for (size_t i = b; i < b + AOQK_Q8_BLOCK; i += 64) {
+			__m512i g0 = _mm512_loadu_si512((const void *)(g + i));
+			__m512i g1 = _mm512_loadu_si512((const void *)(g + i + 32));
+			__m512i w0, w1;
+			if (bfm) {
+				w0 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(master16 + i)), g0);
+				w1 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(master16 + i + 32)), g1);
+				_mm512_storeu_si512((void *)(master16 + i), w0);
+				_mm512_storeu_si512((void *)(master16 + i + 32), w1);
+			} else {
+				__m512i f[4];
+				for (int k = 0; k < 4; k++) {
+					__m512i gk = _mm512_cvtepu16_epi32(
+						_mm256_loadu_si256((const __m256i *)(const void *)(g + i + 16 * k)));
+					f[k] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(master32 + i + 16 * k)),
+					                        _mm512_slli_epi32(gk, 16));
+					_mm512_storeu_si512((void *)(master32 + i + 16 * k), f[k]);
+				}
+				w0 = _mm512_packus_epi32(_mm512_srli_epi32(f[0], 16), _mm512_srli_epi32(f[1], 16));
+				w1 = _mm512_packus_epi32(_mm512_srli_epi32(f[2], 16), _mm512_srli_epi32(f[3], 16));
+			}
+			__m512i c = _mm512_packs_epi16(w0, w1);
+			_mm512_storeu_si512((void *)(mq + i),
+			                    _mm512_add_epi8(_mm512_loadu_si512((const void *)(mq + i)), c));
+			_mm512_storeu_si512((void *)(vq + i),
+			                    _mm512_add_epi8(_mm512_loadu_si512((const void *)(vq + i)), c));
+			_mm512_stream_si512((void *)(p + i), w0);
+			_mm512_stream_si512((void *)(p + i + 32), w1);
+		}
+	}
+}
+
 __attribute__((target("sse2"))) static void copy_sse(float *a, const float *b, size_t lo, size_t hi, int nt)
 {
 	size_t i = lo;
@@ -465,6 +512,16 @@ static void memonly_job(int tid)
 	slice(tid, &lo, &hi);
 	for (size_t b = lo; b < hi; b += CHUNK)
 		memonly512(b, hi - b < CHUNK ? hi : b + CHUNK);
+}
+
+static int memonly_bfm;
+
+static void memonly_q8_job(int tid)
+{
+	size_t lo, hi;
+	slice(tid, &lo, &hi);
+	memonly_q8_512(lo, hi, memonly_bfm);
+	_mm_sfence();
 }
 
 /* ------------------------------------------------------------------ */
@@ -545,7 +602,8 @@ static void bench_kernel(const struct aoqk_kernel *k, enum aoqk_precision p, enu
 	for (char *c = name; *c; c++)
 		if (*c == '-')
 			*c = '_';
-	record(name, t, (double)N, job_bytes_opt(p, gd, pd, cur_opt));
+	record(name, t, (double)N,
+	       job_bytes_opt(p, gd, pd, cur_opt) - (cur_noparam ? (double)aoqk_dtype_size(pd) : 0.0));
 }
 
 /* One variant x precision on the resident tensor: REPS timed runs of
@@ -783,6 +841,13 @@ int main(int argc, char **argv)
 		}
 		for (int p = 0; p <= AOQK_STATE_BF16_ALL; p++)
 			bench_kernel(k, (enum aoqk_precision)p, AOQK_BF16, AOQK_BF16, 0, CHUNK, "");
+		/* a bf16 master with bf16 parameters is the parameter's bits:
+		 * the same jobs without the parameter copy, 2 B/param less
+		 * (what issue 15's item 2 would move; not built) */
+		cur_noparam = 1;
+		for (int p = AOQK_STATE_BF16; p <= AOQK_STATE_BF16_ALL; p++)
+			bench_kernel(k, (enum aoqk_precision)p, AOQK_BF16, AOQK_BF16, 0, CHUNK, "_noparam");
+		cur_noparam = 0;
 		if (modes_only)
 			continue;
 		bench_kernel(k, AOQK_STATE_FP32, AOQK_FP32, AOQK_FP32, 0, CHUNK, "");
@@ -792,6 +857,18 @@ int main(int argc, char **argv)
 			for (int p = 0; p < 3; p++)
 				bench_kernel(k, slp[p], AOQK_BF16, AOQK_BF16, 0, CHUNK, "");
 		cur_opt = OPT_ADAM;
+	}
+
+	/* the q8 precisions' access patterns without their math: the
+	 * ceiling of their loads and stores (MODE lines below) */
+	if (have_avx512) {
+		set_grad_dtype(AOQK_BF16);
+		for (memonly_bfm = 0; memonly_bfm < 2; memonly_bfm++) {
+			enum aoqk_precision p = memonly_bfm ? AOQK_STATE_BF16_Q8 : AOQK_STATE_Q8;
+			char name[64];
+			snprintf(name, sizeof(name), "memonly_%s_bf16_bf16", prec_name(p));
+			record(name, timed(memonly_q8_job, NULL), (double)N, job_bytes(p, AOQK_BF16, AOQK_BF16));
+		}
 	}
 
 	/* where the headline job's time goes, with the default kernel */
@@ -874,6 +951,42 @@ again:
 				       results[i].gbps, triad > 0 ? results[i].gbps / triad : 0.0,
 				       triad_end > 0 ? results[i].gbps / triad_end : 0.0,
 				       triad_best > 0 ? results[i].gbps / triad_best : 0.0);
+	}
+	for (int p = AOQK_STATE_BF16; p <= AOQK_STATE_BF16_ALL; p++) {
+		char name[96];
+		snprintf(name, sizeof(name), "%s_%s_bf16_bf16_noparam", best->name, prec_name((enum aoqk_precision)p));
+		for (char *c = name; *c; c++)
+			if (*c == '-')
+				*c = '_';
+		for (int i = 0; i < nresults; i++)
+			if (!strcmp(results[i].name, name))
+				printf("MODE %-10s %14.4f %10.3f %8.1f %8.3f %8.3f %8.3f  (no param out)\n",
+				       prec_name((enum aoqk_precision)p),
+				       job_bytes((enum aoqk_precision)p, AOQK_BF16, AOQK_BF16) - 2, results[i].gps,
+				       results[i].gbps, triad > 0 ? results[i].gbps / triad : 0.0,
+				       triad_end > 0 ? results[i].gbps / triad_end : 0.0,
+				       triad_best > 0 ? results[i].gbps / triad_best : 0.0);
+	}
+	/* the q8 kernels against their own loads and stores without math */
+	for (int p = AOQK_STATE_Q8; p <= AOQK_STATE_BF16_Q8; p += 2) {
+		char kname[96], mname[64];
+		snprintf(kname, sizeof(kname), "%s_%s_bf16_bf16", best->name, prec_name((enum aoqk_precision)p));
+		for (char *c = kname; *c; c++)
+			if (*c == '-')
+				*c = '_';
+		snprintf(mname, sizeof(mname), "memonly_%s_bf16_bf16", prec_name((enum aoqk_precision)p));
+		const struct result *kr = NULL, *mr = NULL;
+		for (int i = 0; i < nresults; i++) {
+			if (!strcmp(results[i].name, kname))
+				kr = &results[i];
+			if (!strcmp(results[i].name, mname))
+				mr = &results[i];
+		}
+		if (kr && mr)
+			printf("MODE %-10s memory only %.3f Gparam/s %.1f GB/s (%.3f of the best triad); "
+			       "kernel / memory only %.3f\n",
+			       prec_name((enum aoqk_precision)p), mr->gps, mr->gbps,
+			       triad_best > 0 ? mr->gbps / triad_best : 0.0, kr->gps / mr->gps);
 	}
 	for (int i = 0; i < nresults; i++)
 		printf("RESULT %s gparams_per_s=%.4f gbps=%.2f ratio_to_triad=%.3f\n", results[i].name,
