@@ -695,6 +695,41 @@ static bool bench_arg(const char *s, const char *opt, unsigned long long lo, uns
 	return true;
 }
 
+static const struct result *find_result(const char *name)
+{
+	for (int i = 0; i < nresults; i++)
+		if (!strcmp(results[i].name, name))
+			return &results[i];
+	return NULL;
+}
+
+/* The row name of variant k's Adam job at precision p, bf16 grad in and
+ * bf16 param out, as bench_kernel records it. */
+static void bf16_row_name(char *buf, size_t len, const char *k, enum aoqk_precision p, const char *suffix)
+{
+	snprintf(buf, len, "%s_%s_bf16_bf16%s", k, prec_name(p), suffix);
+	for (char *c = buf; *c; c++)
+		if (*c == '-')
+			*c = '_';
+}
+
+/* A MODE line: precision p's row (name suffix, less_bytes fewer bytes
+ * per parameter than job_bytes) against the triads at the start, the end
+ * and the better of the two. */
+static void mode_line(const struct aoqk_kernel *k, enum aoqk_precision p, const char *suffix, double less_bytes,
+                      const char *note, double triad, double triad_end)
+{
+	char name[96];
+	double best = triad > triad_end ? triad : triad_end;
+	bf16_row_name(name, sizeof(name), k->name, p, suffix);
+	const struct result *r = find_result(name);
+	if (r)
+		printf("MODE %-10s %14.4f %10.3f %8.1f %8.3f %8.3f %8.3f%s\n", prec_name(p),
+		       job_bytes(p, AOQK_BF16, AOQK_BF16) - less_bytes, r->gps, r->gbps,
+		       triad > 0 ? r->gbps / triad : 0.0, triad_end > 0 ? r->gbps / triad_end : 0.0,
+		       best > 0 ? r->gbps / best : 0.0, note);
+}
+
 int main(int argc, char **argv)
 {
 	const char *klist = NULL;
@@ -937,51 +972,16 @@ again:
 	printf("MODE triad_nt start %.1f GB/s, end %.1f GB/s\n", triad, triad_end);
 	printf("MODE %-10s %14s %10s %8s %8s %8s %8s\n", "precision", "bytes/param", "Gparam/s", "GB/s",
 	       "/start", "/end", "/best");
-	for (int p = 0; p <= AOQK_STATE_BF16_ALL; p++) {
-		char name[96];
-		snprintf(name, sizeof(name), "%s_%s_bf16_bf16", best->name, prec_name((enum aoqk_precision)p));
-		for (char *c = name; *c; c++)
-			if (*c == '-')
-				*c = '_';
-		for (int i = 0; i < nresults; i++)
-			if (!strcmp(results[i].name, name))
-				printf("MODE %-10s %14.4f %10.3f %8.1f %8.3f %8.3f %8.3f\n",
-				       prec_name((enum aoqk_precision)p),
-				       job_bytes((enum aoqk_precision)p, AOQK_BF16, AOQK_BF16), results[i].gps,
-				       results[i].gbps, triad > 0 ? results[i].gbps / triad : 0.0,
-				       triad_end > 0 ? results[i].gbps / triad_end : 0.0,
-				       triad_best > 0 ? results[i].gbps / triad_best : 0.0);
-	}
-	for (int p = AOQK_STATE_BF16; p <= AOQK_STATE_BF16_ALL; p++) {
-		char name[96];
-		snprintf(name, sizeof(name), "%s_%s_bf16_bf16_noparam", best->name, prec_name((enum aoqk_precision)p));
-		for (char *c = name; *c; c++)
-			if (*c == '-')
-				*c = '_';
-		for (int i = 0; i < nresults; i++)
-			if (!strcmp(results[i].name, name))
-				printf("MODE %-10s %14.4f %10.3f %8.1f %8.3f %8.3f %8.3f  (no param out)\n",
-				       prec_name((enum aoqk_precision)p),
-				       job_bytes((enum aoqk_precision)p, AOQK_BF16, AOQK_BF16) - 2, results[i].gps,
-				       results[i].gbps, triad > 0 ? results[i].gbps / triad : 0.0,
-				       triad_end > 0 ? results[i].gbps / triad_end : 0.0,
-				       triad_best > 0 ? results[i].gbps / triad_best : 0.0);
-	}
+	for (int p = 0; p <= AOQK_STATE_BF16_ALL; p++)
+		mode_line(best, (enum aoqk_precision)p, "", 0, "", triad, triad_end);
+	for (int p = AOQK_STATE_BF16; p <= AOQK_STATE_BF16_ALL; p++)
+		mode_line(best, (enum aoqk_precision)p, "_noparam", 2, "  (no param out)", triad, triad_end);
 	/* the q8 kernels against their own loads and stores without math */
 	for (int p = AOQK_STATE_Q8; p <= AOQK_STATE_BF16_Q8; p += 2) {
 		char kname[96], mname[64];
-		snprintf(kname, sizeof(kname), "%s_%s_bf16_bf16", best->name, prec_name((enum aoqk_precision)p));
-		for (char *c = kname; *c; c++)
-			if (*c == '-')
-				*c = '_';
+		bf16_row_name(kname, sizeof(kname), best->name, (enum aoqk_precision)p, "");
 		snprintf(mname, sizeof(mname), "memonly_%s_bf16_bf16", prec_name((enum aoqk_precision)p));
-		const struct result *kr = NULL, *mr = NULL;
-		for (int i = 0; i < nresults; i++) {
-			if (!strcmp(results[i].name, kname))
-				kr = &results[i];
-			if (!strcmp(results[i].name, mname))
-				mr = &results[i];
-		}
+		const struct result *kr = find_result(kname), *mr = find_result(mname);
 		if (kr && mr)
 			printf("MODE %-10s memory only %.3f Gparam/s %.1f GB/s (%.3f of the best triad); "
 			       "kernel / memory only %.3f\n",
