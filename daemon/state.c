@@ -12,6 +12,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 
 #include "aoq-arena.h"
 #include "convert.h"
@@ -305,6 +308,35 @@ void aoqd_state_io(struct aoqd_tensor *t, int what, bool load, float *buf, uint6
 	}
 }
 
+/* A copy the update path will not read back (the lease's undo copy, a
+ * snapshot's capture): on x86-64 with non-temporal stores, so it neither
+ * reads its target's lines first (read for ownership: as many bytes again
+ * as it writes) nor pushes the state the kernel is about to update out of
+ * the caches.  The caller fences (_mm_sfence) before anyone reads it. */
+static void copy_aside(uint8_t *dst, const uint8_t *src, size_t n)
+{
+#if defined(__x86_64__)
+	if (n >= 256) {
+		size_t head = (size_t)(-(uintptr_t)dst & 15);
+		memcpy(dst, src, head);
+		dst += head;
+		src += head;
+		n -= head;
+		for (; n >= 64; dst += 64, src += 64, n -= 64) {
+			__m128i a = _mm_loadu_si128((const __m128i *)(const void *)src);
+			__m128i b = _mm_loadu_si128((const __m128i *)(const void *)(src + 16));
+			__m128i c = _mm_loadu_si128((const __m128i *)(const void *)(src + 32));
+			__m128i d = _mm_loadu_si128((const __m128i *)(const void *)(src + 48));
+			_mm_stream_si128((__m128i *)(void *)dst, a);
+			_mm_stream_si128((__m128i *)(void *)(dst + 16), b);
+			_mm_stream_si128((__m128i *)(void *)(dst + 32), c);
+			_mm_stream_si128((__m128i *)(void *)(dst + 48), d);
+		}
+	}
+#endif
+	memcpy(dst, src, n);
+}
+
 /* Copies elements [b, b + n) of every array of t between the state and
  * other, a region laid out as the state mapping (out: state -> other). */
 static void range_copy(const struct aoqd_tensor *t, uint64_t b, uint64_t n, uint8_t *other, bool out)
@@ -329,10 +361,14 @@ static void range_copy(const struct aoqd_tensor *t, uint64_t b, uint64_t n, uint
 		uint8_t *live = (uint8_t *)part[i].arr + part[i].b * part[i].el;
 		uint8_t *copy = other + (live - base);
 		if (out)
-			memcpy(copy, live, part[i].n * part[i].el);
+			copy_aside(copy, live, part[i].n * part[i].el);
 		else
 			memcpy(live, copy, part[i].n * part[i].el);
 	}
+#if defined(__x86_64__)
+	if (out)
+		_mm_sfence(); /* the non-temporal stores of copy_aside */
+#endif
 }
 
 static void undo_copy(struct aoqd_tensor *t, uint64_t b, uint64_t n, bool save)
