@@ -155,11 +155,12 @@ int aoqd_snapshot_load(const char *path, int lock_memory, _Atomic uint64_t *lock
 	json_object *meta;
 	if (!json_object_object_get_ex(root, "__metadata__", &meta) || !json_object_is_type(meta, json_type_object))
 		FAIL("%s: no __metadata__ object", path);
-	json_object_object_foreach(meta, mk, mv) {
-		(void)mk;
-		if (!json_object_is_type(mv, json_type_string))
-			FAIL("%s: metadata %s is not a string", path, mk);
-	}
+	/* the iterator, not json_object_object_foreach: that macro is a GNU
+	 * statement expression, which clang's -Wpedantic reports */
+	struct json_object_iterator it = json_object_iter_begin(meta), it_end = json_object_iter_end(meta);
+	for (; !json_object_iter_equal(&it, &it_end); json_object_iter_next(&it))
+		if (!json_object_is_type(json_object_iter_peek_value(&it), json_type_string))
+			FAIL("%s: metadata %s is not a string", path, json_object_iter_peek_name(&it));
 	const char *fmt = meta_str(meta, "format");
 	if (!fmt || strcmp(fmt, AOQD_SNAPSHOT_FORMAT) != 0)
 		FAIL("%s: not an aoq snapshot (format '%s')", path, fmt ? fmt : "");

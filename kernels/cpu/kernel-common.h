@@ -18,7 +18,9 @@
 #include "aoq-convert.h"
 #include "aoq-kernel.h"
 
-#define AOQK_ALWAYS_INLINE inline __attribute__((always_inline))
+/* unused: each variant's layer defines the whole set of helpers, and a
+ * body uses some (clang reports unused static inline functions of a .c) */
+#define AOQK_ALWAYS_INLINE inline __attribute__((always_inline, unused))
 
 /* The q8 codebook constants and the scalar conversions: aoq-convert.h. */
 

@@ -229,6 +229,9 @@ static void round_trip(int prec, bool dup)
 		v[18] = '9';
 		expect_refused("wrong version", d, n, "format version 9");
 		v[18] = '1';
+		memcpy(v + 17, "11 ", 3); /* a number where a string belongs */
+		expect_refused("metadata not a string", d, n, "metadata format_version is not a string");
+		memcpy(v + 17, "\"1\"", 3);
 	}
 	char *c = memmem(d + 8, hlen, "\"checksum\":\"crc32:", 18);
 	if (c) {
