@@ -54,10 +54,13 @@
 
 /* Stage-dropping builds of the avx512bf16 kernel (bench.sh builds them;
  * absent from the meson build): the q8 path without its code decode, its
- * hash, or its encode pass.  Results are wrong; only the time counts. */
+ * hash, or its encode pass, or its sqrt (nodiv1) or sqrt and division
+ * (nodiv2: the divider's share).  Results are wrong; only the time counts. */
 extern const struct aoqk_kernel aoqk_kernel_q8_nodecode __attribute__((weak));
 extern const struct aoqk_kernel aoqk_kernel_q8_nohash __attribute__((weak));
 extern const struct aoqk_kernel aoqk_kernel_q8_noencode __attribute__((weak));
+extern const struct aoqk_kernel aoqk_kernel_q8_nodiv1 __attribute__((weak));
+extern const struct aoqk_kernel aoqk_kernel_q8_nodiv2 __attribute__((weak));
 
 static size_t N = (size_t)256 << 20;
 static int T;
@@ -843,7 +846,8 @@ int main(int argc, char **argv)
 		size_t nv;
 		const struct aoqk_variant *vars = aoqk_variants(&nv);
 		const struct aoqk_kernel *extra[] = { &aoqk_kernel_q8_nodecode, &aoqk_kernel_q8_nohash,
-		                                      &aoqk_kernel_q8_noencode };
+		                                      &aoqk_kernel_q8_noencode, &aoqk_kernel_q8_nodiv1,
+		                                      &aoqk_kernel_q8_nodiv2 };
 		for (size_t i = 0; i < nv; i++) {
 			const struct aoqk_kernel *k = vars[i].kernel;
 			/* default: the best variant only */
@@ -852,7 +856,7 @@ int main(int argc, char **argv)
 			for (int p = 0; p <= AOQK_STATE_BF16_ALL; p++)
 				bench_resident(k, (enum aoqk_precision)p, ghz);
 		}
-		for (size_t i = 0; i < 3; i++) {
+		for (size_t i = 0; i < 5; i++) {
 			if (!extra[i] || !__builtin_cpu_supports("avx512bf16") ||
 			    (klist && !wanted(klist, extra[i]->name)))
 				continue;
@@ -933,8 +937,9 @@ int main(int argc, char **argv)
 	}
 
 	const struct aoqk_kernel *drops[] = { &aoqk_kernel_q8_nodecode, &aoqk_kernel_q8_nohash,
-	                                      &aoqk_kernel_q8_noencode };
-	for (size_t i = 0; i < 3; i++) {
+	                                      &aoqk_kernel_q8_noencode, &aoqk_kernel_q8_nodiv1,
+	                                      &aoqk_kernel_q8_nodiv2 };
+	for (size_t i = 0; i < 5; i++) {
 		if (!drops[i] || !have_avx512 || !__builtin_cpu_supports("avx512bf16"))
 			continue;
 		for (int p = 1; p < 4; p += 2) {

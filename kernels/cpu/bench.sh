@@ -53,6 +53,11 @@ for d in decode hash encode; do
 	$cc $base $a512 -mavx512bf16 -mavx512vbmi -mvaes -DAOQK_AVX512BF16 -DAOQK_KVAR=q8_no$d -DAOQK_DROP_$D=1 \
 		-c "$here/kernel-avx512.c" -o "$tmp/drop-$d.o" &
 done
+# the divider's share: no sqrt (1), no sqrt and no division (2)
+for d in 1 2; do
+	$cc $base $a512 -mavx512bf16 -mavx512vbmi -mvaes -DAOQK_AVX512BF16 -DAOQK_KVAR=q8_nodiv$d -DAOQK_DROP_DIV=$d \
+		-c "$here/kernel-avx512.c" -o "$tmp/drop-div$d.o" &
+done
 $cc $base -DAOQK_HAVE_AVX2 -DAOQK_HAVE_AVX512 -DAOQK_HAVE_AVX512BF16 -c "$here/dispatch.c" -o "$tmp/dispatch.o" &
 $cc $base -c "$here/bench-kernels.c" -o "$tmp/bench.o" &
 wait

@@ -33,6 +33,11 @@
 #ifndef AOQK_DROP_ENCODE
 #define AOQK_DROP_ENCODE 0
 #endif
+/* 1: the q8 step's sqrt becomes a multiply; 2: its division too (the
+ * divider's share) */
+#ifndef AOQK_DROP_DIV
+#define AOQK_DROP_DIV 0
+#endif
 
 enum { PD_FP32 = AOQK_FP32, PD_BF16 = AOQK_BF16, PD_FP16 = AOQK_FP16, PD_NONE = 3 };
 
@@ -288,13 +293,13 @@ static AOQK_ALWAYS_INLINE vi vstep(const struct kvec kc, const struct kptrs *p,
 		m = vf_fnma(vf_sub(g, m), kc.w1c, g);
 	/* exp_avg_sq.mul_(beta2); .addcmul_(grad, grad, value=1 - beta2) */
 	v = vf_fma(kc.w2, vf_mul(g, g), vf_mul(v, kc.b2));
-	u = vf_sqrt(v);
+	u = q8 && AOQK_DROP_DIV ? vf_mul(v, kc.b2) : vf_sqrt(v);
 	/* denom = sqrt(v) / sqrt(bc2) + eps; param.addcdiv_(m, denom, -step_size).
 	 * q8 is compute-bound, so it computes fma(sqrt(v), 1 / sqrt(bc2), eps)
 	 * instead: one divider operation and one vector operation less, within
 	 * about 1 ulp of torch's denom. */
 	vf den = q8 ? vf_fma(u, kc.inv_bc2s, kc.eps) : vf_add(vf_div(u, kc.bc2s), kc.eps);
-	pw = vf_fma(kc.nstep, vf_div(m, den), pw);
+	pw = vf_fma(kc.nstep, q8 && AOQK_DROP_DIV == 2 ? vf_mul(m, den) : vf_div(m, den), pw);
 
 	if (q8) {
 		vf_storeu(bm, m);
