@@ -302,6 +302,23 @@ int aoqd_server_init(struct aoqd_server *srv, uv_loop_t *loop, const struct aoqd
 		aoqd_err("server", "cannot start the snapshot writer: %s", strerror(errno));
 		return -errno;
 	}
+	/* On a machine of 2 or 3 cores with pinned workers the loop thread
+	 * keeps the first core (the workers and the snapshot writer, started
+	 * above, have their own masks).  There the trainer shares it, and
+	 * unpinned the scheduler moved the loop onto the worker's core now and
+	 * then: on a 2-core VM bench-spine's p99 was above 50 us in 12 of 48
+	 * runs unpinned, in 2 of 48 pinned.  On the 16-core H200 host the pinned loop
+	 * was slower (p99 median 76 us against 57 in 8 alternating runs), so
+	 * from 4 cores, where the loop spins instead ("auto"), it stays free
+	 * (tests/bench/RESULTS.md, seventeenth session). */
+	if (pin && ncpus < 4) {
+		cpu_set_t one;
+		CPU_ZERO(&one);
+		CPU_SET(cpus[0], &one);
+		int pr = pthread_setaffinity_np(pthread_self(), sizeof(one), &one);
+		if (pr != 0)
+			aoqd_warn("server", "cannot pin the loop thread to cpu %d: %s", cpus[0], strerror(pr));
+	}
 	uv_async_init(loop, &srv->wake, on_wake);
 	srv->wake.data = srv;
 	srv->pinned = pin;
