@@ -47,7 +47,8 @@ static struct {
 	int tput_steps;
 	enum aoq_dtype gd, pd;
 	bool skip_tput;
-} opt = { AOQD_PATH, 0, 1ull << 28, 1000, 4096, 11, 4, AOQ_BF16, AOQ_BF16, false };
+	int client_cpu; /* -1: where the scheduler puts it */
+} opt = { AOQD_PATH, 0, 1ull << 28, 1000, 4096, 11, 4, AOQ_BF16, AOQ_BF16, false, -1 };
 
 static int cmp_double(const void *a, const void *b)
 {
@@ -448,7 +449,9 @@ static void usage(const char *argv0)
 	       "  --steps N            latency: steps, the first a warm-up (default 11)\n"
 	       "  --tput-steps N       throughput: steps/passes, the first a warm-up (default 4)\n"
 	       "  --grad T --param T   dtypes fp32|bf16|fp16 (default bf16, bf16)\n"
-	       "  --no-throughput      only (a)\n",
+	       "  --no-throughput      only (a)\n"
+	       "  --client-cpu N       pin the benchmark's trainer thread (and libaoq's, started from it) to CPU N\n"
+	       "                       once aoqd runs (default: unpinned)\n",
 	       argv0, AOQD_PATH);
 }
 
@@ -460,7 +463,8 @@ int main(int argc, char **argv)
 		{ "tensor-elems", required_argument, NULL, 'E' }, { "steps", required_argument, NULL, 's' },
 		{ "tput-steps", required_argument, NULL, 'S' }, { "grad", required_argument, NULL, 'g' },
 		{ "param", required_argument, NULL, 'p' },    { "no-throughput", no_argument, NULL, 'N' },
-		{ "help", no_argument, NULL, 'h' },           { 0 },
+		{ "client-cpu", required_argument, NULL, 'C' }, { "help", no_argument, NULL, 'h' },
+		{ 0 },
 	};
 	int ch;
 	while ((ch = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
@@ -475,6 +479,7 @@ int main(int argc, char **argv)
 		case 'g': opt.gd = parse_dtype(optarg); break;
 		case 'p': opt.pd = parse_dtype(optarg); break;
 		case 'N': opt.skip_tput = true; break;
+		case 'C': opt.client_cpu = atoi(optarg); break;
 		case 'h': usage(argv[0]); return 0;
 		default: usage(argv[0]); return 2;
 		}
@@ -501,7 +506,19 @@ int main(int argc, char **argv)
 	struct aoqt_daemon d;
 	CHECK_OK(aoqt_daemon_start(&d, opt.aoqd, args));
 	long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
-	printf("bench-spine: %ld CPUs online, aoqd --threads %u, kernel %s\n", ncpu, opt.threads, k->name);
+	if (opt.client_cpu >= 0) {
+		/* after the daemon started: it keeps the mask it was given */
+		cpu_set_t one;
+		CPU_ZERO(&one);
+		CPU_SET(opt.client_cpu, &one);
+		int r = pthread_setaffinity_np(pthread_self(), sizeof(one), &one);
+		CHECK(r == 0, "--client-cpu %d: %s", opt.client_cpu, strerror(r));
+	}
+	char where[32] = "unpinned";
+	if (opt.client_cpu >= 0)
+		snprintf(where, sizeof(where), "on CPU %d", opt.client_cpu);
+	printf("bench-spine: %ld CPUs online, aoqd --threads %u, kernel %s, trainer thread %s\n", ncpu, opt.threads,
+	       k->name, where);
 
 	bench_latency(&d, k);
 	if (!opt.skip_tput)
