@@ -166,8 +166,8 @@ static struct timespec deadline(uint64_t timeout_ns)
  * at once instead of at the next tick.  bench-spine on a 2-core VM, 20
  * runs each, push -> param ready p99: without the yield 8 runs near 20 us
  * and 12 at 53-161 us; with it 16 under 53 us, none above 77 (README,
- * "Waiting for an update").  Caller holds the lock; it is held again on
- * return. */
+ * "Configuration", worker_spin_us; tests/bench/RESULTS.md, seventeenth
+ * session).  Caller holds the lock; it is held again on return. */
 static void spin_until_woken(struct aoqd_pool *p, struct worker *w)
 {
 	pthread_mutex_unlock(&p->lock);
