@@ -52,12 +52,16 @@ static void on_wake(uv_async_t *a)
  * third.  The spin stops while tasks wait for a worker (spin_start): spinning
  * then made a 3.48 B model's CPU-bound step 29% slower (RESULTS.md,
  * thirteenth and fourteenth sessions). */
+/* Below this many cores the trainer shares the loop's core: the loop does
+ * not spin by default, and its thread is pinned (aoqd_server_init). */
+#define SHARED_LOOP_CORE_BELOW 4u
+
 static uint64_t loop_spin_ns(const struct aoqd_server *srv, uint32_t us)
 {
 	if (!srv->pinned)
 		return 0;
 	if (us == AOQD_LOOP_SPIN_AUTO)
-		us = srv->ncpus >= 4 ? 50 : 0;
+		us = srv->ncpus >= SHARED_LOOP_CORE_BELOW ? 50 : 0;
 	return (uint64_t)us * 1000u;
 }
 
@@ -311,7 +315,7 @@ int aoqd_server_init(struct aoqd_server *srv, uv_loop_t *loop, const struct aoqd
 	 * was slower (p99 median 76 us against 57 in 8 alternating runs), so
 	 * from 4 cores, where the loop spins instead ("auto"), it stays free
 	 * (tests/bench/RESULTS.md, seventeenth session). */
-	if (pin && ncpus < 4) {
+	if (pin && ncpus < SHARED_LOOP_CORE_BELOW) {
 		cpu_set_t one;
 		CPU_ZERO(&one);
 		CPU_SET(cpus[0], &one);

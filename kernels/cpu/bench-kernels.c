@@ -61,6 +61,11 @@ extern const struct aoqk_kernel aoqk_kernel_q8_nohash __attribute__((weak));
 extern const struct aoqk_kernel aoqk_kernel_q8_noencode __attribute__((weak));
 extern const struct aoqk_kernel aoqk_kernel_q8_nodiv1 __attribute__((weak));
 extern const struct aoqk_kernel aoqk_kernel_q8_nodiv2 __attribute__((weak));
+static const struct aoqk_kernel *const stage_drops[] = {
+	&aoqk_kernel_q8_nodecode, &aoqk_kernel_q8_nohash, &aoqk_kernel_q8_noencode,
+	&aoqk_kernel_q8_nodiv1,   &aoqk_kernel_q8_nodiv2,
+};
+#define NDROPS (sizeof(stage_drops) / sizeof(stage_drops[0]))
 
 static size_t N = (size_t)256 << 20;
 static int T;
@@ -845,9 +850,6 @@ int main(int argc, char **argv)
 		       "(dependent adds)\n", N, CHUNK, ghz);
 		size_t nv;
 		const struct aoqk_variant *vars = aoqk_variants(&nv);
-		const struct aoqk_kernel *extra[] = { &aoqk_kernel_q8_nodecode, &aoqk_kernel_q8_nohash,
-		                                      &aoqk_kernel_q8_noencode, &aoqk_kernel_q8_nodiv1,
-		                                      &aoqk_kernel_q8_nodiv2 };
 		for (size_t i = 0; i < nv; i++) {
 			const struct aoqk_kernel *k = vars[i].kernel;
 			/* default: the best variant only */
@@ -856,12 +858,12 @@ int main(int argc, char **argv)
 			for (int p = 0; p <= AOQK_STATE_BF16_ALL; p++)
 				bench_resident(k, (enum aoqk_precision)p, ghz);
 		}
-		for (size_t i = 0; i < 5; i++) {
-			if (!extra[i] || !__builtin_cpu_supports("avx512bf16") ||
-			    (klist && !wanted(klist, extra[i]->name)))
+		for (size_t i = 0; i < NDROPS; i++) {
+			const struct aoqk_kernel *x = stage_drops[i];
+			if (!x || !__builtin_cpu_supports("avx512bf16") || (klist && !wanted(klist, x->name)))
 				continue;
-			bench_resident(extra[i], AOQK_STATE_Q8, ghz);
-			bench_resident(extra[i], AOQK_STATE_BF16_Q8, ghz);
+			bench_resident(x, AOQK_STATE_Q8, ghz);
+			bench_resident(x, AOQK_STATE_BF16_Q8, ghz);
 		}
 		printf("resident: core clock %.2f GHz after the runs\n", core_ghz());
 		quit = 1;
@@ -936,18 +938,16 @@ int main(int argc, char **argv)
 		       job_bytes(cur_prec, AOQK_BF16, AOQK_BF16));
 	}
 
-	const struct aoqk_kernel *drops[] = { &aoqk_kernel_q8_nodecode, &aoqk_kernel_q8_nohash,
-	                                      &aoqk_kernel_q8_noencode, &aoqk_kernel_q8_nodiv1,
-	                                      &aoqk_kernel_q8_nodiv2 };
-	for (size_t i = 0; i < 5; i++) {
-		if (!drops[i] || !have_avx512 || !__builtin_cpu_supports("avx512bf16"))
+	for (size_t i = 0; i < NDROPS; i++) {
+		const struct aoqk_kernel *x = stage_drops[i];
+		if (!x || !have_avx512 || !__builtin_cpu_supports("avx512bf16"))
 			continue;
 		for (int p = 1; p < 4; p += 2) {
 			char name[96];
-			bench_kernel(drops[i], (enum aoqk_precision)p, AOQK_BF16, AOQK_BF16, 0, CHUNK, "");
-			cur_k = drops[i];
+			bench_kernel(x, (enum aoqk_precision)p, AOQK_BF16, AOQK_BF16, 0, CHUNK, "");
+			cur_k = x;
 			cur_prec = (enum aoqk_precision)p;
-			snprintf(name, sizeof(name), "computeonly_%s_%s", drops[i]->name, prec_name(cur_prec));
+			snprintf(name, sizeof(name), "computeonly_%s_%s", x->name, prec_name(cur_prec));
 			record(name, timed(kernel_hot_job, next_step), (double)N,
 			       job_bytes(cur_prec, AOQK_BF16, AOQK_BF16));
 		}

@@ -479,7 +479,16 @@ int main(int argc, char **argv)
 		case 'g': opt.gd = parse_dtype(optarg); break;
 		case 'p': opt.pd = parse_dtype(optarg); break;
 		case 'N': opt.skip_tput = true; break;
-		case 'C': opt.client_cpu = atoi(optarg); break;
+		case 'C': {
+			char *end;
+			long v = strtol(optarg, &end, 10);
+			if (*optarg == '\0' || *end != '\0' || v < 0 || v >= CPU_SETSIZE) {
+				fprintf(stderr, "bench-spine: --client-cpu wants a CPU number, not '%s'\n", optarg);
+				return 2;
+			}
+			opt.client_cpu = (int)v;
+			break;
+		}
 		case 'h': usage(argv[0]); return 0;
 		default: usage(argv[0]); return 2;
 		}
