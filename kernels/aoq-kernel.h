@@ -139,6 +139,11 @@ struct aoqk_report {
 
 struct aoqk_kernel {
 	const char *name; /* "scalar", "avx2", "avx512", "avx512bf16" */
+	/* 0: every result is plain C's, bit for bit (but avx512bf16's bf16
+	 * flush below 2^-126).  n > 0: the q8 precisions' update computes
+	 * sqrt(v) and m / den within 2^-n of IEEE's (kernels/README.md, "q8:
+	 * the approximate divider"); other precisions are still plain C's. */
+	int q8_approx;
 	/* Update one chunk.  Returns 0, or -EINVAL for arguments that violate
 	 * the contract above (the daemon validates before calling). */
 	int (*adam)(const struct aoqk_hparams *hp, const struct aoqk_state *st,

@@ -55,15 +55,18 @@
 /* Stage-dropping builds of the avx512bf16 kernel (bench.sh builds them;
  * absent from the meson build): the q8 path without its code decode, its
  * hash, or its encode pass, or its sqrt (nodiv1) or sqrt and division
- * (nodiv2: the divider's share).  Results are wrong; only the time counts. */
+ * (nodiv2: the divider's share).  Results are wrong; only the time counts.
+ * Last, q8_exact: the q8 update with IEEE's sqrt and division instead of
+ * the library's approximations (right results, the A/B of that change). */
 extern const struct aoqk_kernel aoqk_kernel_q8_nodecode __attribute__((weak));
 extern const struct aoqk_kernel aoqk_kernel_q8_nohash __attribute__((weak));
 extern const struct aoqk_kernel aoqk_kernel_q8_noencode __attribute__((weak));
 extern const struct aoqk_kernel aoqk_kernel_q8_nodiv1 __attribute__((weak));
 extern const struct aoqk_kernel aoqk_kernel_q8_nodiv2 __attribute__((weak));
+extern const struct aoqk_kernel aoqk_kernel_q8_exact __attribute__((weak));
 static const struct aoqk_kernel *const stage_drops[] = {
 	&aoqk_kernel_q8_nodecode, &aoqk_kernel_q8_nohash, &aoqk_kernel_q8_noencode,
-	&aoqk_kernel_q8_nodiv1,   &aoqk_kernel_q8_nodiv2,
+	&aoqk_kernel_q8_nodiv1,   &aoqk_kernel_q8_nodiv2,   &aoqk_kernel_q8_exact,
 };
 #define NDROPS (sizeof(stage_drops) / sizeof(stage_drops[0]))
 
@@ -940,7 +943,7 @@ int main(int argc, char **argv)
 
 	for (size_t i = 0; i < NDROPS; i++) {
 		const struct aoqk_kernel *x = stage_drops[i];
-		if (!x || !have_avx512 || !__builtin_cpu_supports("avx512bf16"))
+		if (!x || !have_avx512 || !__builtin_cpu_supports("avx512bf16") || (klist && !wanted(klist, x->name)))
 			continue;
 		for (int p = 1; p < 4; p += 2) {
 			char name[96];

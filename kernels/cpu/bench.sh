@@ -58,6 +58,10 @@ for d in 1 2; do
 	$cc $base $a512 -mavx512bf16 -mavx512vbmi -mvaes -DAOQK_AVX512BF16 -DAOQK_KVAR=q8_nodiv$d -DAOQK_DROP_DIV=$d \
 		-c "$here/kernel-avx512.c" -o "$tmp/drop-div$d.o" &
 done
+# the q8 update with IEEE's sqrt and division (the library's approximates):
+# the A/B of "q8: the approximate divider" in one run
+$cc $base $a512 -mavx512bf16 -mavx512vbmi -mvaes -DAOQK_AVX512BF16 -DAOQK_KVAR=q8_exact -DAOQK_Q8_EXACT=1 \
+	-c "$here/kernel-avx512.c" -o "$tmp/q8-exact.o" &
 $cc $base -DAOQK_HAVE_AVX2 -DAOQK_HAVE_AVX512 -DAOQK_HAVE_AVX512BF16 -c "$here/dispatch.c" -o "$tmp/dispatch.o" &
 $cc $base -c "$here/bench-kernels.c" -o "$tmp/bench.o" &
 wait

@@ -35,6 +35,10 @@ KI vf vf_div(vf a, vf b) { return _mm256_div_ps(a, b); }
 KI vf vf_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 KI vf vf_fnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
 KI vf vf_sqrt(vf a) { return _mm256_sqrt_ps(a); }
+/* the q8 update's sqrt(v) and m / den: IEEE's (kernel-avx512.c approximates) */
+#define KQ8_APPROX 0
+KI vf vf_q8_sqrt(vf v) { return _mm256_sqrt_ps(v); }
+KI vf vf_q8_div(vf m, vf den) { return _mm256_div_ps(m, den); }
 KI vf vf_max(vf a, vf b) { return _mm256_max_ps(a, b); }
 KI vf vf_min(vf a, vf b) { return _mm256_min_ps(a, b); }
 KI vf vf_abs(vf a) { return _mm256_and_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))); }

@@ -5,7 +5,8 @@
  * bf16 parameters with vcvtneps2bf16 (round to nearest even; the one
  * difference: results below 2^-126 in magnitude are flushed to zero).
  * FMA only where the body asks for it (vf_fma), so results equal the plain C
- * kernel's bit for bit.
+ * kernel's bit for bit, except the q8 update's approximate sqrt and division
+ * (vf_q8_sqrt, vf_q8_div below).
  */
 #include <immintrin.h>
 
@@ -43,6 +44,23 @@ KI vf vf_div(vf a, vf b) { return _mm512_div_ps(a, b); }
 KI vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 KI vf vf_fnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
 KI vf vf_sqrt(vf a) { return _mm512_sqrt_ps(a); }
+/* The q8 update's sqrt(v) and m / den (README.md, "q8: the approximate
+ * divider"): v * rsqrt14(v) and m * rcp14(den), each within 2^-14 of the
+ * IEEE result, on the vector ports instead of the divider.  fixupimm
+ * gives v itself where v is +-0, +inf or NaN (there the product is NaN or
+ * 0 * inf), as sqrt does.  AOQK_Q8_EXACT (a benchmark build) keeps IEEE's. */
+#ifndef AOQK_Q8_EXACT
+#define KQ8_APPROX 14
+KI vf vf_q8_sqrt(vf v)
+{
+	return _mm512_fixupimm_ps(_mm512_mul_ps(v, _mm512_rsqrt14_ps(v)), v, _mm512_set1_epi32(0x00100111), 0);
+}
+KI vf vf_q8_div(vf m, vf den) { return _mm512_mul_ps(m, _mm512_rcp14_ps(den)); }
+#else
+#define KQ8_APPROX 0
+KI vf vf_q8_sqrt(vf v) { return _mm512_sqrt_ps(v); }
+KI vf vf_q8_div(vf m, vf den) { return _mm512_div_ps(m, den); }
+#endif
 KI vf vf_max(vf a, vf b) { return _mm512_max_ps(a, b); }
 KI vf vf_min(vf a, vf b) { return _mm512_min_ps(a, b); }
 KI vf vf_abs(vf a) { return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(0x7fffffff))); }

@@ -4,13 +4,17 @@
  * variant defines before including this file (kernel-scalar.c,
  * kernel-avx2.c, kernel-avx512.c).  Every variant runs the same IEEE
  * operations in the same order, without FMA contraction, so all variants
- * give bit-identical state and parameters (README.md lists the one
- * exception: avx512bf16 flushes bf16 outputs below 2^-126 to zero).
+ * give bit-identical state and parameters (README.md lists the two
+ * exceptions: avx512bf16 flushes bf16 outputs below 2^-126 to zero, and
+ * the AVX-512 variants' q8 update approximates its sqrt and division,
+ * vf_q8_sqrt and vf_q8_div, which KQ8_APPROX names).
  *
  * The includer defines:
  *   W                     lanes per vector
  *   vf, vi, vh, vacc      float, int32, 16-bit and sum-of-squares vector types
  *   KVAR                  the variant's name token (scalar, avx2, ...)
+ *   KQ8_APPROX            0: vf_q8_sqrt and vf_q8_div are IEEE's sqrt and
+ *                         division; n: each within 2^-n of it
  *   KHAS_NT               1: the default table writes parameters with
  *                         non-temporal stores and a "-cached" twin with
  *                         plain stores is built too
@@ -293,13 +297,13 @@ static AOQK_ALWAYS_INLINE vi vstep(const struct kvec kc, const struct kptrs *p,
 		m = vf_fnma(vf_sub(g, m), kc.w1c, g);
 	/* exp_avg_sq.mul_(beta2); .addcmul_(grad, grad, value=1 - beta2) */
 	v = vf_fma(kc.w2, vf_mul(g, g), vf_mul(v, kc.b2));
-	u = q8 && AOQK_DROP_DIV ? vf_mul(v, kc.b2) : vf_sqrt(v);
+	u = q8 && AOQK_DROP_DIV ? vf_mul(v, kc.b2) : q8 ? vf_q8_sqrt(v) : vf_sqrt(v);
 	/* denom = sqrt(v) / sqrt(bc2) + eps; param.addcdiv_(m, denom, -step_size).
 	 * q8 is compute-bound, so it computes fma(sqrt(v), 1 / sqrt(bc2), eps)
 	 * instead: one divider operation and one vector operation less, within
 	 * about 1 ulp of torch's denom. */
 	vf den = q8 ? vf_fma(u, kc.inv_bc2s, kc.eps) : vf_add(vf_div(u, kc.bc2s), kc.eps);
-	pw = vf_fma(kc.nstep, q8 && AOQK_DROP_DIV == 2 ? vf_mul(m, den) : vf_div(m, den), pw);
+	pw = vf_fma(kc.nstep, q8 && AOQK_DROP_DIV == 2 ? vf_mul(m, den) : q8 ? vf_q8_div(m, den) : vf_div(m, den), pw);
 
 	if (q8) {
 		vf_storeu(bm, m);
@@ -1009,6 +1013,7 @@ static int k_adam(const struct aoqk_hparams *hp, const struct aoqk_state *st,
 
 const struct aoqk_kernel KCAT(aoqk_kernel_, KVAR) = {
 	.name = KSTR(KVAR),
+	.q8_approx = KQ8_APPROX,
 	.adam = k_adam,
 	.sgd = k_sgd,
 	.lion = k_lion,
@@ -1037,6 +1042,7 @@ static int k_lion_cached(const struct aoqk_hparams *hp, const struct aoqk_state 
 
 const struct aoqk_kernel KCAT(KCAT(aoqk_kernel_, KVAR), _cached) = {
 	.name = KSTR(KVAR) "-cached",
+	.q8_approx = KQ8_APPROX,
 	.adam = k_adam_cached,
 	.sgd = k_sgd_cached,
 	.lion = k_lion_cached,

@@ -29,6 +29,10 @@ static AOQK_ALWAYS_INLINE vf vf_div(vf a, vf b) { return a / b; }
 static AOQK_ALWAYS_INLINE vf vf_fma(vf a, vf b, vf c) { return fmaf(a, b, c); }
 static AOQK_ALWAYS_INLINE vf vf_fnma(vf a, vf b, vf c) { return fmaf(-a, b, c); }
 static AOQK_ALWAYS_INLINE vf vf_sqrt(vf a) { return sqrtf(a); }
+/* the q8 update's sqrt(v) and m / den: IEEE's (kernel-avx512.c approximates) */
+#define KQ8_APPROX 0
+static AOQK_ALWAYS_INLINE vf vf_q8_sqrt(vf v) { return sqrtf(v); }
+static AOQK_ALWAYS_INLINE vf vf_q8_div(vf m, vf den) { return m / den; }
 /* x86 maxps/minps semantics: the second operand when either is NaN */
 static AOQK_ALWAYS_INLINE vf vf_max(vf a, vf b) { return a > b ? a : b; }
 static AOQK_ALWAYS_INLINE vf vf_min(vf a, vf b) { return a < b ? a : b; }
