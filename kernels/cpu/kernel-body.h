@@ -278,6 +278,8 @@ static AOQK_ALWAYS_INLINE vi vstep(const struct kvec kc, const struct kptrs *p,
 		v = su;
 	} else if (q8) {
 		m = q8_m_decode((const uint8_t *)p->m + j, sm, nkm, fast);
+		/* su carries sqrt(beta2) (run_chunk): u = sqrt(v * beta2),
+		 * whose square is the v * beta2 below, one multiply less */
 		u = q8_u_decode((const uint8_t *)p->v + j, su, nku, fast);
 		v = vf_mul(u, u);
 	} else if (bfmom) {
@@ -296,7 +298,7 @@ static AOQK_ALWAYS_INLINE vi vstep(const struct kvec kc, const struct kptrs *p,
 	else
 		m = vf_fnma(vf_sub(g, m), kc.w1c, g);
 	/* exp_avg_sq.mul_(beta2); .addcmul_(grad, grad, value=1 - beta2) */
-	v = vf_fma(kc.w2, vf_mul(g, g), vf_mul(v, kc.b2));
+	v = vf_fma(kc.w2, vf_mul(g, g), q8 ? v : vf_mul(v, kc.b2));
 	u = q8 && AOQK_DROP_DIV ? vf_mul(v, kc.b2) : q8 ? vf_q8_sqrt(v) : vf_sqrt(v);
 	/* denom = sqrt(v) / sqrt(bc2) + eps; param.addcdiv_(m, denom, -step_size).
 	 * q8 is compute-bound, so it computes fma(sqrt(v), 1 / sqrt(bc2), eps)
@@ -469,7 +471,8 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 		if (q8) {
 			for (unsigned g = 0; g < XS_N; g++)
 				xs[g] = sr_hash(kc.srkey, b0 + jb + g * W);
-			float fm = st->m_scale[bidx] / AOQK_Q8_M_TOP, fu = st->v_scale[bidx] / AOQK_Q8_U_TOP;
+			/* fu: sqrt(v)'s decode times sqrt(beta2) (vstep) */
+			float fm = st->m_scale[bidx] / AOQK_Q8_M_TOP, fu = st->v_scale[bidx] / AOQK_Q8_U_TOP * k->sb2;
 			sm = vf_set1(fm);
 			su = vf_set1(fu);
 			fast_blk = fast && q8_fma_ok(fm) && q8_fma_ok(fu);

@@ -30,6 +30,7 @@ struct aoqk_consts {
 	float w1;        /* 1 - beta1 (lerp weight) */
 	float w1c;       /* 1 - w1, for the large-weight lerp form */
 	float b2;        /* beta2 */
+	float sb2;       /* sqrt(beta2): q8 decodes sqrt(v) * sqrt(beta2), whose square is v * beta2 */
 	float w2;        /* 1 - beta2 */
 	float nstep;     /* -(lr / (1 - beta1^step)) */
 	float bc2s;      /* sqrt(1 - beta2^step) */
@@ -168,6 +169,7 @@ static inline void aoqk_consts_init(struct aoqk_consts *k, const struct aoqk_hpa
 	k->w1 = (float)(1.0 - b1);
 	k->w1c = 1.0f - k->w1; /* torch's lerp: opmath_t(1) - weight */
 	k->b2 = (float)b2;
+	k->sb2 = (float)sqrt(b2);
 	k->w2 = (float)(1.0 - b2);
 	k->nstep = (float)(-(lr / bc1));
 	k->bc2s = (float)sqrt(bc2);
