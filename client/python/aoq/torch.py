@@ -18,6 +18,7 @@ Gradient pushes (README-python.md has the full story):
     dropped, so gradients never accumulate on the device.  A step that ends
     before its final push (fewer passes than counted) pushes zeros as final.
 """
+import itertools
 import math
 import collections
 import logging
@@ -425,8 +426,15 @@ def _dist_rank():
     return int(os.environ.get("RANK", "0"))
 
 
+_jobs_made = itertools.count(1)
+
+
 def _job_default():
-    return "torch-%d" % os.getpid()
+    """torch-PID for a process's first optimizer without a job name,
+    torch-PID-2, -3, ... for the next ones (two optimizers of one process,
+    a GAN's say, are two sessions; the same name would be refused BUSY)."""
+    n = next(_jobs_made)
+    return "torch-%d" % os.getpid() if n == 1 else "torch-%d-%d" % (os.getpid(), n)
 
 
 def _local_group():

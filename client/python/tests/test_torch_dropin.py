@@ -15,7 +15,8 @@ CPU against torch's own optimizers with the same user code:
   * checkpoints: torch AdamW and torchao CPUOffloadOptimizer state dicts
     loaded, aoq's loaded into torch's AdamW, DCP's get_optimizer_state_dict
     without a hidden step, add_param_group,
-  * ValueErrors naming the bad value for precision, dtype, device.
+  * ValueErrors naming the bad value for precision, dtype, device,
+  * two optimizers in one process without job= (torch-PID, torch-PID-2).
     test_torch_dropin.py [--device cuda:0] [--cases a,b]   (AOQ_TORCH_CASES=a,b too)
 On a GPU machine (the issue's import swap and compile with CUDA):
     test_torch_dropin.py --device cuda:0
@@ -826,9 +827,39 @@ def case_gpu_share():
     print("ok: gpu_state_budget")
 
 
+def case_two_optimizers():
+    """Two optimizers in one process without job= (a GAN's generator and
+    discriminator): two sessions, torch-PID and torch-PID-2, stepped in
+    turn; each model ends equal to the same loop under torch's AdamW."""
+    models = [make_model(W, DEV, seed=s) for s in (0, 1)]
+    refs = [make_model(W, DEV, seed=s) for s in (0, 1)]
+    env_job = os.environ.pop("AOQ_JOB", None)
+    try:
+        opts = [aoq_opt(m) for m in models]
+    finally:
+        if env_job is not None:
+            os.environ["AOQ_JOB"] = env_job
+    assert opts[0].job != opts[1].job, (opts[0].job, opts[1].job)
+    assert opts[0].job.startswith("torch-%d" % os.getpid()), opts[0].job
+    ropts = [torch.optim.AdamW(trainable(m), lr=1e-2) for m in refs]
+    data = batches(8, DEV)
+    for i in range(STEPS):
+        x, y = data[i % len(data)]
+        for m, opt in list(zip(models, opts)) + list(zip(refs, ropts)):
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    for k, opt in enumerate(opts):
+        opt.synchronize()
+        same(models[k], refs[k], "optimizer %d of two (%s)" % (k, opt.job))
+        opt.close()
+    print("ok: two optimizers in one process, jobs %s and %s, each equal to torch AdamW"
+          % (opts[0].job, opts[1].job))
+
+
 CASES = {"grad-edits": case_grad_edits, "import-swap": case_import_swap, "other-classes": case_other_classes,
          "reads-after-step": case_reads_after_step, "checkpoints": case_checkpoints, "dcp": case_dcp, "add-param-group": case_add_param_group,
-         "errors": case_errors, "gpu-share": case_gpu_share}
+         "errors": case_errors, "gpu-share": case_gpu_share, "two-optimizers": case_two_optimizers}
 DEFAULT = list(CASES)
 
 
