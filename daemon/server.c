@@ -44,6 +44,10 @@ static void on_wake(uv_async_t *a)
 	aoqd_sessions_wake(a->data);
 }
 
+/* Below this many cores the trainer shares the loop's core: the loop does
+ * not spin by default, and its thread is pinned (aoqd_server_init). */
+#define SHARED_LOOP_CORE_BELOW 4u
+
 /* The loop's spin (session.c, spin_start) in ns: only when the workers are
  * pinned, so that the loop has a core of its own; "auto" (the default)
  * spins with 4 cores or more.  On 2 cores the trainer shares the loop's
@@ -52,10 +56,6 @@ static void on_wake(uv_async_t *a)
  * third.  The spin stops while tasks wait for a worker (spin_start): spinning
  * then made a 3.48 B model's CPU-bound step 29% slower (RESULTS.md,
  * thirteenth and fourteenth sessions). */
-/* Below this many cores the trainer shares the loop's core: the loop does
- * not spin by default, and its thread is pinned (aoqd_server_init). */
-#define SHARED_LOOP_CORE_BELOW 4u
-
 static uint64_t loop_spin_ns(const struct aoqd_server *srv, uint32_t us)
 {
 	if (!srv->pinned)

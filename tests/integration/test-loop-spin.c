@@ -21,7 +21,8 @@
  *
  * The checks count events, not times, so a loaded machine does not make
  * them flaky: where an event depends on the pace (a poll taking a push
- * within the spin), the job steps on until it happens, up to a bound.  On one core aoqd does not pin and never spins: skipped.
+ * within the spin), the job steps on until it happens, up to a bound.
+ * On one core aoqd does not pin and never spins: skipped.
  */
 #include <pthread.h>
 #include <sched.h>
