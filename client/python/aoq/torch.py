@@ -427,6 +427,27 @@ def _dist_rank():
 
 
 _jobs_made = itertools.count(1)
+_optimizers_made = itertools.count(1)
+
+
+def _replica_seed(seed):
+    """The stochastic rounding seed to register.  seed=0 in a process group
+    of more than one rank: every rank's n-th OffloadOptimizer gets the same
+    seed, so data-parallel replicas round alike (with the daemon's own pick,
+    one per session, their bf16 masters and q8 moments drifted apart).
+    Alone: 0, the daemon picks.  Counts every optimizer, so that the n-th
+    matches across ranks whatever each was given."""
+    n = next(_optimizers_made)
+    if seed:
+        return seed
+    try:
+        import torch.distributed as dist
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    except ImportError:
+        world = 1
+    if max(world, int(os.environ.get("WORLD_SIZE", "1"))) < 2:
+        return 0
+    return (0x9e3779b97f4a7c15 * (n + 0x5eed)) % (1 << 64) or 1
 
 
 def _job_default():
@@ -667,6 +688,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if not named:
                 job = _shared_job_default()
         job = job or os.environ.get("AOQ_JOB") or _job_default()
+        seed = _replica_seed(seed)
         if lease is None and not named:
             # torch-PID never resumes, and a lease costs an undo copy of the
             # state at every update (README, "Lease and resume"): none.

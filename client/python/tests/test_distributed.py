@@ -147,6 +147,16 @@ def case_ddp(rank, ws, env):
         same_across_ranks(m, what)
         close_to(m, ref, what + " vs DDP + torch AdamW")
         o.close()
+    # stochastic rounding (bf16 master, q8 moments) without seed=: every
+    # rank's optimizer draws the same bits, so the replicas stay identical
+    for prec, master in (("q8", "bf16"), (None, "bf16")):
+        what = "DDP, state_precision=%s, master_dtype=%s, no seed= (%d ranks)" % (prec, master, ws)
+        m = ddp(make_model(), env)
+        o = Offload(m.named_parameters(), env, state_precision=prec, master_dtype=master)
+        train(m, o, rank, dev, STEPS)
+        o.synchronize()
+        same_across_ranks(m, what)
+        o.close()
 
 
 def case_ddp_auto(rank, ws, env):
