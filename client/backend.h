@@ -66,6 +66,10 @@ struct aoq_backend_ops {
 	/* Pins host memory (the arena) for DMA at its exact size. */
 	int (*register_host)(struct aoq_backend *b, void *ptr, size_t len);
 	void (*unregister_host)(struct aoq_backend *b, void *ptr, size_t len);
+	/* Optional: pins a read-only mapping (the masters memfd, aoq-arena.h)
+	 * for DMA.  NULL, or an error: copies read it as pageable memory. */
+	int (*register_host_ro)(struct aoq_backend *b, void *ptr, size_t len);
+	void (*unregister_host_ro)(struct aoq_backend *b, void *ptr, size_t len);
 	/* Copies device src -> host dst after the work queued on `stream` so far
 	 * (NULL: the backend's default) and returns without waiting; done(arg, 0)
 	 * runs once the bytes are in dst (may run before d2h returns).  tm:

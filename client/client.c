@@ -46,6 +46,9 @@ struct tensor {
 	 * device in issue order, so it covers every earlier one. */
 	struct evref *h2d;
 	uint8_t *grad_area, *param_area; /* no window: the tensor's own slot */
+	/* The master is the parameter (aoq-arena.h): copies come from here,
+	 * in the masters memfd, not from a param area.  NULL otherwise. */
+	const uint8_t *master_area;
 	uint64_t param_buf;  /* delayed: bytes from one param buffer to the other */
 	struct aoq_event *last_use; /* recorded at push: the old value's last use */
 	bool pending;        /* delayed: an update waits in the arena */
@@ -107,6 +110,10 @@ struct aoq_client {
 
 	uint8_t *arena;
 	uint64_t arena_size;
+	/* The masters memfd, mapped read-only (aoq-arena.h); NULL: none. */
+	uint8_t *masters;
+	uint64_t masters_size;
+	bool masters_registered;
 	struct aoq_arena_header hdr; /* validated copy */
 	int bell_out;  /* we ring the daemon */
 	int bell_in;   /* the daemon rings us */
@@ -646,20 +653,22 @@ static int check_arena(struct aoq_client *c, const Aoq__Registered *reg)
 	if (aoq_arena_header_check(&hd, c->arena_size) < 0 || hd.tensors != c->ntensors || hd.window != c->o.window)
 		return -EPROTO;
 	bool delayed = hd.flags & AOQ_ARENA_DELAYED;
-	if (delayed != c->o.delayed_update)
+	if (delayed != c->o.delayed_update || hd.masters_size != c->masters_size)
 		return -EPROTO;
 	const struct aoq_arena_tensor *tt = (const void *)(c->arena + hd.tensor_table_off);
 	const struct aoq_arena_slot *sl = (const void *)(c->arena + hd.slot_table_off);
 	for (uint32_t i = 0; i < c->ntensors; i++) {
 		struct tensor *x = &c->tensors[i];
-		if (tt[i].numel != x->d.numel || tt[i].param_dtype != (uint32_t)x->d.param_dtype ||
-		    tt[i].grad_dtype != (uint32_t)x->d.grad_dtype)
+		struct aoq_arena_tensor te = tt[i];
+		if (te.numel != x->d.numel || te.param_dtype != (uint32_t)x->d.param_dtype ||
+		    te.grad_dtype != (uint32_t)x->d.grad_dtype || aoq_arena_master_check(&hd, &te) < 0)
 			return -EPROTO;
+		x->master_area = te.master_off == AOQ_NO_MASTER ? NULL : c->masters + te.master_off;
 		if (hd.window)
 			continue;
 		struct aoq_arena_slot s = sl[i];
 		uint64_t pbuf = delayed ? aoq_align_up(s.param_bytes, AOQ_ARENA_ALIGN) : 0;
-		if (aoq_arena_slot_check(&hd, &s, x->d.numel * x->gsize, x->d.numel * x->psize) < 0)
+		if (aoq_arena_slot_check(&hd, &s, x->d.numel * x->gsize, x->master_area ? 0 : x->d.numel * x->psize) < 0)
 			return -EPROTO;
 		aoq_slice(x->d.numel, c->world, c->o.local_rank, &x->sb, &x->se);
 		x->grad_area = c->arena + s.grad_off;
@@ -808,7 +817,9 @@ static void handle_record(struct aoq_client *c, const struct aoq_rec *r)
 	pthread_mutex_lock(&c->lock);
 	if (c->slots) {
 		struct slot *sl = &c->slots[r->slot];
-		if (r->status == AOQ_REC_UPDATED)
+		if (r->status == AOQ_REC_UPDATED && x->master_area)
+			copy_param(c, x, x->master_area + r->offset * x->psize, r->offset, r->count, NULL, r->step);
+		else if (r->status == AOQ_REC_UPDATED)
 			copy_param(c, x, sl->param_area, r->offset, r->count, sl, r->step);
 		sl->busy = false;
 		c->free_slots[c->nfree++] = r->slot;
@@ -818,7 +829,8 @@ static void handle_record(struct aoq_client *c, const struct aoq_rec *r)
 			x->pending = true;
 			x->pending_step = r->step;
 		} else {
-			copy_param(c, x, x->param_area + r->offset * x->psize, r->offset, r->count, NULL, r->step);
+			copy_param(c, x, (x->master_area ? x->master_area : x->param_area) + r->offset * x->psize, r->offset,
+			           r->count, NULL, r->step);
 		}
 	}
 	if (!c->world || (r->offset >= x->sb && r->offset < x->se))
@@ -1062,8 +1074,9 @@ int aoq_register(struct aoq_client *c)
 	int r = send_registration(c, fds, &nfds, &rep);
 	if (r < 0)
 		goto out;
-	if (nfds != 3 || rep->registered->fds != 3) {
-		r = aoq_set_error(-EPROTO, "aoqd sent %d fds with the arena, expected 3", nfds);
+	if ((nfds != 3 && nfds != 4) || rep->registered->fds != (uint32_t)nfds) {
+		r = aoq_set_error(-EPROTO, "aoqd sent %d fds with the arena, expected %u (3 or 4)", nfds,
+		                  rep->registered->fds);
 		goto out_fds;
 	}
 	struct stat st;
@@ -1080,6 +1093,22 @@ int aoq_register(struct aoq_client *c)
 		r = aoq_set_error(-errno, "cannot map the arena: %s", strerror(errno));
 		goto out_fds;
 	}
+	if (nfds == 4) {
+		/* The masters: the daemon's own pages, which only it writes
+		 * (sealed against writable mappings), so read-only here. */
+		struct stat ms;
+		void *q = MAP_FAILED;
+		if (fstat(fds[3], &ms) == 0 && ms.st_size > 0)
+			q = mmap(NULL, (size_t)ms.st_size, PROT_READ, MAP_SHARED, fds[3], 0);
+		if (q == MAP_FAILED) {
+			munmap(p, c->arena_size);
+			r = aoq_set_error(-EPROTO, "cannot map the masters memfd: %s", strerror(errno));
+			goto out_fds;
+		}
+		c->masters = q;
+		c->masters_size = (uint64_t)ms.st_size;
+		close(fds[3]);
+	}
 	close(fds[0]);
 	c->arena = p;
 	c->bell_out = fds[1];
@@ -1092,6 +1121,13 @@ int aoq_register(struct aoq_client *c)
 	if ((r = c->ops->register_host(c->be, c->arena, c->arena_size)) < 0)
 		goto out;
 	c->registered = true;
+	if (c->masters && c->ops->register_host_ro) {
+		/* Unpinned, copies still work (slower): a warning, not an error. */
+		if (c->ops->register_host_ro(c->be, c->masters, c->masters_size) == 0)
+			c->masters_registered = true;
+		else
+			fprintf(stderr, "aoq: warning: %s; parameters are copied from pageable memory\n", aoq_last_error());
+	}
 	if (c->resumed) {
 		/* The daemon's state is the truth: parameters come from it. */
 		c->step = c->resumed_step + 1;
@@ -1227,11 +1263,12 @@ int aoq_push_grad_ptr(struct aoq_client *c, uint32_t t, const void *grad, unsign
 	}
 	struct aoq_rec rec = { .tensor = t, .slot = t, .step = c->step,
 	                       .flags = (flags & AOQ_PUSH_ACCUMULATE) ? AOQ_REC_ACCUMULATE : 0 };
-	if (!c->slots && !c->o.delayed_update && x->h2d && x->h2d->ev) {
-		/* The daemon writes the tensor's param area again once this
-		 * record is posted: the copy out of it must have landed.  A
-		 * trainer that waited for the parameter (the usual case) finds
-		 * it done; the host backend lands queued copies here. */
+	if ((!c->slots || x->master_area) && !c->o.delayed_update && x->h2d && x->h2d->ev) {
+		/* The daemon writes the tensor's param area (or its master,
+		 * with a window too) again once this record is posted: the
+		 * copy out of it must have landed.  A trainer that waited for
+		 * the parameter (the usual case) finds it done; the host
+		 * backend lands queued copies here. */
 		struct evref *prev = x->h2d;
 		prev->refs++;
 		pthread_mutex_unlock(&c->lock);
@@ -1749,6 +1786,11 @@ void aoq_close(struct aoq_client *c)
 		if (c->be && c->registered)
 			c->ops->unregister_host(c->be, c->arena, c->arena_size);
 		munmap(c->arena, c->arena_size);
+	}
+	if (c->masters) {
+		if (c->be && c->masters_registered)
+			c->ops->unregister_host_ro(c->be, c->masters, c->masters_size);
+		munmap(c->masters, c->masters_size);
 	}
 	if (c->be)
 		c->ops->close(c->be);

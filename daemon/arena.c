@@ -104,7 +104,9 @@ int aoqd_arena_build_lanes(struct aoqd_arena *a, const struct aoqd_state *st, ui
 			gb = pb = a->slot_elems * 4;
 		} else {
 			gb = st->tensors[i].numel * aoqk_dtype_size(st->tensors[i].grad_dtype);
-			pb = st->tensors[i].numel * aoqk_dtype_size(st->tensors[i].param_dtype);
+			/* a master that is the parameter needs no param area */
+			pb = aoqd_tensor_master_param(st, &st->tensors[i])
+				? 0 : st->tensors[i].numel * aoqk_dtype_size(st->tensors[i].param_dtype);
 		}
 		sl->grad_off = off;
 		sl->grad_bytes = gb;
@@ -148,6 +150,7 @@ int aoqd_arena_build_lanes(struct aoqd_arena *a, const struct aoqd_state *st, ui
 	h->xfer_off = a->xfer_off;
 	h->xfer_bytes = a->xfer_bytes;
 	h->flags = st->delayed ? AOQ_ARENA_DELAYED : 0;
+	h->masters_size = st->delayed ? 0 : st->masters_size;
 	struct aoq_arena_tensor *tt = (void *)(a->base + tensor_table);
 	for (uint32_t i = 0; i < st->ntensors; i++) {
 		tt[i].numel = st->tensors[i].numel;
@@ -155,6 +158,7 @@ int aoqd_arena_build_lanes(struct aoqd_arena *a, const struct aoqd_state *st, ui
 		tt[i].grad_dtype = st->tensors[i].grad_dtype;
 		tt[i].group = st->tensors[i].group;
 		tt[i].slot = st->window ? UINT32_MAX : i;
+		tt[i].master_off = aoqd_tensor_master_param(st, &st->tensors[i]) ? st->tensors[i].master_off : AOQ_NO_MASTER;
 	}
 	memcpy(a->base + slot_table, a->slots, (size_t)a->nslots * sizeof(*a->slots));
 	/* The layout keeps the rules every reader checks. */
@@ -162,6 +166,9 @@ int aoqd_arena_build_lanes(struct aoqd_arena *a, const struct aoqd_state *st, ui
 		return -EPROTO;
 	for (uint32_t i = 0; i < a->nslots; i++)
 		if (aoq_arena_slot_check(h, &a->slots[i], 0, 0) < 0)
+			return -EPROTO;
+	for (uint32_t i = 0; i < st->ntensors; i++)
+		if (aoq_arena_master_check(h, &tt[i]) < 0)
 			return -EPROTO;
 	a->to_daemon = (struct aoq_ring_cons){ .ring = (void *)(a->base + to_daemon), .cap = a->ring_cap };
 	a->to_client = (struct aoq_ring_prod){ .ring = (void *)(a->base + to_client), .cap = a->ring_cap };

@@ -31,6 +31,7 @@ void aoqd_config_defaults(struct aoqd_config *c)
 	memset(c, 0, sizeof(*c));
 	c->listen_fd = -1;
 	c->lock_memory = 1;
+	c->master_param = true;
 	c->max_sessions_per_uid = 64;
 	c->lease_seconds = 600;
 	c->worker_spin_us = 50;
@@ -106,7 +107,7 @@ int aoqd_parse_u64(const char *s, int allow_suffix, uint64_t *out)
 	return 0;
 }
 
-enum key_kind { K_STRING, K_PATH, K_COUNT, K_SIZE, K_MEMSIZE, K_LOCK, K_LOG, K_KERNEL, K_GID };
+enum key_kind { K_STRING, K_PATH, K_COUNT, K_SIZE, K_MEMSIZE, K_LOCK, K_LOG, K_KERNEL, K_GID, K_BOOL };
 
 struct key {
 	const char *name;
@@ -125,6 +126,7 @@ static const struct key keys[] = {
 	{ "loop_spin_us", K_COUNT, OFF(loop_spin_us), W(loop_spin_us), 0, 10000 },
 	{ "kernel", K_KERNEL, OFF(kernel), 0, 0, 0 },
 	{ "lock_memory", K_LOCK, OFF(lock_memory), 0, 0, 0 },
+	{ "master_param", K_BOOL, OFF(master_param), 0, 0, 0 },
 	{ "log_level", K_LOG, 0, 0, 0, 0 },
 	{ "max_connections", K_COUNT, OFF(max_connections), W(max_connections), 1, 1u << 20 },
 	{ "max_sessions_per_uid", K_COUNT, OFF(max_sessions_per_uid), W(max_sessions_per_uid), 1, 1u << 20 },
@@ -165,6 +167,7 @@ struct owned {
 static struct owned *owned;
 
 static const char *const lock_words[] = { "no", "try", "yes" };
+static const char *const bool_words[] = { "no", "yes" };
 static const char *const kernel_words[] = { "auto", "scalar", "avx2", "avx512", "avx512bf16" };
 
 static int word_index(const char *v, const char *const *words, size_t n)
@@ -327,6 +330,14 @@ int aoqd_config_set(struct aoqd_config *c, const char *key, const char *v, char 
 			return -EINVAL;
 		}
 		c->lock_memory = i == 0 ? 0 : i == 1 ? 1 : 2;
+		return 0;
+	case K_BOOL:
+		if ((i = word_index(v, bool_words, 2)) < 0) {
+			list_words(words, sizeof(words), bool_words, 2);
+			snprintf(err, errlen, "'%s' is not one of %s", v, words);
+			return -EINVAL;
+		}
+		*(bool *)(void *)((char *)c + k->off) = i == 1;
 		return 0;
 	case K_LOG:
 		if ((i = aoqd_log_parse_level(v)) < 0) {
@@ -500,6 +511,7 @@ void aoqd_config_print(const struct aoqd_config *c, FILE *f)
 		fprintf(f, "loop_spin_us = %" PRIu32 "\n", c->loop_spin_us);
 	fprintf(f, "kernel = %s\n", c->kernel && *c->kernel ? c->kernel : "auto");
 	fprintf(f, "lock_memory = %s\n", c->lock_memory == 0 ? "no" : c->lock_memory == 2 ? "yes" : "try");
+	fprintf(f, "master_param = %s\n", c->master_param ? "yes" : "no");
 	fprintf(f, "log_level = %s\n", levels[c->log_level >= 0 && c->log_level <= AOQD_LOG_DEBUG ? c->log_level : AOQD_LOG_INFO]);
 	fprintf(f, "max_connections = %" PRIu32 "\n", c->max_connections);
 	fprintf(f, "max_sessions_per_uid = %" PRIu32 "\n", c->max_sessions_per_uid);

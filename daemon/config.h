@@ -28,6 +28,9 @@ struct aoqd_config {
 	uint32_t loop_spin_us;
 	const char *kernel;       /* NULL/"auto" or a variant name */
 	int lock_memory;          /* 0 no, 1 try (default), 2 required */
+	/* bf16 masters are the parameters (aoq-arena.h, "The master as the
+	 * parameter"): the clients copy them straight from a memfd */
+	bool master_param;
 	uint32_t max_sessions_per_uid;
 	uint32_t lease_seconds;   /* a trainer's state outlives it this long (0: off) */
 	uint32_t max_connections;

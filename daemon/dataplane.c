@@ -225,7 +225,7 @@ static void chunk_run(struct aoqd_task *task, unsigned worker)
 				.grad = grad,
 				.grad_dtype = t->grad_dtype,
 				.acc = acc,
-				.param = j->param + c->begin * aoqk_dtype_size(t->param_dtype),
+				.param = j->param ? j->param + c->begin * aoqk_dtype_size(t->param_dtype) : NULL,
 				.param_dtype = t->param_dtype,
 				.seed = j->seed,
 			};
@@ -405,7 +405,10 @@ static int accept_record(struct aoqd_session *s, struct aoqd_session *origin, co
 	if (s->st.delayed && (r->step & 1))
 		param_off += aoq_align_up(sl->param_bytes, AOQ_ARENA_ALIGN);
 	j->grad = s->arena.base + sl->grad_off + first * aoqk_dtype_size(t->grad_dtype);
-	j->param = s->arena.base + param_off + first * aoqk_dtype_size(t->param_dtype);
+	/* A master that is the parameter: the update writes the master alone,
+	 * and the client copies it from the masters memfd. */
+	j->param = aoqd_tensor_master_param(&s->st, t) ? NULL
+	                                               : s->arena.base + param_off + first * aoqk_dtype_size(t->param_dtype);
 	j->seed = s->st.seed; /* the kernel mixes in the tensor's step: a restored session continues alike */
 	j->t0 = aoqd_now_ns();
 	j->arrival = s->steps.arrivals++;

@@ -136,12 +136,10 @@ static int make_state(struct aoqd_session *s, struct aoqd_error *err)
 	for (uint32_t i = 0; i < st->ntensors; i++)
 		if (st->tensors[i].group >= st->ngroups)
 			return AOQD_FAIL(err, INVALID, "tensor %u: group %u of %u", i, st->tensors[i].group, st->ngroups);
-	enum aoqk_precision prec = (enum aoqk_precision)st->precision;
 	uint64_t total = 0, mapped = 0;
 	for (uint32_t i = 0; i < st->ntensors; i++) {
 		uint64_t off[5];
-		uint64_t len = aoqd_state_len(prec, st->tensors[i].numel,
-		                              st->groups[st->tensors[i].group].moments, off);
+		uint64_t len = aoqd_state_tensor_len(st, &st->tensors[i], off);
 		/* the undo copy of a session that may be leased, on its own
 		 * pages (state.c, aoqd_state_alloc) */
 		uint64_t pages = st->undo ? 2 * aoqd_page_round(len) : aoqd_page_round(len);
@@ -224,7 +222,7 @@ int aoqd_register_finish(struct aoqd_session *s, uv_poll_cb on_doorbell, aoqd_ad
 	reg.arena_size = s->arena.size;
 	reg.tensors = st->ntensors;
 	reg.state_bytes = st->state_bytes;
-	reg.fds = 3;
+	reg.fds = st->masters_size && !st->delayed ? 4 : 3;
 	reg.seed = st->seed;
 	reg.resumed = s->resumed_from != 0;
 	reg.resumed_step = s->resumed_from ? st->last_step : 0;
@@ -232,8 +230,8 @@ int aoqd_register_finish(struct aoqd_session *s, uv_poll_cb on_doorbell, aoqd_ad
 	Aoq__Envelope reply = AOQ__ENVELOPE__INIT;
 	reply.msg_case = AOQ__ENVELOPE__MSG_REGISTERED;
 	reply.registered = &reg;
-	int fds[3] = { s->arena.fd, s->arena.peer_in, s->arena.peer_out };
-	r = aoqd_conn_send_with_fds(&s->conn, &reply, fds, 3);
+	int fds[4] = { s->arena.fd, s->arena.peer_in, s->arena.peer_out, st->masters_fd };
+	r = aoqd_conn_send_with_fds(&s->conn, &reply, fds, (int)reg.fds);
 	aoqd_arena_sent(&s->arena);
 	if (r < 0 && s->resumed_from && (r == -EPIPE || r == -ECONNRESET)) {
 		/* The trainer died while resuming: it went away like any other
@@ -248,10 +246,10 @@ int aoqd_register_finish(struct aoqd_session *s, uv_poll_cb on_doorbell, aoqd_ad
 		return AOQD_FAIL(err, INTERNAL, "cannot send the arena: %s", strerror(-r));
 	s->state = AOQD_READY;
 	aoqd_info("session", "session %" PRIu64 ": registered %u tensors in %u groups, %" PRIu64
-	          " bytes of state (%s), arena %" PRIu64 " bytes",
+	          " bytes of state (%s), arena %" PRIu64 " bytes, masters shared %" PRIu64 " bytes",
 	          s->id, st->ntensors, st->ngroups, st->state_bytes,
 	          protobuf_c_enum_descriptor_get_value(&aoq__state_precision__descriptor, st->precision)->name,
-	          s->arena.size);
+	          s->arena.size, reg.fds == 4 ? st->masters_size : 0);
 	return AOQD_REPLIED;
 }
 
@@ -328,7 +326,7 @@ int aoqd_register_member(struct aoqd_session *s, struct aoqd_session *hub, uv_po
 	reg.arena_size = s->arena.size;
 	reg.tensors = hub->st.ntensors;
 	reg.state_bytes = hub->st.state_bytes;
-	reg.fds = 3;
+	reg.fds = hub->st.masters_size && !hub->st.delayed ? 4 : 3;
 	reg.seed = hub->st.seed;
 	reg.lane_to_daemon_off = s->arena.to_daemon_off;
 	reg.lane_to_client_off = s->arena.to_client_off;
@@ -343,8 +341,8 @@ int aoqd_register_member(struct aoqd_session *s, struct aoqd_session *hub, uv_po
 	Aoq__Envelope reply = AOQ__ENVELOPE__INIT;
 	reply.msg_case = AOQ__ENVELOPE__MSG_REGISTERED;
 	reply.registered = &reg;
-	int fds[3] = { s->arena.fd, s->arena.peer_in, s->arena.peer_out };
-	r = aoqd_conn_send_with_fds(&s->conn, &reply, fds, 3);
+	int fds[4] = { s->arena.fd, s->arena.peer_in, s->arena.peer_out, hub->st.masters_fd };
+	r = aoqd_conn_send_with_fds(&s->conn, &reply, fds, (int)reg.fds);
 	aoqd_arena_sent(&s->arena);
 	if (r < 0)
 		return AOQD_FAIL(err, INTERNAL, "cannot send the arena: %s", strerror(-r));

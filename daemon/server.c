@@ -266,6 +266,7 @@ int aoqd_server_init(struct aoqd_server *srv, uv_loop_t *loop, const struct aoqd
 	srv->cfg = *cfg;
 	srv->loop = loop;
 	srv->start_ns = aoqd_now_ns();
+	aoqd_state_set_master_param(cfg->master_param);
 	srv->kernel = aoqk_select(cfg->kernel);
 	if (!srv->kernel) {
 		aoqd_err("server", "kernel '%s': %s", cfg->kernel ? cfg->kernel : "auto",
@@ -403,6 +404,14 @@ void aoqd_server_apply(struct aoqd_server *srv, const struct aoqd_config *n)
 	LIVE(snapshot_every_steps, PRIu64);
 	LIVE(snapshot_every_seconds, PRIu64);
 #undef LIVE
+	if (o->master_param != n->master_param) {
+		/* sessions keep what they registered with */
+		aoqd_info("server", "reload: master_param %s -> %s (new sessions)", o->master_param ? "yes" : "no",
+		          n->master_param ? "yes" : "no");
+		o->master_param = n->master_param;
+		aoqd_state_set_master_param(n->master_param);
+		changed++;
+	}
 	if (!same_str(o->state_dir, n->state_dir)) {
 		aoqd_info("server", "reload: state_dir %s -> %s", o->state_dir ? o->state_dir : "", n->state_dir ? n->state_dir : "");
 		o->state_dir = n->state_dir;

@@ -11,7 +11,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <unistd.h>
 #if defined(__x86_64__)
 #include <emmintrin.h>
 #endif
@@ -123,6 +125,52 @@ uint64_t aoqd_state_len(enum aoqk_precision p, uint64_t n, unsigned moments, uin
 	return o;
 }
 
+static bool master_param_on = true;
+
+void aoqd_state_set_master_param(bool on)
+{
+	master_param_on = on;
+}
+
+/* Whether x's master goes to the masters memfd (before the allocation). */
+static bool wants_master_param(const struct aoqd_state *st, const struct aoqd_tensor *x)
+{
+	return master_param_on && !st->delayed && aoqk_master_size((enum aoqk_precision)st->precision) == 2 &&
+	       x->param_dtype == AOQK_BF16;
+}
+
+uint64_t aoqd_state_tensor_len(const struct aoqd_state *st, const struct aoqd_tensor *x, uint64_t off[5])
+{
+	uint64_t len = aoqd_state_len((enum aoqk_precision)st->precision, x->numel, st->groups[x->group].moments, off);
+	if (wants_master_param(st, x)) {
+		/* the master's pages are the memfd's: the rest starts on a page */
+		uint64_t d = aoqd_page_round(x->numel * 2) - off[1];
+		for (int k = 1; k < 5; k++)
+			off[k] += d;
+		len += d;
+	}
+	return len;
+}
+
+static int lock_state(void *p, size_t len, int lock_memory, bool *locked)
+{
+	*locked = false;
+	if (!lock_memory)
+		return 0;
+	if (mlock(p, len) == 0) {
+		*locked = true;
+	} else if (lock_memory == 2) {
+		return -errno;
+	} else {
+		static bool warned;
+		if (!warned)
+			aoqd_warn("session", "cannot lock optimizer state in memory (%s): running unlocked; "
+			          "raise LimitMEMLOCK (ulimit -l) or give CAP_IPC_LOCK", strerror(errno));
+		warned = true;
+	}
+	return 0;
+}
+
 static void *map_state(size_t len, int lock_memory, bool *locked, int *err)
 {
 	void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -132,41 +180,100 @@ static void *map_state(size_t len, int lock_memory, bool *locked, int *err)
 	}
 	if (len >= (2u << 20))
 		madvise(p, len, MADV_HUGEPAGE);
-	*locked = false;
-	if (lock_memory) {
-		if (mlock(p, len) == 0) {
-			*locked = true;
-		} else if (lock_memory == 2) {
-			*err = -errno;
-			munmap(p, len);
-			return NULL;
-		} else {
-			static bool warned;
-			if (!warned)
-				aoqd_warn("session", "cannot lock optimizer state in memory (%s): running unlocked; "
-				          "raise LimitMEMLOCK (ulimit -l) or give CAP_IPC_LOCK", strerror(errno));
-			warned = true;
-		}
+	if ((*err = lock_state(p, len, lock_memory, locked)) < 0) {
+		munmap(p, len);
+		return NULL;
 	}
 	return p;
+}
+
+/* A tensor whose master is its parameter: `reserve` bytes of address space
+ * (room for an undo copy, aoqd_state_add_undo), the masters memfd's pages
+ * from moff over the first mlen bytes, private pages for the rest of
+ * `whole`. */
+static void *map_state_master(int fd, uint64_t moff, size_t mlen, size_t whole, size_t reserve, int lock_memory,
+                              bool *locked, int *err)
+{
+	uint8_t *p = mmap(NULL, reserve, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+	if (p == MAP_FAILED) {
+		*err = -errno;
+		return NULL;
+	}
+	if (mmap(p, mlen, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, (off_t)moff) == MAP_FAILED ||
+	    (whole > mlen &&
+	     mmap(p + mlen, whole - mlen, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) ==
+	             MAP_FAILED)) {
+		*err = -errno;
+		munmap(p, reserve);
+		return NULL;
+	}
+	if (whole - mlen >= (2u << 20))
+		madvise(p + mlen, whole - mlen, MADV_HUGEPAGE);
+	if ((*err = lock_state(p, whole, lock_memory, locked)) < 0) {
+		munmap(p, reserve);
+		return NULL;
+	}
+	return p;
+}
+
+/* The masters memfd for every tensor whose master becomes its parameter:
+ * their offsets in x->master_off (AOQ_NO_MASTER for the others).  0 or
+ * -errno. */
+static int make_masters(struct aoqd_state *st)
+{
+	uint64_t size = 0;
+	for (uint32_t i = 0; i < st->ntensors; i++) {
+		struct aoqd_tensor *x = &st->tensors[i];
+		x->master_off = AOQ_NO_MASTER;
+		if (wants_master_param(st, x)) {
+			x->master_off = size;
+			size += aoqd_page_round(x->numel * 2);
+		}
+	}
+	st->masters_size = 0;
+	if (!size)
+		return 0;
+	int fd = memfd_create("aoq-masters", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+	if (fd < 0)
+		return -errno;
+	if (ftruncate(fd, (off_t)size) < 0) {
+		int e = -errno;
+		close(fd);
+		return e;
+	}
+	st->masters_fd = fd;
+	st->masters_size = size;
+	return 0;
 }
 
 int aoqd_state_alloc(struct aoqd_state *st, int lock_memory, _Atomic uint64_t *locked_total, uint64_t *failed_len)
 {
 	enum aoqk_precision prec = (enum aoqk_precision)st->precision;
+	int err = make_masters(st);
+	if (err < 0) {
+		*failed_len = 0;
+		return err;
+	}
 	for (uint32_t i = 0; i < st->ntensors; i++) {
 		struct aoqd_tensor *x = &st->tensors[i];
 		uint64_t off[5];
 		unsigned moments = st->groups[x->group].moments;
-		uint64_t len = aoqd_state_len(prec, x->numel, moments, off);
+		uint64_t len = aoqd_state_tensor_len(st, x, off);
 		/* the undo copy after it, on a page: a snapshot can move it out
 		 * whole (snapshot.c, "undo swap") */
 		uint64_t uoff = st->undo ? aoqd_page_round(len) : 0;
 		uint64_t whole = uoff + len;
 		bool locked;
-		int err = 0;
-		uint8_t *p = map_state(whole, lock_memory, &locked, &err);
+		uint8_t *p;
+		if (x->master_off != AOQ_NO_MASTER) {
+			x->map_len = aoqd_page_round(len) + len;
+			p = map_state_master(st->masters_fd, x->master_off, off[1], whole, x->map_len, lock_memory, &locked,
+			                     &err);
+		} else {
+			p = map_state(whole, lock_memory, &locked, &err);
+		}
 		if (!p) {
+			x->map_len = 0;
 			*failed_len = whole;
 			return err;
 		}
@@ -186,6 +293,13 @@ int aoqd_state_alloc(struct aoqd_state *st, int lock_memory, _Atomic uint64_t *l
 		x->st.v = moments >= 2 ? p + off[2] : NULL; /* SGD and Lion: none */
 		x->st.m_scale = aoqk_precision_q8(prec) ? (float *)(p + off[3]) : NULL;
 		x->st.v_scale = aoqk_precision_q8(prec) ? (float *)(p + off[4]) : NULL;
+	}
+	/* The daemon's mappings are made: nobody maps the masters writable
+	 * again, nor changes their size (the client's mapping is read-only). */
+	if (st->masters_size &&
+	    fcntl(st->masters_fd, F_ADD_SEALS, F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL) < 0) {
+		*failed_len = 0;
+		return -errno;
 	}
 	return 0;
 }
@@ -235,7 +349,7 @@ void aoqd_state_free(struct aoqd_state *st, _Atomic uint64_t *locked_total)
 	for (uint32_t i = 0; i < st->ntensors; i++) {
 		struct aoqd_tensor *t = &st->tensors[i];
 		if (t->state_mem)
-			munmap(t->state_mem, t->state_len);
+			munmap(t->state_mem, t->map_len ? t->map_len : t->state_len);
 		if (t->acc)
 			munmap(t->acc, t->numel * sizeof(float));
 		free(t->name);
@@ -252,6 +366,9 @@ void aoqd_state_free(struct aoqd_state *st, _Atomic uint64_t *locked_total)
 	st->tensors = NULL;
 	st->groups = NULL;
 	st->ntensors = st->ngroups = 0;
+	if (st->masters_size)
+		close(st->masters_fd);
+	st->masters_size = 0;
 }
 
 int aoqd_state_acc(struct aoqd_state *st, struct aoqd_tensor *t)
@@ -402,6 +519,28 @@ static void rebase(struct aoqd_tensor *t, uint8_t *p)
 	t->state_mem = p;
 }
 
+/* A tensor whose master is its parameter: maps (add) the undo copy's len
+ * bytes at uoff into its reserved room, locked when the state is, or gives
+ * them back to the reservation.  0 or -errno. */
+static int undo_room(struct aoqd_tensor *t, size_t uoff, size_t len, bool add)
+{
+	uint8_t *at = (uint8_t *)t->state_mem + uoff;
+	if (!add) {
+		mmap(at, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+		return 0;
+	}
+	if (mmap(at, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) == MAP_FAILED)
+		return -errno;
+	if (len >= (2u << 20))
+		madvise(at, len, MADV_HUGEPAGE);
+	if (t->locked && mlock(at, len) < 0) {
+		int e = -errno;
+		undo_room(t, uoff, len, false);
+		return e;
+	}
+	return 0;
+}
+
 int aoqd_state_add_undo(struct aoqd_state *st, _Atomic uint64_t *locked_total)
 {
 	if (st->undo)
@@ -416,14 +555,21 @@ int aoqd_state_add_undo(struct aoqd_state *st, _Atomic uint64_t *locked_total)
 	for (i = 0; i < st->ntensors; i++) {
 		struct aoqd_tensor *t = &st->tensors[i];
 		size_t len = t->state_len, uoff = aoqd_page_round(len);
-		/* a locked mapping's new pages are locked (and counted against
-		 * RLIMIT_MEMLOCK: EAGAIN past it) */
-		void *p = mremap(t->state_mem, len, uoff + len, MREMAP_MAYMOVE);
-		if (p == MAP_FAILED) {
-			err = -errno;
-			break;
+		if (t->map_len) {
+			/* the master is the memfd's: the copy goes into the room
+			 * reserved after the mapping */
+			if ((err = undo_room(t, uoff, len, true)) < 0)
+				break;
+		} else {
+			/* a locked mapping's new pages are locked (and counted
+			 * against RLIMIT_MEMLOCK: EAGAIN past it) */
+			void *p = mremap(t->state_mem, len, uoff + len, MREMAP_MAYMOVE);
+			if (p == MAP_FAILED) {
+				err = -errno;
+				break;
+			}
+			rebase(t, p);
 		}
-		rebase(t, p);
 		t->state_len = uoff + len;
 		t->undo_off = uoff;
 		st->state_bytes += len;
@@ -439,9 +585,13 @@ int aoqd_state_add_undo(struct aoqd_state *st, _Atomic uint64_t *locked_total)
 	while (i-- > 0) {
 		struct aoqd_tensor *t = &st->tensors[i];
 		size_t uoff = t->undo_off, len = t->state_len - uoff;
-		void *p = mremap(t->state_mem, t->state_len, len, 0); /* shrinking in place cannot fail */
-		if (p != MAP_FAILED)
-			rebase(t, p);
+		if (t->map_len) {
+			undo_room(t, uoff, len, false);
+		} else {
+			void *p = mremap(t->state_mem, t->state_len, len, 0); /* shrinking in place cannot fail */
+			if (p != MAP_FAILED)
+				rebase(t, p);
+		}
 		t->state_len = len;
 		t->undo_off = 0;
 		st->state_bytes -= len;

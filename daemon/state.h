@@ -32,6 +32,13 @@ struct aoqd_tensor {
 	struct aoqk_state st;
 	void *state_mem;       /* one mapping holding master, m, v, scales */
 	size_t state_len;      /* (and their undo copy at undo_off, when kept) */
+	/* The master is the parameter (aoq-arena.h): the master's pages at
+	 * state_mem are the masters memfd's from master_off (a shared mapping
+	 * over the start of the private one), and map_len bytes of address
+	 * space are reserved so that an undo copy can be added in place.
+	 * AOQ_NO_MASTER and 0 otherwise. */
+	uint64_t master_off;
+	size_t map_len;
 	size_t undo_off;       /* 0: no undo copy */
 	bool locked;           /* the mapping is locked (mlock) */
 	float *acc;            /* fp32 micro-batch accumulator, allocated on first use */
@@ -62,6 +69,10 @@ struct aoqd_state {
 	bool undo;
 	bool dirty;
 	uint64_t last_step;
+	/* The masters memfd (aoq-arena.h, "The master as the parameter"):
+	 * masters_size bytes, 0 when no tensor's master is its parameter. */
+	int masters_fd;
+	uint64_t masters_size;
 	uint32_t ngroups, ntensors;
 	uint32_t cap_groups, cap_tensors;
 	struct aoqd_group *groups;
@@ -110,6 +121,18 @@ int aoqd_tensor_mark_done(struct aoqd_tensor *t, uint64_t b, uint64_t n);
  * only, 1: m, 2: m and v); off[] receives master, m, v, m_scale, v_scale
  * offsets. */
 uint64_t aoqd_state_len(enum aoqk_precision p, uint64_t n, unsigned moments, uint64_t off[5]);
+/* The same for tensor x of st as aoqd_state_alloc lays it out: a master
+ * that is the parameter takes whole pages. */
+uint64_t aoqd_state_tensor_len(const struct aoqd_state *st, const struct aoqd_tensor *x, uint64_t off[5]);
+/* Whether aoqd_state_alloc makes masters the parameters where it can
+ * (aoqd.conf master_param; on by default).  Process-wide. */
+void aoqd_state_set_master_param(bool on);
+/* Whether x's parameter is its master for a client of st (aoq-arena.h):
+ * a bf16 master in the masters memfd, and no delayed update. */
+static inline bool aoqd_tensor_master_param(const struct aoqd_state *st, const struct aoqd_tensor *x)
+{
+	return st->masters_size && !st->delayed && x->master_off != UINT64_MAX;
+}
 /* Maps every tensor's state.  lock_memory: 0 no, 1 try, 2 required;
  * locked bytes are added to *locked_total.  0, or -errno with *failed_len
  * the size that could not be had. */

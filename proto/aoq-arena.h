@@ -33,7 +33,7 @@
 #include <string.h>
 
 #define AOQ_ARENA_MAGIC 0x41514f41u /* "AOQA" */
-#define AOQ_ARENA_VERSION 1u
+#define AOQ_ARENA_VERSION 2u
 #define AOQ_ARENA_ALIGN 64u
 #define AOQ_PROTOCOL_VERSION 1u
 #define AOQ_MAX_FRAME (1u << 20)
@@ -68,6 +68,7 @@ struct aoq_arena_header {
 	uint64_t xfer_off;    /* LoadState/ReadState data */
 	uint64_t xfer_bytes;
 	uint64_t flags;       /* AOQ_ARENA_DELAYED */
+	uint64_t masters_size; /* bytes of the masters memfd (the 4th fd); 0: none */
 };
 
 /* Delayed update: every param area is two buffers of param_bytes, the
@@ -81,7 +82,26 @@ struct aoq_arena_tensor {
 	uint32_t grad_dtype;
 	uint32_t group;
 	uint32_t slot; /* its own slot, or UINT32_MAX with a window */
+	/* The master is the parameter: the tensor's bf16 master sits at this
+	 * offset of the masters memfd, and the parameter is copied from there
+	 * (its slot has no param area without a window, and with one the
+	 * daemon writes none).  AOQ_NO_MASTER: the param area, as always. */
+	uint64_t master_off;
 };
+
+/*
+ * The master as the parameter (README, "The master is the parameter"):
+ * with a bf16 master, bf16 parameters and no delayed update, aoqd keeps
+ * each such tensor's master in one memfd per session, sealed against new
+ * writable mappings (F_SEAL_FUTURE_WRITE), and sends it as Registered's
+ * fourth fd.  The client maps it read-only and copies parameters straight
+ * from it: the update writes no separate parameter.  The daemon updates a
+ * master in place, so a client copies a tensor's parameter out before it
+ * pushes that tensor's next final gradient (the rule a slot-per-tensor
+ * arena without a window already has).
+ */
+#define AOQ_NO_MASTER UINT64_MAX
+#define AOQ_MASTER_ALIGN 4096u
 
 struct aoq_arena_slot {
 	uint64_t grad_off;
@@ -136,7 +156,8 @@ struct aoq_ring {
 
 _Static_assert(sizeof(struct aoq_rec) == 40, "record layout");
 _Static_assert(sizeof(struct aoq_ring) == 128, "ring layout");
-_Static_assert(sizeof(struct aoq_arena_header) == 120, "header layout");
+_Static_assert(sizeof(struct aoq_arena_header) == 128, "header layout");
+_Static_assert(sizeof(struct aoq_arena_tensor) == 32, "tensor table layout");
 
 /* A spin-wait loop's pause (both sides poll rings and flags a while
  * before they sleep). */
@@ -191,6 +212,22 @@ static inline int aoq_arena_header_check(const struct aoq_arena_header *h, uint6
 		return -EPROTO;
 	if ((h->window == 0 && h->slots != h->tensors) ||
 	    (h->window && (h->slots == 0 || h->slot_elems == 0 || h->slot_elems > AOQ_SLOT_MAX_ELEMS)))
+		return -EPROTO;
+	if (h->masters_size && ((h->flags & AOQ_ARENA_DELAYED) || h->masters_size % AOQ_MASTER_ALIGN))
+		return -EPROTO;
+	return 0;
+}
+
+/* One tensor's master (the reader's copy of its table entry) of a checked
+ * header: AOQ_NO_MASTER, or a bf16 tensor's whole master, aligned, within
+ * the masters memfd.  0 or -EPROTO. */
+static inline int aoq_arena_master_check(const struct aoq_arena_header *h, const struct aoq_arena_tensor *t)
+{
+	uint64_t bytes;
+	if (t->master_off == AOQ_NO_MASTER)
+		return 0;
+	if (!h->masters_size || t->param_dtype != 1u /* AOQ__DTYPE__BF16 */ || t->master_off % AOQ_MASTER_ALIGN ||
+	    !aoq_mul_ok(t->numel, 2, &bytes) || !aoq_range_ok(t->master_off, bytes, h->masters_size))
 		return -EPROTO;
 	return 0;
 }

@@ -64,6 +64,8 @@ struct aoq_backend {
 	struct aoq_event *all_events;
 	void *registered;
 	size_t registered_len;
+	void *registered_ro; /* the masters memfd's mapping */
+	size_t registered_ro_len;
 };
 
 /* A completion handed to the CUDA host-function thread. */
@@ -243,6 +245,8 @@ static void cuda_close(struct aoq_backend *b)
 			cudaStreamSynchronize(b->h2d);
 		if (b->registered)
 			cudaHostUnregister(b->registered);
+		if (b->registered_ro)
+			cudaHostUnregister(b->registered_ro);
 		for (struct aoq_event *x = b->all_events, *next; x; x = next) {
 			next = x->all_next;
 			cudaEventDestroy(x->ev);
@@ -279,6 +283,42 @@ static int cuda_register(struct aoq_backend *b, void *p, size_t len)
 	}
 	dev_leave(b, prev);
 	return r;
+}
+
+/* The masters memfd: mapped read-only, so pinned with
+ * cudaHostRegisterReadOnly (the device only reads it). */
+static int cuda_register_ro(struct aoq_backend *b, void *p, size_t len)
+{
+	if (b->registered_ro)
+		return aoq_set_error(-EBUSY, "CUDA backend: a masters mapping is already registered");
+	int prev, r = dev_enter(b, &prev);
+	if (r < 0)
+		return r;
+	cudaError_t e = cudaHostRegister(p, len, cudaHostRegisterReadOnly);
+	if (e != cudaSuccess) {
+		r = aoq_set_error(cuda_errno(e), "CUDA: cannot pin the %zu-byte masters mapping read-only: %s (%s)", len,
+		                  cudaGetErrorName(e), cudaGetErrorString(e));
+		cudaGetLastError(); /* not sticky: clear it */
+	} else {
+		b->registered_ro = p;
+		b->registered_ro_len = len;
+	}
+	dev_leave(b, prev);
+	return r;
+}
+
+static void cuda_unregister_ro(struct aoq_backend *b, void *p, size_t len)
+{
+	(void)len;
+	if (!b->registered_ro || b->registered_ro != p)
+		return;
+	int prev;
+	if (dev_enter(b, &prev) < 0)
+		return;
+	cudaHostUnregister(p);
+	dev_leave(b, prev);
+	b->registered_ro = NULL;
+	b->registered_ro_len = 0;
 }
 
 static void cuda_unregister(struct aoq_backend *b, void *p, size_t len)
@@ -474,6 +514,8 @@ const struct aoq_backend_ops aoq_backend_cuda = {
 	.close = cuda_close,
 	.register_host = cuda_register,
 	.unregister_host = cuda_unregister,
+	.register_host_ro = cuda_register_ro,
+	.unregister_host_ro = cuda_unregister_ro,
 	.d2h = cuda_d2h,
 	.h2d = cuda_h2d,
 	.record = cuda_record,

@@ -54,6 +54,11 @@ static const struct {
 	{ 1000, AOQ_FP32, AOQ_FP16, 0 },
 };
 
+/* The killed trainer's state: a bf16 master with q8 moments, so that
+ * tensor 1 (bf16 parameters) has its master as the parameter, shared with
+ * the trainer (aoq-arena.h) and rolled back and resumed in place. */
+#define VICTIM_PREC AOQ_STATE_BF16_Q8
+
 static char self_exe[4096];
 static struct aoqt_daemon daemon_;
 
@@ -266,7 +271,9 @@ static int trainer_main(char **argv)
 	int stop_after = atoi(argv[5]);
 	const char *lease = getenv("AOQT_LEASE");
 	struct trainer tr;
-	CHECK_OK(trainer_open(&tr, argv[2], AOQ_STATE_Q8, lease ? (uint32_t)atoi(lease) : 0));
+	/* case kill's victims: VICTIM_PREC; the other cases': q8 */
+	enum aoq_precision prec = getenv("AOQT_VICTIM") ? VICTIM_PREC : AOQ_STATE_Q8;
+	CHECK_OK(trainer_open(&tr, argv[2], prec, lease ? (uint32_t)atoi(lease) : 0));
 	atomic_store(&sh->resumed, tr.resumed ? tr.resumed_at + 1 : 0);
 	atomic_store(&sh->synced, tr.step);
 	if (tr.resumed && strcmp(argv[6], "-") != 0 && stop_step >= 0) {
@@ -360,7 +367,7 @@ struct kill_point {
 static void resumed_compare(const struct kill_point *kp, int kills)
 {
 	struct trainer tr;
-	CHECK_OK(trainer_open(&tr, "base-resumed", AOQ_STATE_Q8, AOQ_LEASE_NONE));
+	CHECK_OK(trainer_open(&tr, "base-resumed", VICTIM_PREC, AOQ_LEASE_NONE));
 	int checked = 0;
 	for (uint64_t next = 1;;) {
 		/* the next step a trainer resumed at, in order (+ 1) */
@@ -423,6 +430,7 @@ static void case_kill(int kills)
 	close(fd);
 	struct aoqt_rng rng = aoqt_rng_for(0x99, 1, 2);
 	uint64_t synced = 0, resumes = 0, rolled = 0;
+	setenv("AOQT_VICTIM", "1", 1);
 	const uint64_t target = (uint64_t)kills + 40;
 	struct kill_point *kp = aoqt_xcalloc((size_t)kills, sizeof(*kp));
 	for (int i = 0; i < kills; i++) {
@@ -479,6 +487,7 @@ static void case_kill(int kills)
 	int st;
 	CHECK(waitpid(pid, &st, 0) == pid && WIFEXITED(st) && WEXITSTATUS(st) == 0, "the last trainer failed (%d)", st);
 	CHECK(atomic_load(&sh->resumed) > 0, "the last trainer did not resume");
+	unsetenv("AOQT_VICTIM");
 	for (int i = 0; i < 2; i++) {
 		atomic_store(&others[i].stop, true);
 		pthread_join(others[i].th, NULL);
@@ -490,7 +499,7 @@ static void case_kill(int kills)
 	struct image got = { 0 }, want;
 	FILE *f = fopen(image, "rb");
 	CHECK(f, "image: %s", strerror(errno));
-	baseline("base-victim", AOQ_STATE_Q8, target, &want);
+	baseline("base-victim", VICTIM_PREC, target, &want);
 	got.bytes = aoqt_xmalloc(want.len);
 	got.len = fread(got.bytes, 1, want.len, f);
 	fclose(f);

@@ -177,7 +177,9 @@ static void read_replies(struct fz_client *c)
 			int fds[16];
 			int nfds = (int)((cm->cmsg_len - CMSG_LEN(0)) / sizeof(int));
 			memcpy(fds, CMSG_DATA(cm), sizeof(int) * (size_t)nfds);
-			if (nfds == 3 && !c->to_daemon) {
+			if ((nfds == 3 || nfds == 4) && !c->to_daemon) {
+				if (nfds == 4)
+					close(fds[3]); /* the masters memfd: read-only, not fuzzed */
 				map_arena(c, fds);
 				continue;
 			}

@@ -527,6 +527,47 @@ static void attack_records(void)
 	check_alive("ring head beyond capacity");
 }
 
+/* The masters memfd (aoq-arena.h, the master as the parameter): a client
+ * gets it with a bf16 master and bf16 parameters, and can only read it.
+ * Writing through write(2), a writable shared mapping, mprotect or a
+ * resize must all fail; the master the daemon keeps must be unchanged
+ * (its update comes back as usual). */
+static void attack_masters(void)
+{
+	struct aoqt_raw s;
+	uint64_t numel[2] = { 4097, 100 };
+	CHECK_OK(aoqt_raw_open_bf16(&s, daemon_.socket, "hostile-masters", numel, 2));
+	CHECK(s.hdr.masters_size >= 2 * 4096, "masters memfd of %" PRIu64 " bytes", (uint64_t)s.hdr.masters_size);
+	const struct aoq_arena_tensor *tt = (const void *)(s.arena + s.hdr.tensor_table_off);
+	CHECK(tt[0].master_off == 0 && tt[1].master_off == 3 * 4096, "master offsets %" PRIu64 " %" PRIu64,
+	      (uint64_t)tt[0].master_off, (uint64_t)tt[1].master_off);
+	size_t len = (size_t)s.hdr.masters_size;
+	void *w = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, s.masters_fd, 0);
+	CHECK(w == MAP_FAILED && errno == EPERM, "a writable shared mapping of the masters was allowed (%s)",
+	      w == MAP_FAILED ? strerror(errno) : "mapped");
+	uint16_t junk[8] = { 0x7fc0, 0x7fc0, 0x7fc0, 0x7fc0, 0x7fc0, 0x7fc0, 0x7fc0, 0x7fc0 };
+	CHECK(pwrite(s.masters_fd, junk, sizeof(junk), 0) < 0 && errno == EPERM, "write(2) to the masters allowed");
+	CHECK(ftruncate(s.masters_fd, 0) < 0 && errno == EPERM, "the masters memfd could be shrunk");
+	const uint16_t *r = mmap(NULL, len, PROT_READ, MAP_SHARED, s.masters_fd, 0);
+	CHECK(r != MAP_FAILED, "a read-only mapping of the masters: %s", strerror(errno));
+	CHECK(mprotect((void *)r, len, PROT_READ | PROT_WRITE) < 0 && errno == EACCES,
+	      "mprotect made the masters writable");
+	/* One update: the parameter comes back in the master, not the arena. */
+	uint16_t *grad = (uint16_t *)(s.arena + ((const struct aoq_arena_slot *)(s.arena + s.hdr.slot_table_off))[0].grad_off);
+	for (int i = 0; i < 4097; i++)
+		grad[i] = 0x3f80; /* 1.0 */
+	uint16_t before = r[7];
+	struct aoq_rec rec = { .tensor = 0, .slot = 0, .offset = 0, .count = 4097, .step = 1 };
+	CHECK_OK(aoqt_raw_push(&s, &rec));
+	struct aoq_rec back;
+	CHECK(aoqt_raw_pop(&s, &back, 20000) == 1 && back.status == AOQ_REC_UPDATED, "masters: no update came back");
+	CHECK(r[7] != before, "masters: the update did not reach the shared master (%04x)", r[7]);
+	munmap((void *)r, len);
+	aoqt_raw_close(&s);
+	printf("  %-48s -> refused (EPERM, EACCES); updates land\n", "masters memfd: write, map writable, resize");
+	check_alive("masters memfd");
+}
+
 /* A TraceSpans report that breaks one rule fails its session (INVALID);
  * a valid one is taken without a reply, and the session goes on. */
 static void bad_trace_span(const char *what, Aoq__TraceSpan sp, size_t n)
@@ -789,6 +830,7 @@ int main(int argc, char **argv)
 	attack_bad_registration();
 	attack_spoofed_fds();
 	attack_records();
+	attack_masters();
 	attack_trace_spans();
 	attack_disconnect_mid_step();
 	attack_kill9();

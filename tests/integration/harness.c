@@ -836,16 +836,30 @@ int aoqt_raw_expect_close(int fd, int timeout_ms, char *msg, size_t msglen)
 	}
 }
 
+static int raw_open(struct aoqt_raw *s, const char *path, const char *job, const uint64_t *numel, uint32_t n,
+                    uint32_t world, uint32_t rank, bool bf16);
+
 int aoqt_raw_open(struct aoqt_raw *s, const char *path, const char *job, const uint64_t *numel, uint32_t n)
 {
-	return aoqt_raw_open_group(s, path, job, numel, n, 0, 0);
+	return raw_open(s, path, job, numel, n, 0, 0, false);
+}
+
+int aoqt_raw_open_bf16(struct aoqt_raw *s, const char *path, const char *job, const uint64_t *numel, uint32_t n)
+{
+	return raw_open(s, path, job, numel, n, 0, 0, true);
 }
 
 int aoqt_raw_open_group(struct aoqt_raw *s, const char *path, const char *job, const uint64_t *numel, uint32_t n,
                         uint32_t world, uint32_t rank)
 {
+	return raw_open(s, path, job, numel, n, world, rank, false);
+}
+
+static int raw_open(struct aoqt_raw *s, const char *path, const char *job, const uint64_t *numel, uint32_t n,
+                    uint32_t world, uint32_t rank, bool bf16)
+{
 	memset(s, 0, sizeof(*s));
-	s->sock = s->arena_fd = s->to_daemon = s->to_client = -1;
+	s->sock = s->arena_fd = s->to_daemon = s->to_client = s->masters_fd = -1;
 	if (n > 8)
 		return -EINVAL;
 	int r = aoqt_raw_connect(path);
@@ -896,8 +910,8 @@ int aoqt_raw_open_group(struct aoqt_raw *s, const char *path, const char *job, c
 		snprintf(names[i], sizeof(names[i]), "t%u", i);
 		td[i].name = names[i];
 		td[i].numel = numel[i];
-		td[i].param_dtype = AOQ__DTYPE__FP32;
-		td[i].grad_dtype = AOQ__DTYPE__FP32;
+		td[i].param_dtype = bf16 ? AOQ__DTYPE__BF16 : AOQ__DTYPE__FP32;
+		td[i].grad_dtype = bf16 ? AOQ__DTYPE__BF16 : AOQ__DTYPE__FP32;
 		td[i].group = 0;
 		tdp[i] = &td[i];
 		s->numel[i] = numel[i];
@@ -909,7 +923,7 @@ int aoqt_raw_open_group(struct aoqt_raw *s, const char *path, const char *job, c
 	reg.n_tensors = n;
 	reg.tensors = tdp;
 	reg.more = false;
-	reg.precision = AOQ__STATE_PRECISION__STATE_FP32;
+	reg.precision = bf16 ? AOQ__STATE_PRECISION__STATE_BF16 : AOQ__STATE_PRECISION__STATE_FP32;
 	r = aoqt_send_msg(s->sock, AOQ__ENVELOPE__MSG_REGISTER, &reg);
 	if (r < 0)
 		return r;
@@ -918,7 +932,7 @@ int aoqt_raw_open_group(struct aoqt_raw *s, const char *path, const char *job, c
 	r = aoq_recv_frame(s->sock, &rep, fds, AOQ_MAX_FDS, &nfds);
 	if (r < 0)
 		return r;
-	if (rep->msg_case != AOQ__ENVELOPE__MSG_REGISTERED || nfds != 3) {
+	if (rep->msg_case != AOQ__ENVELOPE__MSG_REGISTERED || nfds != (bf16 ? 4 : 3)) {
 		fprintf(stderr, "raw register: reply %d with %d fds (%s)\n", (int)rep->msg_case, nfds,
 		        rep->msg_case == AOQ__ENVELOPE__MSG_ERROR ? rep->error->message : "");
 		for (int i = 0; i < nfds; i++)
@@ -932,6 +946,8 @@ int aoqt_raw_open_group(struct aoqt_raw *s, const char *path, const char *job, c
 	s->arena_fd = fds[0];
 	s->to_daemon = fds[1];
 	s->to_client = fds[2];
+	if (bf16)
+		s->masters_fd = fds[3];
 	struct stat st;
 	if (fstat(s->arena_fd, &st) < 0)
 		return -errno;
@@ -966,12 +982,12 @@ void aoqt_raw_close(struct aoqt_raw *s)
 {
 	if (s->arena)
 		munmap(s->arena, s->arena_size);
-	int fds[] = { s->sock, s->arena_fd, s->to_daemon, s->to_client };
-	for (int i = 0; i < 4; i++)
+	int fds[] = { s->sock, s->arena_fd, s->to_daemon, s->to_client, s->masters_fd };
+	for (int i = 0; i < 5; i++)
 		if (fds[i] >= 0)
 			close(fds[i]);
 	memset(s, 0, sizeof(*s));
-	s->sock = s->arena_fd = s->to_daemon = s->to_client = -1;
+	s->sock = s->arena_fd = s->to_daemon = s->to_client = s->masters_fd = -1;
 }
 
 int aoqt_raw_push(struct aoqt_raw *s, const struct aoq_rec *rec)

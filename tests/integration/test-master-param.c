@@ -1,0 +1,210 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The master as the parameter (aoq-arena.h; README, "The master is the
+ * parameter"): with a bf16 master and bf16 parameters the client copies the
+ * parameter straight from the daemon's masters memfd.
+ *
+ * Two daemons, one with master_param = yes (the default) and one with
+ * master_param = no (the parameter written to the arena, as before), train
+ * the same sessions: bf16 master, bf16 master + q8 moments and all bf16,
+ * each with a slot per tensor and with a 2-slot window, micro-batches
+ * accumulated in every other step, tensors of 1, 3, 4097 and 1 Mi + 13
+ * elements (pieces of several records).  After every step the parameters
+ * must be equal bit for bit, and equal to the master read back through
+ * ReadState; the first daemon's log must name the shared masters and the
+ * second's none.  A session whose parameters are fp32 (the master kept
+ * bf16) gets no masters memfd and trains as well.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "harness.h"
+
+#define NT 4
+static const uint64_t sizes[NT] = { 1, 3, 4097, (1u << 20) + 13 };
+
+static const struct aoq_group hp = { .size = sizeof(struct aoq_group), .kind = AOQ_ADAMW, .lr = 2e-3,
+                                     .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01 };
+
+struct run {
+	struct aoq_client *c;
+	enum aoq_dtype pd;
+	void *param[NT], *grad[NT];
+};
+
+static void open_run(struct run *r, const char *sock, const char *job, enum aoq_precision prec, uint64_t window,
+                     enum aoq_dtype pd)
+{
+	struct aoq_options o = AOQ_OPTIONS_INIT;
+	o.socket = sock;
+	o.job = job;
+	o.device = "cpu";
+	o.precision = prec;
+	o.window = window;
+	o.seed = 0x5eed;
+	r->pd = pd;
+	CHECK_OK(aoq_connect(&r->c, &o));
+	CHECK_OK(aoq_add_group(r->c, &hp));
+	for (int t = 0; t < NT; t++) {
+		r->param[t] = aoqt_xmalloc(sizes[t] * 4);
+		r->grad[t] = aoqt_xmalloc(sizes[t] * 2);
+		struct aoqt_rng g = aoqt_rng_for(21, (uint64_t)t, 0);
+		for (size_t i = 0; i < sizes[t]; i++)
+			aoqt_store(r->param[t], i, pd, aoqt_uniform(&g) - 0.5);
+		char name[16];
+		snprintf(name, sizeof(name), "t%d", t);
+		struct aoq_tensor d = AOQ_TENSOR_INIT;
+		d.name = name;
+		d.numel = sizes[t];
+		d.param_dtype = pd;
+		d.grad_dtype = AOQ_BF16;
+		d.param = r->param[t];
+		d.grad = r->grad[t];
+		CHECK(aoq_add_tensor(r->c, &d) == t, "tensor index");
+	}
+	CHECK_OK(aoq_register(r->c));
+}
+
+static void close_run(struct run *r)
+{
+	aoq_close(r->c);
+	for (int t = 0; t < NT; t++) {
+		free(r->param[t]);
+		free(r->grad[t]);
+	}
+}
+
+static void step(struct run *r, uint64_t k)
+{
+	for (int mb = 0; mb < (k % 2 == 0 ? 2 : 1); mb++) {
+		for (int t = NT - 1; t >= 0; t--) {
+			struct aoqt_rng g = aoqt_rng_for(k * 10 + (uint64_t)mb, (uint64_t)t, 1);
+			for (size_t i = 0; i < sizes[t]; i++)
+				aoqt_store(r->grad[t], i, AOQ_BF16, (aoqt_uniform(&g) - 0.5) * 0.1);
+			unsigned flags = k % 2 == 0 && mb == 0 ? AOQ_PUSH_ACCUMULATE : 0;
+			CHECK_OK(aoq_push_grad(r->c, (uint32_t)t, flags, NULL));
+			CHECK_OK(aoq_grad_copied(r->c, (uint32_t)t));
+		}
+	}
+	CHECK_OK(aoq_step_end(r->c));
+	CHECK_OK(aoq_sync(r->c, NULL));
+}
+
+/* The sum of the numbers after "masters shared " in the daemon's log
+ * (each session's registration names its own); *lines: how many. */
+static uint64_t masters_logged(struct aoqt_daemon *d, int *lines)
+{
+	char *log = aoqt_daemon_log(d);
+	CHECK(log, "cannot read the daemon's log");
+	uint64_t sum = 0;
+	int n = 0;
+	for (const char *p = log; (p = strstr(p, "masters shared ")); n++) {
+		p += strlen("masters shared ");
+		sum += strtoull(p, NULL, 10);
+	}
+	free(log);
+	if (lines)
+		*lines = n;
+	return sum;
+}
+
+static void compare(const char *what, struct aoqt_daemon *on, struct aoqt_daemon *off, enum aoq_precision prec,
+                    uint64_t window)
+{
+	struct run a, b;
+	char ja[64], jb[64];
+	snprintf(ja, sizeof(ja), "%s-on", what);
+	snprintf(jb, sizeof(jb), "%s-off", what);
+	int off0, offn;
+	uint64_t on0 = masters_logged(on, NULL);
+	masters_logged(off, &off0);
+	open_run(&a, on->socket, ja, prec, window, AOQ_BF16);
+	open_run(&b, off->socket, jb, prec, window, AOQ_BF16);
+	/* every tensor's master in whole pages */
+	uint64_t want = 0;
+	for (int t = 0; t < NT; t++)
+		want += (sizes[t] * 2 + 4095) / 4096 * 4096;
+	uint64_t got = masters_logged(on, NULL) - on0;
+	CHECK(got == want, "%s: %llu bytes of masters shared, expected %llu", what, (unsigned long long)got,
+	      (unsigned long long)want);
+	CHECK(masters_logged(off, &offn) == 0 && offn == off0 + 1, "%s: the daemon with master_param = no shared "
+	      "masters (or did not log the registration)", what);
+	uint16_t *m = aoqt_xmalloc(sizes[NT - 1] * 2);
+	for (uint64_t k = 1; k <= 4; k++) {
+		step(&a, k);
+		step(&b, k);
+		for (int t = 0; t < NT; t++) {
+			CHECK(memcmp(a.param[t], b.param[t], sizes[t] * 2) == 0, "%s: step %llu tensor %d: the parameters "
+			      "differ between master_param yes and no", what, (unsigned long long)k, t);
+			CHECK_OK(aoq_read_state(a.c, (uint32_t)t, AOQ_MASTER, AOQ_BF16, 0, sizes[t], m));
+			CHECK(memcmp(a.param[t], m, sizes[t] * 2) == 0, "%s: step %llu tensor %d: the parameter is not the "
+			      "master", what, (unsigned long long)k, t);
+		}
+	}
+	/* and the parameters moved */
+	struct aoqt_rng g = aoqt_rng_for(21, NT - 1, 0);
+	size_t moved = 0;
+	for (size_t i = 0; i < sizes[NT - 1]; i++) {
+		uint16_t x0;
+		aoqt_store(&x0, 0, AOQ_BF16, aoqt_uniform(&g) - 0.5);
+		moved += x0 != ((uint16_t *)a.param[NT - 1])[i];
+	}
+	CHECK(moved > sizes[NT - 1] / 2, "%s: only %zu parameters moved", what, moved);
+	free(m);
+	close_run(&a);
+	close_run(&b);
+	printf("%s: ok (%llu bytes of masters shared)\n", what, (unsigned long long)want);
+}
+
+/* fp32 parameters with a bf16 master: no masters memfd, the arena as
+ * before; it trains on (the losses of test-train cover its numerics). */
+static void fp32_params(struct aoqt_daemon *on)
+{
+	int n0, n1;
+	uint64_t on0 = masters_logged(on, &n0);
+	struct run a;
+	open_run(&a, on->socket, "fp32-params", AOQ_STATE_BF16, 0, AOQ_FP32);
+	CHECK(masters_logged(on, &n1) == on0 && n1 == n0 + 1, "fp32 parameters: masters shared");
+	for (uint64_t k = 1; k <= 2; k++)
+		step(&a, k);
+	float *m = aoqt_xmalloc(sizes[2] * 4);
+	CHECK_OK(aoq_read_state(a.c, 2, AOQ_MASTER, AOQ_FP32, 0, sizes[2], m));
+	for (size_t i = 0; i < sizes[2]; i++)
+		CHECK(m[i] == ((float *)a.param[2])[i], "fp32 parameters: [%zu] %g, master %g", i,
+		      (double)((float *)a.param[2])[i], (double)m[i]);
+	free(m);
+	close_run(&a);
+	printf("fp32 parameters, bf16 master: ok (no masters memfd)\n");
+}
+
+int main(int argc, char **argv)
+{
+	aoqt_init("integration-master-param");
+	const char *exe = aoqt_aoqd_path(argc, argv);
+	struct aoqt_daemon on, off;
+	const char *args_on[] = { "--threads", "2", NULL };
+	CHECK_OK(aoqt_daemon_start(&on, exe, args_on));
+	char conf[256];
+	snprintf(conf, sizeof(conf), "%s/off.conf", on.dir);
+	FILE *f = fopen(conf, "w");
+	CHECK(f && fputs("master_param = no\n", f) >= 0 && fclose(f) == 0, "cannot write %s", conf);
+	const char *args_off[] = { "--threads", "2", "--config", conf, NULL };
+	CHECK_OK(aoqt_daemon_start(&off, exe, args_off));
+	static const struct {
+		const char *name;
+		enum aoq_precision prec;
+	} precs[] = { { "bf16", AOQ_STATE_BF16 }, { "bf16q8", AOQ_STATE_BF16_Q8 }, { "bf16all", AOQ_STATE_BF16_ALL } };
+	for (size_t p = 0; p < sizeof(precs) / sizeof(precs[0]); p++) {
+		char what[64];
+		snprintf(what, sizeof(what), "%s-slots", precs[p].name);
+		compare(what, &on, &off, precs[p].prec, 0);
+		snprintf(what, sizeof(what), "%s-window", precs[p].name);
+		compare(what, &on, &off, precs[p].prec, 16u << 20);
+	}
+	fp32_params(&on);
+	CHECK(aoqt_daemon_stop(&off, 10000, true) == 0, "aoqd (master_param = no) did not exit cleanly");
+	CHECK(aoqt_daemon_stop(&on, 10000, true) == 0, "aoqd did not exit cleanly");
+	return 0;
+}
