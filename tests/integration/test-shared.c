@@ -62,6 +62,7 @@ static const struct aoqt_tdesc desc[NT] = {
 
 static double clip; /* max_grad_norm of the sessions opened */
 static uint32_t lease_secs = AOQ_LEASE_NONE; /* the sessions' lease */
+static enum aoq_precision prec = AOQ_STATE_FP32; /* the sessions' state (fixed seed) */
 
 struct rank {
 	struct aoq_client *c;
@@ -94,6 +95,8 @@ static int open_rank(struct rank *r, const char *sock, const char *job, uint32_t
 	o.lease_seconds = lease_secs;
 	o.timeout_ms = 60000;
 	o.max_grad_norm = clip;
+	o.precision = prec;
+	o.seed = 0x5eed; /* the same stochastic rounding in the group and the single session */
 	CHECK_OK(aoq_connect(&r->c, &o));
 	for (uint32_t g = 0; g < 2; g++) {
 		struct aoq_group h = hp_at(g, 1);
@@ -193,8 +196,8 @@ static const Aoq__SessionStats *find_row(const Aoq__Stats *st, const char *job, 
 static void test_bitexact(const struct aoqt_daemon *d, uint32_t world)
 {
 	char job[48], rjob[48];
-	snprintf(job, sizeof(job), "group%u-%d", world, (int)getpid());
-	snprintf(rjob, sizeof(rjob), "single%u-%d", world, (int)getpid());
+	snprintf(job, sizeof(job), "group%u-%d-%d", world, (int)prec, (int)getpid());
+	snprintf(rjob, sizeof(rjob), "single%u-%d-%d", world, (int)prec, (int)getpid());
 	struct rank ref, ranks[3];
 	CHECK_OK(open_rank(&ref, d->socket, rjob, 0, 0, desc, init_vals));
 	for (uint32_t q = 0; q < world; q++)
@@ -243,8 +246,10 @@ static void test_bitexact(const struct aoqt_daemon *d, uint32_t world)
 	CHECK(sum == r0->state_bytes && owners == 1, "world %u: the group holds %" PRIu64 " bytes of state over %u owner "
 	      "rows, one replica is %" PRIu64, world, sum, owners, r0->state_bytes);
 	CHECK(arena > 0, "world %u: no arena reported", world);
-	printf("world %u: %u ranks bit-exact with one session over %d steps; state %" PRIu64 " bytes (one replica), "
-	       "arena %" PRIu64 " bytes (single: %" PRIu64 ")\n", world, world, NSTEPS, sum, arena, r0->arena_bytes);
+	printf("world %u%s: %u ranks bit-exact with one session over %d steps; state %" PRIu64 " bytes (one replica), "
+	       "arena %" PRIu64 " bytes (single: %" PRIu64 ")\n", world,
+	       prec == AOQ_STATE_BF16_Q8 ? ", bf16 master + q8 (masters shared)" : "", world, NSTEPS, sum, arena,
+	       r0->arena_bytes);
 	aoq_envelope_free(env);
 	close_rank(&ref);
 	for (uint32_t q = 0; q < world; q++)
@@ -792,6 +797,11 @@ int main(int argc, char **argv)
 	test_lease(&d);
 	test_bitexact(&d, 2);
 	test_bitexact(&d, 3);
+	/* bf16 master + q8: the bf16 tensors' masters are their parameters,
+	 * which every rank copies from the group's masters memfd */
+	prec = AOQ_STATE_BF16_Q8;
+	test_bitexact(&d, 2);
+	prec = AOQ_STATE_FP32;
 	test_clip(&d);
 	test_mismatch(&d);
 	test_hostile(&d);

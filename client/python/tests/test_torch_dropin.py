@@ -16,7 +16,8 @@ CPU against torch's own optimizers with the same user code:
     loaded, aoq's loaded into torch's AdamW, DCP's get_optimizer_state_dict
     without a hidden step, add_param_group,
   * ValueErrors naming the bad value for precision, dtype, device,
-  * two optimizers in one process without job= (torch-PID, torch-PID-2).
+  * two optimizers in one process without job= (torch-PID, torch-PID-2),
+  * a bf16 model with a bf16 master: the parameter is the master.
     test_torch_dropin.py [--device cuda:0] [--cases a,b]   (AOQ_TORCH_CASES=a,b too)
 On a GPU machine (the issue's import swap and compile with CUDA):
     test_torch_dropin.py --device cuda:0
@@ -37,6 +38,7 @@ from torch_cases import batches, make_model, same  # noqa: E402
 W = 256
 STEPS = 8
 SOCKET = None
+DAEMON = None   # the aoq.Daemon at SOCKET
 DEV = "cpu"     # --device cuda:0 runs the cases on a GPU (tests/gpu: the import swap and compile with CUDA)
 
 
@@ -857,14 +859,61 @@ def case_two_optimizers():
           % (opts[0].job, opts[1].job))
 
 
+def case_master_param():
+    """A bf16 model with master_dtype="bf16": aoqd shares each master, which
+    is then the parameter (README, "The master is the parameter").  After
+    every step each offloaded parameter equals its master in state_dict()
+    bit for bit, and the model equals the same loop on a daemon with
+    master_param = no (the parameter written to the arena) bit for bit."""
+    import tempfile
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        conf = os.path.join(tmp, "off.conf")
+        with open(conf, "w") as f:
+            f.write("master_param = no\n")
+        with aoq.Daemon(threads=2, args=["--config", conf]) as off:
+            for sock in (SOCKET, off.socket):
+                m = make_model(W, DEV).to(torch.bfloat16)
+                o = OffloadOptimizer(m.named_parameters(), torch.optim.AdamW, socket=sock, lr=1e-2,
+                                     master_dtype="bf16", seed=1234)
+                data = batches(8, DEV)
+                params = list(m.parameters())    # state_dict's keys: positions among them
+                big = [k for k, p in enumerate(params) if p.requires_grad and p.numel() >= 4096]
+                assert big, "no parameter is offloaded"
+                for i in range(STEPS):
+                    x, y = data[i % len(data)]
+                    torch.nn.functional.mse_loss(m(x.to(torch.bfloat16)).float(), y).backward()
+                    o.step()
+                    o.zero_grad()
+                    o.synchronize()
+                    st = o.state_dict()["state"]
+                    for k in big:
+                        master = st[k]["master"]    # (as fp32: bf16 values exactly)
+                        p = params[k]
+                        assert torch.equal(p.detach().float(), master.to(p.device).float()), \
+                            "step %d parameter %d is not its master" % (i, k)
+                runs.append([p.detach().clone() for p in m.parameters()])
+                o.close()
+            log = off.log_text()
+    assert "masters shared 0 bytes" in log, log[-2000:]
+    import re
+    assert re.search(r"masters shared [1-9]", DAEMON.log_text()), "the default daemon shared no masters"
+    for k, (a, b) in enumerate(zip(*runs)):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), \
+            "parameter %d: master_param yes and no differ (max |d| %g)" % (k, (a.float() - b.float()).abs().max())
+    print("ok: bf16 model, bf16 master: every offloaded parameter is its master, the same bits as with "
+          "master_param = no")
+
+
 CASES = {"grad-edits": case_grad_edits, "import-swap": case_import_swap, "other-classes": case_other_classes,
          "reads-after-step": case_reads_after_step, "checkpoints": case_checkpoints, "dcp": case_dcp, "add-param-group": case_add_param_group,
-         "errors": case_errors, "gpu-share": case_gpu_share, "two-optimizers": case_two_optimizers}
+         "errors": case_errors, "gpu-share": case_gpu_share, "two-optimizers": case_two_optimizers,
+         "master-param": case_master_param}
 DEFAULT = list(CASES)
 
 
 def main():
-    global SOCKET, DEV
+    global SOCKET, DAEMON, DEV
     torch.set_num_threads(2)
     import argparse
     ap = argparse.ArgumentParser()
@@ -878,7 +927,7 @@ def main():
         return 77
     names = a.cases.split(",") if a.cases else DEFAULT
     with aoq.Daemon(threads=2) as d:
-        SOCKET = d.socket
+        SOCKET, DAEMON = d.socket, d
         for n in names:
             try:
                 CASES[n]()
