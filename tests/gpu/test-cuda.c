@@ -19,6 +19,8 @@
  *           with no host synchronisation but the library's; its parameters
  *           must equal, bit for bit, those of the same model trained
  *           through the host backend ("cpu") with every step synchronous.
+ *           With AOQT_RACE_BF16 set, both keep a bf16 master: the bf16
+ *           tensors' parameters are copied from the masters memfd.
  * timeline  gradients of tensors whose compute finished early must be in
  *           the arena while later compute still runs (D2H overlaps
  *           compute): checked with cudaEventQuery and with timing events
@@ -384,6 +386,12 @@ static void race_open(struct race_side *r, const char *sock, bool gpu, cudaStrea
 	o.socket = sock;
 	o.device = gpu ? "cuda:0" : "cpu";
 	o.job = gpu ? "race-gpu" : "race-host";
+	if (getenv("AOQT_RACE_BF16")) {
+		/* a bf16 master: the bf16 tensors copy their parameter from the
+		 * daemon's masters memfd (pinned read-only) */
+		o.precision = AOQ_STATE_BF16;
+		o.seed = 0x5eed;
+	}
 	o.cuda_stream = gpu ? s : NULL;
 	r->gpu = gpu;
 	CHECK_OK(aoq_connect(&r->c, &o));
