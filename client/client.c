@@ -1115,7 +1115,12 @@ int aoq_register(struct aoq_client *c)
 	c->bell_in = fds[2];
 	nfds = 0;
 	if ((r = check_arena(c, rep->registered)) < 0) {
-		aoq_set_error(r, "the arena's layout is inconsistent");
+		uint32_t v = ((const struct aoq_arena_header *)(const void *)c->arena)->version;
+		if (v != AOQ_ARENA_VERSION)
+			aoq_set_error(r, "aoqd's arena is version %u, this libaoq reads version %u: use libaoq and aoqd of "
+			              "the same release", v, AOQ_ARENA_VERSION);
+		else
+			aoq_set_error(r, "the arena's layout is inconsistent");
 		goto out;
 	}
 	if ((r = c->ops->register_host(c->be, c->arena, c->arena_size)) < 0)

@@ -264,77 +264,70 @@ static void cuda_close(struct aoq_backend *b)
 
 /* ---- pinning ---- */
 
-static int cuda_register(struct aoq_backend *b, void *p, size_t len)
+/* Pins [p, p + len) with `flags` into *slot (one mapping each: the arena,
+ * or the masters memfd); `what` names it in errors. */
+static int pin(struct aoq_backend *b, void *p, size_t len, unsigned flags, void **slot, size_t *slot_len,
+               const char *what)
 {
-	if (b->registered)
-		return aoq_set_error(-EBUSY, "CUDA backend: an arena is already registered");
+	if (*slot)
+		return aoq_set_error(-EBUSY, "CUDA backend: %s is already registered", what);
 	int prev, r = dev_enter(b, &prev);
 	if (r < 0)
 		return r;
 	/* Exact size, no rounding; the mapping is a sealed memfd MAP_SHARED. */
-	cudaError_t e = cudaHostRegister(p, len, cudaHostRegisterDefault);
+	cudaError_t e = cudaHostRegister(p, len, flags);
 	if (e != cudaSuccess) {
-		r = aoq_set_error(cuda_errno(e), "CUDA: cannot pin the %zu-byte arena for DMA: %s (%s)%s", len,
+		r = aoq_set_error(cuda_errno(e), "CUDA: cannot pin %s (%zu bytes) for DMA: %s (%s)%s", what, len,
 		                  cudaGetErrorName(e), cudaGetErrorString(e),
 		                  e == cudaErrorMemoryAllocation ? " (check the memlock limit: ulimit -l)" : "");
+		cudaGetLastError(); /* not sticky: clear it */
 	} else {
-		b->registered = p;
-		b->registered_len = len;
+		*slot = p;
+		*slot_len = len;
 	}
 	dev_leave(b, prev);
 	return r;
+}
+
+static void unpin(struct aoq_backend *b, void *p, void **slot, size_t *slot_len)
+{
+	if (!*slot || *slot != p)
+		return;
+	int prev;
+	if (dev_enter(b, &prev) < 0)
+		return;
+	/* No copy may still use the mapping once it is unpinned and unmapped. */
+	cudaStreamSynchronize(b->d2h);
+	cudaStreamSynchronize(b->h2d);
+	cudaHostUnregister(p);
+	*slot = NULL;
+	*slot_len = 0;
+	dev_leave(b, prev);
+}
+
+static int cuda_register(struct aoq_backend *b, void *p, size_t len)
+{
+	return pin(b, p, len, cudaHostRegisterDefault, &b->registered, &b->registered_len, "the arena");
 }
 
 /* The masters memfd: mapped read-only, so pinned with
  * cudaHostRegisterReadOnly (the device only reads it). */
 static int cuda_register_ro(struct aoq_backend *b, void *p, size_t len)
 {
-	if (b->registered_ro)
-		return aoq_set_error(-EBUSY, "CUDA backend: a masters mapping is already registered");
-	int prev, r = dev_enter(b, &prev);
-	if (r < 0)
-		return r;
-	cudaError_t e = cudaHostRegister(p, len, cudaHostRegisterReadOnly);
-	if (e != cudaSuccess) {
-		r = aoq_set_error(cuda_errno(e), "CUDA: cannot pin the %zu-byte masters mapping read-only: %s (%s)", len,
-		                  cudaGetErrorName(e), cudaGetErrorString(e));
-		cudaGetLastError(); /* not sticky: clear it */
-	} else {
-		b->registered_ro = p;
-		b->registered_ro_len = len;
-	}
-	dev_leave(b, prev);
-	return r;
+	return pin(b, p, len, cudaHostRegisterReadOnly, &b->registered_ro, &b->registered_ro_len,
+	           "the masters mapping (read-only)");
 }
 
 static void cuda_unregister_ro(struct aoq_backend *b, void *p, size_t len)
 {
 	(void)len;
-	if (!b->registered_ro || b->registered_ro != p)
-		return;
-	int prev;
-	if (dev_enter(b, &prev) < 0)
-		return;
-	cudaHostUnregister(p);
-	dev_leave(b, prev);
-	b->registered_ro = NULL;
-	b->registered_ro_len = 0;
+	unpin(b, p, &b->registered_ro, &b->registered_ro_len);
 }
 
 static void cuda_unregister(struct aoq_backend *b, void *p, size_t len)
 {
-	if (!b->registered || b->registered != p)
-		return;
-	int prev;
-	if (dev_enter(b, &prev) < 0)
-		return;
-	/* No copy may still use the arena once it is unpinned and unmapped. */
-	cudaStreamSynchronize(b->d2h);
-	cudaStreamSynchronize(b->h2d);
-	cudaHostUnregister(p);
-	b->registered = NULL;
-	b->registered_len = 0;
-	dev_leave(b, prev);
+	(void)len;
+	unpin(b, p, &b->registered, &b->registered_len);
 }
 
 /* ---- streaming copies ---- */
