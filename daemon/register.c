@@ -280,10 +280,11 @@ int aoqd_register_hub(struct aoqd_session *hub, struct aoqd_session *s, bool res
 	if (r < 0)
 		return AOQD_FAIL(err, NO_MEMORY, "cannot create the replica group's arena: %s", strerror(-r));
 	aoqd_info("session", "replica group %" PRIu64 " (uid %u job '%s', %u local ranks): %u tensors in %u groups, %"
-	          PRIu64 " bytes of state (%s), arena %" PRIu64 " bytes", hub->id, (unsigned)hub->conn.uid, hub->conn.job,
-	          hub->rep->world, hub->st.ntensors, hub->st.ngroups, hub->st.state_bytes,
+	          PRIu64 " bytes of state (%s), arena %" PRIu64 " bytes, masters shared %" PRIu64 " bytes", hub->id,
+	          (unsigned)hub->conn.uid, hub->conn.job, hub->rep->world, hub->st.ntensors, hub->st.ngroups,
+	          hub->st.state_bytes,
 	          protobuf_c_enum_descriptor_get_value(&aoq__state_precision__descriptor, hub->st.precision)->name,
-	          hub->arena.size);
+	          hub->arena.size, hub->st.delayed ? 0 : hub->st.masters_size);
 	return 0;
 }
 
