@@ -864,8 +864,8 @@ static int print_stats_prometheus(const struct view *v, FILE *f)
 	prom_session_family(f, st, "aoq_session_steps_total", "counter", "Optimizer steps completed.", get_steps);
 	prom_session_family(f, st, "aoq_session_bytes_in_total", "counter", "Gradient bytes read from the arena.",
 	                    get_bytes_in);
-	prom_session_family(f, st, "aoq_session_bytes_out_total", "counter", "Parameter bytes written to the arena.",
-	                    get_bytes_out);
+	prom_session_family(f, st, "aoq_session_bytes_out_total", "counter",
+	                    "Parameter bytes made ready for the trainer (in the arena, or its masters memfd).", get_bytes_out);
 	prom_session_family(f, st, "aoq_session_optimizer_cpu_seconds_total", "counter",
 	                    "CPU time spent in the optimizer kernels for the session.", get_cpu);
 	prom_session_family(f, st, "aoq_session_chunks_total", "counter", "Update chunks run by the workers.", get_chunks);
