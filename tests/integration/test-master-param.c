@@ -9,7 +9,8 @@
  * the same sessions: bf16 master, bf16 master + q8 moments and all bf16,
  * each with a slot per tensor and with a 2-slot window, micro-batches
  * accumulated in every other step, tensors of 1, 3, 4097 and 1 Mi + 13
- * elements (pieces of several records).  After every step the parameters
+ * elements (pieces of several records); then Lion, and SGD without momentum
+ * (a state that is the master alone).  After every step the parameters
  * must be equal bit for bit, and equal to the master read back through
  * ReadState; the first daemon's log must name the shared masters and the
  * second's none.  A session whose parameters are fp32 (the master kept
@@ -25,8 +26,14 @@
 #define NT 4
 static const uint64_t sizes[NT] = { 1, 3, 4097, (1u << 20) + 13 };
 
-static const struct aoq_group hp = { .size = sizeof(struct aoq_group), .kind = AOQ_ADAMW, .lr = 2e-3,
-                                     .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01 };
+static const struct aoq_group adamw = { .size = sizeof(struct aoq_group), .kind = AOQ_ADAMW, .lr = 2e-3,
+                                        .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01 };
+/* Lion (one moment) and SGD without momentum (no moment: the state is the
+ * master alone, all of it the memfd's pages) */
+static const struct aoq_group lion = { .size = sizeof(struct aoq_group), .kind = AOQ_LION, .lr = 5e-3,
+                                       .beta1 = 0.9, .beta2 = 0.99, .weight_decay = 0.01 };
+static const struct aoq_group sgd = { .size = sizeof(struct aoq_group), .kind = AOQ_SGD, .lr = 1e-2 };
+static const struct aoq_group *hp = &adamw;
 
 struct run {
 	struct aoq_client *c;
@@ -46,7 +53,7 @@ static void open_run(struct run *r, const char *sock, const char *job, enum aoq_
 	o.seed = 0x5eed;
 	r->pd = pd;
 	CHECK_OK(aoq_connect(&r->c, &o));
-	CHECK_OK(aoq_add_group(r->c, &hp));
+	CHECK_OK(aoq_add_group(r->c, hp));
 	for (int t = 0; t < NT; t++) {
 		r->param[t] = aoqt_xmalloc(sizes[t] * 4);
 		r->grad[t] = aoqt_xmalloc(sizes[t] * 2);
@@ -203,6 +210,11 @@ int main(int argc, char **argv)
 		snprintf(what, sizeof(what), "%s-window", precs[p].name);
 		compare(what, &on, &off, precs[p].prec, 16u << 20);
 	}
+	hp = &lion;
+	compare("lion-bf16-slots", &on, &off, AOQ_STATE_BF16, 0);
+	hp = &sgd;
+	compare("sgd-bf16all-slots", &on, &off, AOQ_STATE_BF16_ALL, 0);
+	hp = &adamw;
 	fp32_params(&on);
 	CHECK(aoqt_daemon_stop(&off, 10000, true) == 0, "aoqd (master_param = no) did not exit cleanly");
 	CHECK(aoqt_daemon_stop(&on, 10000, true) == 0, "aoqd did not exit cleanly");
