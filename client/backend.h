@@ -76,6 +76,13 @@ struct aoq_backend_ops {
 	 * see struct aoq_copy_time (end_ns is stored before done runs). */
 	int (*d2h)(struct aoq_backend *b, void *dst, const void *src, size_t bytes, void *stream,
 	           aoq_done_fn done, void *arg, struct aoq_copy_time *tm);
+	/* Optional: as d2h, and also after `after` (an event from h2d or
+	 * h2d_after), without blocking the host.  The delayed update with the
+	 * master as the parameter posts a gradient's record only once the copy
+	 * of the master it follows has landed (aoq-arena.h).  NULL: the library
+	 * waits for `after` on the host before d2h. */
+	int (*d2h_after)(struct aoq_backend *b, void *dst, const void *src, size_t bytes, void *stream,
+	                 struct aoq_event *after, aoq_done_fn done, void *arg, struct aoq_copy_time *tm);
 	/* Copies host src -> device dst after the work queued on `stream` so far
 	 * and returns an event marking its completion in *ev (NULL when done). */
 	int (*h2d)(struct aoq_backend *b, void *dst, const void *src, size_t bytes, void *stream,

@@ -1202,10 +1202,19 @@ static void grad_copied(void *arg, int status)
 	free(d);
 }
 
-/* Starts one gradient copy into the arena; its record follows when done.
- * Caller holds c->lock; it is dropped around the backend call. */
+/* Delayed update: where x's pending update lies (its master, or the param
+ * buffer of its step's parity). */
+static const uint8_t *pending_src(const struct tensor *x)
+{
+	return x->master_area ? x->master_area : x->param_area + ((x->pending_step & 1) ? x->param_buf : 0);
+}
+
+/* Starts one gradient copy into the arena; its record follows when done,
+ * and when `after` is given (a parameter copy out of the master the record
+ * lets the daemon write again), after that too.  Caller holds c->lock; it
+ * is dropped around the backend calls. */
 static int start_copy(struct aoq_client *c, struct tensor *x, uint8_t *dst, const uint8_t *src,
-                      const struct aoq_rec *rec)
+                      const struct aoq_rec *rec, struct aoq_event *after)
 {
 	struct copy_done *d = malloc(sizeof(*d));
 	if (!d)
@@ -1218,7 +1227,13 @@ static int start_copy(struct aoq_client *c, struct tensor *x, uint8_t *dst, cons
 	struct aoq_copy_time *tm =
 		span_new(c, AOQ__TRACE_SPAN_KIND__SPAN_D2H, rec->tensor, rec->step, rec->offset, rec->count);
 	pthread_mutex_unlock(&c->lock);
-	int r = c->ops->d2h(c->be, dst, src, rec->count * x->gsize, x->stream, grad_copied, d, tm);
+	int r = 0;
+	if (after && !c->ops->d2h_after)
+		r = c->ops->host_wait(c->be, after);
+	if (r == 0)
+		r = after && c->ops->d2h_after
+			? c->ops->d2h_after(c->be, dst, src, rec->count * x->gsize, x->stream, after, grad_copied, d, tm)
+			: c->ops->d2h(c->be, dst, src, rec->count * x->gsize, x->stream, grad_copied, d, tm);
 	pthread_mutex_lock(&c->lock);
 	if (r < 0) {
 		fail_session(c, r, "gradient copy of tensor %u failed: %s", rec->tensor, aoq_last_error());
@@ -1283,6 +1298,7 @@ int aoq_push_grad_ptr(struct aoq_client *c, uint32_t t, const void *grad, unsign
 		if (r < 0)
 			fail_session(c, r, "parameter copy to the device failed: %s", aoq_last_error());
 	}
+	struct evref *after = NULL; /* the copy this push's records wait for */
 	if (c->o.delayed_update) {
 		/* The last copy out of the buffer this step will write is done
 		 * (it left during the previous step); then the pending update
@@ -1297,8 +1313,13 @@ int aoq_push_grad_ptr(struct aoq_client *c, uint32_t t, const void *grad, unsign
 		}
 		if (x->pending && r == 0) {
 			x->pending = false;
-			copy_param(c, x, x->param_area + ((x->pending_step & 1) ? x->param_buf : 0), 0, x->d.numel, NULL,
-			           x->pending_step);
+			copy_param(c, x, pending_src(x), 0, x->d.numel, NULL, x->pending_step);
+			/* the master is the parameter: this push's update writes
+			 * it again, so its record waits for the copy */
+			if (x->master_area && x->h2d && x->h2d->ev) {
+				after = x->h2d;
+				after->refs++;
+			}
 		}
 	}
 	/* In pieces: the daemon starts on the first while the rest copies.
@@ -1309,8 +1330,10 @@ int aoq_push_grad_ptr(struct aoq_client *c, uint32_t t, const void *grad, unsign
 	for (uint64_t off = c->world ? x->sb : 0; r == 0 && !c->slots && off < end; off += AOQ_PUSH_CHUNK_ELEMS) {
 		rec.offset = off;
 		rec.count = end - off < AOQ_PUSH_CHUNK_ELEMS ? end - off : AOQ_PUSH_CHUNK_ELEMS;
-		r = start_copy(c, x, x->grad_area + off * x->gsize, (const uint8_t *)grad + off * x->gsize, &rec);
+		r = start_copy(c, x, x->grad_area + off * x->gsize, (const uint8_t *)grad + off * x->gsize, &rec,
+		               after ? after->ev : NULL);
 	}
+	evref_put(c, after);
 	for (uint64_t off = 0; r == 0 && c->slots && off < x->d.numel; off += c->hdr.slot_elems) {
 		while (!c->error && c->nfree == 0)
 			wait_daemon(c, &dl);
@@ -1335,7 +1358,7 @@ int aoq_push_grad_ptr(struct aoq_client *c, uint32_t t, const void *grad, unsign
 		rec.offset = off;
 		rec.count = sl->count;
 		if (r == 0)
-			r = start_copy(c, x, sl->grad_area, (const uint8_t *)grad + off * x->gsize, &rec);
+			r = start_copy(c, x, sl->grad_area, (const uint8_t *)grad + off * x->gsize, &rec, NULL);
 	}
 	if (r == 0 && c->error)
 		r = session_error(c);
@@ -1609,8 +1632,7 @@ int aoq_flush(struct aoq_client *c)
 		if (!x->pending)
 			continue;
 		x->pending = false;
-		copy_param(c, x, x->param_area + ((x->pending_step & 1) ? x->param_buf : 0), 0, x->d.numel, NULL,
-			           x->pending_step);
+		copy_param(c, x, pending_src(x), 0, x->d.numel, NULL, x->pending_step);
 	}
 	if (c->error && r == 0)
 		r = session_error(c);

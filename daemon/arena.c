@@ -150,7 +150,7 @@ int aoqd_arena_build_lanes(struct aoqd_arena *a, const struct aoqd_state *st, ui
 	h->xfer_off = a->xfer_off;
 	h->xfer_bytes = a->xfer_bytes;
 	h->flags = st->delayed ? AOQ_ARENA_DELAYED : 0;
-	h->masters_size = st->delayed ? 0 : st->masters_size;
+	h->masters_size = st->masters_size;
 	struct aoq_arena_tensor *tt = (void *)(a->base + tensor_table);
 	for (uint32_t i = 0; i < st->ntensors; i++) {
 		tt[i].numel = st->tensors[i].numel;

@@ -222,7 +222,7 @@ int aoqd_register_finish(struct aoqd_session *s, uv_poll_cb on_doorbell, aoqd_ad
 	reg.arena_size = s->arena.size;
 	reg.tensors = st->ntensors;
 	reg.state_bytes = st->state_bytes;
-	reg.fds = st->masters_size && !st->delayed ? 4 : 3;
+	reg.fds = st->masters_size ? 4 : 3;
 	reg.seed = st->seed;
 	reg.resumed = s->resumed_from != 0;
 	reg.resumed_step = s->resumed_from ? st->last_step : 0;
@@ -284,7 +284,7 @@ int aoqd_register_hub(struct aoqd_session *hub, struct aoqd_session *s, bool res
 	          (unsigned)hub->conn.uid, hub->conn.job, hub->rep->world, hub->st.ntensors, hub->st.ngroups,
 	          hub->st.state_bytes,
 	          protobuf_c_enum_descriptor_get_value(&aoq__state_precision__descriptor, hub->st.precision)->name,
-	          hub->arena.size, hub->st.delayed ? 0 : hub->st.masters_size);
+	          hub->arena.size, hub->st.masters_size);
 	return 0;
 }
 
@@ -327,7 +327,7 @@ int aoqd_register_member(struct aoqd_session *s, struct aoqd_session *hub, uv_po
 	reg.arena_size = s->arena.size;
 	reg.tensors = hub->st.ntensors;
 	reg.state_bytes = hub->st.state_bytes;
-	reg.fds = hub->st.masters_size && !hub->st.delayed ? 4 : 3;
+	reg.fds = hub->st.masters_size ? 4 : 3;
 	reg.seed = hub->st.seed;
 	reg.lane_to_daemon_off = s->arena.to_daemon_off;
 	reg.lane_to_client_off = s->arena.to_client_off;

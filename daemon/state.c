@@ -135,7 +135,7 @@ void aoqd_state_set_master_param(bool on)
 /* Whether x's master goes to the masters memfd (before the allocation). */
 static bool wants_master_param(const struct aoqd_state *st, const struct aoqd_tensor *x)
 {
-	return master_param_on && !st->delayed && aoqk_master_size((enum aoqk_precision)st->precision) == 2 &&
+	return master_param_on && aoqk_master_size((enum aoqk_precision)st->precision) == 2 &&
 	       x->param_dtype == AOQK_BF16;
 }
 

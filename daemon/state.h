@@ -128,10 +128,12 @@ uint64_t aoqd_state_tensor_len(const struct aoqd_state *st, const struct aoqd_te
  * (aoqd.conf master_param; on by default).  Process-wide. */
 void aoqd_state_set_master_param(bool on);
 /* Whether x's parameter is its master for a client of st (aoq-arena.h):
- * a bf16 master in the masters memfd, and no delayed update. */
+ * a bf16 master in the masters memfd (with the delayed update too: the
+ * client copies the master before it pushes the next gradient, README,
+ * "The master is the parameter"). */
 static inline bool aoqd_tensor_master_param(const struct aoqd_state *st, const struct aoqd_tensor *x)
 {
-	return st->masters_size && !st->delayed && x->master_off != UINT64_MAX;
+	return st->masters_size && x->master_off != UINT64_MAX;
 }
 /* Maps every tensor's state.  lock_memory: 0 no, 1 try, 2 required;
  * locked bytes are added to *locked_total.  0, or -errno with *failed_len

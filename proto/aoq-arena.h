@@ -33,7 +33,7 @@
 #include <string.h>
 
 #define AOQ_ARENA_MAGIC 0x41514f41u /* "AOQA" */
-#define AOQ_ARENA_VERSION 2u
+#define AOQ_ARENA_VERSION 3u /* 3: masters with the delayed update too */
 #define AOQ_ARENA_ALIGN 64u
 #define AOQ_PROTOCOL_VERSION 1u
 #define AOQ_MAX_FRAME (1u << 20)
@@ -73,7 +73,8 @@ struct aoq_arena_header {
 
 /* Delayed update: every param area is two buffers of param_bytes, the
  * second at param_off + aoq_align_up(param_bytes, AOQ_ARENA_ALIGN); step s
- * writes buffer s & 1. */
+ * writes buffer s & 1.  A tensor whose master is the parameter has no
+ * param area (param_bytes 0): the master is written in place. */
 #define AOQ_ARENA_DELAYED 1u
 
 struct aoq_arena_tensor {
@@ -91,14 +92,17 @@ struct aoq_arena_tensor {
 
 /*
  * The master as the parameter (README, "The master is the parameter"):
- * with a bf16 master, bf16 parameters and no delayed update, aoqd keeps
+ * with a bf16 master and bf16 parameters, aoqd keeps
  * each such tensor's master in one memfd per session, sealed against new
  * writable mappings (F_SEAL_FUTURE_WRITE), and sends it as Registered's
  * fourth fd.  The client maps it read-only and copies parameters straight
  * from it: the update writes no separate parameter.  The daemon updates a
  * master in place, so a client copies a tensor's parameter out before it
  * pushes that tensor's next final gradient (the rule a slot-per-tensor
- * arena without a window already has).
+ * arena without a window already has).  With the delayed update the copy
+ * of step s's update leaves at the push of step s + 1, and the record of
+ * that push is posted only once the copy has landed (libaoq orders the
+ * gradient's copy after it).
  */
 #define AOQ_NO_MASTER UINT64_MAX
 #define AOQ_MASTER_ALIGN 4096u
@@ -213,7 +217,7 @@ static inline int aoq_arena_header_check(const struct aoq_arena_header *h, uint6
 	if ((h->window == 0 && h->slots != h->tensors) ||
 	    (h->window && (h->slots == 0 || h->slot_elems == 0 || h->slot_elems > AOQ_SLOT_MAX_ELEMS)))
 		return -EPROTO;
-	if (h->masters_size && ((h->flags & AOQ_ARENA_DELAYED) || h->masters_size % AOQ_MASTER_ALIGN))
+	if (h->masters_size % AOQ_MASTER_ALIGN)
 		return -EPROTO;
 	return 0;
 }

@@ -354,8 +354,8 @@ static void CUDART_CB stamp_end_fn(void *p)
 	aoq_copy_time_end(p);
 }
 
-static int cuda_d2h(struct aoq_backend *b, void *dst, const void *src, size_t bytes, void *stream,
-                    aoq_done_fn done, void *arg, struct aoq_copy_time *tm)
+static int cuda_d2h_after(struct aoq_backend *b, void *dst, const void *src, size_t bytes, void *stream,
+                          struct aoq_event *after, aoq_done_fn done, void *arg, struct aoq_copy_time *tm)
 {
 	struct host_done *h = malloc(sizeof(*h));
 	if (!h)
@@ -370,6 +370,8 @@ static int cuda_d2h(struct aoq_backend *b, void *dst, const void *src, size_t by
 	}
 	if ((r = order_after(b, b->d2h, stream)) < 0)
 		goto out;
+	if (after)
+		CU(cudaStreamWaitEvent(b->d2h, after->ev, 0), "cudaStreamWaitEvent (parameter copy)");
 	if (tm)
 		CU(cudaLaunchHostFunc(b->d2h, stamp_start_fn, tm), "cudaLaunchHostFunc (trace)");
 	CU(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, b->d2h), "cudaMemcpyAsync (gradient)");
@@ -382,6 +384,11 @@ out:
 	return r;
 }
 
+static int cuda_d2h(struct aoq_backend *b, void *dst, const void *src, size_t bytes, void *stream,
+                    aoq_done_fn done, void *arg, struct aoq_copy_time *tm)
+{
+	return cuda_d2h_after(b, dst, src, bytes, stream, NULL, done, arg, tm);
+}
 
 static int cuda_record(struct aoq_backend *b, void *stream, struct aoq_event **ev)
 {
@@ -510,6 +517,7 @@ const struct aoq_backend_ops aoq_backend_cuda = {
 	.register_host_ro = cuda_register_ro,
 	.unregister_host_ro = cuda_unregister_ro,
 	.d2h = cuda_d2h,
+	.d2h_after = cuda_d2h_after,
 	.h2d = cuda_h2d,
 	.record = cuda_record,
 	.h2d_after = cuda_h2d_after,

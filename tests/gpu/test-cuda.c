@@ -20,7 +20,10 @@
  *           must equal, bit for bit, those of the same model trained
  *           through the host backend ("cpu") with every step synchronous.
  *           With AOQT_RACE_BF16 set, both keep a bf16 master: the bf16
- *           tensors' parameters are copied from the masters memfd.
+ *           tensors' parameters are copied from the masters memfd.  With
+ *           AOQT_RACE_DELAYED set, both take the delayed update (with a
+ *           bf16 master: each copy out of a master lands before the
+ *           gradient whose update rewrites it is posted).
  * timeline  gradients of tensors whose compute finished early must be in
  *           the arena while later compute still runs (D2H overlaps
  *           compute): checked with cudaEventQuery and with timing events
@@ -392,6 +395,7 @@ static void race_open(struct race_side *r, const char *sock, bool gpu, cudaStrea
 		o.precision = AOQ_STATE_BF16;
 		o.seed = 0x5eed;
 	}
+	o.delayed_update = getenv("AOQT_RACE_DELAYED") != NULL;
 	o.cuda_stream = gpu ? s : NULL;
 	r->gpu = gpu;
 	CHECK_OK(aoq_connect(&r->c, &o));
@@ -530,6 +534,8 @@ static void test_race(void)
 	for (int k = 0; k < steps; k++)
 		race_step_gpu(&gs, &dv, s);
 	CHECK_OK(aoq_sync(gs.c, NULL));
+	if (getenv("AOQT_RACE_DELAYED"))
+		CHECK_OK(aoq_flush(gs.c)); /* the last update lands too */
 	CK(cudaStreamSynchronize(s));
 	double tg = aoqt_now() - t0;
 	uint16_t *w1g = aoqt_xmalloc(nw1 * 2);
@@ -546,6 +552,8 @@ static void test_race(void)
 	for (int k = 0; k < steps; k++)
 		race_step_host(&hs, &dv, s);
 	CHECK_OK(aoq_sync(hs.c, NULL));
+	if (getenv("AOQT_RACE_DELAYED"))
+		CHECK_OK(aoq_flush(hs.c));
 	double th = aoqt_now() - t0;
 
 	size_t bad = 0, changed = 0;

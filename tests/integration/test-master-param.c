@@ -9,11 +9,13 @@
  * the same sessions: bf16 master, bf16 master + q8 moments and all bf16,
  * each with a slot per tensor and with a 2-slot window, micro-batches
  * accumulated in every other step, tensors of 1, 3, 4097 and 1 Mi + 13
- * elements (pieces of several records); then Lion, and SGD without momentum
- * (a state that is the master alone).  After every step the parameters
- * must be equal bit for bit, and equal to the master read back through
- * ReadState; the first daemon's log must name the shared masters and the
- * second's none.  A session whose parameters are fp32 (the master kept
+ * elements (pieces of several records); with the delayed update too (a slot
+ * per tensor); then Lion, and SGD without momentum (a state that is the
+ * master alone).  After every step the parameters must be equal bit for
+ * bit, and equal to the master read back through ReadState (with the
+ * delayed update: to the master read after the step before, and after
+ * aoq_flush to the master); the first daemon's log must name the shared
+ * masters and the second's none.  A session whose parameters are fp32 (the master kept
  * bf16) gets no masters memfd and trains as well.
  */
 #include <errno.h>
@@ -42,7 +44,7 @@ struct run {
 };
 
 static void open_run(struct run *r, const char *sock, const char *job, enum aoq_precision prec, uint64_t window,
-                     enum aoq_dtype pd)
+                     bool delayed, enum aoq_dtype pd)
 {
 	struct aoq_options o = AOQ_OPTIONS_INIT;
 	o.socket = sock;
@@ -50,6 +52,7 @@ static void open_run(struct run *r, const char *sock, const char *job, enum aoq_
 	o.device = "cpu";
 	o.precision = prec;
 	o.window = window;
+	o.delayed_update = delayed;
 	o.seed = 0x5eed;
 	r->pd = pd;
 	CHECK_OK(aoq_connect(&r->c, &o));
@@ -118,7 +121,7 @@ static uint64_t masters_logged(struct aoqt_daemon *d, int *lines)
 }
 
 static void compare(const char *what, struct aoqt_daemon *on, struct aoqt_daemon *off, enum aoq_precision prec,
-                    uint64_t window)
+                    uint64_t window, bool delayed)
 {
 	struct run a, b;
 	char ja[64], jb[64];
@@ -127,8 +130,8 @@ static void compare(const char *what, struct aoqt_daemon *on, struct aoqt_daemon
 	int off0, offn;
 	uint64_t on0 = masters_logged(on, NULL);
 	masters_logged(off, &off0);
-	open_run(&a, on->socket, ja, prec, window, AOQ_BF16);
-	open_run(&b, off->socket, jb, prec, window, AOQ_BF16);
+	open_run(&a, on->socket, ja, prec, window, delayed, AOQ_BF16);
+	open_run(&b, off->socket, jb, prec, window, delayed, AOQ_BF16);
 	/* every tensor's master in whole pages */
 	uint64_t want = 0;
 	for (int t = 0; t < NT; t++)
@@ -139,17 +142,33 @@ static void compare(const char *what, struct aoqt_daemon *on, struct aoqt_daemon
 	CHECK(masters_logged(off, &offn) == 0 && offn == off0 + 1, "%s: the daemon with master_param = no shared "
 	      "masters (or did not log the registration)", what);
 	uint16_t *m = aoqt_xmalloc(sizes[NT - 1] * 2);
-	for (uint64_t k = 1; k <= 4; k++) {
+	/* the delayed update: the master after the step before, which the
+	 * device holds after this one */
+	uint16_t *prev[NT];
+	for (int t = 0; t < NT; t++) {
+		prev[t] = aoqt_xmalloc(sizes[t] * 2);
+		memcpy(prev[t], a.param[t], sizes[t] * 2);
+	}
+	for (uint64_t k = 1; k <= 5; k++) {
 		step(&a, k);
 		step(&b, k);
+		if (k == 5 && delayed) {
+			CHECK_OK(aoq_flush(a.c));
+			CHECK_OK(aoq_flush(b.c));
+		}
+		bool lag = delayed && k < 5;
 		for (int t = 0; t < NT; t++) {
 			CHECK(memcmp(a.param[t], b.param[t], sizes[t] * 2) == 0, "%s: step %llu tensor %d: the parameters "
 			      "differ between master_param yes and no", what, (unsigned long long)k, t);
 			CHECK_OK(aoq_read_state(a.c, (uint32_t)t, AOQ_MASTER, AOQ_BF16, 0, sizes[t], m));
-			CHECK(memcmp(a.param[t], m, sizes[t] * 2) == 0, "%s: step %llu tensor %d: the parameter is not the "
-			      "master", what, (unsigned long long)k, t);
+			CHECK(memcmp(a.param[t], lag ? prev[t] : m, sizes[t] * 2) == 0, "%s: step %llu tensor %d: the "
+			      "parameter is not the master%s", what, (unsigned long long)k, t,
+			      lag ? " of the step before" : "");
+			memcpy(prev[t], m, sizes[t] * 2);
 		}
 	}
+	for (int t = 0; t < NT; t++)
+		free(prev[t]);
 	/* and the parameters moved */
 	struct aoqt_rng g = aoqt_rng_for(21, NT - 1, 0);
 	size_t moved = 0;
@@ -172,7 +191,7 @@ static void fp32_params(struct aoqt_daemon *on)
 	int n0, n1;
 	uint64_t on0 = masters_logged(on, &n0);
 	struct run a;
-	open_run(&a, on->socket, "fp32-params", AOQ_STATE_BF16, 0, AOQ_FP32);
+	open_run(&a, on->socket, "fp32-params", AOQ_STATE_BF16, 0, false, AOQ_FP32);
 	CHECK(masters_logged(on, &n1) == on0 && n1 == n0 + 1, "fp32 parameters: masters shared");
 	for (uint64_t k = 1; k <= 2; k++)
 		step(&a, k);
@@ -206,14 +225,17 @@ int main(int argc, char **argv)
 	for (size_t p = 0; p < sizeof(precs) / sizeof(precs[0]); p++) {
 		char what[64];
 		snprintf(what, sizeof(what), "%s-slots", precs[p].name);
-		compare(what, &on, &off, precs[p].prec, 0);
+		compare(what, &on, &off, precs[p].prec, 0, false);
 		snprintf(what, sizeof(what), "%s-window", precs[p].name);
-		compare(what, &on, &off, precs[p].prec, 16u << 20);
+		compare(what, &on, &off, precs[p].prec, 16u << 20, false);
+		snprintf(what, sizeof(what), "%s-delayed", precs[p].name);
+		compare(what, &on, &off, precs[p].prec, 0, true);
 	}
 	hp = &lion;
-	compare("lion-bf16-slots", &on, &off, AOQ_STATE_BF16, 0);
+	compare("lion-bf16-slots", &on, &off, AOQ_STATE_BF16, 0, false);
+	compare("lion-bf16-delayed", &on, &off, AOQ_STATE_BF16, 0, true);
 	hp = &sgd;
-	compare("sgd-bf16all-slots", &on, &off, AOQ_STATE_BF16_ALL, 0);
+	compare("sgd-bf16all-slots", &on, &off, AOQ_STATE_BF16_ALL, 0, false);
 	hp = &adamw;
 	fp32_params(&on);
 	CHECK(aoqt_daemon_stop(&off, 10000, true) == 0, "aoqd (master_param = no) did not exit cleanly");
