@@ -151,7 +151,11 @@ static inline float aoqk_q8_v_decode(uint8_t code, float v_scale)
  * stays finite (0 * inf would be NaN: the top code) for every x <= s. */
 static inline float aoqk_q8_inv(float top, float s)
 {
-	return s > 0.0f ? fminf(top / s, 3.40282347e38f) : 0.0f;
+	/* a compare, not fminf: gcc calls fminf out of line, and the kernels
+	 * spill their vector registers around the call twice per block
+	 * (top / s is never NaN here, so the results are fminf's) */
+	float q = top / s;
+	return s > 0.0f ? (q < 3.40282347e38f ? q : 3.40282347e38f) : 0.0f;
 }
 
 /* Format 2 encode of x = |m| or sqrt(v) with inv = TOP / the block's scale
