@@ -205,6 +205,23 @@ KI void vb_store_codes(uint8_t *a, uint8_t *b, vi x, vi y)
 #endif
 }
 
+#ifdef AOQK_AVX512BF16
+/* vb_store_codes for two vectors: the top bytes of x0 then x1 to a, the low
+ * bytes of y0 then y1 to b, one two-table permute and one 32-byte store
+ * each (no extract of the upper half) */
+#define KHAS_CODES2 1
+KI void vb_store_codes2(uint8_t *a, uint8_t *b, vi x0, vi y0, vi x1, vi y1)
+{
+	const vi idx = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, (int)0x7c787470, (int)0x6c686460,
+	                                (int)0x5c585450, (int)0x4c484440, (int)0x3c383430, (int)0x2c282420,
+	                                (int)0x1c181410, (int)0x0c080400);
+	const vi three = _mm512_set1_epi8(3);
+	_mm256_storeu_si256((__m256i *)(void *)a,
+	                    _mm512_castsi512_si256(_mm512_permutex2var_epi8(x0, _mm512_or_si512(idx, three), x1)));
+	_mm256_storeu_si256((__m256i *)(void *)b, _mm512_castsi512_si256(_mm512_permutex2var_epi8(y0, idx, y1)));
+}
+#endif
+
 KI vacc vacc_zero(void) { return (vacc){ _mm512_setzero_pd(), _mm512_setzero_pd() }; }
 KI void vacc_add_sq(vacc *a, vf g)
 {

@@ -19,6 +19,8 @@
  *   KHAS_NT               1: the default table writes parameters with
  *                         non-temporal stores and a "-cached" twin with
  *                         plain stores is built too
+ *   KHAS_CODES2           (optional) vb_store_codes2 exists: q8's encode
+ *                         packs the codes of two vectors at once
  * and the vf_, vi_, vh_, vb_, vacc_ functions used below.
  */
 
@@ -398,8 +400,8 @@ static AOQK_ALWAYS_INLINE vi vstep(const struct kvec kc, const struct kptrs *p,
  * of the discarded fraction (E[code] is the exact code position to that
  * much) and the moments do not stick (a step moves v by 1 - beta2 = 0.1%,
  * far below one code's spacing). */
-static AOQK_ALWAYS_INLINE void q8_encode(const float *bm, const float *bu, vi a, vi b,
-                                         uint8_t *cm, uint8_t *cu, vf inv_m, vf inv_u)
+static AOQK_ALWAYS_INLINE void q8_codes(const float *bm, const float *bu, vi a, vi b, vf inv_m, vf inv_u,
+                                        vi *cmv, vi *cuv)
 {
 	/* r = 8 random bits at the top of the discarded ones, the rest at
 	 * one half: m's are B's bits 11..18 in place (one vpternlogd), v's
@@ -426,7 +428,17 @@ static AOQK_ALWAYS_INLINE void q8_encode(const float *bm, const float *bu, vi a,
 	 * becomes code 0: u = sqrt(v) >= 0, and a non-zero u is at least
 	 * sqrt(2^-149), whose bits exceed C0 + 1, so max(q, min(bits(u),
 	 * C0 + 1)) is q, or C0 + 1 (code 1) where u > 0 and q is code 0. */
-	q = vi_max_s(q, vi_min_u(vf_as_vi(u), vi_set1(AOQK_Q8_U_C0 + 1)));
+	*cuv = vi_max_s(q, vi_min_u(vf_as_vi(u), vi_set1(AOQK_Q8_U_C0 + 1)));
+	*cmv = c;
+}
+
+/* The m code of each lane is the top byte of c, the v code the low byte
+ * of q (q8_codes). */
+static AOQK_ALWAYS_INLINE void q8_encode(const float *bm, const float *bu, vi a, vi b,
+                                         uint8_t *cm, uint8_t *cu, vf inv_m, vf inv_u)
+{
+	vi c, q;
+	q8_codes(bm, bu, a, b, inv_m, inv_u, &c, &q);
 	vb_store_codes(cm, cu, c, q);
 }
 
@@ -611,6 +623,20 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 #define Q8_LANE(e) \
 	(aoqk_precision_bf16_master(prec) ? hb + ((e) & ~(size_t)3) \
 	 : (const uint32_t *)(const void *)&xs[((e) / W) % XS_N & ~3u])
+#ifdef KHAS_CODES2
+			/* two vectors at a time, their codes packed together
+			 * (vb_store_codes2) */
+			for (; e + 2 * W <= len && !AOQK_DROP_ENCODE; e += 2 * W) {
+				vi a0 = Q8_A(e);
+				vi a1 = Q8_A(e + W);
+				vi c0, q0, c1, q1;
+				q8_codes(bm + e, bu + e, a0, rng_second(a0, Q8_LANE(e), (unsigned)(e % 4), bc), im, iu,
+				         &c0, &q0);
+				q8_codes(bm + e + W, bu + e + W, a1,
+				         rng_second(a1, Q8_LANE(e + W), (unsigned)((e + W) % 4), bc), im, iu, &c1, &q1);
+				vb_store_codes2(cm + e, cu + e, c0, q0, c1, q1);
+			}
+#endif
 			for (; e + W <= len && !AOQK_DROP_ENCODE; e += W) {
 				vi a = Q8_A(e);
 				q8_encode(bm + e, bu + e, a, rng_second(a, Q8_LANE(e), (unsigned)(e % 4), bc),
