@@ -56,8 +56,6 @@ KI vf vf_q8_sqrt(vf v)
 	return _mm512_fixupimm_ps(_mm512_mul_ps(v, _mm512_rsqrt14_ps(v)), v, _mm512_set1_epi32(0x00100111), 0);
 }
 KI vf vf_q8_div(vf m, vf den) { return _mm512_mul_ps(m, _mm512_rcp14_ps(den)); }
-/* 1 / den within 2^-14: the update with nstep folded into den (vstep) */
-KI vf vf_q8_rcp(vf den) { return _mm512_rcp14_ps(den); }
 #else
 #define KQ8_APPROX 0
 KI vf vf_q8_sqrt(vf v) { return _mm512_sqrt_ps(v); }

@@ -14,8 +14,7 @@
  *   vf, vi, vh, vacc      float, int32, 16-bit and sum-of-squares vector types
  *   KVAR                  the variant's name token (scalar, avx2, ...)
  *   KQ8_APPROX            0: vf_q8_sqrt and vf_q8_div are IEEE's sqrt and
- *                         division; n: each within 2^-n of it, and
- *                         vf_q8_rcp (a reciprocal within 2^-n) is defined
+ *                         division; n: each within 2^-n of it
  *   KHAS_NT               1: the default table writes parameters with
  *                         non-temporal stores and a "-cached" twin with
  *                         plain stores is built too
@@ -194,29 +193,13 @@ static AOQK_ALWAYS_INLINE vf q8_u_decode(const uint8_t *p, vf su, vf nk, const i
 struct kvec {
 	vf w1, w1c, b2, w2, nstep, bc2s, inv_bc2s, eps, decay, wd, gscale;
 	vf b1, nlr, mom, damp1; /* SGD, Lion */
-	vf q8a, q8b; /* KQ8_APPROX: 1 / (bc2s nstep) and eps / nstep (q8fold) */
-	int lerp_small, adamw, l2, q8fold;
+	int lerp_small, adamw, l2;
 	int wd_on, mom_on, first, nesterov;
 	uint32_t srkey;
 };
 
-/* The q8 update of a variant with an approximate reciprocal divides by
- * den / nstep = fma(u, a, b), a = 1 / (bc2s nstep), b = eps / nstep, so
- * that nstep is folded into the reciprocal (vstep): where a and b are
- * finite and of one sign (nstep not zero, eps > 0) and, for every u =
- * sqrt(v) of a finite v (0 <= u < 2^64), den / nstep stays between 2^-126
- * and 2^125 in magnitude (a normal reciprocal within 2^-14, as for den
- * itself).  Else the call computes m / den and multiplies by nstep. */
-static inline int q8_fold_ok(float a, float b)
-{
-	return isfinite(a) && isfinite(b) && (a < 0) == (b < 0) && fabsf(b) >= 0x1p-126f &&
-	       (double)fabsf(a) * 0x1p64 + fabsf(b) <= 0x1p125;
-}
-
 static AOQK_ALWAYS_INLINE struct kvec kvec_make(const struct aoqk_consts *k)
 {
-	/* each rounded once from double, as aoqk_consts_init's */
-	const float q8a = (float)(1.0 / ((double)k->bc2s * k->nstep)), q8b = (float)((double)k->eps / k->nstep);
 	struct kvec c = {
 		.w1 = vf_set1(k->w1),
 		.w1c = vf_set1(k->w1c),
@@ -233,9 +216,6 @@ static AOQK_ALWAYS_INLINE struct kvec kvec_make(const struct aoqk_consts *k)
 		.nlr = vf_set1(k->nlr),
 		.mom = vf_set1(k->mom),
 		.damp1 = vf_set1(k->damp1),
-		.q8a = vf_set1(q8a),
-		.q8b = vf_set1(q8b),
-		.q8fold = KQ8_APPROX && k->nstep != 0.0f && q8_fold_ok(q8a, q8b),
 		.wd_on = k->wd_on,
 		.mom_on = k->mom_on,
 		.first = k->first,
@@ -326,20 +306,8 @@ static AOQK_ALWAYS_INLINE vi vstep(const struct kvec kc, const struct kptrs *p,
 	 * q8 is compute-bound, so it computes fma(sqrt(v), 1 / sqrt(bc2), eps)
 	 * instead: one divider operation and one vector operation less, within
 	 * about 1 ulp of torch's denom. */
-#if KQ8_APPROX
-	/* With an approximate reciprocal (kvec.q8fold: always in the fast
-	 * loops, run_chunk) nstep goes into it: r = 1 / fma(u, 1 / (bc2s
-	 * nstep), eps / nstep) is nstep / den, and the update fma(m, r, p),
-	 * one multiply less (README.md, "q8: the approximate divider"). */
-	if (q8 && (fast || kc.q8fold)) {
-		vf dn = vf_fma(u, kc.q8a, kc.q8b);
-		pw = vf_fma(m, AOQK_DROP_DIV == 2 ? dn : vf_q8_rcp(dn), pw);
-	} else
-#endif
-	{
-		vf den = q8 ? vf_fma(u, kc.inv_bc2s, kc.eps) : vf_add(vf_div(u, kc.bc2s), kc.eps);
-		pw = vf_fma(kc.nstep, q8 && AOQK_DROP_DIV == 2 ? vf_mul(m, den) : q8 ? vf_q8_div(m, den) : vf_div(m, den), pw);
-	}
+	vf den = q8 ? vf_fma(u, kc.inv_bc2s, kc.eps) : vf_add(vf_div(u, kc.bc2s), kc.eps);
+	pw = vf_fma(kc.nstep, q8 && AOQK_DROP_DIV == 2 ? vf_mul(m, den) : q8 ? vf_q8_div(m, den) : vf_div(m, den), pw);
 
 	if (q8) {
 		vf_storeu(bm, m);
@@ -479,9 +447,8 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 	const struct kvec kc = kvec_make(k);
 	const size_t blk = q8 ? AOQK_Q8_BLOCK : n;
 	/* q8 is compute-bound: its update loop has a twin for the common
-	 * case with the flags as constants (and, with an approximate
-	 * reciprocal, nstep folded into it: kvec.q8fold) */
-	const int fast = q8 && !d.acc && want_ss && !kc.l2 && kc.lerp_small && (!KQ8_APPROX || kc.q8fold);
+	 * case with the flags as constants */
+	const int fast = q8 && !d.acc && want_ss && !kc.l2 && kc.lerp_small;
 #if W >= 8
 	/* bf16 master + q8 with bf16 gradients and bf16 or no parameters:
 	 * the fast loop takes two vectors at a time and stores the top
