@@ -864,45 +864,54 @@ def case_master_param():
     is then the parameter (README, "The master is the parameter").  After
     every step each offloaded parameter equals its master in state_dict()
     bit for bit, and the model equals the same loop on a daemon with
-    master_param = no (the parameter written to the arena) bit for bit."""
+    master_param = no (the parameter written to the arena) bit for bit.  With
+    delayed_update=True too: there each parameter is the master of the step
+    before, and after flush() the master itself."""
     import tempfile
-    runs = []
-    with tempfile.TemporaryDirectory() as tmp:
-        conf = os.path.join(tmp, "off.conf")
-        with open(conf, "w") as f:
-            f.write("master_param = no\n")
-        with aoq.Daemon(threads=2, args=["--config", conf]) as off:
-            for sock in (SOCKET, off.socket):
-                m = make_model(W, DEV).to(torch.bfloat16)
-                o = OffloadOptimizer(m.named_parameters(), torch.optim.AdamW, socket=sock, lr=1e-2,
-                                     master_dtype="bf16", seed=1234)
-                data = batches(8, DEV)
-                params = list(m.parameters())    # state_dict's keys: positions among them
-                big = [k for k, p in enumerate(params) if p.requires_grad and p.numel() >= 4096]
-                assert big, "no parameter is offloaded"
-                for i in range(STEPS):
-                    x, y = data[i % len(data)]
-                    torch.nn.functional.mse_loss(m(x.to(torch.bfloat16)).float(), y).backward()
-                    o.step()
-                    o.zero_grad()
-                    o.synchronize()
-                    st = o.state_dict()["state"]
-                    for k in big:
-                        master = st[k]["master"]    # (as fp32: bf16 values exactly)
-                        p = params[k]
-                        assert torch.equal(p.detach().float(), master.to(p.device).float()), \
-                            "step %d parameter %d is not its master" % (i, k)
-                runs.append([p.detach().clone() for p in m.parameters()])
-                o.close()
-            log = off.log_text()
-    assert "masters shared 0 bytes" in log, log[-2000:]
-    import re
-    assert re.search(r"masters shared [1-9]", DAEMON.log_text()), "the default daemon shared no masters"
-    for k, (a, b) in enumerate(zip(*runs)):
-        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), \
-            "parameter %d: master_param yes and no differ (max |d| %g)" % (k, (a.float() - b.float()).abs().max())
-    print("ok: bf16 model, bf16 master: every offloaded parameter is its master, the same bits as with "
-          "master_param = no")
+    for delayed in (False, True):
+        runs = []
+        with tempfile.TemporaryDirectory() as tmp:
+            conf = os.path.join(tmp, "off.conf")
+            with open(conf, "w") as f:
+                f.write("master_param = no\n")
+            with aoq.Daemon(threads=2, args=["--config", conf]) as off:
+                for sock in (SOCKET, off.socket):
+                    m = make_model(W, DEV).to(torch.bfloat16)
+                    o = OffloadOptimizer(m.named_parameters(), torch.optim.AdamW, socket=sock, lr=1e-2,
+                                         master_dtype="bf16", seed=1234, delayed_update=delayed)
+                    data = batches(8, DEV)
+                    params = list(m.parameters())    # state_dict's keys: positions among them
+                    big = [k for k, p in enumerate(params) if p.requires_grad and p.numel() >= 4096]
+                    assert big, "no parameter is offloaded"
+                    prev = {k: params[k].detach().float().clone() for k in big}
+                    for i in range(STEPS):
+                        x, y = data[i % len(data)]
+                        torch.nn.functional.mse_loss(m(x.to(torch.bfloat16)).float(), y).backward()
+                        o.step()
+                        o.zero_grad()
+                        o.synchronize()
+                        if delayed and i == STEPS - 1:
+                            o.flush()
+                        lag = delayed and i < STEPS - 1
+                        st = o.state_dict()["state"]
+                        for k in big:
+                            master = st[k]["master"].to(params[k].device).float()  # bf16 values exactly
+                            p = params[k]
+                            assert torch.equal(p.detach().float(), prev[k] if lag else master), \
+                                "step %d parameter %d is not its master%s" % (i, k, " of the step before" if lag else "")
+                            prev[k] = master
+                    runs.append([p.detach().clone() for p in m.parameters()])
+                    o.close()
+                log = off.log_text()
+        assert "masters shared 0 bytes" in log, log[-2000:]
+        import re
+        assert re.search(r"masters shared [1-9]", DAEMON.log_text()), "the default daemon shared no masters"
+        for k, (a, b) in enumerate(zip(*runs)):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), \
+                "delayed %s, parameter %d: master_param yes and no differ (max |d| %g)" % (
+                    delayed, k, (a.float() - b.float()).abs().max())
+        print("ok: bf16 model, bf16 master%s: every offloaded parameter is its master%s, the same bits as with "
+              "master_param = no" % (", delayed update" if delayed else "", " (of the step before)" if delayed else ""))
 
 
 CASES = {"grad-edits": case_grad_edits, "import-swap": case_import_swap, "other-classes": case_other_classes,
