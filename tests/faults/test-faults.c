@@ -414,6 +414,11 @@ static void resumed_compare(const struct kill_point *kp, int kills)
 
 static void case_kill(int kills)
 {
+	/* The victim's precision reaches the trainer processes through their
+	 * environment.  Set before the other trainers' threads start and unset
+	 * after they end: setenv and unsetenv race with their getenv (libaoq
+	 * reads AOQ_* at connect; a crash seen 7 times in 150 runs). */
+	setenv("AOQT_VICTIM", "1", 1);
 	struct other others[2];
 	for (int i = 0; i < 2; i++) {
 		memset(&others[i], 0, sizeof(others[i]));
@@ -430,7 +435,6 @@ static void case_kill(int kills)
 	close(fd);
 	struct aoqt_rng rng = aoqt_rng_for(0x99, 1, 2);
 	uint64_t synced = 0, resumes = 0, rolled = 0;
-	setenv("AOQT_VICTIM", "1", 1);
 	const uint64_t target = (uint64_t)kills + 40;
 	struct kill_point *kp = aoqt_xcalloc((size_t)kills, sizeof(*kp));
 	for (int i = 0; i < kills; i++) {
@@ -487,11 +491,11 @@ static void case_kill(int kills)
 	int st;
 	CHECK(waitpid(pid, &st, 0) == pid && WIFEXITED(st) && WEXITSTATUS(st) == 0, "the last trainer failed (%d)", st);
 	CHECK(atomic_load(&sh->resumed) > 0, "the last trainer did not resume");
-	unsetenv("AOQT_VICTIM");
 	for (int i = 0; i < 2; i++) {
 		atomic_store(&others[i].stop, true);
 		pthread_join(others[i].th, NULL);
 	}
+	unsetenv("AOQT_VICTIM");
 	printf("kill: %d kills, %" PRIu64 " resumes (%" PRIu64 " at the synced step, the rest one further), "
 	       "victim at step %" PRIu64 ", others at %" PRIu64 " and %" PRIu64 " steps\n",
 	       kills, resumes, rolled, target, others[0].steps, others[1].steps);
