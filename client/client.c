@@ -1211,8 +1211,8 @@ static const uint8_t *pending_src(const struct tensor *x)
 
 /* Starts one gradient copy into the arena; its record follows when done,
  * and when `after` is given (a parameter copy out of the master the record
- * lets the daemon write again), after that too.  Caller holds c->lock; it
- * is dropped around the backend calls. */
+ * lets the daemon write again; only with ops->d2h_after), after that too.
+ * Caller holds c->lock; it is dropped around the backend call. */
 static int start_copy(struct aoq_client *c, struct tensor *x, uint8_t *dst, const uint8_t *src,
                       const struct aoq_rec *rec, struct aoq_event *after)
 {
@@ -1227,13 +1227,8 @@ static int start_copy(struct aoq_client *c, struct tensor *x, uint8_t *dst, cons
 	struct aoq_copy_time *tm =
 		span_new(c, AOQ__TRACE_SPAN_KIND__SPAN_D2H, rec->tensor, rec->step, rec->offset, rec->count);
 	pthread_mutex_unlock(&c->lock);
-	int r = 0;
-	if (after && !c->ops->d2h_after)
-		r = c->ops->host_wait(c->be, after);
-	if (r == 0)
-		r = after && c->ops->d2h_after
-			? c->ops->d2h_after(c->be, dst, src, rec->count * x->gsize, x->stream, after, grad_copied, d, tm)
-			: c->ops->d2h(c->be, dst, src, rec->count * x->gsize, x->stream, grad_copied, d, tm);
+	int r = after ? c->ops->d2h_after(c->be, dst, src, rec->count * x->gsize, x->stream, after, grad_copied, d, tm)
+	              : c->ops->d2h(c->be, dst, src, rec->count * x->gsize, x->stream, grad_copied, d, tm);
 	pthread_mutex_lock(&c->lock);
 	if (r < 0) {
 		fail_session(c, r, "gradient copy of tensor %u failed: %s", rec->tensor, aoq_last_error());
@@ -1315,10 +1310,21 @@ int aoq_push_grad_ptr(struct aoq_client *c, uint32_t t, const void *grad, unsign
 			x->pending = false;
 			copy_param(c, x, pending_src(x), 0, x->d.numel, NULL, x->pending_step);
 			/* the master is the parameter: this push's update writes
-			 * it again, so its record waits for the copy */
+			 * it again, so its records wait for the copy (on the
+			 * device where the backend can order the gradient's copy
+			 * after it, else here, once for every piece) */
 			if (x->master_area && x->h2d && x->h2d->ev) {
 				after = x->h2d;
 				after->refs++;
+				if (!c->ops->d2h_after) {
+					pthread_mutex_unlock(&c->lock);
+					r = c->ops->host_wait(c->be, after->ev);
+					pthread_mutex_lock(&c->lock);
+					evref_put(c, after);
+					after = NULL;
+					if (r < 0)
+						fail_session(c, r, "parameter copy to the device failed: %s", aoq_last_error());
+				}
 			}
 		}
 	}

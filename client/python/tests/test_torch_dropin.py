@@ -867,6 +867,7 @@ def case_master_param():
     master_param = no (the parameter written to the arena) bit for bit.  With
     delayed_update=True too: there each parameter is the master of the step
     before, and after flush() the master itself."""
+    import re
     import tempfile
     for delayed in (False, True):
         runs = []
@@ -904,7 +905,6 @@ def case_master_param():
                     o.close()
                 log = off.log_text()
         assert "masters shared 0 bytes" in log, log[-2000:]
-        import re
         assert re.search(r"masters shared [1-9]", DAEMON.log_text()), "the default daemon shared no masters"
         for k, (a, b) in enumerate(zip(*runs)):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16)), \
