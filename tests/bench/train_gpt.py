@@ -10,6 +10,22 @@ down and every parameter up through pinned buffers, measured in the same run.
     python3 tests/bench/train_gpt.py --mode all --spawn-daemon               # every mode, one table
     python3 tests/bench/train_gpt.py --mode dropin --spawn-daemon            # the drop-in targets (below)
 
+The peers and the default (tests/bench/offload_table.sh runs them all at the two sizes):
+aoq-default is the import swap with no aoq argument at all (OffloadOptimizer(model.parameters(),
+torch.optim.AdamW, lr=, weight_decay=): the default precision for the parameters' dtype);
+every other aoq mode names its precision (aoq-fp32, aoq-q8, aoq-delayed*: an fp32 master;
+aoq-bf16master: all bf16; aoq-*bf16-q8 / -q4: a bf16 master with 8- or 4-bit moments).
+torchao is torchao's CPUOffloadOptimizer (fused CPU AdamW), deepspeed DeepSpeed ZeRO-2 with
+offload_optimizer to the CPU (pinned), a process group of one; either prints a row saying why
+when it does not import here.  An aoq mode ending in -auto adds gpu_state_budget="auto"
+(with --max-device, max_device_bytes=).  The last table: s/step, the ratio to gpu-adamw,
+the device peaks over the whole run (max_memory_allocated and max_memory_reserved), the
+final loss and the mean loss of the last --loss-tail steps against --loss-ref's.  The
+default against the fp32 master over a long run (the loss curve's tail):
+
+    python3 tests/bench/train_gpt.py --spawn-daemon --mode aoq-default,aoq-fp32 --steps 200 \
+        --warmup 3 --lr 3e-4 --loss-tail 50
+
 A mode name may end in -swap, -attach or -compile (aoq-fp32-swap, aoq-q8-compile,
 gpu-adamw-compile, ...): -swap is the import swap (OffloadOptimizer, nothing else:
 the global forward pre-hook waits per module), -attach adds opt.attach(model),
@@ -54,9 +70,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "client", "python"))
 
-MODES = ["gpu-adamw", "gpu-adamw-master", "aoq-fp32", "aoq-q8", "aoq-bf16master", "aoq-delayed", "aoq-delayed-q8", "aoq-bf16-q8",
-         "aoq-delayed-bf16-q8", "torchao"]
-VARIANTS = ("swap", "attach", "compile", "rcompile")
+MODES = ["gpu-adamw", "gpu-adamw-master", "aoq-default", "aoq-fp32", "aoq-q8", "aoq-bf16master", "aoq-delayed",
+         "aoq-delayed-q8", "aoq-bf16-q8", "aoq-delayed-bf16-q8", "aoq-bf16-q4", "aoq-delayed-bf16-q4", "torchao",
+         "deepspeed"]
+VARIANTS = ("swap", "attach", "compile", "rcompile", "auto")
 DROPIN = ["gpu-adamw", "gpu-adamw-compile", "gpu-adamw-rcompile", "aoq-fp32-swap", "aoq-fp32-attach",
           "aoq-fp32-compile", "aoq-fp32-rcompile", "aoq-q8-swap", "aoq-q8-attach", "aoq-q8-compile",
           "aoq-q8-rcompile"]
@@ -80,7 +97,7 @@ def variant_flags(mode, args):
     of the whole model) or "regional" (each block compiled on its own,
     torch's regional compilation: the waits run between the blocks)."""
     base, v = parse_mode(mode)
-    if v is None:
+    if v is None or v == "auto":
         return args.attach and not args.compile, "model" if args.compile else False
     return v == "attach", {"compile": "model", "rcompile": "regional"}.get(v, False)
 
@@ -155,6 +172,13 @@ def allocated(device):
     return m.memory_allocated()
 
 
+def peak_reserved(device):
+    m = dev_mod(device)
+    if torch.device(device).type == "cpu" or not hasattr(m, "max_memory_reserved"):
+        return 0
+    return m.max_memory_reserved()
+
+
 def reset_peak(device):
     m = dev_mod(device)
     if torch.device(device).type != "cpu" and hasattr(m, "reset_peak_memory_stats"):
@@ -187,9 +211,87 @@ class MasterAdamW:
             m.grad = None
 
 
+class Unavailable(Exception):
+    """A peer that does not run here (torchao or DeepSpeed missing): its
+    row says why, the other modes go on."""
+
+
+class DeepSpeedOffload:
+    """deepspeed: DeepSpeed ZeRO-2 with offload_optimizer to the CPU
+    (pinned), its DeepSpeedCPUAdam in AdamW mode, in this one process (a
+    process group of world size 1).  forward is the engine; backward and
+    step() are the engine's."""
+
+    def __init__(self, model, args):
+        try:
+            import deepspeed
+        except Exception as e:      # not installed, or it does not import (its ops, its dependencies)
+            raise Unavailable("deepspeed does not import (%s: %s)" % (type(e).__name__, e))
+        import socket as so
+        import torch.distributed as dist
+        for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+            os.environ.setdefault(k, v)
+        if "MASTER_PORT" not in os.environ:
+            with so.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        cuda = torch.device(args.device).type == "cuda"
+        if not dist.is_initialized():
+            deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+        self.grad_accum = args.grad_accum
+        cfg = {
+            "train_micro_batch_size_per_gpu": args.batch,
+            "gradient_accumulation_steps": args.grad_accum,
+            "bf16": {"enabled": not args.amp},
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                  "overlap_comm": True, "contiguous_gradients": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.1, "betas": [0.9, 0.999],
+                                                      "eps": 1e-8}},
+            "steps_per_print": 1 << 30,
+            "wall_clock_breakdown": False,
+        }
+        try:
+            self.engine, _, _, _ = deepspeed.initialize(model=model, config=cfg, model_parameters=[
+                p for p in model.parameters() if p.requires_grad])
+        except Exception as e:      # e.g. its CPU Adam op does not build here
+            raise Unavailable("deepspeed.initialize failed (%s: %s)" % (type(e).__name__, e))
+        self.forward_module = self.engine
+        self.micro = 0
+
+    def backward(self, loss):
+        # the micro-batch's loss, undivided: the engine divides by its
+        # gradient_accumulation_steps and steps at the boundary, so every
+        # micro-batch but the last steps here
+        self.engine.backward(loss)
+        self.micro += 1
+        if self.micro < self.grad_accum:
+            self.engine.step()
+
+    def step(self):
+        self.engine.step()
+        self.micro = 0
+
+    def zero_grad(self, set_to_none=True):
+        pass                        # engine.step() zeroes the gradients
+
+    def close(self):
+        self.engine.destroy()
+
+
 def make_optimizer(mode, model, args, socket):
     attach, _ = variant_flags(mode, args)
+    auto = parse_mode(mode)[1] == "auto"
     mode = parse_mode(mode)[0]
+    if mode == "deepspeed":
+        return DeepSpeedOffload(model, args)
+    if mode == "torchao":
+        # torchao's CPUOffloadOptimizer (the peer): the step on the trainer's CPU after backward.
+        try:
+            from torchao.optim import CPUOffloadOptimizer
+        except Exception as e:
+            raise Unavailable("torchao does not import (%s: %s)" % (type(e).__name__, e))
+        return CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, offload_gradients=args.offload_gradients,
+                                   fused=True, lr=args.lr, weight_decay=0.1)
     if mode == "gpu-adamw-master":
         return MasterAdamW(model.parameters(), lr=args.lr, weight_decay=0.1,
                            fused=torch.device(args.device).type == "cuda")
@@ -197,26 +299,46 @@ def make_optimizer(mode, model, args, socket):
         fused = torch.device(args.device).type == "cuda"
         return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=fused)
     from aoq.torch import OffloadOptimizer
+    budget = "auto" if auto else args.gpu_state_budget
+    budget = budget if budget == "auto" else int(float(budget) * 2 ** 30)
+    if mode == "aoq-default":
+        # the import swap and nothing else: no aoq argument (the daemon's
+        # socket from $AOQ_SOCKET); -auto adds gpu_state_budget="auto"
+        if socket:
+            os.environ["AOQ_SOCKET"] = socket
+        kw = dict(lr=args.lr, weight_decay=0.1)
+        if args.offload_gradients:
+            kw["offload_gradients"] = True
+        if budget:
+            kw["gpu_state_budget"] = budget
+        if budget == "auto" and args.max_device is not None:
+            kw["max_device_bytes"] = args.max_device if args.max_device <= 1 else int(args.max_device * 2 ** 30)
+        opt = OffloadOptimizer(model.parameters(), torch.optim.AdamW, **kw)
+        if attach:
+            opt.attach(model)
+        return opt
     kw = dict(lr=args.lr, weight_decay=0.1, socket=socket, offload_gradients=args.offload_gradients,
               grad_accumulation_steps=args.grad_accum, job="bench-%s-%d" % (mode, os.getpid()),
               lease=None if args.lease else 0)
-    if mode == "torchao":
-        # torchao's CPUOffloadOptimizer (the peer): the step on the trainer's CPU after backward.
-        from torchao.optim import CPUOffloadOptimizer
-        return CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, offload_gradients=args.offload_gradients,
-                                   fused=True, lr=args.lr, weight_decay=0.1)
+    # each mode names its precision: aoq-fp32, aoq-q8 and aoq-delayed(-q8)
+    # an fp32 master, whatever the default for the parameters' dtype is
+    kw["master_dtype"] = "bf16" if "bf16" in mode else "fp32"
     if mode.endswith("q8"):
         kw["state_precision"] = "q8"
-    if mode in ("aoq-bf16master", "aoq-bf16-q8", "aoq-delayed-bf16-q8"):
-        kw["master_dtype"] = "bf16"
+    elif mode.endswith("q4"):
+        kw["state_precision"] = "q4"
+    elif mode == "aoq-bf16master":
+        kw["state_precision"] = "bf16"
+    else:
+        kw["state_precision"] = "fp32"
     if args.staging_window is not None:
         kw["staging_window"] = int(args.staging_window * 2 ** 30)
     if mode.startswith("aoq-delayed"):
         kw["delayed_update"] = True
-    if args.gpu_state_budget == "auto":
-        kw["gpu_state_budget"] = "auto"
-    elif float(args.gpu_state_budget):
-        kw["gpu_state_budget"] = int(float(args.gpu_state_budget) * 2 ** 30)
+    if budget:
+        kw["gpu_state_budget"] = budget
+    if budget == "auto" and args.max_device is not None:
+        kw["max_device_bytes"] = args.max_device if args.max_device <= 1 else int(args.max_device * 2 ** 30)
     opt = OffloadOptimizer(model.named_parameters(), torch.optim.AdamW, **kw)
     if attach:
         opt.attach(model)
@@ -271,6 +393,9 @@ def run_mode(mode, args, socket):
     fwd = torch.compile(model) if how == "model" else model
     t_reg = time.perf_counter()
     opt = make_optimizer(mode, model, args, socket)
+    ds = isinstance(opt, DeepSpeedOffload)
+    if ds:
+        fwd = opt.forward_module
     print("# %s: %.3fB parameters, optimizer ready in %.1f s" % (mode, nparams * 1e-9, time.perf_counter() - t_reg),
           file=sys.stderr, flush=True)
     gen = torch.Generator().manual_seed(1)
@@ -279,9 +404,11 @@ def run_mode(mode, args, socket):
     mem_fwd = mem_bwd = 0   # allocated after the loss (activations) and after backward (gradients)
     prof = None
     timed = args.warmup + args.steps
+    warm_peak = warm_reserved = 0   # the warm-up steps' (and the setup's) peaks, before the reset
     for step in range(timed + (2 if args.profile else 0)):
         if step == args.warmup:
             synchronize(dev)
+            warm_peak, warm_reserved = peak_bytes(dev), peak_reserved(dev)
             reset_peak(dev)
         if step == timed:
             prof = start_profile(dev)     # two more steps, not timed
@@ -289,7 +416,10 @@ def run_mode(mode, args, socket):
         for k in range(args.grad_accum):
             loss = loss_of(fwd, data[(step * args.grad_accum + k) % len(data)], args.amp)
             mem_fwd = max(mem_fwd, allocated(dev))
-            (loss / args.grad_accum).backward()
+            if ds:
+                opt.backward(loss)
+            else:
+                (loss / args.grad_accum).backward()
             mem_bwd = max(mem_bwd, allocated(dev))
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -308,6 +438,7 @@ def run_mode(mode, args, socket):
         print("# %s: trace of two steps after the timed ones in %s (tests/bench/trace_gaps.py reads it)" % (mode, path),
               file=sys.stderr, flush=True)
     peak = peak_bytes(dev)
+    reserved = max(warm_reserved, peak_reserved(dev))
     base_mode = parse_mode(mode)[0]
     floor = pcie_floor(model, dev) if mode == "gpu-adamw" else None
     # what the on-device optimizer keeps on the device: its gradients and state
@@ -327,7 +458,10 @@ def run_mode(mode, args, socket):
     if torch.device(dev).type == "cuda":
         torch.cuda.empty_cache()
     st = sorted(times[args.warmup:])
+    tail = losses[-min(len(losses), args.loss_tail):]
     return dict(mode=mode, params=nparams, step_s=st[len(st) // 2], step_min_s=st[0], peak_gib=peak / 2 ** 30,
+                run_peak_gib=max(peak, warm_peak) / 2 ** 30, reserved_gib=reserved / 2 ** 30,
+                loss_tail=sum(tail) / len(tail), loss_tail_steps=len(tail),
                 pcie_floor_s=floor, loss=losses[-1], grad_gib=grad_bytes / 2 ** 30, state_gib=state_bytes / 2 ** 30,
                 after_loss_gib=mem_fwd / 2 ** 30, after_backward_gib=mem_bwd / 2 ** 30,
                 times=times)
@@ -515,7 +649,7 @@ def run_child(mode, args, socket):
     """One mode in a fresh process: its peak device memory is its own."""
     import subprocess
     argv = [sys.executable, os.path.abspath(__file__), "--child", "--mode", mode]
-    skip = {"mode", "spawn_daemon", "json", "child", "socket", "in_process", "attach"}
+    skip = {"mode", "spawn_daemon", "json", "child", "socket", "in_process", "attach", "mode_timeout"}
     for k, v in vars(args).items():
         if k in skip or v is None or v is False:
             continue
@@ -524,12 +658,24 @@ def run_child(mode, args, socket):
     argv.append("--attach" if args.attach else "--no-attach")
     if socket:
         argv += ["--socket", socket]
-    proc = subprocess.run(argv, stdout=subprocess.PIPE)
+    try:
+        proc = subprocess.run(argv, stdout=subprocess.PIPE, timeout=args.mode_timeout)
+    except subprocess.TimeoutExpired:
+        return dict(mode=mode, failed="still running after --mode-timeout %d s, killed" % args.mode_timeout)
     if proc.returncode != 0:
         # Its error (an out-of-memory above all: the largest-model runs) is on
         # stderr above; the other modes go on.
         return dict(mode=mode, failed="exit status %d" % proc.returncode)
-    return json.loads(proc.stdout.decode().strip().splitlines()[-1])
+    # the last JSON line (a peer may print on stdout too)
+    return json.loads([ln for ln in proc.stdout.decode().splitlines() if ln.startswith("{")][-1])
+
+
+def run_or_say(mode, args, socket):
+    """run_mode, or the row of a peer that does not run here."""
+    try:
+        return run_mode(mode, args, socket)
+    except Unavailable as e:
+        return dict(mode=mode, unavailable=str(e))
 
 
 def main():
@@ -567,13 +713,21 @@ def main():
                          "default 50%% of RAM, for the largest models)")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="after the timed steps, two more under torch.profiler, traced to DIR/MODE.json")
+    ap.add_argument("--loss-tail", type=int, default=10, metavar="N",
+                    help="the table's loss: the mean over the last N steps (warm-up steps included)")
+    ap.add_argument("--loss-ref", default="aoq-fp32", metavar="MODE",
+                    help="the mode whose mean loss the table compares every mode's with (default aoq-fp32)")
+    ap.add_argument("--max-device", type=float, default=None, metavar="GIB|FRACTION",
+                    help="-auto modes: max_device_bytes=, GiB above 1, else a fraction of free device memory")
+    ap.add_argument("--mode-timeout", type=int, default=None, metavar="S",
+                    help="each mode's process is killed after S seconds (its row says so)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--in-process", action="store_true", help="every mode in this process (default: one each)")
     ap.add_argument("--ranks", type=int, default=2, help="processes of the ddp-* and fsdp-* modes")
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(run_mode(args.mode, args, args.socket)))
+        print(json.dumps(run_or_say(args.mode, args, args.socket)))
         return
 
     daemon = None
@@ -604,17 +758,22 @@ def main():
     if any(m.startswith("aoq") for m in modes) and args.spawn_daemon:
         daemon = spawn_daemon(args)
         socket = daemon.socket
-    results = []
+    results, missing = [], []
     try:
         for m in modes:
             with RssPeak(daemon.proc.pid if daemon is not None and m.startswith("aoq") else None) as rss:
-                r = run_mode(m, args, socket) if args.in_process or len(modes) == 1 else run_child(m, args, socket)
+                r = run_or_say(m, args, socket) if args.in_process or len(modes) == 1 else run_child(m, args, socket)
             if rss.peak and not r.get("failed"):
                 r["daemon_rss_gib"] = rss.peak / 2 ** 30
                 print("%-16s aoqd peak RSS %.2f GiB = %.2f B per parameter" % (
                     m, rss.peak / 2 ** 30, rss.peak / r["params"]), flush=True)
             if r.get("failed"):
                 print("%-16s FAILED (%s; its error is above)" % (m, r["failed"]), flush=True)
+                missing.append(r)
+                continue
+            if r.get("unavailable"):
+                print("%-16s not run: %s" % (m, r["unavailable"]), flush=True)
+                missing.append(r)
                 continue
             results.append(r)
             print("%-16s params %.3fB  step %.3f s (min %.3f)  peak %.2f GiB (allocated after the loss %.2f, "
@@ -637,8 +796,28 @@ def main():
                   % (r["mode"], r["step_s"] / base["step_s"], r["peak_gib"] - base["peak_gib"],
                      r["peak_gib"] - target))
     targets(results)
+    peer_table(results, missing, args)
     if args.json:
-        print(json.dumps(dict(args=vars(args), results=results)))
+        print(json.dumps(dict(args=vars(args), results=results, missing=missing)))
+
+
+def peer_table(results, missing, args):
+    """One row per mode: s/step, the ratio to on-GPU AdamW, the device
+    peaks (allocated and reserved by torch's caching allocator, over the
+    whole run: setup, warm-up and timed steps), the final loss and the mean
+    loss of the last --loss-tail steps, against --loss-ref's."""
+    base = next((r for r in results if r["mode"] == "gpu-adamw"), None)
+    ref = next((r for r in results if r["mode"] == args.loss_ref), None)
+    print("| mode | s/step | x on-GPU AdamW | device peak GiB (allocated) | reserved GiB | final loss | "
+          "loss, mean of the last steps | vs %s |" % args.loss_ref)
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print("| %s | %.3f | %s | %.2f | %.2f | %.4f | %.4f (%d) | %s |" % (
+            r["mode"], r["step_s"], "%.2f" % (r["step_s"] / base["step_s"]) if base else "-",
+            r["run_peak_gib"], r["reserved_gib"], r["loss"], r["loss_tail"], r["loss_tail_steps"],
+            "%+.2f%%" % (100 * (r["loss_tail"] / ref["loss_tail"] - 1)) if ref else "-"))
+    for r in missing:
+        print("| %s | not run: %s | | | | | | |" % (r["mode"], r.get("unavailable") or r.get("failed")))
 
 
 def targets(results):
