@@ -91,7 +91,7 @@ struct aoq_arena_tensor {
 };
 
 /*
- * The master as the parameter (README, "The master is the parameter"):
+ * The master as the parameter (docs/decisions.md, "The master is the parameter"):
  * with a bf16 master and bf16 parameters, aoqd keeps
  * each such tensor's master in one memfd per session, sealed against new
  * writable mappings (F_SEAL_FUTURE_WRITE), and sends it as Registered's

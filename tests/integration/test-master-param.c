@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The master as the parameter (aoq-arena.h; README, "The master is the
+ * The master as the parameter (aoq-arena.h; docs/decisions.md, "The master is the
  * parameter"): with a bf16 master and bf16 parameters the client copies the
  * parameter straight from the daemon's masters memfd.
  *
