@@ -165,9 +165,10 @@ static struct timespec deadline(uint64_t timeout_ns)
  * every 64 pauses (a few microseconds): a runnable thread on this core runs
  * at once instead of at the next tick.  bench-spine on a 2-core VM, 20
  * runs each, push -> param ready p99: without the yield 8 runs near 20 us
- * and 12 at 53-161 us; with it 16 under 53 us, none above 77 (README,
- * "Configuration", worker_spin_us; tests/bench/RESULTS.md, seventeenth
- * session).  Caller holds the lock; it is held again on return. */
+ * and 12 at 53-161 us; with it 16 under 53 us, none above 77 (2026-12-02,
+ * 4da9cad; docs/operating.md, worker_spin_us; tests/bench/RESULTS.md,
+ * "Control-plane latency").  Caller holds the lock; it is held again on
+ * return. */
 static void spin_until_woken(struct aoqd_pool *p, struct worker *w)
 {
 	pthread_mutex_unlock(&p->lock);
