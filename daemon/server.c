@@ -54,8 +54,8 @@ static void on_wake(uv_async_t *a)
  * core (the other is the worker's), and a spinning loop doubled
  * bench-spine's round trip there; on the 16-core H200 host it cut it by a
  * third.  The spin stops while tasks wait for a worker (spin_start): spinning
- * then made a 3.48 B model's CPU-bound step 29% slower (RESULTS.md,
- * thirteenth and fourteenth sessions). */
+ * then made a 3.48 B model's CPU-bound step 29% slower (H200 host,
+ * 2026-12-02, 8acd4a4; tests/bench/RESULTS.md, "Control-plane latency"). */
 static uint64_t loop_spin_ns(const struct aoqd_server *srv, uint32_t us)
 {
 	if (!srv->pinned)
@@ -237,7 +237,7 @@ static int restore_one(const struct aoqd_snap_key *k, uint64_t step, struct aoqd
 }
 
 /* The snapshots of state_dir, offered to their trainers as leased sessions
- * (README, "Snapshots").  Without leases nothing could resume them. */
+ * (docs/snapshots.md).  Without leases nothing could resume them. */
 static void restore_snapshots(struct aoqd_server *srv)
 {
 	const char *dir = srv->cfg.state_dir;
@@ -315,7 +315,7 @@ int aoqd_server_init(struct aoqd_server *srv, uv_loop_t *loop, const struct aoqd
 	 * runs unpinned, in 2 of 48 pinned.  On the 16-core H200 host the pinned loop
 	 * was slower (p99 median 76 us against 57 in 8 alternating runs), so
 	 * from 4 cores, where the loop spins instead ("auto"), it stays free
-	 * (tests/bench/RESULTS.md, seventeenth session). */
+	 * (2026-12-02, 6931aa8; tests/bench/RESULTS.md, "Control-plane latency"). */
 	if (pin && ncpus < SHARED_LOOP_CORE_BELOW) {
 		cpu_set_t one;
 		CPU_ZERO(&one);
