@@ -861,7 +861,7 @@ def case_two_optimizers():
 
 def case_master_param():
     """A bf16 model with master_dtype="bf16": aoqd shares each master, which
-    is then the parameter (README, "The master is the parameter").  After
+    is then the parameter (docs/decisions.md, "The master is the parameter").  After
     every step each offloaded parameter equals its master in state_dict()
     bit for bit, and the model equals the same loop on a daemon with
     master_param = no (the parameter written to the arena) bit for bit.  With
