@@ -36,7 +36,7 @@ void aoqd_config_defaults(struct aoqd_config *c)
 	c->lease_seconds = 600;
 	c->worker_spin_us = 50;
 	/* auto: 50 us with 4 cores or more; the loop does not spin over a
-	 * backlog (session.c, spin_start), so a CPU-bound update keeps the
+	 * backlog (events.c, spin_start), so a CPU-bound update keeps the
 	 * trainer's core; README, "Configuration" */
 	c->loop_spin_us = AOQD_LOOP_SPIN_AUTO;
 	c->max_connections = 1024;

@@ -145,7 +145,7 @@ static void job_answer(struct aoqd_job *j, int32_t status)
 	if (atomic_fetch_sub(&s->steps.inflight[p], 1) == 1 && atomic_load(&s->steps.end_waits))
 		uv_async_send(&s->srv->wake);
 	free(j);
-	aoqd_session_unref(s);
+	s->steps.ops->release(s);
 }
 
 static void job_complete(struct aoqd_job *j)
@@ -420,7 +420,7 @@ static int accept_record(struct aoqd_session *s, struct aoqd_session *origin, co
 		c->count = i + 1 < n ? ce : r->count - c->begin;
 	}
 	unsigned p = r->step & 1;
-	aoqd_session_ref(s);
+	s->steps.ops->hold(s);
 	atomic_fetch_add(&s->steps.outstanding, 1);
 	atomic_fetch_add(&s->steps.inflight[p], 1);
 	if (phase == PHASE_NORM)
@@ -609,7 +609,7 @@ void aoqd_drop_deferred(struct aoqd_session *s)
 			atomic_fetch_sub(&s->steps.outstanding, 1);
 			atomic_fetch_sub(&s->steps.inflight[p], 1);
 			free(j);
-			aoqd_session_unref(s);
+			s->steps.ops->release(s);
 		}
 	}
 }

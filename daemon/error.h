@@ -3,7 +3,7 @@
  * The daemon's one error flow (docs/design.md, "Errors").  A handler that
  * cannot do what a message asks fills a struct aoqd_error and returns the
  * negative errno of its code; it never changes the session itself.  The
- * session (session.c) turns the error into the Error reply: a refusal keeps
+ * session (close.c) turns the error into the Error reply: a refusal keeps
  * the session, any other error fails it (Error, then the connection closes).
  */
 #ifndef AOQD_ERROR_H

@@ -71,7 +71,7 @@ uint64_t aoqd_pool_queued(struct aoqd_pool *p, struct aoqd_queue *q);
 
 /* More tasks are queued than workers were woken for them: some wait for a
  * worker to finish.  A hint, read without the lock, for the loop's spin
- * (session.c, spin_start). */
+ * (events.c, spin_start). */
 bool aoqd_pool_backlog(struct aoqd_pool *p);
 
 /* No task queued or running, in any queue. */

@@ -17,7 +17,7 @@ struct aoqd_session;
 #define AOQD_MAX_TENSORS_PER_FRAME 4096u
 
 /* Called on the last Register frame once the tables are read: 1 when it
- * gave the session a leased state (session.c, lease and resume), 0 when
+ * gave the session a leased state (lease.c, replica.c), 0 when
  * the state is to be made, -errno with err filled. */
 typedef int (*aoqd_adopt_fn)(struct aoqd_session *s, struct aoqd_error *err);
 /* One Register frame.  What it allocates is charged to the uid's account
@@ -28,10 +28,10 @@ int aoqd_register(struct aoqd_session *s, const Aoq__Register *m, uv_poll_cb on_
 /* The last frame's work once its tables are in (aoqd_register calls it; the
  * session calls it again when adopt answered that it waits). */
 int aoqd_register_finish(struct aoqd_session *s, uv_poll_cb on_doorbell, aoqd_adopt_fn adopt, struct aoqd_error *err);
-/* Replica groups (docs/design.md, "Replica groups"; session.c decides
+/* Replica groups (docs/design.md, "Replica groups"; replica.c decides
  * which): the first member's tables become the new hub's state, which is
  * made with the group's arena (a lane per local rank) — with `resumed`,
- * session.c has put a leased group's state in hub->st already and only the
+ * replica.c has put a leased group's state in hub->st already and only the
  * arena is made; a later member's
  * options and layout must be the group's (its tables are then freed); a
  * member gets its view of the arena and the Registered reply.  0 (or

@@ -2,7 +2,7 @@
 /*
  * The server: the listening socket (systemd's, a given fd, or our own),
  * signals, the systemd watchdog, the worker pool and kernel, the workers'
- * wake-up.  Each new connection becomes a session (session.c).  Main
+ * wake-up.  Each new connection becomes a session (events.c).  Main
  * thread only.
  */
 #include <errno.h>
@@ -21,6 +21,7 @@
 #include "aoq-config.h"
 #include "log.h"
 #include "server.h"
+#include "events.h"
 #include "session.h"
 #include "snapshot.h"
 #include "wire.h"
@@ -48,7 +49,7 @@ static void on_wake(uv_async_t *a)
  * not spin by default, and its thread is pinned (aoqd_server_init). */
 #define SHARED_LOOP_CORE_BELOW 4u
 
-/* The loop's spin (session.c, spin_start) in ns: only when the workers are
+/* The loop's spin (events.c, spin_start) in ns: only when the workers are
  * pinned, so that the loop has a core of its own; "auto" (the default)
  * spins with 4 cores or more.  On 2 cores the trainer shares the loop's
  * core (the other is the worker's), and a spinning loop doubled

@@ -25,7 +25,7 @@ struct aoqd_server {
 	uv_pipe_t listener;
 	uv_async_t wake;          /* workers -> loop: a step may have finished */
 	/* While active the loop does not sleep and polls the rings of the
-	 * sessions that spin (session.c, aoqd_sessions_spin) until spin_until. */
+	 * sessions that spin (events.c, aoqd_sessions_spin) until spin_until. */
 	uv_idle_t spin;
 	uint64_t spin_ns;         /* loop_spin_us, when workers are pinned (else 0) */
 	unsigned ncpus;           /* cores we may run on */
@@ -44,12 +44,12 @@ struct aoqd_server {
 	struct aoqd_pool *pool;
 	const struct aoqk_kernel *kernel;
 	struct aoqd_snapshotter *snapshotter; /* the snapshot writer thread */
-	/* Sessions (session.c's list; nothing else walks it). */
+	/* Sessions (session.c, the list; the session files walk it). */
 	struct aoqd_session *sessions;
-	struct aoqd_session *hubs; /* replica groups' hubs (session.c), linked by `next` */
+	struct aoqd_session *hubs; /* replica groups' hubs (replica.c), linked by `next` */
 	uint64_t next_id;
 	uint32_t connections;
-	struct aoqd_account *accounts; /* one per uid seen (session.c charges them) */
+	struct aoqd_account *accounts; /* one per uid seen (events.c, lease.c charge them) */
 	uint64_t start_ns;
 	_Atomic uint64_t locked_bytes;
 	/* SIGHUP: builds the settings again and hands them to

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * A session (session.c): one client's connection and what it trains.  Its
- * parts each have one owner (docs/design.md, "Where things live"):
+ * A session: one client's connection and what it trains.  Its parts each
+ * have one owner (docs/design.md, "Where things live"):
  *
  *   conn    the control connection                  conn.c
  *   st      the optimizer state                     state.c (register.c fills it)
@@ -9,9 +9,13 @@
  *   steps   steps and transfers in flight           steps.c, dataplane.c, transfer.c
  *   stats   counters and histograms                 stats.c
  *
- * session.c owns the whole: creation, references, the session list,
- * closing, the message table and the one place where an error fails the
- * session.
+ * The whole is the session files' (top to bottom): events.c (what drives a
+ * session: its connection, doorbell, the wake, the timers), message.c (the
+ * message table), close.c (close, and the one place where an error fails
+ * the session), trace.c, replica.c (replica groups), lease.c (lease and
+ * resume) and session.c (its memory, references and the list).  The steps,
+ * the data plane and transfers hold a session through the aoqd_steps_ops
+ * it gives them (steps.h), never by calling these files.
  */
 #ifndef AOQD_SESSION_H
 #define AOQD_SESSION_H
@@ -28,6 +32,7 @@
 #include "state.h"
 #include "stats.h"
 #include "steps.h"
+#include "lease.h"
 
 enum aoqd_session_state {
 	AOQD_HELLO = 0,   /* waiting for Hello */
@@ -86,6 +91,7 @@ struct aoqd_session {
 	struct aoqd_steps steps;
 	struct aoqd_stats stats;
 	struct aoqd_queue queue; /* pool queue; guarded by the pool */
+	uv_poll_cb on_doorbell; /* what runs when the client rings (events.c) */
 	/* aoqctl trace: who asked (a reference) and the steps_done count at
 	 * which the traced steps have all ended.  Loop thread. */
 	struct aoqd_session *trace_to;
@@ -123,48 +129,11 @@ struct aoqd_session {
 };
 
 /*
- * For snapshots (daemon/snapshot.c) and aoqctl: a session by id, live or
- * leased (not observers, not closing); NULL when none.  Loop thread.
+ * A new session with one reference (the caller's; the list's once
+ * linked), its parts initialised and given the session's aoqd_steps_ops;
+ * NULL without memory.
  */
-struct aoqd_session *aoqd_session_find(struct aoqd_server *srv, uint64_t id);
-/* The next session after s (NULL: the first), live or leased, to walk
- * every one (loop thread; do not close sessions while walking). */
-struct aoqd_session *aoqd_session_next(struct aoqd_server *srv, struct aoqd_session *s);
-
-/*
- * Lease key: what a reconnecting trainer must present to resume.
- */
-struct aoqd_lease_key {
-	uid_t uid;
-	const char *job;
-	uint32_t rank;        /* AOQD_GROUP_RANK for a replica group's state */
-	uint32_t local_world; /* a replica group's local ranks; 0 otherwise */
-};
-
-/* The rank in the key of a replica group's state (its hub's conn.rank):
- * Hello refuses it as a trainer's rank. */
-#define AOQD_GROUP_RANK UINT32_MAX
-
-/*
- * aoqd_lease_adopt: inserts a state restored from elsewhere (a snapshot)
- * as a leased session keyed `key`, for lease_ns nanoseconds, so that the
- * trainer that reconnects with that key and layout resumes it at
- * st->last_step.  The state is taken over: on success *st is zeroed and
- * the session owns its arrays; on failure *st is left to the caller.  st
- * must have been made with aoqd_state_alloc (undo copy or not: a trainer
- * with a lease that resumes a state without one gives it one,
- * aoqd_state_add_undo) and be whole at the end
- * of st->last_step (no open step: every tensor's cur_step at most
- * last_step).  Its mappings are charged to the uid's account (over any
- * quota: the daemon restored them) unless st->account is set already.
- * Returns the new session's id (> 0), or -EEXIST (a session with that key
- * exists, err says which), -ENOMEM.  Loop thread.
- */
-int64_t aoqd_lease_adopt(struct aoqd_server *srv, const struct aoqd_lease_key *key, struct aoqd_state *st,
-                         uint64_t lease_ns, struct aoqd_error *err);
-
-/* A new connection on the server's listener: a session in state HELLO. */
-void aoqd_session_accept(struct aoqd_server *srv, uv_stream_t *listener);
+struct aoqd_session *aoqd_session_new(struct aoqd_server *srv);
 /*
  * References: the session list holds one, and so does everything that may
  * outlive a loop-thread call (a job or transfer on the pool, a write that
@@ -177,21 +146,27 @@ void aoqd_session_unref(struct aoqd_session *s);
  * now, without the bit; any thread. */
 void aoqd_session_set_leasing(struct aoqd_session *s, bool on);
 int aoqd_session_refcount(struct aoqd_session *s);
-/* The server's wake: every session looks at what its workers finished. */
-void aoqd_sessions_wake(struct aoqd_server *srv);
-/* The server's idle handle while the loop spins: polls the to-daemon rings
- * of the sessions that spin; stops once none got a record for spin_ns. */
-void aoqd_sessions_spin(struct aoqd_server *srv);
-/* Fails sessions whose handshake (Hello, then Register or observer) is
- * past the deadline; the server's timer calls it. */
-void aoqd_sessions_sweep(struct aoqd_server *srv);
-/* Ends every session's rate interval (the server's timer, every
- * AOQD_RATE_INTERVAL_MS). */
-#define AOQD_RATE_INTERVAL_MS 1000
-void aoqd_sessions_sample(struct aoqd_server *srv);
-/* Closes every session (the server stops). */
-void aoqd_sessions_close_all(struct aoqd_server *srv);
-/* The client's doorbell rang (a uv_poll_cb for aoqd_arena_watch). */
-void aoqd_session_on_doorbell(uv_poll_t *h, int status, int events);
+
+/* The session list (srv->sessions; loop thread).  link: at the head, the
+ * list's reference is the caller's.  unlink: false when s was not linked;
+ * s keeps its `next`, so that a walk standing on s goes on.  bury: unlinks
+ * s and drops the list's reference at the next wake (aoqd_sessions_reap),
+ * when no walk of the list stands on it. */
+void aoqd_session_link(struct aoqd_session *s);
+bool aoqd_session_unlink(struct aoqd_session *s);
+void aoqd_session_bury(struct aoqd_session *s);
+void aoqd_sessions_reap(void);
+/*
+ * For snapshots and aoqctl: a session by id, live or leased (not
+ * observers, not closing); NULL when none.
+ */
+struct aoqd_session *aoqd_session_find(struct aoqd_server *srv, uint64_t id);
+/* The next session after s (NULL: the first), live or leased, to walk
+ * every one (do not close sessions while walking). */
+struct aoqd_session *aoqd_session_next(struct aoqd_server *srv, struct aoqd_session *s);
+/* Root, or a member of admin_gid (primary or supplementary group); whether
+ * `who` may see (trace, snapshot, drop) s: an admin, or s's uid. */
+bool aoqd_session_is_admin(const struct aoqd_session *who);
+bool aoqd_session_may_see(const struct aoqd_session *who, const struct aoqd_session *s);
 
 #endif

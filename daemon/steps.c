@@ -77,8 +77,8 @@ static void snap_done(void *arg, int r, const char *path, const char *why)
 	}
 	free(q);
 	if (who)
-		aoqd_session_unref(who);
-	aoqd_session_unref(s);
+		s->steps.ops->release(who);
+	s->steps.ops->release(s);
 }
 
 /* Where a snapshot asked for now goes: the last step's end when the
@@ -139,9 +139,9 @@ static int snapshot_at(struct aoqd_session *s, struct aoqd_session *who, uint64_
 	q->who = who;
 	q->t0 = aoqd_now_ns();
 	q->boundary = boundary;
-	aoqd_session_ref(s);
+	s->steps.ops->hold(s);
 	if (who)
-		aoqd_session_ref(who);
+		s->steps.ops->hold(who);
 	/* a first undo swap's spares are touched first, in idle time */
 	int r = aoqd_snapshot_prepare(s->srv->snapshotter, &s->st, snap_prepared, q);
 	if (r == 1) {
@@ -155,8 +155,8 @@ static int snapshot_at(struct aoqd_session *s, struct aoqd_session *who, uint64_
 		r = snap_arm(q, boundary, ready, err);
 	if (r < 0) {
 		if (who)
-			aoqd_session_unref(who);
-		aoqd_session_unref(s);
+			s->steps.ops->release(who);
+		s->steps.ops->release(s);
 		free(q);
 		return r;
 	}
@@ -253,7 +253,7 @@ static bool finish_step(struct aoqd_session *s)
 
 /* StepEnd of a replica group's member: the group's step ends once every
  * member's StepEnd is in; the loop's next wake then takes the members'
- * records and answers them all (session.c, group_poll). */
+ * records and answers them all (events.c, group_poll). */
 static int member_step_end(struct aoqd_session *m, uint64_t step, struct aoqd_error *err)
 {
 	struct aoqd_session *g = m->hub;
@@ -315,8 +315,8 @@ int aoqd_steps_poll(struct aoqd_session *s, bool doorbell, struct aoqd_error *er
 {
 	struct aoqd_steps *st = &s->steps;
 	if (s->hub)
-		return 0; /* a replica group's member: session.c polls its hub */
-	/* A replica group's hub has no ring of its own: session.c drains its
+		return 0; /* a replica group's member: events.c polls its hub */
+	/* A replica group's hub has no ring of its own: events.c drains its
 	 * members first. */
 	if (!s->rep && (doorbell || st->space_wait)) {
 		int r = aoqd_drain(s, err);

@@ -20,7 +20,19 @@ struct aoqd_pool;
 struct aoqd_job;
 struct aoqd_session;
 
+/*
+ * What the session gives its steps, data plane and transfers (session.c,
+ * aoqd_session_new): they hold the session while a job, a transfer or a
+ * snapshot request runs for it, and let it go when done.  The last release
+ * may free the session, on whichever thread drops it.  Any thread.
+ */
+struct aoqd_steps_ops {
+	void (*hold)(struct aoqd_session *s);
+	void (*release)(struct aoqd_session *s);
+};
+
 struct aoqd_steps {
+	const struct aoqd_steps_ops *ops;
 	uint64_t next_step;       /* records must carry this step */
 	bool held;                /* a record of next_step + 1 waits for StepEnd */
 	bool space_wait;          /* waiting for the client to free param-ring space */

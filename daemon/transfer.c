@@ -114,8 +114,8 @@ static void xfer_run(struct aoqd_task *task, unsigned worker)
 		struct aoqd_session *hub = x->hub;
 		free(x);
 		if (hub)
-			aoqd_session_unref(hub);
-		aoqd_session_unref(s);
+			s->steps.ops->release(hub);
+		s->steps.ops->release(s);
 	}
 }
 
@@ -151,10 +151,10 @@ static int start_transfer(struct aoqd_session *s, bool load, uint32_t tensor, in
 	s->steps.xfer_busy = true;
 	s->steps.xfer_count = count;
 	atomic_store(&s->steps.xfer_done, false);
-	aoqd_session_ref(s);
+	s->steps.ops->hold(s);
 	if (s->hub) {
 		x->hub = s->hub;
-		aoqd_session_ref(s->hub);
+		s->steps.ops->hold(s->hub);
 	}
 	/* A transfer runs alone (no steps meanwhile): any key will do. */
 	aoqd_pool_submit(s->srv->pool, &s->queue, (struct aoqd_key){ 0, 0 }, &x->tasks[0].task,

@@ -2,7 +2,7 @@
 /*
  * An aoqd inside the fuzzer's process: see fuzz-daemon.h.
  *
- * The daemon is aoqd-core itself (server.c, session.c and everything below
+ * The daemon is aoqd-core itself (server.c, events.c and everything below
  * it), started once with one worker thread and small limits so that an
  * input cannot make it allocate much.  The loop runs only inside these
  * helpers, on the fuzzer's thread, so the loop thread is the fuzzer's.

@@ -4,7 +4,7 @@
  * client wrote on its socket, already in the connection's read buffer:
  * aoqd_conn_frame() (conn.c) cuts it into frames and decodes each with
  * protobuf-c (wire.c), then aoqd_conn_consume() drops what was handled, as
- * session.c does.  Every decoded Envelope must encode again, and that
+ * message.c does.  Every decoded Envelope must encode again, and that
  * encoding must decode and encode to the same bytes (what the daemon
  * accepts, it can also answer in kind).
  */

@@ -3,7 +3,7 @@
  * libFuzzer target: the message handlers.  Each input is one hostile
  * client of an aoqd running in this process (fuzz-daemon.c): frames and
  * raw bytes on a real socket go through conn.c and dispatch() in
- * session.c to every handler (Hello, Register, SetHyperparams, StepEnd,
+ * message.c to every handler (Hello, Register, SetHyperparams, StepEnd,
  * LoadState, ReadState, TensorSteps, Stats, TraceRequest, Bye); once the
  * arena has come, records on its ring and bytes poked into it drive the
  * data plane and the workers.  Operations: fuzz-ops.h.

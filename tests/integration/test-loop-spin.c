@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The loop's spin (loop_spin_us; daemon/session.c, spin_start) and its
+ * The loop's spin (loop_spin_us; daemon/events.c, spin_start) and its
  * Stats figures, on aoqd with one pinned worker and a 10 ms spin:
  *
  *  1. A small job steps one tensor at a time, each step answered before

@@ -1,0 +1,201 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Lease and resume (README, "Lease and resume"; docs/design.md, "The
+ * daemon's parts"): how long a state stays once its trainer is gone, the
+ * rollback of its interrupted step once nothing of the dead connection
+ * runs (settle), the end of a lease, and the takeover of a leased state by
+ * the trainer that comes back with the same key and layout.  Expiry runs on
+ * the rate timer (events.c).  Loop thread.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "lease.h"
+#include "log.h"
+#include "server.h"
+#include "session.h"
+#include "snapshot.h"
+
+/* Nanoseconds the session's state is leased for if it closes now: only a
+ * registered trainer that went away (no Bye, no failure, no drop), whose
+ * state has its undo copy and no load since its last step, and while the
+ * configured lease (reloadable) is on. */
+uint64_t aoqd_lease_for(const struct aoqd_session *s)
+{
+	uint64_t cap = (uint64_t)s->srv->cfg.lease_seconds * 1000000000u;
+	if (s->state != AOQD_READY || s->no_lease || !s->st.undo || s->st.dirty || s->srv->stopping)
+		return 0;
+	return s->lease_ns < cap ? s->lease_ns : cap;
+}
+
+/* Once nothing of the dead connection runs (only the list's reference is
+ * left): the interrupted step goes back, the arena goes (a trainer that
+ * resumes gets a new one) and stops counting against the quota. */
+void aoqd_lease_settle(struct aoqd_session *s)
+{
+	if (s->state != AOQD_LEASED || s->settled || aoqd_session_refcount(s) != 1)
+		return;
+	aoqd_state_rollback(&s->st);
+	if (s->arena.size && s->st.account) {
+		uint64_t n = aoqd_page_round(s->arena.size);
+		aoqd_account_uncharge(s->st.account, n);
+		s->st.charged -= n;
+	}
+	aoqd_arena_free(&s->arena);
+	aoqd_arena_init(&s->arena);
+	if (s->rep) {
+		/* A leased group: its members are closed, their rings unused. */
+		for (uint32_t k = 0; k < s->rep->world; k++)
+			if (s->rep->members[k]) {
+				aoqd_session_unref(s->rep->members[k]);
+				s->rep->members[k] = NULL;
+			}
+	}
+	s->settled = true;
+	aoqd_debug("session", "session %" PRIu64 ": lease settled at step %" PRIu64, s->id, s->st.last_step);
+}
+
+/* Ends a leased session for good: its memory and quota go back. */
+void aoqd_lease_end(struct aoqd_session *s, const char *why)
+{
+	aoqd_info("session", "session %" PRIu64 " (uid %u job '%s' rank %u): lease ended (%s)", s->id,
+	          (unsigned)s->conn.uid, s->conn.job ? s->conn.job : "", s->conn.rank, why);
+	s->state = AOQD_CLOSING;
+	aoqd_session_set_leasing(s, false);
+	aoqd_session_bury(s);
+}
+
+bool aoqd_lease_same_key(const struct aoqd_session *a, uid_t uid, const char *job, uint32_t rank)
+{
+	return a->conn.uid == uid && a->conn.rank == rank && a->conn.job && strcmp(a->conn.job, job) == 0;
+}
+
+struct aoqd_session *aoqd_lease_find(struct aoqd_server *srv, uid_t uid, const char *job, uint32_t rank)
+{
+	for (struct aoqd_session *o = srv->sessions; o; o = o->next)
+		if (o->state == AOQD_LEASED && aoqd_lease_same_key(o, uid, job, rank))
+			return o;
+	return NULL;
+}
+
+int aoqd_lease_resume(struct aoqd_session *s, struct aoqd_error *err)
+{
+	struct aoqd_session *l = aoqd_lease_find(s->srv, s->conn.uid, s->conn.job, s->conn.rank);
+	s->adopt_wait = 0;
+	if (!l)
+		return 0;
+	if (!l->settled) {
+		/* Its last jobs still run: the reply waits (a wake settles it). */
+		s->adopt_wait = l->id;
+		return AOQD_ADOPT_WAIT;
+	}
+	char why[512];
+	if (aoqd_state_same_layout(&s->st, &l->st, why, sizeof(why)) < 0)
+		return AOQD_FAIL(err, INVALID, "cannot resume job '%s' rank %u (leased session %" PRIu64 "): %s; "
+		                 "'aoqctl drop %" PRIu64 "' ends it", s->conn.job, s->conn.rank, l->id, why, l->id);
+	aoqd_lease_take(s, l, &s->st);
+	s->steps.next_step = s->st.last_step + 1;
+	s->resumed_from = l->id;
+	aoqd_info("session", "session %" PRIu64 ": resumes session %" PRIu64 " (job '%s' rank %u) at step %" PRIu64,
+	          s->id, l->id, s->conn.job, s->conn.rank, s->st.last_step + 1);
+	aoqd_lease_end(l, "resumed");
+	return 1;
+}
+
+/* Leased session l's state goes to *dst (s->st, or s's new hub's): the
+ * arrays, steps, hyperparameters and seed carry over; the options that
+ * shape the arena and the steps are the new trainer's (s->st, whose tables
+ * are freed, leaving s->st empty but for its account and quota when dst is
+ * elsewhere). */
+void aoqd_lease_take(struct aoqd_session *s, struct aoqd_session *l, struct aoqd_state *dst)
+{
+	/* The leased state's capture (idle: a settled lease has no snapshot
+	 * in flight) points at l->st: freed here, the resumed session makes
+	 * its own at its first snapshot. */
+	aoqd_snapshot_state_free(&l->st);
+	struct aoqd_state mine = s->st, old = l->st;
+	old.window = mine.window;
+	old.max_grad_norm = mine.max_grad_norm;
+	old.skip_nonfinite = mine.skip_nonfinite;
+	old.defer = mine.defer;
+	old.delayed = mine.delayed;
+	old.quota = mine.quota;
+	bool want_undo = mine.undo;
+	struct aoqd_account *acc = mine.account;
+	aoqd_state_free(&mine, &s->srv->locked_bytes);
+	memset(&s->st, 0, sizeof(s->st));
+	s->st.account = acc;
+	s->st.quota = old.quota;
+	*dst = old;
+	memset(&l->st, 0, sizeof(l->st));
+	/* A state restored from a snapshot has no undo copy: it gets one
+	 * now, so that this trainer's session is leased in turn. */
+	int u = want_undo ? aoqd_state_add_undo(dst, &s->srv->locked_bytes) : 0;
+	if (u < 0)
+		aoqd_warn("session", "session %" PRIu64 ": no undo copy for the resumed state (%s): not leased if its "
+		          "trainer dies", s->id, strerror(-u));
+}
+
+int64_t aoqd_lease_adopt(struct aoqd_server *srv, const struct aoqd_lease_key *key, struct aoqd_state *st,
+                         uint64_t lease_ns, struct aoqd_error *err)
+{
+	for (struct aoqd_session *o = srv->sessions; o; o = o->next)
+		if (o->state != AOQD_OBSERVER && o->state != AOQD_CLOSING &&
+		    aoqd_lease_same_key(o, key->uid, key->job, key->rank)) {
+			AOQD_FAIL(err, INVALID, "job '%s' rank %u of uid %u has session %" PRIu64 " already", key->job,
+			          key->rank, (unsigned)key->uid, o->id);
+			return -EEXIST;
+		}
+	struct aoqd_session *s = aoqd_session_new(srv);
+	struct aoqd_account *a = aoqd_account_get(&srv->accounts, key->uid);
+	char *job = strdup(key->job);
+	/* a replica group's state: the next group of its job resumes it */
+	struct aoqd_replica *rep = key->local_world > 1 ? calloc(1, sizeof(*rep)) : NULL;
+	if (!s || !a || !job || (key->local_world > 1 && !rep) ||
+	    (key->local_world > 1 && (key->rank != AOQD_GROUP_RANK || key->local_world > AOQ_MAX_LOCAL_WORLD))) {
+		if (s)
+			aoqd_session_unref(s);
+		free(job);
+		free(rep);
+		if (rep || key->local_world > 1) {
+			AOQD_FAIL(err, INVALID, "a replica group's state needs rank %u and 2 to %u local ranks",
+			          AOQD_GROUP_RANK, AOQ_MAX_LOCAL_WORLD);
+			return -EINVAL;
+		}
+		AOQD_FAIL(err, NO_MEMORY, "out of memory");
+		return -ENOMEM;
+	}
+	s->conn.uid = key->uid;
+	s->conn.gid = (gid_t)-1;
+	s->conn.job = job;
+	s->conn.rank = key->rank;
+	s->conn.peer_pid = 0;
+	s->id = ++srv->next_id;
+	s->account = a;
+	if (rep) {
+		rep->world = key->local_world;
+		s->rep = rep;
+	}
+	if (!st->account) {
+		uint64_t n = 0;
+		for (uint32_t i = 0; i < st->ntensors; i++)
+			n += aoqd_page_round(st->tensors[i].state_len);
+		st->account = a;
+		aoqd_account_charge(a, n, 0);
+		st->charged += n;
+	}
+	st->quota = srv->cfg.max_state_bytes_per_uid;
+	s->st = *st;
+	memset(st, 0, sizeof(*st));
+	s->state = AOQD_LEASED;
+	s->settled = true;
+	s->lease_until = aoqd_now_ns() + lease_ns;
+	aoqd_session_set_leasing(s, true);
+	aoqd_session_link(s);
+	aoqd_info("session", "session %" PRIu64 " (uid %u job '%s' rank %u): restored state leased for %" PRIu64
+	          " s, resumable at step %" PRIu64, s->id, (unsigned)key->uid, job, key->rank, lease_ns / 1000000000u,
+	          s->st.last_step + 1);
+	return (int64_t)s->id;
+}

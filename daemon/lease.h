@@ -1,0 +1,74 @@
+/* SPDX-License-Identifier: MIT */
+/* Lease and resume (lease.c; README, "Lease and resume").  Loop thread. */
+#ifndef AOQD_LEASE_H
+#define AOQD_LEASE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "error.h"
+
+struct aoqd_server;
+struct aoqd_session;
+struct aoqd_state;
+
+/* The adopt callback's answer (register.h, aoqd_adopt_fn) when the leased
+ * state is not settled yet: the Register reply waits for a wake. */
+#define AOQD_ADOPT_WAIT 2
+
+/*
+ * Lease key: what a reconnecting trainer must present to resume.
+ */
+struct aoqd_lease_key {
+	uid_t uid;
+	const char *job;
+	uint32_t rank;        /* AOQD_GROUP_RANK for a replica group's state */
+	uint32_t local_world; /* a replica group's local ranks; 0 otherwise */
+};
+
+/* The rank in the key of a replica group's state (its hub's conn.rank):
+ * Hello refuses it as a trainer's rank. */
+#define AOQD_GROUP_RANK UINT32_MAX
+
+/*
+ * aoqd_lease_adopt: inserts a state restored from elsewhere (a snapshot)
+ * as a leased session keyed `key`, for lease_ns nanoseconds, so that the
+ * trainer that reconnects with that key and layout resumes it at
+ * st->last_step.  The state is taken over: on success *st is zeroed and
+ * the session owns its arrays; on failure *st is left to the caller.  st
+ * must have been made with aoqd_state_alloc (undo copy or not: a trainer
+ * with a lease that resumes a state without one gives it one,
+ * aoqd_state_add_undo) and be whole at the end
+ * of st->last_step (no open step: every tensor's cur_step at most
+ * last_step).  Its mappings are charged to the uid's account (over any
+ * quota: the daemon restored them) unless st->account is set already.
+ * Returns the new session's id (> 0), or -EEXIST (a session with that key
+ * exists, err says which), -ENOMEM.
+ */
+int64_t aoqd_lease_adopt(struct aoqd_server *srv, const struct aoqd_lease_key *key, struct aoqd_state *st,
+                         uint64_t lease_ns, struct aoqd_error *err);
+
+/* Nanoseconds s's state is leased for if it closes now: only a registered
+ * trainer that went away (no Bye, no failure, no drop), whose state has
+ * its undo copy and no load since its last step, and while the configured
+ * lease (reloadable) is on; 0: no lease. */
+uint64_t aoqd_lease_for(const struct aoqd_session *s);
+/* Once only the list's reference is left: the interrupted step goes back,
+ * the arena goes and stops counting against the quota.  No-op otherwise. */
+void aoqd_lease_settle(struct aoqd_session *s);
+/* Ends a leased session for good: its memory and quota go back. */
+void aoqd_lease_end(struct aoqd_session *s, const char *why);
+bool aoqd_lease_same_key(const struct aoqd_session *a, uid_t uid, const char *job, uint32_t rank);
+/* The leased session keyed (uid, job, rank), or NULL. */
+struct aoqd_session *aoqd_lease_find(struct aoqd_server *srv, uid_t uid, const char *job, uint32_t rank);
+/* Leased session l's state goes to *dst (s->st, or s's new hub's): the
+ * arrays, steps, hyperparameters and seed carry over; the options that
+ * shape the arena and the steps are the new trainer's. */
+void aoqd_lease_take(struct aoqd_session *s, struct aoqd_session *l, struct aoqd_state *dst);
+/* A trainer's registration resumes the leased state of its key when the
+ * layout matches: 1 when it did, 0 when there is none, AOQD_ADOPT_WAIT,
+ * or -errno with err filled (the lease stays). */
+int aoqd_lease_resume(struct aoqd_session *s, struct aoqd_error *err);
+
+#endif
