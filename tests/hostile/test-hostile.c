@@ -781,9 +781,11 @@ static void attack_connection_flood(void)
 	for (int i = 0; i < 500; i++) {
 		Aoq__Envelope *st = NULL;
 		/* QUOTA while the daemon still counts the closed connections
-		 * against our uid's cap (max_connections_per_uid). */
+		 * against our uid's cap (max_connections_per_uid); a refusal at
+		 * accept may close the socket before the request is written
+		 * (EPIPE, ECONNRESET). */
 		int r = aoqt_stats(daemon_.socket, &st);
-		if (r != -EDQUOT)
+		if (r != -EDQUOT && r != -EPIPE && r != -ECONNRESET)
 			CHECK_OK(r);
 		aoq_envelope_free(r == 0 ? st : NULL);
 		now = aoqt_count_fds(daemon_.pid);
