@@ -235,7 +235,7 @@ static const struct aoqk_kernel *cur_k;
 static enum aoqk_precision cur_prec;
 static enum aoqk_dtype cur_gd, cur_pd;
 static int cur_skip;
-static int cur_noparam; /* no parameter out: the bf16 master is the parameter (issue 15, item 2) */
+static int cur_noparam; /* no parameter out: the bf16 master is the parameter (docs/decisions.md) */
 static struct aoqk_hparams cur_hp;
 static size_t cur_chunk;
 enum { OPT_ADAM, OPT_SGD, OPT_LION };
@@ -889,7 +889,8 @@ int main(int argc, char **argv)
 			bench_kernel(k, (enum aoqk_precision)p, AOQK_BF16, AOQK_BF16, 0, CHUNK, "");
 		/* a bf16 master with bf16 parameters is the parameter's bits:
 		 * the same jobs without the parameter copy, 2 B/param less
-		 * (what issue 15's item 2 would move; not built) */
+		 * (aoqd's master_param; docs/decisions.md, "The master is the
+		 * parameter") */
 		cur_noparam = 1;
 		for (int p = AOQK_STATE_BF16; p <= AOQK_STATE_BF16_ALL; p++)
 			bench_kernel(k, (enum aoqk_precision)p, AOQK_BF16, AOQK_BF16, 0, CHUNK, "_noparam");

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * bench-fairshare: issue 13's fair-share figure.  Two jobs on one aoqd (host
+ * bench-fairshare: the fair-share figure.  Two jobs on one aoqd (host
  * backend, the daemon's own worker count unless --threads): a small job of
  * --tensors tensors of --elems elements and a big job --ratio times its size
  * (as many tensors, each --ratio times longer).  The small job's step latency

@@ -49,8 +49,8 @@
  * prints on - off over its whole pairs, +- two standard errors.  Without a
  * snapshot that difference is the method's zero; while one is written it
  * is the writer's cost per step, free of the drift between windows that
- * dominates the whole-window comparison (tests/bench/RESULTS.md, ninth
- * session).  A chunk the minimum rate forces (counted in the writer's
+ * dominates the whole-window comparison (tests/bench/RESULTS.md,
+ * "Snapshots").  A chunk the minimum rate forces (counted in the writer's
  * line) can still land in an off gap.
  *
  *   bench-snapshot [--elems N] [--tensors T] [--steps N] [--threads N] [--gap MS] [--snapshots K]

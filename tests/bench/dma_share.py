@@ -16,8 +16,8 @@ measures, in one run on one host:
     seconds), and while they copy as fast as they can;
 
 and prints the step the CPU update alone sets for --params parameters under
-each load, against --target (by default 1.25 x --gpu-step, issue 15's
-"bf16 master + q8 + delayed <= 1.25x with nothing on the GPU").
+each load, against --target (by default 1.25 x --gpu-step, the goal
+"bf16 master + q8 + delayed <= 1.25x on-GPU AdamW with nothing on the GPU").
 
   python3 tests/bench/dma_share.py --bench-kernels B [--gpu-step S | --target S]
       [--params N] [-n ELEMS] [-t THREADS] [-r REPS] [--rounds K] [--loads none,pace,max]

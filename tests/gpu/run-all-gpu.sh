@@ -1,6 +1,6 @@
 #!/bin/bash
 # SPDX-License-Identifier: MIT
-# Every GPU check in one device call (the device time is scarce):
+# Every GPU check in one run, so a GPU machine is held once:
 #   tests/gpu/run-all-gpu.sh BIN [LOGDIR]
 # BIN: made here by `tests/gpu/run-gpu-tests.sh pack build-gpu BIN` (aoqd, libaoq, test
 # programs and the shared libraries the GPU machine lacks).  Runs, each within its own

@@ -6,7 +6,7 @@
 # BIN as for run-all-gpu.sh (`tests/gpu/run-gpu-tests.sh pack build BIN`).
 # Runs test_distributed_gpu.py with NCCL (DDP, the shared state, no_sync,
 # DCP, two daemons, FSDP2 and its DCP round trip, one GPU per rank), then
-# train_gpt.py's multi-rank modes (issue 13's benchmark: DDP + on-GPU AdamW,
+# train_gpt.py's multi-rank modes (the multi-GPU benchmark: DDP + on-GPU AdamW,
 # DDP + aoq per rank and shared in fp32 / q8 / bf16, FSDP2 + on-GPU AdamW,
 # FSDP2 + aoq, FSDP2 + CPUOffloadPolicy; 0.94 B GPT per rank by default),
 # each within its share of the time.  Logs in LOGDIR (default $OUT):
