@@ -6,10 +6,11 @@
  * Parameter copies (h2d) are queued and land only when the trainer waits
  * for them, the way a GPU's copy stream is ordered before the work that
  * waits on it: waiting on an event (host_wait or stream_wait) performs every
- * queued copy up to and including that event's, in issue order.  So an
- * update never changes a buffer that the trainer's backward may still be
- * reading, and a training run on the cpu device is deterministic (without
- * this, the progress thread's memcpy raced the trainer's backward).
+ * queued copy up to and including that event's, in the order they were
+ * queued.  So an update never changes a buffer that the trainer's backward
+ * may still be reading, and a training run on the cpu device is
+ * deterministic (without this, the progress thread's memcpy raced the
+ * trainer's backward).
  * Releasing an event does not cancel its copy: it still lands at the next
  * wait on a later event, or is dropped at close.
  *

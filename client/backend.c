@@ -1,27 +1,10 @@
 /* SPDX-License-Identifier: MIT */
+/* The device string to its backend (aoq_backend_lookup); dtype names. */
 #include <errno.h>
-#include <stdarg.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "backend.h"
-
-static __thread char last_error[512];
-
-const char *aoq_last_error(void)
-{
-	return last_error;
-}
-
-int aoq_set_error(int err, const char *fmt, ...)
-{
-	va_list ap;
-	va_start(ap, fmt);
-	vsnprintf(last_error, sizeof(last_error), fmt, ap);
-	va_end(ap);
-	return err;
-}
 
 const char *aoq_dtype_name(enum aoq_dtype t)
 {

@@ -19,6 +19,7 @@
 #include <time.h>
 
 #include "aoq/aoq.h"
+#include "error.h"
 
 struct aoq_backend;
 struct aoq_event; /* a backend's completion marker; NULL means "already complete" */
@@ -112,8 +113,5 @@ extern const struct aoq_backend_ops aoq_backend_ze;   /* stub when built without
 
 /* Parses "cpu", "cuda:N", "xpu:N" into ops + index; -EINVAL otherwise. */
 int aoq_backend_lookup(const char *device, const struct aoq_backend_ops **ops, int *index);
-
-/* Sets the calling thread's aoq_last_error() text; returns err. */
-int aoq_set_error(int err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 #endif
