@@ -3,8 +3,12 @@
 state stays on the device (_DeviceShare), and "auto"'s arithmetic: which
 updates of a probe step end late (_auto_late), which parameters move
 (_auto_choice), whether to probe again (_auto_again), and how the ranks of a
-data-parallel job agree on one split (_dist_group, _agree, _first_ranks).
-OffloadOptimizer (torch.py) measures the probe step and moves the state."""
+data-parallel job agree on one split (_dist_group, _agree, _first_ranks);
+_AutoSplit, OffloadOptimizer's methods that time the probe step and move the
+state."""
+import logging
+import time
+
 import torch
 
 
@@ -230,3 +234,117 @@ class _DeviceShare:
             if torch.is_tensor(d.get("step")) and self.opt.defaults.get("fused"):
                 d["step"] = d["step"].to(device=t.device, dtype=torch.float32)   # fused keeps it there
             self.opt.state[t] = d
+
+
+class _AutoSplit:
+    """OffloadOptimizer's gpu_state_budget="auto": the probe step's timeline
+    and the move of state from aoqd to the device share (a mixin: the state
+    is the optimizer's own)."""
+
+    def _mark(self):
+        """A point in the step's timeline: a CUDA event on the current
+        stream (timed on the device), else the host clock."""
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(torch.cuda.current_stream(self.device))
+            return ev
+        return time.perf_counter()
+
+    def _since(self, a, b):
+        """Seconds from mark a to mark b (both passed)."""
+        if self.device.type == "cuda":
+            return a.elapsed_time(b) / 1e3
+        return b - a
+
+    def _auto_split(self, t_backward):
+        """gpu_state_budget="auto", at the end of the probe step.  Measures
+        B, from the step's first final push to the end of backward (on the
+        device), and T, from there until every update has landed (the
+        step's tail, host-synchronous once), and with a staging window F,
+        the forward's start to the first final push; _auto_late says how
+        many parameters' updates end late.  The parameters pushed last (the
+        first layers), that many plus 10%, move with their state to the
+        device share, within the device's free memory less a margin.  While
+        a probe moves state and finds more than 1% late, the step after next
+        probes again (_auto_again), at most _AUTO_ROUNDS probes in all."""
+        log, self._push_log = self._push_log, None
+        self._probe_fwd_armed = False
+        pushed = set(log)
+        order = [s for s in log if not s.moved] + [s for s in self._slots if s not in pushed]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t_end_backward = time.perf_counter()
+        self.synchronize()
+        tail = time.perf_counter() - t_end_backward
+        start = getattr(self, "_probe_start", None)
+        span = self._since(start, t_backward) if start is not None else 0.0
+        total = sum(s.numel for s in order)
+        fwd_start, fwd_last = self._probe_fwd, self._probe_fwd_last
+        fwd = None
+        # a daemon behind backward holds it back (the tail stays short) with a
+        # staging window (a push waits for a free slot) and with the delayed
+        # update (a tensor's push waits for its previous update's answer)
+        if (self.staging_window or self.delayed_update) and fwd_start is not None and start is not None:
+            # F: to the last module's start (a forward pre-hook, or a compiled
+            # module's in-graph wait): the first push comes after the loss and
+            # the last layer's backward, which 2F would count twice; without
+            # such a mark, to the first final push
+            fwd = self._since(fwd_start, fwd_last if fwd_last is not None else start)
+        self._probe_fwd = self._probe_fwd_last = None
+        late, b0 = _auto_late(total, span, tail, fwd)
+        cap = float("inf")
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            cap = max(0, free - max(2 << 30, free // 10))
+        # every replica of a process group the same: the most late, the least room
+        if self._auto_dist is False:
+            self._auto_dist = _dist_group([s.numel for s in self._slots])
+        dist = self._auto_dist
+        late, neg_cap = _agree(dist, late, -cap)
+        late, cap = int(late), -neg_cap
+        master = None if self._fp32_master else "bf16"
+        chosen = _auto_choice([s.numel for s in order], [_share_bytes(s.p, self._kind, master) for s in order],
+                              late, cap)
+        moved = _first_ranks(dist, [order[i] for i in chosen], self._slots)
+        if moved:
+            self._move_to_share(moved)
+        prev = self.auto_split or {}
+        rounds = prev.get("rounds", 0) + 1
+        n_moved = sum(s.numel for s in moved)
+        # the last probe's measurements; device_* count every probe's moves
+        self.auto_split = dict(backward_seconds=span, tail_seconds=tail, forward_seconds=fwd,
+                               device_backward_seconds=b0, late_params=late, params=total,
+                               moved_params=n_moved, rounds=rounds,
+                               device_params=prev.get("device_params", 0) + n_moved,
+                               device_bytes=prev.get("device_bytes", 0) + sum(
+                                   _share_bytes(s.p, self._kind, master) for s in moved))
+        again = bool(_agree(dist, int(_auto_again(late, total, n_moved, rounds)))[0])   # any rank: all probe
+        self._auto_probe = self._nstep + 2 if again else None
+        logging.getLogger("aoq").info(
+            "aoq: gpu_state_budget='auto', probe %d: the update ended %.1f ms after backward (%.1f ms after the "
+            "first push; ~%d of %d offloaded parameters late); %d parameters' state moved to the device, %d "
+            "(%.2f GiB) in all%s", rounds, 1e3 * tail, 1e3 * span, late, total, n_moved,
+            self.auto_split["device_params"], self.auto_split["device_bytes"] / 2 ** 30,
+            "; probing again at step %d" % self._auto_probe if again else "")
+
+    def _move_to_share(self, slots):
+        """The state of slots (synchronized) leaves aoqd for the device share."""
+        steps = self._client.get_tensor_steps()
+        entries = []
+        for s in slots:
+            st = {"step": torch.tensor(float(steps[s.t]))}
+            for key, w in self._state_keys(s) + (("master", "master"),):
+                st[key] = torch.from_numpy(self._client.read_state(s.t, w)).view(s.x.shape)
+            entries.append((s.p, st))
+        if self._share is None:
+            self._share = _DeviceShare([(s.group, s.p) for s in slots], self.param_groups, self._optimizer_class,
+                                       self._dev_kwargs, self._kind, fp32_master=self._fp32_master)
+        else:
+            self._share.add([(s.group, s.p) for s in slots], self.param_groups)
+        self._share.load(entries)
+        gone = set(slots)
+        for s in slots:
+            s.moved = True
+            del self._slot_of[s.p]
+        self._slots = [s for s in self._slots if s not in gone]
+        self._slot_by_addr = {}

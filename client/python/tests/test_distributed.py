@@ -168,23 +168,23 @@ def case_ddp_auto(rank, ws, env):
     AdamW, aoqd the rest).  Ranks with different tensors (pipeline stages)
     each split alone."""
     import torch.distributed as dist
-    import aoq.torch as at
+    import aoq._share as sh
     dev = env["dev"]
     ref = ddp(make_model(), env)
     train(ref, torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1), rank, dev, STEPS + 2)
     m = ddp(make_model(), env)
     o = Offload(m.named_parameters(), env, grad_edits=False, gpu_state_budget="auto")
     probes = []
-    real_late = at._auto_late
+    real_late = sh._auto_late
 
     def late(total, span, tail, fwd=None):
         probes.append(total)
         return (total // 10 if rank == ws - 1 and len(probes) == 1 else 0), span    # one weight moves
-    at._auto_late = late
+    sh._auto_late = late
     try:
         train(m, o, rank, dev, STEPS + 2)
     finally:
-        at._auto_late = real_late
+        sh._auto_late = real_late
     o.synchronize()
     assert len(probes) == 2 and o.auto_split["rounds"] == 2, (probes, o.auto_split)
     assert o._share is not None and len(o._share.params) == 1, o.auto_split

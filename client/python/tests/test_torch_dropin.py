@@ -735,7 +735,6 @@ def case_gpu_share():
     for a, b in zip(pa, pb):
         torch.testing.assert_close(a, b, rtol=8e-3, atol=1e-5)     # one bf16 ulp
     # "auto": the choice from the measured tail (pure function)...
-    import aoq.torch as at
     import aoq._share as sh
     assert sh._auto_choice([10, 10, 10, 10], [80] * 4, 20, float("inf")) == [3, 2, 1]
     assert sh._auto_choice([10, 10, 10, 10], [80] * 4, 20, 200) == [3, 2]
@@ -788,7 +787,7 @@ def case_gpu_share():
     # (with a staging window, which makes the probes time the forward too)
     opt = aoq_opt(m2, gpu_state_budget="auto", staging_window=1 << 20)
     assert opt._share is None
-    real_choice, real_late = at._auto_choice, at._auto_late
+    real_choice, real_late = sh._auto_choice, sh._auto_late
     probes, fwds = [], []
 
     def late(total, span, tail, fwd=None):
@@ -796,12 +795,12 @@ def case_gpu_share():
         fwds.append(fwd)
         return (total if len(probes) < 3 else 0), span     # late after probes 1 and 2, none after 3
 
-    at._auto_choice = lambda numels, costs, late, cap: [len(numels) - 1] if late else []    # the last pushed one
-    at._auto_late = late
+    sh._auto_choice = lambda numels, costs, late, cap: [len(numels) - 1] if late else []    # the last pushed one
+    sh._auto_late = late
     try:
         loop(m2, opt, STEPS + 2)
     finally:
-        at._auto_choice, at._auto_late = real_choice, real_late
+        sh._auto_choice, sh._auto_late = real_choice, real_late
     opt.synchronize()
     total = sum(p.numel() for p in big)
     assert probes == [(3, total), (5, total - big[0].numel()),
