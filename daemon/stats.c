@@ -38,6 +38,7 @@ void aoqd_hist_add(struct aoqd_hist *h, uint64_t ns)
 		b = AOQD_HIST_BUCKETS - 1;
 	h->b[b]++;
 	h->n++;
+	h->sum_ns += ns;
 }
 
 double aoqd_hist_quantile_us(const struct aoqd_hist *h, double q)
@@ -153,6 +154,10 @@ void aoqd_stats_fill(struct aoqd_stats *st, Aoq__SessionStats *x)
 	x->chunk_p99_us = aoqd_hist_quantile_us(&st->chunk_hist, 0.99);
 	x->record_p50_us = aoqd_hist_quantile_us(&st->rec_hist, 0.5);
 	x->record_p99_us = aoqd_hist_quantile_us(&st->rec_hist, 0.99);
+	x->chunk_latency_count = st->chunk_hist.n;
+	x->chunk_latency_sum_seconds = (double)st->chunk_hist.sum_ns / 1e9;
+	x->record_latency_count = st->rec_hist.n;
+	x->record_latency_sum_seconds = (double)st->rec_hist.sum_ns / 1e9;
 	x->rate_interval_seconds = st->rate_interval_s;
 	x->steps_per_second = st->steps_ps;
 	x->params_per_second = st->params_ps;

@@ -19,6 +19,7 @@ uint64_t aoqd_wall_ns(void);
 #define AOQD_HIST_BUCKETS 320
 struct aoqd_hist {
 	uint64_t n;
+	uint64_t sum_ns;
 	uint32_t b[AOQD_HIST_BUCKETS];
 };
 void aoqd_hist_add(struct aoqd_hist *h, uint64_t ns);

@@ -15,7 +15,9 @@ int ctl_fail_unreachable(const char *path, int err, const char *what, const char
 {
 	fprintf(stderr, "aoqctl: %s aoqd at %s: %s%s%s\n", what, path, strerror(-err),
 	        msg ? ": " : "", msg ? msg : "");
-	if (err == -ENOENT || err == -ECONNREFUSED)
+	/* the hint only when the socket did not answer: an Error from a daemon
+	 * (msg set) means it runs */
+	if (!msg && (err == -ENOENT || err == -ECONNREFUSED))
 		fprintf(stderr, "aoqctl: is aoqd running? (choose its socket with --socket or AOQ_SOCKET)\n");
 	return EXIT_UNREACHABLE;
 }

@@ -71,6 +71,36 @@ static void prom_session_family(FILE *f, const Aoq__Stats *st, const char *name,
 	}
 }
 
+/* A summary per session: the p50 and p99 of a latency histogram, its sum
+ * and its count (record: the records' histogram, else the chunks'). */
+static void prom_session_summary(FILE *f, const Aoq__Stats *st, const char *name, const char *help, bool record)
+{
+	if (st->n_sessions == 0)
+		return;
+	prom_head(f, name, "summary", help);
+	for (size_t i = 0; i < st->n_sessions; i++) {
+		const Aoq__SessionStats *s = st->sessions[i];
+		double p50 = record ? s->record_p50_us : s->chunk_p50_us;
+		double p99 = record ? s->record_p99_us : s->chunk_p99_us;
+		for (int q = 0; q < 2; q++) {
+			fputs(name, f);
+			prom_session_labels(f, s);
+			fprintf(f, ",quantile=\"%s\"} ", q ? "0.99" : "0.5");
+			prom_value(f, (q ? p99 : p50) / 1e6);
+			fputc('\n', f);
+		}
+		fprintf(f, "%s_sum", name);
+		prom_session_labels(f, s);
+		fputs("} ", f);
+		prom_value(f, record ? s->record_latency_sum_seconds : s->chunk_latency_sum_seconds);
+		fprintf(f, "\n%s_count", name);
+		prom_session_labels(f, s);
+		fputs("} ", f);
+		prom_value(f, (double)(record ? s->record_latency_count : s->chunk_latency_count));
+		fputc('\n', f);
+	}
+}
+
 #define GETTER(fname, expr) \
 	static double fname(const Aoq__SessionStats *s) { return (double)(expr); }
 GETTER(get_tensors, s->tensors)
@@ -139,29 +169,10 @@ int ctl_print_stats_prometheus(const struct view *v, FILE *f)
 	prom_session_family(f, st, "aoq_session_state_bytes", "gauge", "Optimizer state held for the session.", get_state);
 	prom_session_family(f, st, "aoq_session_arena_bytes", "gauge", "Size of the session's shared-memory arena.",
 	                    get_arena);
-	if (st->n_sessions) {
-		prom_head(f, "aoq_session_chunk_latency_seconds", "gauge",
-		          "Chunk update latency quantiles over the session's life.");
-		for (int q = 0; q < 2; q++)
-			for (size_t i = 0; i < st->n_sessions; i++) {
-				const Aoq__SessionStats *s = st->sessions[i];
-				fputs("aoq_session_chunk_latency_seconds", f);
-				prom_session_labels(f, s);
-				fprintf(f, ",quantile=\"%s\"} ", q ? "0.99" : "0.5");
-				prom_value(f, (q ? s->chunk_p99_us : s->chunk_p50_us) / 1e6);
-				fputc('\n', f);
-			}
-		prom_head(f, "aoq_session_record_latency_seconds", "gauge",
-		          "Gradient record accepted to parameter record posted, quantiles over the session's life.");
-		for (int q = 0; q < 2; q++)
-			for (size_t i = 0; i < st->n_sessions; i++) {
-				const Aoq__SessionStats *s = st->sessions[i];
-				fputs("aoq_session_record_latency_seconds", f);
-				prom_session_labels(f, s);
-				fprintf(f, ",quantile=\"%s\"} ", q ? "0.99" : "0.5");
-				prom_value(f, (q ? s->record_p99_us : s->record_p50_us) / 1e6);
-				fputc('\n', f);
-			}
-	}
+	prom_session_summary(f, st, "aoq_session_chunk_latency_seconds",
+	                     "Chunk update latency over the session's life (quantiles of log2 buckets, 8 per octave).",
+	                     false);
+	prom_session_summary(f, st, "aoq_session_record_latency_seconds",
+	                     "Gradient record accepted to parameter record posted, over the session's life.", true);
 	return ferror(f) ? -EIO : 0;
 }

@@ -31,13 +31,13 @@ static int show_stats(const Aoq__Stats *st, enum ctl_format fmt, bool sessions_o
 	int r = ctl_out_open(&o, output);
 	if (r == 0) {
 		if (sessions_only)
-			r = ctl_print_sessions(st, stdout);
+			r = ctl_print_sessions(st, o.f);
 		else if (fmt == CTL_FMT_JSON)
 			r = ctl_print_stats_json(&v, o.f, watching);
 		else if (fmt == CTL_FMT_PROMETHEUS)
 			r = ctl_print_stats_prometheus(&v, o.f);
 		else
-			r = ctl_print_stats_table(&v, stdout);
+			r = ctl_print_stats_table(&v, o.f);
 		r = ctl_out_close(&o, r == 0);
 	}
 	ctl_view_fini(&v);

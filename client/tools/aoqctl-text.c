@@ -94,12 +94,14 @@ const char *ctl_str_or(const char *s, const char *dflt)
 }
 /* ---- UTF-8 ---------------------------------------------------------- */
 
-/* Length of the valid UTF-8 sequence at s (1..4), or 0 when invalid. */
-static size_t utf8_valid(const unsigned char *s)
+/* Length of the valid UTF-8 sequence at s (1..4), or 0 when invalid; *cp
+ * its code point. */
+static size_t utf8_decode(const unsigned char *s, uint32_t *cp_out)
 {
 	unsigned c = s[0];
 	size_t n;
 	uint32_t cp;
+	*cp_out = c;
 	if (c < 0x80)
 		return 1;
 	else if ((c & 0xe0) == 0xc0)
@@ -118,30 +120,55 @@ static size_t utf8_valid(const unsigned char *s)
 	if ((n == 2 && cp < 0x80) || (n == 3 && cp < 0x800) || (n == 4 && cp < 0x10000) ||
 	    cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff))
 		return 0;
+	*cp_out = cp;
 	return n;
+}
+
+/* Characters that change how a terminal shows what follows rather than
+ * showing themselves: C0 and C1 controls, DEL, and Unicode's bidirectional
+ * and other format characters (general category Cf: the embeddings,
+ * overrides and isolates U+202A..U+202E and U+2066..U+2069, the marks
+ * U+200E/U+200F/U+061C, zero-width characters, the BOM, soft hyphen,
+ * interlinear annotation, tags), and the line and paragraph separators. */
+static bool unsafe_char(uint32_t cp)
+{
+	return cp < 0x20 || (cp >= 0x7f && cp <= 0x9f) || cp == 0xad || cp == 0x061c || (cp >= 0x0600 && cp <= 0x0605) ||
+	       cp == 0x06dd || cp == 0x070f || cp == 0x180e || (cp >= 0x200b && cp <= 0x200f) ||
+	       (cp >= 0x2028 && cp <= 0x202e) || (cp >= 0x2060 && cp <= 0x206f) || cp == 0xfeff ||
+	       (cp >= 0xfff9 && cp <= 0xfffb) || cp == 0x110bd || cp == 0x110cd || (cp >= 0x1bca0 && cp <= 0x1bca3) ||
+	       (cp >= 0x1d173 && cp <= 0x1d17a) || cp == 0xe0001 || (cp >= 0xe0020 && cp <= 0xe007f);
+}
+
+/* The length of the character at s when it is valid UTF-8 and safe to show
+ * (1..4), else 0 with *skip the bytes to replace by one mark: the whole
+ * character when it is valid but unsafe, one byte when invalid. */
+static size_t utf8_safe(const unsigned char *s, size_t *skip)
+{
+	uint32_t cp;
+	size_t n = utf8_decode(s, &cp);
+	*skip = n ? n : 1;
+	return n && !unsafe_char(cp) ? n : 0;
 }
 
 /* ---- a small table printer --------------------------------------------- */
 
-/* Sanitises a cell for a terminal: control characters and invalid UTF-8
- * become '?'; a long text is cut at a character boundary. */
+/* Sanitises a cell for a terminal: each control or format character (see
+ * unsafe_char) and each invalid byte becomes '?'; a long text is cut at a
+ * character boundary. */
 void ctl_cell_set(char *cell, const char *str)
 {
 	const unsigned char *s = (const unsigned char *)str;
 	size_t o = 0;
 	while (*s) {
-		size_t n = utf8_valid(s);
-		bool bad = n == 0 || *s < 0x20 || *s == 0x7f;
-		if (bad)
-			n = 1;
-		if (o + n + 1 > CELL_LEN)
+		size_t skip, n = utf8_safe(s, &skip);
+		if (o + (n ? n : 1) + 1 > CELL_LEN)
 			break;
-		if (bad)
-			cell[o] = '?';
-		else
+		if (n)
 			memcpy(cell + o, s, n);
-		o += n;
-		s += n;
+		else
+			cell[o] = '?';
+		o += n ? n : 1;
+		s += skip;
 	}
 	cell[o] = 0;
 }
@@ -193,8 +220,9 @@ int ctl_table_print(const struct table *t, FILE *f)
 
 /* ---- strings from the daemon ------------------------------------------- */
 
-/* A copy of str as valid UTF-8 without control characters (each bad byte
- * becomes U+FFFD): job and device names come from other processes. */
+/* A copy of str as valid UTF-8 without control or format characters (each
+ * becomes U+FFFD, as each invalid byte does): job and device names come
+ * from other processes. */
 char *ctl_clean_utf8(const char *str)
 {
 	const unsigned char *s = (const unsigned char *)(str ? str : "");
@@ -203,11 +231,11 @@ char *ctl_clean_utf8(const char *str)
 	if (!out)
 		return NULL;
 	while (*s) {
-		size_t n = utf8_valid(s);
-		if (n == 0 || *s < 0x20 || *s == 0x7f) {
+		size_t skip, n = utf8_safe(s, &skip);
+		if (n == 0) {
 			memcpy(o, "\xef\xbf\xbd", 3);
 			o += 3;
-			s++;
+			s += skip;
 			continue;
 		}
 		memcpy(o, s, n);

@@ -117,6 +117,9 @@ int ctl_run_trace(const char *path, uint64_t session, uint32_t steps, const char
 			if (r == -EPROTO || r == -EPROTONOSUPPORT)
 				fprintf(stderr, "aoqctl: aoqd at %s cannot record traces (it answered: %s)\n", path,
 				        msg ? msg : strerror(-r));
+			else if (msg)
+				fprintf(stderr, "aoqctl: aoqd at %s refused the trace of session %" PRIu64 ": %s\n", path,
+				        session, *msg ? msg : strerror(-r));
 			else
 				ctl_fail_unreachable(path, r, "trace request failed at", msg);
 			goto out;

@@ -47,8 +47,9 @@ static const char usage_text[] =
 	"                        $XDG_RUNTIME_DIR/aoq/aoqd.sock)\n"
 	"  -j, --json            stats: JSON instead of a table\n"
 	"  -p, --prometheus      stats: Prometheus text exposition format\n"
-	"  -w, --watch [SEC]     stats: refresh every SEC seconds (default 2) until\n"
-	"                        interrupted; JSON is then one object per line\n"
+	"  -w, --watch [SEC]     stats: refresh every SEC seconds (default 2; at least\n"
+	"                        0.1) until interrupted; JSON is then one object\n"
+	"                        per line\n"
 	"  -o, --output FILE     stats, trace: write FILE (atomically: FILE.tmp, then\n"
 	"                        renamed) instead of standard output\n"
 	"  -n, --steps N         trace: steps to record (default 3)\n"
@@ -85,7 +86,8 @@ static bool parse_u64(const char *s, uint64_t lo, uint64_t hi, uint64_t *out)
 	return true;
 }
 
-/* Seconds for --watch: a positive decimal up to a day. */
+/* Seconds for --watch: a decimal up to a day; below 0.1 (0 too) is 0.1, as
+ * watch(1) takes it. */
 static bool parse_seconds(const char *s, double *out)
 {
 	if (!s || ((*s < '0' || *s > '9') && *s != '.'))
@@ -93,9 +95,9 @@ static bool parse_seconds(const char *s, double *out)
 	char *end;
 	errno = 0;
 	double v = strtod(s, &end);
-	if (errno || *end || !(v >= 0.1) || v > 86400)
+	if (errno || *end || !(v >= 0) || v > 86400)
 		return false;
-	*out = v;
+	*out = v < 0.1 ? 0.1 : v;
 	return true;
 }
 
@@ -140,7 +142,7 @@ static int parse_opts(int argc, char **argv, const char *optstring, struct args 
 			}
 			a->watch = 2;
 			if (v && !parse_seconds(v, &a->watch))
-				return usage_error("--watch: '%s' is not a number of seconds (0.1..86400)", v);
+				return usage_error("--watch: '%s' is not a number of seconds (0..86400)", v);
 			break;
 		}
 		case 'n':

@@ -71,25 +71,69 @@ def strict_prometheus(text):
                 continue
             name, labels, value = m.groups()
             check(VALUE.match(value) is not None, f"{where}: value")
-            check(name == current, f"{where}: sample outside its family's block (family {current})")
+            fam = name
+            ctype = fams.get(current, {}).get("type")
+            for suffix in ("_sum", "_count", "_bucket"):
+                if ctype in ("summary", "histogram") and name == f"{current}{suffix}" and \
+                        (suffix != "_bucket" or ctype == "histogram"):
+                    fam = current
+            check(fam == current, f"{where}: sample outside its family's block (family {current})")
             lab = dict(re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"', labels or ""))
-            fams.setdefault(name, {"samples": []})["samples"].append((name, lab, float(value)))
+            fams.setdefault(fam, {"samples": []})["samples"].append((name, lab, float(value)))
+    # a summary's or histogram's samples carry the family's name with a suffix
+    for name in list(fams):
+        f = fams[name]
+        if "type" in f or not f["samples"]:
+            continue
+        for suffix in ("_sum", "_count", "_bucket"):
+            base = name[: -len(suffix)]
+            if name.endswith(suffix) and fams.get(base, {}).get("type") in ("summary", "histogram"):
+                check(False, f"prometheus: {name} has a block of its own, apart from {base}")
     for name, f in fams.items():
         check("type" in f and "help" in f, f"prometheus: {name} lacks HELP or TYPE")
+        typ = f.get("type")
+        for sname, lab, value in f["samples"]:
+            check("quantile" not in lab or (typ == "summary" and sname == name),
+                  f"prometheus: {sname}: a quantile label outside a summary's quantile samples")
+            check("le" not in lab or (typ == "histogram" and sname == name + "_bucket"),
+                  f"prometheus: {sname}: an le label outside a histogram's buckets")
+        if typ in ("summary", "histogram"):
+            groups = {}
+            for sname, lab, value in f["samples"]:
+                key = tuple(sorted((k, v) for k, v in lab.items() if k not in ("quantile", "le")))
+                groups.setdefault(key, []).append((sname, lab, value))
+            for key, ss in groups.items():
+                names = [x[0] for x in ss]
+                check(names.count(name + "_sum") == 1 and names.count(name + "_count") == 1,
+                      f"prometheus: {typ} {name}{dict(key)} has one _sum and one _count: {names}")
+                counts = [v for n_, _, v in ss if n_ == name + "_count"]
+                check(all(c >= 0 and c == math.floor(c) for c in counts), f"prometheus: {name}_count {counts}")
+                if typ == "summary":
+                    qs = [(float(lab["quantile"]), v) for n_, lab, v in ss if n_ == name]
+                    check(qs and all(0 <= q <= 1 for q, _ in qs), f"prometheus: {name} quantiles {qs}")
+                    check(all(n_ in (name, name + "_sum", name + "_count") for n_ in names),
+                          f"prometheus: summary {name} sample names {names}")
+                else:
+                    bs = sorted((float(lab["le"]), v) for n_, lab, v in ss if n_ == name + "_bucket")
+                    check(bs and math.isinf(bs[-1][0]), f"prometheus: histogram {name} has a +Inf bucket")
+                    check(all(a[1] <= b[1] for a, b in zip(bs, bs[1:])), f"prometheus: {name} buckets grow")
+                    check(bs and counts and bs[-1][1] == counts[0], f"prometheus: {name}'s +Inf bucket is _count")
         if f.get("type") == "counter":
             check(name.endswith("_total"), f"prometheus: counter {name} does not end in _total")
         seen = set()
         for s in f["samples"]:
-            key = tuple(sorted(s[1].items()))
+            key = (s[0],) + tuple(sorted(s[1].items()))
             check(key not in seen, f"prometheus: {name} repeats labels {key}")
             seen.add(key)
     return fams
 
 
 def client_prometheus(text):
-    """prometheus_client's parser, here or in Debian's python3; None when absent."""
-    code = ("import sys\nfrom prometheus_client.parser import text_string_to_metric_families as p\n"
-            "fams = list(p(sys.stdin.read()))\nprint(sum(len(f.samples) for f in fams))\n")
+    """prometheus_client's parser, here or in Debian's python3: (samples, {family: type});
+    None when absent."""
+    code = ("import json, sys\nfrom prometheus_client.parser import text_string_to_metric_families as p\n"
+            "fams = list(p(sys.stdin.read()))\n"
+            "print(json.dumps([sum(len(f.samples) for f in fams), {f.name: f.type for f in fams}]))\n")
     for py in (sys.executable, "/usr/bin/python3"):
         if not os.path.exists(py):
             continue
@@ -98,7 +142,7 @@ def client_prometheus(text):
             continue
         r = subprocess.run([py, "-c", code], input=text, capture_output=True, text=True)
         check(r.returncode == 0, f"prometheus_client rejects the text: {r.stderr[-2000:]}")
-        return int(r.stdout) if r.returncode == 0 else -1
+        return json.loads(r.stdout) if r.returncode == 0 else (-1, {})
     return None
 
 
@@ -205,11 +249,35 @@ def main():
             check(set(lab) == {"session", "job", "rank", "uid"}, f"labels session/job/rank/uid: {lab}")
         check(any(lab.get("job") == 'we\\"ird\\\\job é' for _, lab, _ in samples),
               "the odd job name is escaped in its label")
+        # the latency quantiles: summaries, with a _sum and a _count per session
+        for name in ("aoq_session_chunk_latency_seconds", "aoq_session_record_latency_seconds"):
+            f = fams.get(name, {})
+            check(f.get("type") == "summary", f"{name} is a summary, not {f.get('type')}")
+            got = f.get("samples", [])
+            for sid in {lab["session"] for _, lab, _ in got}:
+                mine = {(n_, lab.get("quantile")): v for n_, lab, v in got if lab["session"] == sid}
+                q50, q99 = mine.get((name, "0.5")), mine.get((name, "0.99"))
+                total, count = mine.get((name + "_sum", None)), mine.get((name + "_count", None))
+                check(None not in (q50, q99, total, count), f"{name} session {sid}: p50, p99, sum, count: {mine}")
+                if None in (q50, q99, total, count):
+                    continue
+                check(count > 0 and total > 0, f"{name} session {sid}: count {count}, sum {total} of a training session")
+                check(0 < q50 <= q99 < 10, f"{name} session {sid}: 0 < p50 {q50} <= p99 {q99} < 10 s")
+                if count > 0:
+                    # the mean against the quantiles: buckets are 1/8 octave wide
+                    check(total / count < q99 * 10 and total / count > q50 / 100,
+                          f"{name} session {sid}: mean {total / count} beside p50 {q50}, p99 {q99}")
+            check(len({lab["session"] for _, lab, _ in got}) == 3, f"{name}: three sessions")
         n = client_prometheus(text)
         if n is None:
+            if os.environ.get("CI"):
+                check(False, "prometheus_client is not installed (python3-prometheus-client), and CI is set")
             print("note: prometheus_client is not installed; only the strict line check ran")
         else:
-            check(n > 20, f"prometheus_client parsed {n} samples")
+            check(n[0] > 20, f"prometheus_client parsed {n[0]} samples")
+            for name in ("aoq_session_chunk_latency_seconds", "aoq_session_record_latency_seconds"):
+                check(n[1].get(name) == "summary", f"prometheus_client reads {name} as {n[1].get(name)}")
+            check(n[1].get("aoq_session_steps") == "counter", f"prometheus_client: steps_total {n[1]}")
 
         # ---- -o FILE: written whole, then renamed
         out = os.path.join(tmp, "aoq.prom")
@@ -217,6 +285,18 @@ def main():
         with open(out) as f:
             strict_prometheus(f.read())
         check(not [x for x in os.listdir(tmp) if ".tmp." in x], "no temporary file left")
+        # the table to a file too, and nothing on stdout
+        tout = os.path.join(tmp, "aoq.txt")
+        p = aoqctl(sock, "stats", "-o", tout)
+        check(p.stdout == "", f"stats -o FILE prints nothing: {p.stdout[:200]!r}")
+        with open(tout) as f:
+            t = f.read()
+        check("JOBS" in t and "UIDS" in t and "alpha" in t, f"stats -o FILE holds the table: {t[:200]!r}")
+        os.unlink(tout)
+        p = aoqctl(sock, "stats", "--json", "-o", tout)
+        with open(tout) as f:
+            check(len(json.load(f)["sessions"]) == 3 and p.stdout == "", "stats --json -o FILE")
+        os.unlink(tout)
 
         # ---- --watch: one JSON object per line, ends cleanly on SIGINT
         w = subprocess.Popen([AOQCTL, "--socket", sock, "stats", "--json", "--watch", "0.2"],
@@ -234,6 +314,16 @@ def main():
             except (ValueError, KeyError) as e:
                 check(False, f"--watch line is not a stats object: {e}")
         check(ts == sorted(ts) and len(set(ts)) == len(ts), "--watch timestamps advance")
+        # "--watch 0" (a space): as often as --watch allows (0.1 s), as --watch=0
+        for form in (["--watch", "0"], ["--watch=0"], ["-w", "0"]):
+            w = subprocess.Popen([AOQCTL, "--socket", sock, "stats", "--json", *form],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            time.sleep(0.75)
+            w.send_signal(signal.SIGINT)
+            wout, werr = w.communicate(timeout=10)
+            lines = [x for x in wout.split("\n") if x]
+            check(w.returncode == 0 and 3 <= len(lines) <= 10,
+                  f"stats --json {' '.join(form)}: rc {w.returncode}, {len(lines)} objects in 0.75 s, {werr!r}")
 
         # ---- trace: 3 steps of a training session, the daemon's spans
         s0 = ss[0]
@@ -287,6 +377,42 @@ def main():
         p = aoqctl(sock, "trace", "999999", "--steps", "3", "-o", os.path.join(tmp, "t2.json"), ok=False)
         check(p.returncode != 0 and not os.path.exists(os.path.join(tmp, "t2.json")),
               f"trace of no session fails: {p.returncode} {p.stderr!r}")
+        check("is aoqd running" not in p.stderr and "999999" in p.stderr,
+              f"trace of no session names the session, not a daemon that is not running: {p.stderr!r}")
+        p = subprocess.run([AOQCTL, "--socket", os.path.join(tmp, "none.sock"), "stats"], capture_output=True,
+                           text=True, timeout=30)
+        check(p.returncode == 1 and "is aoqd running" in p.stderr, f"no daemon: the hint: {p.stderr!r}")
+
+        # ---- a job name that would drive a terminal: C0 (ESC) and C1 (CSI)
+        # controls, bidi overrides and isolates, zero-width and other format
+        # characters; each is one '?' in the tables, U+FFFD in JSON
+        evil = "ev\x1b[2Jil\u009b31m\u202egnp.exe\u2066x\u2069\u200b\u00ad\ufeff\U000e0041\u061cé"
+        bad = "\x1b\u009b\u202e\u2066\u2069\u200b\u00ad\ufeff\U000e0041\u061c"
+        d = subprocess.Popen([DEMO, "--socket", sock, "--device", "cpu", "--job", evil, "--steps", "10000000"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        demos.append(d)
+        for _ in range(200):
+            st = json.loads(aoqctl(sock, "stats", "--json").stdout)
+            if len(st["sessions"]) == 4:
+                break
+            time.sleep(0.05)
+        check(len(st["sessions"]) == 4, "the fourth session (the odd name) is up")
+        for cmd in (["stats"], ["sessions"]):
+            raw = subprocess.run([AOQCTL, "--socket", sock, *cmd], capture_output=True, timeout=30).stdout
+            txt = raw.decode("utf-8", "strict")
+            check(not any(c in txt for c in bad) and not re.search(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]", txt),
+                  f"aoqctl {cmd[0]}: no control or format character reaches the terminal")
+            want = "ev?[2Jil?31m?gnp.exe?x??????é"
+            check(want in txt, f"aoqctl {cmd[0]}: each such character is one '?': {want!r} not in the table")
+        js = aoqctl(sock, "stats", "--json").stdout
+        check(not any(c in js for c in bad) and "\\u001b" not in js, "JSON: no control or format character")
+        jobs = [s["job"] for s in json.loads(js)["sessions"]]
+        check("ev\ufffd[2Jil\ufffd31m\ufffdgnp.exe\ufffdx" + "\ufffd" * 6 + "é" in jobs,
+              f"JSON: each such character is one U+FFFD: {jobs}")
+        pr = aoqctl(sock, "stats", "--prometheus").stdout
+        check(not any(c in pr for c in bad), "Prometheus labels: no control or format character")
+        d.kill()
+        d.wait()
 
         # ---- usage errors (exit 2, naming the option)
         for args, want in ((["stats", "--json", "--prometheus"], "--json and --prometheus"),
