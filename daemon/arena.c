@@ -49,13 +49,13 @@ int aoqd_arena_build(struct aoqd_arena *a, const struct aoqd_state *st, uint64_t
 	return aoqd_arena_build_lanes(a, st, session_id, max_bytes, 1);
 }
 
-int aoqd_arena_build_lanes(struct aoqd_arena *a, const struct aoqd_state *st, uint64_t session_id, uint64_t max_bytes,
-                           uint32_t lanes)
+/* The layout of st's arena with `lanes` lanes: every offset and size in
+ * a, a->slots allocated; no memory mapped. */
+static int layout(struct aoqd_arena *a, const struct aoqd_state *st, uint64_t max_bytes, uint32_t lanes)
 {
 	if (lanes < 1 || lanes > AOQ_MAX_LOCAL_WORLD)
 		return -EINVAL;
 	uint64_t off = aoq_align_up(sizeof(struct aoq_arena_header), AOQ_ARENA_ALIGN);
-	uint64_t tensor_table = off;
 	off = aoq_align_up(off + (uint64_t)st->ntensors * sizeof(struct aoq_arena_tensor), AOQ_ARENA_ALIGN);
 	uint64_t biggest = biggest_tensor(st);
 	if (st->window) {
@@ -71,7 +71,6 @@ int aoqd_arena_build_lanes(struct aoqd_arena *a, const struct aoqd_state *st, ui
 	} else {
 		a->nslots = st->ntensors;
 	}
-	uint64_t slot_table = off;
 	off = aoq_align_up(off + (uint64_t)a->nslots * sizeof(struct aoq_arena_slot), AOQ_ARENA_ALIGN);
 	/* Room for two steps' records: a tensor is pushed in pieces of
 	 * AOQ_PUSH_CHUNK_ELEMS, or one per slot with a window. */
@@ -93,7 +92,6 @@ int aoqd_arena_build_lanes(struct aoqd_arena *a, const struct aoqd_state *st, ui
 	a->to_daemon_off = to_daemon;
 	a->to_client_off = to_client;
 	off += (uint64_t)lanes * a->lane_bytes;
-	uint64_t data = off;
 	a->slots = calloc(a->nslots, sizeof(*a->slots));
 	if (!a->slots)
 		return -ENOMEM;
@@ -120,7 +118,29 @@ int aoqd_arena_build_lanes(struct aoqd_arena *a, const struct aoqd_state *st, ui
 			return -EFBIG;
 	}
 	a->size = off;
+	return 0;
+}
 
+int aoqd_arena_size(const struct aoqd_state *st, uint64_t max_bytes, uint32_t lanes, uint64_t *size)
+{
+	struct aoqd_arena a = { .fd = -1 };
+	int r = layout(&a, st, max_bytes, lanes);
+	*size = a.size;
+	free(a.slots);
+	return r;
+}
+
+int aoqd_arena_build_lanes(struct aoqd_arena *a, const struct aoqd_state *st, uint64_t session_id, uint64_t max_bytes,
+                           uint32_t lanes)
+{
+	int r = layout(a, st, max_bytes, lanes);
+	if (r < 0)
+		return r;
+	uint64_t tensor_table = aoq_align_up(sizeof(struct aoq_arena_header), AOQ_ARENA_ALIGN);
+	uint64_t slot_table = aoq_align_up(tensor_table + (uint64_t)st->ntensors * sizeof(struct aoq_arena_tensor),
+	                                   AOQ_ARENA_ALIGN);
+	uint64_t to_daemon = a->to_daemon_off, to_client = a->to_client_off;
+	uint64_t data = a->lane_off + (uint64_t)a->lanes * a->lane_bytes;
 	int fd = memfd_create("aoq-arena", MFD_CLOEXEC | MFD_ALLOW_SEALING);
 	if (fd < 0)
 		return -errno;

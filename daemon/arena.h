@@ -58,6 +58,10 @@ int aoqd_arena_build(struct aoqd_arena *a, const struct aoqd_state *st, uint64_t
  * rank, proto/aoq-arena.h).  The answer rings hold every lane's records. */
 int aoqd_arena_build_lanes(struct aoqd_arena *a, const struct aoqd_state *st, uint64_t session_id, uint64_t max_bytes,
                            uint32_t lanes);
+/* The size aoqd_arena_build_lanes would give st's arena, without making
+ * it (what a resume charges before it takes a leased state over).  0 or
+ * -errno (-EFBIG: larger than max_bytes). */
+int aoqd_arena_size(const struct aoqd_state *st, uint64_t max_bytes, uint32_t lanes, uint64_t *size);
 /* A replica group member's view of the group's arena `of`: its own mapping
  * of the same memfd (a dup), lane `lane`'s rings and transfer area, its own
  * doorbells.  Not locked (the group's mapping is).  0 or -errno. */

@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "arena.h"
 #include "lease.h"
 #include "log.h"
 #include "server.h"
@@ -80,6 +81,36 @@ struct aoqd_session *aoqd_lease_find(struct aoqd_server *srv, uid_t uid, const c
 	return NULL;
 }
 
+int aoqd_lease_reserve(struct aoqd_session *s, const struct aoqd_session *l, uint32_t lanes, uint64_t *pages,
+                       struct aoqd_error *err)
+{
+	/* The arena the resumed state will have: the leased state's tables
+	 * with the options that shape the arena taken from s (as
+	 * aoqd_lease_take does). */
+	struct aoqd_state view = l->st;
+	view.window = s->st.window;
+	view.delayed = s->st.delayed;
+	uint64_t size;
+	int r = aoqd_arena_size(&view, s->srv->cfg.max_arena_bytes, lanes, &size);
+	if (r < 0)
+		return AOQD_FAIL(err, INVALID, "cannot resume job '%s' (leased session %" PRIu64 "): its arena would be "
+		                 "%s; the lease stays", s->conn.job, l->id,
+		                 r == -EFBIG ? "larger than max_arena_bytes" : strerror(-r));
+	*pages = aoqd_page_round(size);
+	/* s's own tables go at the takeover: they do not count here. */
+	struct aoqd_account *acc = s->st.account;
+	if (!acc)
+		return 0;
+	aoqd_account_uncharge(acc, s->st.charged);
+	r = aoqd_account_charge(acc, *pages, s->st.quota);
+	aoqd_account_charge(acc, s->st.charged, 0);
+	if (r < 0)
+		return AOQD_FAIL(err, QUOTA, "uid %u: cannot resume job '%s' (leased session %" PRIu64 "): its arena (%"
+		                 PRIu64 " bytes) would pass the uid's quota of %" PRIu64 " bytes (max_state_bytes_per_uid); "
+		                 "the lease stays", (unsigned)s->conn.uid, s->conn.job, l->id, size, s->st.quota);
+	return 0;
+}
+
 int aoqd_lease_resume(struct aoqd_session *s, struct aoqd_error *err)
 {
 	struct aoqd_session *l = aoqd_lease_find(s->srv, s->conn.uid, s->conn.job, s->conn.rank);
@@ -95,7 +126,13 @@ int aoqd_lease_resume(struct aoqd_session *s, struct aoqd_error *err)
 	if (aoqd_state_same_layout(&s->st, &l->st, why, sizeof(why)) < 0)
 		return AOQD_FAIL(err, INVALID, "cannot resume job '%s' rank %u (leased session %" PRIu64 "): %s; "
 		                 "'aoqctl drop %" PRIu64 "' ends it", s->conn.job, s->conn.rank, l->id, why, l->id);
+	uint64_t pages;
+	int r = aoqd_lease_reserve(s, l, 1, &pages, err);
+	if (r < 0)
+		return r;
 	aoqd_lease_take(s, l, &s->st);
+	s->st.charged += pages;
+	s->arena_charged = pages;
 	s->steps.next_step = s->st.last_step + 1;
 	s->resumed_from = l->id;
 	aoqd_info("session", "session %" PRIu64 ": resumes session %" PRIu64 " (job '%s' rank %u) at step %" PRIu64,

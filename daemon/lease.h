@@ -66,6 +66,14 @@ struct aoqd_session *aoqd_lease_find(struct aoqd_server *srv, uid_t uid, const c
  * arrays, steps, hyperparameters and seed carry over; the options that
  * shape the arena and the steps are the new trainer's. */
 void aoqd_lease_take(struct aoqd_session *s, struct aoqd_session *l, struct aoqd_state *dst);
+/* Before s takes leased session l's state over (with `lanes` lanes: a
+ * replica group's): the arena it will get, charged to s's account now
+ * (*pages), so that a resume refused for the quota or the arena's size
+ * leaves the lease as it was.  The caller adds *pages to the taken
+ * state's charge (and to the session's arena_charged).  0, or -errno with
+ * err filled. */
+int aoqd_lease_reserve(struct aoqd_session *s, const struct aoqd_session *l, uint32_t lanes, uint64_t *pages,
+                       struct aoqd_error *err);
 /* A trainer's registration resumes the leased state of its key when the
  * layout matches: 1 when it did, 0 when there is none, AOQD_ADOPT_WAIT,
  * or -errno with err filled (the lease stays). */

@@ -28,7 +28,7 @@ static int cfg_lock(const struct aoqd_session *s)
 static int set_options(struct aoqd_session *s, const Aoq__Register *m, struct aoqd_error *err)
 {
 	struct aoqd_state *st = &s->st;
-	if (m->precision < 0 || m->precision > AOQ__STATE_PRECISION__STATE_BF16_ALL)
+	if (m->precision < 0 || m->precision > AOQ__STATE_PRECISION__STATE_BF16_Q4)
 		return AOQD_FAIL(err, INVALID, "unknown state precision %d", (int)m->precision);
 	st->precision = m->precision;
 	st->window = m->window;
@@ -85,7 +85,7 @@ static int add_tensors(struct aoqd_session *s, const Aoq__Register *m, struct ao
 		if (!aoqd_kind_valid(mg->kind))
 			return AOQD_FAIL(err, INVALID, "group %u: unknown optimizer %d", st->ngroups, (int)mg->kind);
 		if (!aoqd_kind_precision_ok(mg->kind, st->precision))
-			return AOQD_FAIL(err, INVALID, "group %u: %s does not run in state precision %s (q8 moments are "
+			return AOQD_FAIL(err, INVALID, "group %u: %s does not run in state precision %s (q8 and q4 moments are "
 			                 "Adam's; use STATE_FP32, STATE_BF16 or STATE_BF16_ALL)", st->ngroups,
 			                 protobuf_c_enum_descriptor_get_value(&aoq__optimizer_kind__descriptor, mg->kind)->name,
 			                 protobuf_c_enum_descriptor_get_value(&aoq__state_precision__descriptor,
@@ -167,6 +167,22 @@ static int make_state(struct aoqd_session *s, struct aoqd_error *err)
 	return 0;
 }
 
+/* The arena's pages charged to st; a resume charged them before it took
+ * the leased state over (s->arena_charged, lease.c). */
+static int charge_arena(struct aoqd_session *s, struct aoqd_state *st, uint64_t size)
+{
+	uint64_t pages = aoqd_page_round(size), pre = s->arena_charged;
+	s->arena_charged = 0;
+	if (pre == pages)
+		return 0;
+	if (pre) {
+		if (st->account)
+			aoqd_account_uncharge(st->account, pre);
+		st->charged -= pre;
+	}
+	return aoqd_state_charge(st, pages);
+}
+
 int aoqd_register(struct aoqd_session *s, const Aoq__Register *m, uv_poll_cb on_doorbell, aoqd_adopt_fn adopt,
                   struct aoqd_error *err)
 {
@@ -199,7 +215,7 @@ int aoqd_register_finish(struct aoqd_session *s, uv_poll_cb on_doorbell, aoqd_ad
 		return r;
 	r = aoqd_arena_build(&s->arena, st, s->id, s->srv->cfg.max_arena_bytes);
 	/* The memfd's pages are taken as the client fills it: charged now. */
-	if (r == 0 && aoqd_state_charge(st, aoqd_page_round(s->arena.size)) < 0)
+	if (r == 0 && charge_arena(s, st, s->arena.size) < 0)
 		return AOQD_FAIL(err, QUOTA, "uid %u: the arena (%" PRIu64 " bytes) would pass its quota of %" PRIu64
 		                 " bytes", (unsigned)s->conn.uid, s->arena.size, st->quota);
 	if (r == 0 && cfg_lock(s) && (r = aoqd_arena_lock(&s->arena, &s->srv->locked_bytes)) < 0) {
@@ -271,7 +287,7 @@ int aoqd_register_hub(struct aoqd_session *hub, struct aoqd_session *s, bool res
 			return r;
 	}
 	r = aoqd_arena_build_lanes(&hub->arena, &hub->st, hub->id, hub->srv->cfg.max_arena_bytes, hub->rep->world);
-	if (r == 0 && aoqd_state_charge(&hub->st, aoqd_page_round(hub->arena.size)) < 0)
+	if (r == 0 && charge_arena(hub, &hub->st, hub->arena.size) < 0)
 		return AOQD_FAIL(err, QUOTA, "uid %u: the replica group's arena (%" PRIu64 " bytes) would pass its quota of %"
 		                 PRIu64 " bytes", (unsigned)hub->conn.uid, hub->arena.size, hub->st.quota);
 	if (r == 0 && cfg_lock(s) && aoqd_arena_lock(&hub->arena, &hub->srv->locked_bytes) < 0 && cfg_lock(s) == 2)

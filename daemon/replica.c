@@ -125,9 +125,17 @@ static int group_join(struct aoqd_session *s, struct aoqd_error *err)
 		if (aoqd_state_same_layout(&s->st, &l->st, why, sizeof(why)) < 0)
 			return AOQD_FAIL(err, INVALID, "cannot resume the replica group of job '%s' (leased session %" PRIu64
 			                 "): %s; 'aoqctl drop %" PRIu64 "' ends it", s->conn.job, l->id, why, l->id);
-		if (!(h = hub_new(s)))
+		uint64_t pages;
+		if ((r = aoqd_lease_reserve(s, l, s->local_world, &pages, err)) < 0)
+			return r;
+		if (!(h = hub_new(s))) {
+			if (s->st.account)
+				aoqd_account_uncharge(s->st.account, pages);
 			return AOQD_FAIL(err, NO_MEMORY, "out of memory");
+		}
 		aoqd_lease_take(s, l, &h->st);
+		h->st.charged += pages;
+		h->arena_charged = pages;
 		h->steps.next_step = h->st.last_step + 1;
 		h->resumed_from = l->id;
 		if ((r = aoqd_register_hub(h, s, true, err)) < 0) {

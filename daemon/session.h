@@ -114,6 +114,10 @@ struct aoqd_session {
 	bool settled;
 	uint64_t adopt_wait;
 	uint64_t resumed_from;
+	/* Bytes of the arena charged to st before a resume took a leased
+	 * state over (lease.c, aoqd_lease_reserve): a refused resume leaves
+	 * the lease as it was; the registration's arena takes the charge. */
+	uint64_t arena_charged;
 	/* In srv->sessions.  A leased session that ends is unlinked but keeps
 	 * its `next` (a walk of the list may stand on it) and waits on the
 	 * zombie list for the next wake to drop the list's reference. */

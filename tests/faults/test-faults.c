@@ -19,6 +19,7 @@
  *   drop     DropRequest ends a leased session (its trainer then starts afresh).
  *   uid      another uid (setpriv, as nobody) neither resumes, drops nor sees
  *            it; needs root, else that part is skipped.
+ *   refused  a resume refused for the uid's quota leaves the lease as it was.
  *
  * Run one case by hand: test-faults build/daemon/aoqd --case NAME.
  */
@@ -837,6 +838,45 @@ static void case_quota(const char *exe)
 	printf("quota: leased sessions count, the resumed one does not\n");
 }
 
+/* ---- case refused ---- */
+
+/* A resume refused for the uid's quota leaves the lease as it was: the
+ * resuming trainer asks for a staging window whose arena (some 10 MiB)
+ * passes max_state_bytes_per_uid (4 MiB), the first trainer's did not;
+ * the next trainer, with the first one's arena, resumes at step 2. */
+static void case_refused(const char *exe)
+{
+	char conf[256];
+	snprintf(conf, sizeof(conf), "/tmp/aoqt-refused-%d.conf", (int)getpid());
+	FILE *f = fopen(conf, "w");
+	CHECK(f && fputs("max_state_bytes_per_uid = 4194304\n", f) >= 0 && fclose(f) == 0, "refused.conf");
+	aoqt_daemon_stop(&daemon_, 10000, true);
+	const char *args[] = { "--threads", "1", "--config", conf, NULL };
+	CHECK_OK(aoqt_daemon_start(&daemon_, exe, args));
+	train_and_die("ref", 2);
+	Aoq__Envelope *e = NULL;
+	uint64_t id = wait_state(&e, "ref", "leased")->id;
+	aoq_envelope_free(e);
+	struct trainer tr;
+	int r = trainer_open_window(&tr, "ref", AOQ_STATE_Q8, 0, 64ull * 8 * 20480);
+	const char *msg = aoq_last_error();
+	printf("refused: %d %s\n", r, msg);
+	CHECK(r == -EDQUOT && strstr(msg, "quota"), "refused: the oversized resume: %d '%s'", r, msg);
+	trainer_close(&tr);
+	e = NULL;
+	const Aoq__SessionStats *s = wait_state(&e, "ref", "leased");
+	CHECK(s->id == id && s->last_step == 2, "refused: the lease changed (session %" PRIu64 " at step %" PRIu64
+	      ", was %" PRIu64 " at step 2)", s->id, s->last_step, id);
+	aoq_envelope_free(e);
+	CHECK_OK(trainer_open(&tr, "ref", AOQ_STATE_Q8, 0));
+	CHECK(tr.resumed && tr.resumed_at == 2, "refused: the next trainer did not resume at step 2 (resumed %d at %"
+	      PRIu64 ")", tr.resumed, tr.resumed_at);
+	CHECK_OK(trainer_step(&tr, -1));
+	trainer_close(&tr);
+	unlink(conf);
+	printf("refused: the lease outlived a resume refused for the quota\n");
+}
+
 /* ---- case memlock ---- */
 
 /* aoqd as nobody (no CAP_IPC_LOCK) under RLIMIT_MEMLOCK 256 KiB: `try` trains
@@ -1346,6 +1386,8 @@ int main(int argc, char **argv)
 		case_uid();
 	if (all || strcmp(c, "quota") == 0)
 		case_quota(exe);
+	if (all || strcmp(c, "refused") == 0)
+		case_refused(exe);
 	if (all || strcmp(c, "memlock") == 0)
 		case_memlock(exe);
 	if (all || strcmp(c, "restart") == 0)
