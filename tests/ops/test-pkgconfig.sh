@@ -34,6 +34,23 @@ for page in man8/aoqd.8 man5/aoqd.conf.5 man1/aoqctl.1; do
 		fail=1
 	fi
 done
+# The library's file name follows its soname: libaoq.so.N.x.y for soname
+# libaoq.so.N, and the soname's N is the header's AOQ_ABI_VERSION.
+lib=$(find "$dest" -name 'libaoq.so.*.*.*' -type f | head -1)
+if [[ -z $lib ]]; then
+	echo "FAIL: no libaoq.so.N.x.y installed: $(find "$dest" -name 'libaoq.so*' | tr '\n' ' ')"
+	fail=1
+else
+	soname=$(readelf -d "$lib" | sed -n 's/.*Library soname: \[\(.*\)\]/\1/p')
+	abi=$(sed -n 's/^#define AOQ_ABI_VERSION \([0-9]*\).*/\1/p' "$(find "$dest" -path '*/aoq/aoq.h' | head -1)")
+	echo "library: $(basename "$lib"), soname $soname, AOQ_ABI_VERSION $abi"
+	case $(basename "$lib") in
+	"$soname".*.*) ;;
+	*) echo "FAIL: $(basename "$lib") does not start with its soname $soname"; fail=1 ;;
+	esac
+	[[ $soname == "libaoq.so.$abi" ]] || { echo "FAIL: soname $soname, AOQ_ABI_VERSION $abi"; fail=1; }
+	[[ -L $(dirname "$lib")/$soname ]] || { echo "FAIL: no $soname link"; fail=1; }
+fi
 # No build-machine paths: every path is under ${prefix} (or the install's own
 # absolute libdir/includedir).
 prefix=$(sed -n 's/^prefix=//p' "$pc")
