@@ -11,8 +11,9 @@ fuzzers' corpus, and fails naming file:line and the phrase for each hit.
 
 An aoq session (the daemon's per-trainer object) is a domain word: "a second
 session", "the session's lease" pass.  The patterns are therefore the
-phrases the project's history used: ordinals from "fourth" up (and numbered
-ones, "12th") before "session", "work session", "this/that session" only
+phrases the project's history used: ordinals from "fifth" up (and numbered
+ones, "12th") before "session", "fourth session" in brackets or with a
+possessive, "work session", "this/that session" only
 where a measurement or a build is said to belong to it ("this session's
 aoqd", "measured in this session"), and "helper" only as a worker's name
 ("helper `spine`", "merged helpers").
@@ -25,7 +26,7 @@ import re
 import subprocess
 import sys
 
-ORDINALS = ("fourth fifth sixth seventh eighth ninth tenth eleventh twelfth thirteenth fourteenth "
+ORDINALS = ("fifth sixth seventh eighth ninth tenth eleventh twelfth thirteenth fourteenth "
             "fifteenth sixteenth seventeenth eighteenth nineteenth twentieth thirtieth").split()
 UNITS = "first second third fourth fifth sixth seventh eighth ninth".split()
 ORDINAL = ("(?:" + "|".join(ORDINALS + ["(?:twenty|thirty)-(?:%s)" % "|".join(UNITS)]) +
@@ -34,6 +35,9 @@ ORDINAL = ("(?:" + "|".join(ORDINALS + ["(?:twenty|thirty)-(?:%s)" % "|".join(UN
 PATTERNS = [
     (re.compile(r"\b%s(?:\s+and\s+%s)?[\s,]+(?:work\s+)?sessions?\b" % (ORDINAL, ORDINAL), re.I),
      "a work session by its number"),
+    # "the fourth session" is often an aoq session in the tests; as a work
+    # session it came in brackets or with a possessive.
+    (re.compile(r"(?:\(|, )fourth\s+sessions?\b|\bfourth\s+session(?:'s|\))", re.I), "a work session by its number"),
     (re.compile(r"\bwork\s+sessions?\b", re.I), "a work session"),
     (re.compile(r"\b(?:this|that|the\s+last|the\s+previous|an\s+earlier)\s+session(?:'s)?\s+"
                 r"(?:aoqd|build|commits?|figures?|machine|measurements?|runs?|changes?|work|code)\b", re.I),
