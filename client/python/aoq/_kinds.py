@@ -65,6 +65,26 @@ _STATE_PRECISIONS = (None, "fp32", "q8", "bf16")
 _PRECISION = {("fp32", None): _lib.STATE_FP32, ("q8", None): _lib.STATE_Q8, (None, None): _lib.STATE_FP32,
               ("fp32", "bf16"): _lib.STATE_BF16, ("q8", "bf16"): _lib.STATE_BF16_Q8,
               ("bf16", "bf16"): _lib.STATE_BF16_ALL, (None, "bf16"): _lib.STATE_BF16_ALL}
+# The moments of the default for bf16 parameters (no master_dtype, no
+# state_precision) with Adam/AdamW: compressed, beside the bf16 master that
+# is the parameter.  One constant (docs/python.md, "The default precision").
+_DEFAULT_BF16_MOMENTS = "q8"
+
+
+def _default_policy(kind, state_precision, dtypes):
+    """(state_precision, master) for _PRECISION when master_dtype is None:
+    the offloaded parameters' dtypes (dtypes) decide, as torch's AdamW keeps
+    its state in the parameter's dtype.  All bf16: a bf16 master (aoqd makes
+    it the parameter itself) with stochastic rounding, and as moments
+    state_precision, else _DEFAULT_BF16_MOMENTS for Adam/AdamW and bf16 for
+    SGD and Lion (aoqd keeps no 8-bit state for them).  Anything else (fp32,
+    fp16, fp32 beside bf16, nothing offloaded): an fp32 master and, unless
+    state_precision says otherwise, fp32 moments: torch's AdamW bit for bit."""
+    if dtypes and all(d == torch.bfloat16 for d in dtypes):
+        if state_precision is None:
+            state_precision = _DEFAULT_BF16_MOMENTS if kind in ("adam", "adamw") else "bf16"
+        return state_precision, "bf16"
+    return state_precision, None
 
 
 

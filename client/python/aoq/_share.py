@@ -126,14 +126,52 @@ def _auto_choice(numels, costs, late, cap, margin=1.1):
 
 
 def _share_bytes(p, kind, master):
-    """Device bytes of p's optimizer state in the GPU share: the moments
-    (two for Adam/AdamW, one for SGD with momentum and Lion, as fp32) and an
-    fp32 master where p is not fp32 and the state's master is."""
+    """Device bytes of p's optimizer state in the GPU share, the cheapest
+    with the numerics of the offloaded state: the moments (two for
+    Adam/AdamW, one for SGD with momentum and Lion) in p's dtype, as torch's
+    optimizer keeps them when it steps p itself (a bf16 master's share: bf16
+    moments, 4 bytes/parameter for AdamW); where the state's master is fp32
+    and p is not, an fp32 master and fp32 moments (12 bytes/parameter)."""
     moments = 2 if kind in ("adam", "adamw") else 1
-    b = moments * 4 * p.numel()
     if master is None and p.dtype != torch.float32:
-        b += 4 * p.numel()
-    return b
+        return (moments + 1) * 4 * p.numel()
+    return moments * p.element_size() * p.numel()
+
+
+def _share_step_bytes(p, master):
+    """Device bytes the share allocates for p only while it steps: the fp32
+    copy of the gradient where an fp32 master steps a parameter that is not
+    fp32 (_DeviceShare.step)."""
+    return 4 * p.numel() if master is None and p.dtype != torch.float32 else 0
+
+
+def _alloc_bytes(n):
+    """The bytes torch's CUDA caching allocator takes for an n-byte tensor
+    (blocks of 512 bytes)."""
+    return (n + 511) // 512 * 512
+
+
+def _torch_state_bytes(params, kind, momentum):
+    """The device bytes torch's optimizer (kind) allocates for its state of
+    params (local tensors) when it steps them on the device, as on-GPU AdamW
+    does: two moments each in the parameter's dtype for Adam/AdamW, one for
+    Lion and for SGD with momentum (momentum: per parameter), none for SGD
+    without."""
+    total = 0
+    for p, mom in zip(params, momentum):
+        n = 2 if kind in ("adam", "adamw") else 1 if kind == "lion" or mom else 0
+        total += n * _alloc_bytes(p.numel() * p.element_size())
+    return total
+
+
+def _device_memory(dev):
+    """(the device's peak of allocated bytes so far, its free bytes) for
+    "auto"'s cap, or None where torch keeps no such counts (the CPU: no cap).
+    One function, so a test can fake a device."""
+    if dev.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(dev)
+    return torch.cuda.max_memory_allocated(dev), free
 
 
 class _DeviceShare:
@@ -292,10 +330,7 @@ class _AutoSplit:
             fwd = self._since(fwd_start, fwd_last if fwd_last is not None else start)
         self._probe_fwd = self._probe_fwd_last = None
         late, b0 = _auto_late(total, span, tail, fwd)
-        cap = float("inf")
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            cap = max(0, free - max(2 << 30, free // 10))
+        cap, peak = self._auto_cap()
         # every replica of a process group the same: the most late, the least room
         if self._auto_dist is False:
             self._auto_dist = _dist_group([s.numel for s in self._slots])
@@ -303,9 +338,10 @@ class _AutoSplit:
         late, neg_cap = _agree(dist, late, -cap)
         late, cap = int(late), -neg_cap
         master = None if self._fp32_master else "bf16"
-        chosen = _auto_choice([s.numel for s in order], [_share_bytes(s.p, self._kind, master) for s in order],
-                              late, cap)
+        chosen = _auto_choice([s.numel for s in order], [_share_bytes(s.p, self._kind, master) +
+                                                         _share_step_bytes(s.p, master) for s in order], late, cap)
         moved = _first_ranks(dist, [order[i] for i in chosen], self._slots)
+        self._auto_cost += sum(_share_bytes(s.p, self._kind, master) + _share_step_bytes(s.p, master) for s in moved)
         if moved:
             self._move_to_share(moved)
         prev = self.auto_split or {}
@@ -317,15 +353,56 @@ class _AutoSplit:
                                moved_params=n_moved, rounds=rounds,
                                device_params=prev.get("device_params", 0) + n_moved,
                                device_bytes=prev.get("device_bytes", 0) + sum(
-                                   _share_bytes(s.p, self._kind, master) for s in moved))
+                                   _share_bytes(s.p, self._kind, master) for s in moved),
+                               device_cap_bytes=cap, peak_bytes=peak, peak_bound_bytes=self._auto_bound)
         again = bool(_agree(dist, int(_auto_again(late, total, n_moved, rounds)))[0])   # any rank: all probe
         self._auto_probe = self._nstep + 2 if again else None
         logging.getLogger("aoq").info(
             "aoq: gpu_state_budget='auto', probe %d: the update ended %.1f ms after backward (%.1f ms after the "
             "first push; ~%d of %d offloaded parameters late); %d parameters' state moved to the device, %d "
-            "(%.2f GiB) in all%s", rounds, 1e3 * tail, 1e3 * span, late, total, n_moved,
+            "(%.2f GiB) in all, within %s%s", rounds, 1e3 * tail, 1e3 * span, late, total, n_moved,
             self.auto_split["device_params"], self.auto_split["device_bytes"] / 2 ** 30,
+            "no device cap" if cap == float("inf") else "%.2f GiB (device peak %.2f GiB%s)" % (
+                cap / 2 ** 30, (peak or 0) / 2 ** 30, "" if self._auto_bound is None else
+                ", on-GPU state's %.2f GiB" % (self._auto_bound / 2 ** 30)),
             "; probing again at step %d" % self._auto_probe if again else "")
+
+    def _auto_cap(self):
+        """(the device bytes this probe may move, the device peak measured),
+        both from the device's memory counts (_device_memory; no cap and
+        None where there are none).  Never more than the free memory less
+        max(2 GiB, 10%).  max_device_bytes bytes: that many in all (state
+        and the share's step-time copies, _share_step_bytes); a fraction: of
+        the free memory at the first probe.  None (default): the device peak
+        the same model has with torch's optimizer on the device.  The first
+        probe, with everything offloaded, measures the run's device peak and
+        adds the bytes torch's optimizer state takes for the offloaded
+        parameters (_torch_state_bytes): that bound is on-GPU AdamW's peak.
+        Each probe may then move the least of that state's bytes less what
+        moved (counted) and the bound less the largest peak measured so far
+        (what moved measured), so the share takes no more than offloading
+        freed, and a share that measures larger than counted stops the
+        moves."""
+        mem = _device_memory(self.device)
+        if mem is None:
+            return float("inf"), None
+        peak, free = mem
+        self._auto_peak = max(self._auto_peak, peak)
+        room = max(0, free - max(2 << 30, free // 10))
+        lim = self._max_device_bytes
+        if isinstance(lim, float):
+            if self._auto_free0 is None:
+                self._auto_free0 = free
+            return max(0, int(lim * self._auto_free0) - self._auto_cost), peak
+        if lim is not None:
+            return min(room, max(0, lim - self._auto_cost)), peak
+        if self._auto_bound is None:
+            state = _torch_state_bytes([s.x for s in self._slots], self._kind, [
+                bool(self.param_groups[s.group].get("momentum", 0)) for s in self._slots])
+            self._auto_state = state
+            self._auto_bound = peak + state
+        return min(room, max(0, self._auto_state - self._auto_cost),
+                   max(0, self._auto_bound - self._auto_peak)), peak
 
     def _move_to_share(self, slots):
         """The state of slots (synchronized) leaves aoqd for the device share."""

@@ -31,7 +31,7 @@ from ._dist import _Distributed, _dist_rank, _job_default, _local, _local_group,
 from ._graph import _OPTIMIZERS
 from ._hooks import _PushPath, _Slot
 from ._kinds import (_AOQ_DTYPE, _DAEMON_CLASSES, _MASTER_DTYPES, _PRECISION, _STATE_KEYS,
-                     _STATE_PRECISIONS, Lion, _check_hp, _number, _parse_params)
+                     _STATE_PRECISIONS, Lion, _check_hp, _default_policy, _number, _parse_params)
 from ._share import _AUTO_PROBE_STEP, _AutoSplit, _DeviceShare, _share_bytes
 from ._state import _HostFallback, _StateDict
 from .client import Client
@@ -75,11 +75,18 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
     device: the aoq device ("cuda:0", "cpu", "xpu:0") when not the
     parameters'; copy_mode: "native" (libaoq copies with the CUDA backend or
     host memory) or "framework" (torch copies through pinned host buffers;
-    default for devices libaoq cannot drive).  master_dtype None|"bf16"
-    (bf16 master with stochastic rounding); state_precision, the moments:
-    None (the master's dtype: fp32, or with master_dtype="bf16" bf16, the
-    all-bf16 state of torchao's full-bf16 offload, 6 bytes per parameter),
-    "fp32", "q8" (blockwise 8-bit), "bf16" (with master_dtype="bf16" only).
+    default for devices libaoq cannot drive).  master_dtype None|"fp32"|
+    "bf16": None (default) follows the offloaded parameters' dtype as
+    torch's AdamW does (_default_policy): bf16 parameters get a bf16 master
+    (the parameter itself, stochastic rounding) with _DEFAULT_BF16_MOMENTS
+    moments, any other an fp32 master (torch's AdamW bit for bit);
+    "fp32" is the quality option for bf16 parameters.  state_precision, the
+    moments: None (with the default for bf16 parameters the compressed
+    moments above; else the master's dtype: fp32, or with master_dtype=
+    "bf16" bf16, the all-bf16 state of torchao's full-bf16 offload, 6 bytes
+    per parameter), "fp32", "q8" (blockwise 8-bit), "bf16" (with a bf16
+    master only).  opt.master_dtype and opt.state_precision say what the
+    optimizer chose.
     max_grad_norm / skip_nonfinite: global clipping and step skipping in the
     daemon (every parameter is then offloaded, so the norm is global).
     delayed_update: ZeRO-Offload's DPU (parameters one step stale); call
@@ -88,8 +95,12 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
     the device (partial offload): the first parameters in order (the last
     gradients of backward) whose state fits are stepped there by
     optimizer_class (fused on CUDA), on an fp32 master where aoq's would be
-    one; 0 (default): everything in aoqd.  Not with max_grad_norm /
-    skip_nonfinite (they need every gradient in the daemon).
+    one; 0 (default): everything in aoqd; "auto": measured at the probe
+    steps, within max_device_bytes= (bytes, or a fraction in (0, 1] of the
+    device's free memory) or by default within the device peak of the same
+    model with torch's optimizer on the device (_AutoSplit._auto_cap).  Not
+    with max_grad_norm / skip_nonfinite (they need every gradient in the
+    daemon).
     staging_window: bytes of host staging (the session's arena) that
     gradients and parameters stream through; 0 = a copy of every gradient
     and parameter on the host; None (default): 0 when that is at most
@@ -111,7 +122,8 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
                  device=None, socket=None, state_precision=None, master_dtype=None, max_grad_norm=None,
                  delayed_update=False, skip_nonfinite=False, grad_accumulation_steps=None, copy_mode=None,
                  seed=0, job=None, rank=None, model=None, grad_edits=None, gpu_state_budget=0, lease=None,
-                 staging_window=None, timeout=None, graph_push=True, shared=False, **kwargs):
+                 staging_window=None, timeout=None, graph_push=True, shared=False, max_device_bytes=None,
+                 **kwargs):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise ValueError("optimizer_class must be a torch.optim.Optimizer subclass, got %r" % (optimizer_class,))
         if master_dtype not in _MASTER_DTYPES:
@@ -121,7 +133,7 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
             raise ValueError("unknown state_precision %r; allowed: None, 'fp32', 'q8', 'bf16' (with master_dtype="
                              "'bf16')" % (state_precision,))
         master = "bf16" if master_dtype in ("bf16", torch.bfloat16) else None
-        if (state_precision, master) not in _PRECISION:
+        if master_dtype is not None and (state_precision, master) not in _PRECISION:
             raise ValueError("state_precision %r needs master_dtype='bf16' (allowed with an fp32 master: None, "
                              "'fp32', 'q8')" % (state_precision,))
         if copy_mode not in (None, "native", "framework"):
@@ -132,6 +144,16 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
                                            or gpu_state_budget < 0):
             raise ValueError("gpu_state_budget must be a number of bytes >= 0 (0: everything in aoqd) or 'auto', "
                              "got %r" % (gpu_state_budget,))
+        if max_device_bytes is not None:
+            if gpu_state_budget != "auto":
+                raise ValueError("max_device_bytes caps gpu_state_budget='auto' (got gpu_state_budget=%r)"
+                                 % (gpu_state_budget,))
+            if isinstance(max_device_bytes, bool) or not (
+                    (isinstance(max_device_bytes, int) and max_device_bytes >= 0)
+                    or (isinstance(max_device_bytes, float) and 0 < max_device_bytes <= 1)):
+                raise ValueError("max_device_bytes must be None (the device peak of torch's optimizer on the "
+                                 "device), bytes >= 0 or a fraction in (0, 1] of the free device memory, got %r"
+                                 % (max_device_bytes,))
         if lease is not None and (isinstance(lease, bool) or not isinstance(lease, int) or lease < 0):
             raise ValueError("lease must be None (the daemon's lease_seconds), 0 (none) or seconds > 0, got %r"
                              % (lease,))
@@ -149,6 +171,7 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
         self._slots = []
         self._share = None
         self._client = None
+        self.master_dtype = self.state_precision = None     # what aoqd keeps (none on host copies)
         if optimizer_class not in _DAEMON_CLASSES or (optimizer_class is torch.optim.SGD and kwargs.get("maximize")):
             self._init_fallback(params, optimizer_class, kwargs)
             return
@@ -196,7 +219,23 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
         # and the GPU share (gpu_state_budget) the first large ones on the device too.
         big, small_groups = [], []
         self._auto = gpu_state_budget == "auto" and not offload_all
+        if master_dtype is None:
+            # the default: the offloaded parameters' dtype decides, as torch's AdamW
+            state_precision, master = _default_policy(kind, state_precision, [
+                p.dtype for g in self.param_groups for p in g["params"]
+                if p.requires_grad and (offload_all or p.numel() >= minimal_size)])
+            if (state_precision, master) not in _PRECISION:
+                raise ValueError("state_precision %r needs master_dtype='bf16' or bf16 parameters (allowed with "
+                                 "an fp32 master: None, 'fp32', 'q8')" % (state_precision,))
+        self.master_dtype = "fp32" if master is None else "bf16"
+        self.state_precision = state_precision or self.master_dtype
         self._fp32_master = master is None
+        self._max_device_bytes = max_device_bytes   # "auto": the cap (None: torch's optimizer's device peak)
+        self._auto_bound = None         # "auto", default cap: the device peak on-GPU state would reach (bytes)
+        self._auto_state = 0            # "auto", default cap: the bytes of that state (torch's optimizer's)
+        self._auto_peak = 0             # "auto": the largest device peak a probe measured
+        self._auto_free0 = None         # "auto", a fraction as cap: the free device memory at the first probe
+        self._auto_cost = 0             # "auto": device bytes of the moved state and its step-time copies
         self._nstep = 0
         self._push_log = None           # "auto": the slots in the order of their final push, on the probe step
         self.auto_split = None          # "auto": what the last probe measured, what all moved (a dict)

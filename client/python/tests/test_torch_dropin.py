@@ -716,7 +716,7 @@ def case_gpu_share():
     for b in (0, None):
         m = make_model(W, DEV).to(torch.bfloat16)
         first = [p for p in trainable(m) if p.numel() >= 4096][0]
-        o = aoq_opt(m, gpu_state_budget=_share_bytes(first, "adamw", None) if b is None else 0)
+        o = aoq_opt(m, master_dtype="fp32", gpu_state_budget=_share_bytes(first, "adamw", None) if b is None else 0)
         assert (o._share is not None) == (b is None)
         if o._share is not None:
             assert o._share.master[first].dtype == torch.float32

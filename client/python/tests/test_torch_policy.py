@@ -1,0 +1,356 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
+"""OffloadOptimizer's default precision (no master_dtype, no
+state_precision) follows the parameters' dtype as torch's AdamW does, and
+gpu_state_budget="auto" keeps the device peak within on-GPU AdamW's:
+  * fp32 parameters: fp32 master and moments, the same updates as
+    master_dtype="fp32" bit for bit and as torch.optim.AdamW (bit for bit
+    on CUDA, to fp32 rounding on the CPU);
+  * bf16 parameters: a bf16 master that is the parameter (the master read
+    back equals the parameter's bits) and _DEFAULT_BF16_MOMENTS moments
+    (Adam/AdamW; SGD and Lion: bf16); master_dtype="fp32" the fp32 master,
+    master_dtype="bf16" alone all bf16; fp16 and mixed fp32/bf16
+    parameters: an fp32 master;
+  * "auto" with a fake device (the device memory queries mocked, every
+    offloaded parameter measured late): by default the state moved to the
+    device, with the share's step-time copies, stays within the bytes
+    torch's AdamW state would take for the offloaded parameters, and a later
+    probe that measures the peak past that bound moves nothing more;
+    max_device_bytes= as bytes and as a fraction of free memory caps it;
+    with a bf16 master the share keeps bf16 moments (4 bytes/parameter).
+    test_torch_policy.py [--device cuda:0] [--cases a,b]
+Exit 0 ok, 1 fail, 77 skip without torch (1 when CI / AOQ_REQUIRE_TORCH
+is set)."""
+import argparse
+import os
+import sys
+import traceback
+
+from testenv import require_torch  # sets sys.path: this folder and the package
+
+torch = require_torch()
+import aoq  # noqa: E402
+import aoq._share as sh  # noqa: E402
+from aoq._kinds import _DEFAULT_BF16_MOMENTS  # noqa: E402
+from aoq.torch import Lion, OffloadOptimizer  # noqa: E402
+from torch_cases import batches, make_model, same  # noqa: E402
+
+SOCKET = None
+DEV = "cpu"
+W = 256
+STEPS = 6
+
+
+def trainable(m):
+    return [p for p in m.parameters() if p.requires_grad]
+
+
+def loop(model, opt, steps, dtype=None):
+    data = batches(8, DEV)
+    for i in range(steps):
+        x, y = data[i % len(data)]
+        out = model(x if dtype is None else x.to(dtype))
+        torch.nn.functional.mse_loss(out.float(), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def policy(model, cls=torch.optim.AdamW, **kw):
+    """(master_dtype, state_precision) the optimizer chose; closes it."""
+    opt = OffloadOptimizer(model.parameters(), cls, lr=1e-3, socket=SOCKET, **kw)
+    try:
+        return opt.master_dtype, opt.state_precision
+    finally:
+        opt.close()
+
+
+def case_fp32():
+    """fp32 parameters: fp32 state, torch AdamW's updates."""
+    assert policy(make_model(W, DEV)) == ("fp32", "fp32"), policy(make_model(W, DEV))
+    ref = make_model(W, DEV)
+    loop(ref, torch.optim.AdamW(trainable(ref), lr=1e-2, weight_decay=0.1), STEPS)
+    runs = []
+    for kw in ({}, dict(master_dtype="fp32")):
+        m = make_model(W, DEV)
+        opt = OffloadOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1, socket=SOCKET, **kw)
+        assert opt._slots, "nothing offloaded"
+        loop(m, opt, STEPS)
+        opt.synchronize()
+        opt.close()
+        runs.append(m)
+    same(runs[0], runs[1], "fp32 parameters: the default is master_dtype='fp32'", exact=True)
+    # on CUDA the daemon's fp32 update is torch's AdamW rounding for rounding
+    same(runs[0], ref, "fp32 parameters: the default against torch.optim.AdamW",
+         exact=torch.device(DEV).type == "cuda")
+
+
+def case_bf16():
+    """bf16 parameters: a bf16 master that is the parameter, compressed moments."""
+    bf = lambda: make_model(W, DEV).to(torch.bfloat16)   # noqa: E731
+    assert _DEFAULT_BF16_MOMENTS in ("q8", "q4"), _DEFAULT_BF16_MOMENTS
+    got = policy(bf())
+    assert got == ("bf16", _DEFAULT_BF16_MOMENTS), got
+    assert policy(bf(), master_dtype="fp32") == ("fp32", "fp32"), policy(bf(), master_dtype="fp32")
+    assert policy(bf(), master_dtype="bf16") == ("bf16", "bf16"), "master_dtype='bf16' alone: all bf16"
+    assert policy(bf(), state_precision="fp32") == ("bf16", "fp32")
+    assert policy(bf(), master_dtype=torch.float32, state_precision="q8") == ("fp32", "q8")
+    # SGD and Lion keep no q8 state: bf16 with bf16 parameters, as torch's
+    assert policy(bf(), torch.optim.SGD, momentum=0.9) == ("bf16", "bf16")
+    assert policy(bf(), Lion) == ("bf16", "bf16")
+    # fp16: an fp32 master (the bf16 master is bf16 parameters' own)
+    assert policy(make_model(W, DEV).to(torch.float16)) == ("fp32", "fp32")
+    # fp32 and bf16 parameters offloaded together: the fp32 ones decide
+    m = make_model(W, DEV)
+    m[0].to(torch.bfloat16)
+    assert {p.dtype for p in trainable(m) if p.numel() >= 4096} == {torch.float32, torch.bfloat16}
+    assert policy(m) == ("fp32", "fp32"), policy(m)
+    try:
+        OffloadOptimizer(make_model(W, DEV).parameters(), torch.optim.AdamW, socket=SOCKET, state_precision="bf16")
+    except ValueError as e:
+        assert "master_dtype" in str(e), e
+    else:
+        raise AssertionError("bf16 moments with an fp32 master (fp32 parameters) accepted")
+
+    # the master is the parameter: after each step the master read back holds
+    # the parameter's bits, and the default trains as the explicit bf16 master + moments
+    runs = []
+    for kw in ({}, dict(master_dtype="bf16", state_precision=_DEFAULT_BF16_MOMENTS)):
+        m = bf()
+        opt = OffloadOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1, socket=SOCKET,
+                               seed=4321, **kw)
+        params = list(m.parameters())
+        big = [k for k, p in enumerate(params) if p.requires_grad and p.numel() >= 4096]
+        assert big
+        data = batches(8, DEV)
+        for i in range(STEPS):
+            x, y = data[i % len(data)]
+            torch.nn.functional.mse_loss(m(x.to(torch.bfloat16)).float(), y).backward()
+            opt.step()
+            opt.zero_grad()
+            opt.synchronize()
+            st = opt.state_dict()["state"]
+            for k in big:
+                master = st[k]["master"].to(params[k].device)
+                assert torch.equal(master.float(), params[k].detach().float()), \
+                    "step %d: parameter %d is not its master" % (i, k)
+        opt.close()
+        runs.append(m)
+    same(runs[0], runs[1], "bf16 parameters: the default is the bf16 master with %s moments"
+         % _DEFAULT_BF16_MOMENTS, exact=True)
+    print("ok: per-dtype defaults (fp32 -> fp32, bf16 -> bf16 master + %s, fp16 and mixed -> fp32)"
+          % _DEFAULT_BF16_MOMENTS)
+
+
+class FakeDevice:
+    """The device memory queries of "auto" (aoq._share._device_memory),
+    mocked: a device with `free` bytes free whose measured peak is `base`
+    plus what the share holds (times `grow`: a share that costs more than
+    counted), and late_frac of the offloaded parameters measured late at
+    every probe.  rounds: (cap, bytes chosen) of each probe."""
+
+    def __init__(self, base=1 << 30, free=100 << 30, grow=1.0, late_frac=1.0):
+        self.base, self.free, self.grow, self.late_frac = base, free, grow, late_frac
+        self.opt, self.reads, self.rounds = None, 0, []
+
+    def held(self):
+        return (self.opt.auto_split or {}).get("device_bytes", 0) if self.opt is not None else 0
+
+    def memory(self, dev):
+        self.reads += 1
+        return self.base + int(self.held() * self.grow), self.free - self.held()
+
+    def __enter__(self):
+        self.real = sh._device_memory, sh._auto_late, sh._auto_choice
+        choice = sh._auto_choice
+
+        def choose(numels, costs, late, cap):
+            got = choice(numels, costs, late, cap)
+            self.rounds.append((cap, sum(costs[i] for i in got), self.held()))
+            return got
+        sh._device_memory = self.memory
+        sh._auto_late = lambda total, span, tail, fwd=None: (int(total * self.late_frac), span)
+        sh._auto_choice = choose
+        return self
+
+    def __exit__(self, *exc):
+        sh._device_memory, sh._auto_late, sh._auto_choice = self.real
+        return False
+
+
+def stack(n=12, d=64):
+    """n square Linear layers (d x d weights offloaded, biases on the device)."""
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(n):
+        layers += [torch.nn.Linear(d, d), torch.nn.Tanh()]
+    return torch.nn.Sequential(torch.nn.Linear(32, d), *layers, torch.nn.Linear(d, 128)).to(DEV)
+
+
+def auto_run(model, dtype=None, steps=9, fake=None, **kw):
+    with (fake or FakeDevice()) as fake:
+        opt = OffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, socket=SOCKET,
+                               gpu_state_budget="auto", **kw)
+        fake.opt = opt
+        offloaded = [s.p for s in opt._slots]
+        loop(model, opt, steps, dtype)
+        opt.synchronize()
+        split = dict(opt.auto_split or {})
+        moved = list(opt._share.params) if opt._share is not None else []
+        opt.close()
+    assert fake.reads, "auto did not ask for the device's memory"
+    assert all(chosen <= cap for cap, chosen, _ in fake.rounds), fake.rounds
+    return split, offloaded, moved, fake
+
+
+def torch_adamw_bytes(params):
+    return sum(2 * sh._alloc_bytes(p.numel() * p.element_size()) for p in params)
+
+
+def case_auto_cap():
+    """gpu_state_budget="auto" with a fake device budget."""
+    # bf16 parameters, fp32 master: 12 bytes of state (+4 of gradient copy) per
+    # parameter on the device against torch AdamW's 4: a third of them at most
+    m = stack().to(torch.bfloat16)
+    split, off, moved, _ = auto_run(m, torch.bfloat16, master_dtype="fp32")
+    bound = torch_adamw_bytes(off)
+    cost = sum(sh._share_bytes(p, "adamw", None) + sh._share_step_bytes(p, None) for p in moved)
+    assert moved and len(moved) < len(off), (len(moved), len(off))
+    assert cost <= bound, (cost, bound)
+    assert split["device_bytes"] + sum(sh._share_step_bytes(p, None) for p in moved) <= bound, (split, bound)
+    assert split["peak_bound_bytes"] == (1 << 30) + bound, split
+    print("ok: auto, fp32 master on bf16 parameters: %d of %d tensors on the device, %d bytes of %d"
+          % (len(moved), len(off), cost, bound))
+    # the bf16 master (the default for bf16 parameters): bf16 moments on the device,
+    # 4 bytes per parameter, as torch's AdamW keeps them: every offloaded tensor fits
+    m = stack().to(torch.bfloat16)
+    split, off, moved, _ = auto_run(m, torch.bfloat16)
+    assert all(sh._share_bytes(p, "adamw", "bf16") == 4 * p.numel() for p in off)
+    assert split["device_bytes"] <= torch_adamw_bytes(off), split
+    assert len(moved) == len(off), (len(moved), len(off))
+    # a share that measures larger than counted (the peak grows twice as fast
+    # as the bytes moved): each probe's room is the bound less the peak it
+    # measured, so the second probe takes what the first left, and once the
+    # measured peak passes the bound nothing more moves
+    m = stack().to(torch.bfloat16)
+    split, off, moved, fake = auto_run(m, torch.bfloat16, fake=FakeDevice(grow=2.0, late_frac=0.4))
+    bound = split["peak_bound_bytes"]
+    assert len(fake.rounds) >= 2, fake.rounds
+    for cap, chosen, held in fake.rounds:
+        assert cap == max(0, bound - ((1 << 30) + 2 * held)), (cap, held, bound, fake.rounds)
+    assert fake.rounds[-1][0] < fake.rounds[0][0] and len(moved) < len(off), (fake.rounds, len(moved))
+    # max_device_bytes: bytes
+    one = sh._share_bytes(off[0], "adamw", "bf16")
+    m = stack().to(torch.bfloat16)
+    split, off, moved, _ = auto_run(m, torch.bfloat16, max_device_bytes=3 * one)
+    assert len(moved) == 3 and split["device_bytes"] == 3 * one, (len(moved), split)
+    # ... and a fraction of the free device memory (fake: 1 MiB free, no margin
+    # asked beyond the fraction)
+    m = stack().to(torch.bfloat16)
+    split, off, moved, _ = auto_run(m, torch.bfloat16, fake=FakeDevice(free=1 << 20), max_device_bytes=0.1)
+    assert split["device_bytes"] <= 0.1 * (1 << 20) and moved, (split, len(moved))
+    for bad in (-1, 0.0, 1.5, "lots", True):
+        try:
+            OffloadOptimizer(stack().parameters(), torch.optim.AdamW, socket=SOCKET, gpu_state_budget="auto",
+                             max_device_bytes=bad)
+        except ValueError as e:
+            assert "max_device_bytes" in str(e), e
+        else:
+            raise AssertionError("max_device_bytes=%r accepted" % (bad,))
+    try:
+        OffloadOptimizer(stack().parameters(), torch.optim.AdamW, socket=SOCKET, max_device_bytes=1 << 20)
+    except ValueError as e:
+        assert "auto" in str(e), e
+    else:
+        raise AssertionError("max_device_bytes without gpu_state_budget='auto' accepted")
+    print("ok: auto's device cap (on-GPU AdamW's peak by default, max_device_bytes bytes and fraction)")
+
+
+def quadratic(noise, seed, n=8192, steps=2000, lr=0.05, **kw):
+    """The kernels' convergence problem (kernels/cpu/test-kernels.c,
+    quad_run) through OffloadOptimizer with bf16 parameters: n parameters
+    of a noisy quadratic (curvatures 0.01-10), AdamW lr 0.05 without weight
+    decay, Gaussian gradient noise of `noise`, the same for every run of a
+    seed; the mean loss of the last 200 steps, evaluated at the bf16
+    parameters (what a bf16 model computes with)."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.pow(10.0, -2.0 + 3.0 * torch.rand(n, generator=g, dtype=torch.float64))
+    xs = torch.randn(n, generator=g, dtype=torch.float64)
+    x = torch.nn.Parameter((xs + 2.0 * torch.randn(n, generator=g, dtype=torch.float64)).to(torch.bfloat16))
+    opt = OffloadOptimizer([x], torch.optim.AdamW, lr=lr, weight_decay=0.0, socket=SOCKET, **kw)
+    tail = 0.0
+    for s in range(steps):
+        d = x.detach().double() - xs
+        if s >= steps - 200:
+            tail += float(0.5 * (h * d * d).sum()) / 200
+        x.grad = (h * d + noise * torch.randn(n, generator=g, dtype=torch.float64)).to(torch.bfloat16)
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+    chosen = (opt.master_dtype, opt.state_precision)
+    opt.close()
+    return tail, chosen
+
+
+def case_convergence():
+    """The default for bf16 parameters against the fp32 master on the noisy
+    quadratic, both evaluated at their bf16 parameters.  Gradient noise 1
+    (the optimizer's noise floor dominates): held to 2%, as
+    kernels-convergence holds bf16 master + q8 against fp32; the goal is 1%
+    and each figure says where it stands.  Noise 0.1: the bf16 master's
+    stochastic rounding floor is of the order of the loss (about +2% on
+    this problem, +1.8% with fp32 moments): printed, not checked, as
+    kernels-convergence does for the bf16 masters."""
+    for noise, tol in ((1.0, 0.02), (0.1, None)):
+        seed = int(torch.randint(1 << 30, ()))
+        ref, c_ref = quadratic(noise, seed, master_dtype="fp32")
+        got, c_got = quadratic(noise, seed)
+        assert c_ref == ("fp32", "fp32") and c_got == ("bf16", _DEFAULT_BF16_MOMENTS), (c_ref, c_got)
+        rel = got / ref - 1
+        print("noisy quadratic, bf16 parameters, noise %g (seed %d): fp32 master tail loss %.6g, the default "
+              "(bf16 master + %s) %.6g (%+.2f%%, %s 1%%)%s" % (
+                  noise, seed, ref, _DEFAULT_BF16_MOMENTS, got, 100 * rel, "within" if abs(rel) <= 0.01 else "NOT within",
+                  "" if tol is not None else " (not checked)"))
+        assert tol is None or abs(rel) <= tol, "noise %g: the default %+.2f%% from the fp32 master" % (noise, 100 * rel)
+        assert got < 0.5 * quadratic_start(seed), "noise %g: the default did not converge" % noise
+    print("ok: the default's loss against the fp32 master's")
+
+
+def quadratic_start(seed, n=8192):
+    """The noisy quadratic's loss at its start (the same draws as quadratic)."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.pow(10.0, -2.0 + 3.0 * torch.rand(n, generator=g, dtype=torch.float64))
+    xs = torch.randn(n, generator=g, dtype=torch.float64)
+    x = (xs + 2.0 * torch.randn(n, generator=g, dtype=torch.float64)).to(torch.bfloat16).double()
+    return float(0.5 * (h * (x - xs) ** 2).sum())
+
+
+CASES = {"fp32": case_fp32, "bf16": case_bf16, "auto-cap": case_auto_cap, "convergence": case_convergence}
+
+
+def main():
+    global SOCKET, DEV
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--cases", default=os.environ.get("AOQ_TORCH_CASES"),
+                    help="cases separated by commas (default: all): " + ", ".join(CASES))
+    a = ap.parse_args()
+    DEV = a.device
+    if DEV.startswith("cuda") and not torch.cuda.is_available():
+        print("SKIP: no CUDA device")
+        return 77
+    names = a.cases.split(",") if a.cases else list(CASES)
+    failed = 0
+    with aoq.Daemon(threads=2) as d:
+        SOCKET = d.socket
+        for n in names:
+            try:
+                CASES[n]()
+            except Exception:
+                traceback.print_exc()
+                print("FAIL: %s" % n)
+                failed += 1
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
