@@ -129,7 +129,7 @@ uint64_t aoqd_state_tensor_len(const struct aoqd_state *st, const struct aoqd_te
 void aoqd_state_set_master_param(bool on);
 /* Whether x's parameter is its master for a client of st (aoq-arena.h):
  * a bf16 master in the masters memfd (with the delayed update too: the
- * client copies the master before it pushes the next gradient, README,
+ * client copies the master before it pushes the next gradient; docs/decisions.md,
  * "The master is the parameter"). */
 static inline bool aoqd_tensor_master_param(const struct aoqd_state *st, const struct aoqd_tensor *x)
 {
