@@ -23,8 +23,8 @@ the device peaks over the whole run (max_memory_allocated and max_memory_reserve
 final loss and the mean loss of the last --loss-tail steps against --loss-ref's.  The
 default against the fp32 master over a long run (the loss curve's tail):
 
-    python3 tests/bench/train_gpt.py --spawn-daemon --mode aoq-default,aoq-fp32 --steps 200 \
-        --warmup 3 --lr 3e-4 --loss-tail 50
+    python3 tests/bench/train_gpt.py --spawn-daemon --mode gpu-adamw,aoq-default,aoq-fp32 --steps 200 \
+        --warmup 3 --lr 3e-4 --data markov --loss-tail 50
 
 A mode name may end in -swap, -attach or -compile (aoq-fp32-swap, aoq-q8-compile,
 gpu-adamw-compile, ...): -swap is the import swap (OffloadOptimizer, nothing else:
@@ -399,7 +399,11 @@ def run_mode(mode, args, socket):
     print("# %s: %.3fB parameters, optimizer ready in %.1f s" % (mode, nparams * 1e-9, time.perf_counter() - t_reg),
           file=sys.stderr, flush=True)
     gen = torch.Generator().manual_seed(1)
-    data = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen).to(dev) for _ in range(4)]
+    if args.data == "markov":
+        data = markov_batches(args, gen, (args.warmup + args.steps + (2 if args.profile else 0)) * args.grad_accum)
+        data = [x.to(dev) for x in data]
+    else:
+        data = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen).to(dev) for _ in range(4)]
     times, losses = [], []
     mem_fwd = mem_bwd = 0   # allocated after the loss (activations) and after backward (gradients)
     prof = None
@@ -465,6 +469,21 @@ def run_mode(mode, args, socket):
                 pcie_floor_s=floor, loss=losses[-1], grad_gib=grad_bytes / 2 ** 30, state_gib=state_bytes / 2 ** 30,
                 after_loss_gib=mem_fwd / 2 ** 30, after_backward_gib=mem_bwd / 2 ** 30,
                 times=times)
+
+
+def markov_batches(args, gen, n):
+    """n fresh batches of a learnable Markov chain over 256 tokens (as
+    tests/gpu/python/test_gpt_bf16.py draws them): x' = (5 x + 17 + e) mod
+    256 with e uniform in 0..15, so the loss falls from log(vocab) towards
+    log(16) = 2.77 and is never memorised: a long run's loss compares
+    training, not the chaos of memorising four batches."""
+    v = min(256, args.vocab)
+    x = torch.empty(n * args.batch, args.seq + 1, dtype=torch.long)
+    x[:, 0] = torch.randint(0, v, (n * args.batch,), generator=gen)
+    e = torch.randint(0, 16, (n * args.batch, args.seq + 1), generator=gen)
+    for t in range(1, args.seq + 1):
+        x[:, t] = (5 * x[:, t - 1] + 17 + e[:, t]) % v
+    return list(x.split(args.batch))
 
 
 def start_profile(dev):
@@ -713,6 +732,9 @@ def main():
                          "default 50%% of RAM, for the largest models)")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="after the timed steps, two more under torch.profiler, traced to DIR/MODE.json")
+    ap.add_argument("--data", default="random", choices=("random", "markov"),
+                    help="random: four batches of random tokens, cycled (step time); markov: a fresh batch of a "
+                         "learnable Markov chain every step (a long run's loss)")
     ap.add_argument("--loss-tail", type=int, default=10, metavar="N",
                     help="the table's loss: the mean over the last N steps (warm-up steps included)")
     ap.add_argument("--loss-ref", default="aoq-fp32", metavar="MODE",
