@@ -12,13 +12,14 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "aoq-version.h"
 #include "control.h"
 #include "copy.h"
 #include "trace.h"
 
 const char *aoq_version(void)
 {
-	return AOQ_VERSION_STRING;
+	return aoq_full_version();
 }
 
 int aoq_abi_version(void)
@@ -119,6 +120,8 @@ int aoq_connect(struct aoq_client **out, const struct aoq_options *opts)
 	}
 	Aoq__Hello h = AOQ__HELLO__INIT;
 	h.protocol_version = AOQ_PROTOCOL_VERSION;
+	h.arena_version = AOQ_ARENA_VERSION;
+	h.version = (char *)aoq_full_version();
 	h.job = c->job;
 	h.rank = opts->rank;
 	h.device = c->device;
@@ -144,7 +147,19 @@ int aoq_connect(struct aoq_client **out, const struct aoq_options *opts)
 		aoq_close(c);
 		return r;
 	}
-	c->session_id = rep->welcome->session_id;
+	/* A daemon refuses a Hello of another protocol or arena; one that let it
+	 * through (it predates the check) is refused here, both versions named. */
+	const Aoq__Welcome *w = rep->welcome;
+	if (w->protocol_version != AOQ_PROTOCOL_VERSION || w->arena_version != AOQ_ARENA_VERSION) {
+		r = aoq_set_error(-EPROTONOSUPPORT,
+		                  "aoqd at %s speaks protocol %u, arena %u; libaoq %s speaks protocol %u, arena %u: use "
+		                  "libaoq and aoqd of one release", path, w->protocol_version, w->arena_version,
+		                  aoq_full_version(), AOQ_PROTOCOL_VERSION, AOQ_ARENA_VERSION);
+		aoq_envelope_free(rep);
+		aoq_close(c);
+		return r;
+	}
+	c->session_id = w->session_id;
 	aoq_envelope_free(rep);
 	*out = c;
 	return 0;

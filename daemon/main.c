@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "aoq-config.h"
+#include "aoq-version.h"
 #include "config.h"
 #include "server.h"
 #include "log.h"
@@ -189,7 +190,10 @@ int main(int argc, char **argv)
 			config_path = optarg;
 			break;
 		case O_CHECK: check = true; break;
-		case 'V': printf("aoqd %s\n", AOQ_VERSION); return 0;
+		case 'V':
+			printf("aoqd %s (protocol %u, arena %u)\n", aoq_full_version(), AOQ_PROTOCOL_VERSION,
+			       AOQ_ARENA_VERSION);
+			return 0;
 		case 'h': usage(stdout); return 0;
 		case ':': return usage_error("option '%s' needs a value", argv[optind - 1]);
 		case '?':

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "aoq-config.h"
+#include "aoq-version.h"
 #include "close.h"
 #include "lease.h"
 #include "log.h"
@@ -40,9 +41,21 @@ static int on_hello(struct aoqd_session *s, const Aoq__Envelope *env, struct aoq
 	const Aoq__Hello *h = env->hello;
 	const struct aoqd_config *cfg = &s->srv->cfg;
 	struct aoqd_conn *c = &s->conn;
-	if (h->protocol_version != AOQ_PROTOCOL_VERSION)
-		return AOQD_FAIL(err, VERSION, "protocol version %u, this daemon speaks %u",
-		                 h->protocol_version, AOQ_PROTOCOL_VERSION);
+	/* Both sides' versions in the refusal: the client's (from its Hello,
+	 * bounded and made printable) and this daemon's. */
+	if (h->protocol_version != AOQ_PROTOCOL_VERSION || (!h->observer && h->arena_version != AOQ_ARENA_VERSION)) {
+		char theirs[64];
+		const char *v = h->protocol_version >= 2 && h->version ? h->version : "";
+		size_t n = 0;
+		for (; v[n] && n + 1 < sizeof(theirs); n++)
+			theirs[n] = v[n] > 0x20 && v[n] < 0x7f ? v[n] : '?';
+		theirs[n] = 0;
+		return AOQD_FAIL(err, VERSION,
+		                 "client %s speaks protocol %u, arena %u; aoqd %s speaks protocol %u, arena %u: use libaoq "
+		                 "and aoqd of one release",
+		                 n ? theirs : "(no version sent)", h->protocol_version,
+		                 h->arena_version, aoq_full_version(), AOQ_PROTOCOL_VERSION, AOQ_ARENA_VERSION);
+	}
 	if (strlen(h->job) > 128 || strlen(h->device) > 64)
 		return AOQD_FAIL(err, INVALID, "job or device name too long");
 	c->job = strdup(h->job);
@@ -101,6 +114,8 @@ static int on_hello(struct aoqd_session *s, const Aoq__Envelope *env, struct aoq
 	Aoq__Welcome w = AOQ__WELCOME__INIT;
 	w.session_id = s->id;
 	w.protocol_version = AOQ_PROTOCOL_VERSION;
+	w.arena_version = AOQ_ARENA_VERSION;
+	w.version = (char *)aoq_full_version();
 	w.limits = &lim;
 	Aoq__Envelope r = AOQ__ENVELOPE__INIT;
 	r.msg_case = AOQ__ENVELOPE__MSG_WELCOME;
@@ -234,7 +249,7 @@ static int on_stats(struct aoqd_session *who, const Aoq__Envelope *env, struct a
 	st.uptime_seconds = (double)(aoqd_now_ns() - srv->start_ns) / 1e9;
 	st.n_sessions = k;
 	st.sessions = sp;
-	st.version = AOQ_VERSION;
+	st.version = (char *)aoq_full_version();
 	st.pid = (uint32_t)getpid();
 	st.timestamp_unix_ns = aoqd_wall_ns();
 	st.loop_spin_us = (uint32_t)(srv->spin_ns / 1000u);

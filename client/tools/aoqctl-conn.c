@@ -9,6 +9,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "aoq-version.h"
 #include "aoqctl.h"
 
 int ctl_fail_unreachable(const char *path, int err, const char *what, const char *msg)
@@ -32,6 +33,7 @@ int ctl_observer_connect(const char *path, int *sock_out)
 	Aoq__Envelope *rep = NULL;
 	Aoq__Hello hello = AOQ__HELLO__INIT;
 	hello.protocol_version = AOQ_PROTOCOL_VERSION;
+	hello.version = (char *)aoq_full_version(); /* an observer maps no arena: arena_version 0 */
 	hello.job = (char *)"aoqctl";
 	hello.device = (char *)"";
 	hello.observer = true;

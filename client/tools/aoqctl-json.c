@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "aoq-version.h"
 #include "aoqctl.h"
 
 /* A number printed short (%.6g, or fmt); JSON null when not finite. */
@@ -83,6 +84,7 @@ static json_object *stats_json(const struct view *v)
 	JADD(root, "timestamp", json_object_new_string(when));
 	JADD(root, "timestamp_unix", ctl_jdouble_fmt(v->timestamp, true));
 	JADD(root, "version", ctl_jstring(st->version));
+	JADD(root, "client_version", json_object_new_string(aoq_full_version()));
 	JADD(root, "pid", json_object_new_uint64(st->pid));
 	JADD(root, "threads", json_object_new_uint64(st->threads));
 	JADD(root, "kernel", ctl_jstring(st->kernel));

@@ -7,6 +7,7 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "aoq-version.h"
 #include "aoqctl.h"
 
 /* A label value: valid UTF-8 with \\, \" and \n escaped. */
@@ -116,9 +117,12 @@ GETTER(get_arena, s->arena_bytes)
 int ctl_print_stats_prometheus(const struct view *v, FILE *f)
 {
 	const Aoq__Stats *st = v->st;
-	prom_head(f, "aoq_daemon_info", "gauge", "aoqd build and kernel in use (always 1).");
+	prom_head(f, "aoq_daemon_info", "gauge",
+	          "aoqd's release and build, the kernel in use, and aoqctl's release and build (always 1).");
 	fputs("aoq_daemon_info{version=\"", f);
 	prom_label_value(f, st->version);
+	fputs("\",aoqctl_version=\"", f);
+	prom_label_value(f, aoq_full_version());
 	fputs("\",kernel=\"", f);
 	prom_label_value(f, st->kernel);
 	fputs("\"} 1\n", f);

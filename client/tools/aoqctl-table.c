@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "aoq-version.h"
 #include "aoqctl.h"
 
 static void fmt_rate_bytes(char *buf, size_t len, bool valid, double v)
@@ -76,8 +77,11 @@ int ctl_print_stats_table(const struct view *v, FILE *f)
 	ctl_fmt_bytes(rss, sizeof(rss), st->rss_bytes);
 	ctl_fmt_uptime(up, sizeof(up), st->uptime_seconds);
 	ctl_fmt_time(when, sizeof(when), v->timestamp);
+	char version[64];
+	ctl_cell_set(version, ctl_str_or(st->version, "?"));
 	fprintf(f, "%s  aoqd %s  pid %" PRIu32 "  threads %" PRIu32 "  kernel %s  locked %s  rss %s  uptime %s\n",
-	       when, ctl_str_or(st->version, "?"), st->pid, st->threads, ctl_str_or(st->kernel, "?"), locked, rss, up);
+	        when, version, st->pid, st->threads, ctl_str_or(st->kernel, "?"), locked, rss, up);
+	fprintf(f, "aoqctl %s\n", aoq_full_version());
 	if (st->loop_spin_us || st->loop_spin_takes || st->loop_spin_busy)
 		fprintf(f, "loop spin %" PRIu32 " us: polled %.3f s, %" PRIu64 " polls took records (no doorbell), %" PRIu64
 		       " doorbells with tasks waiting (no spin)\n",

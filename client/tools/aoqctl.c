@@ -23,7 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "aoq-config.h"
+#include "aoq-version.h"
 #include "aoqctl.h"
 
 static const char usage_text[] =
@@ -151,7 +151,7 @@ static int parse_opts(int argc, char **argv, const char *optstring, struct args 
 			a->steps_set = true;
 			break;
 		case 'h': fputs(usage_text, stdout); return EXIT_OK;
-		case 'V': printf("aoqctl %s (protocol %u)\n", AOQ_VERSION, AOQ_PROTOCOL_VERSION); return EXIT_OK;
+		case 'V': printf("aoqctl %s (protocol %u)\n", aoq_full_version(), AOQ_PROTOCOL_VERSION); return EXIT_OK;
 		case ':': return usage_error("option '%s' needs a value", argv[optind - 1]);
 		default:
 			if (optopt && optopt < 256)

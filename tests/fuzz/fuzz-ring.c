@@ -35,6 +35,7 @@ static void send_register(struct fz_client *c, uint8_t cfg)
 {
 	Aoq__Hello h = AOQ__HELLO__INIT;
 	h.protocol_version = AOQ_PROTOCOL_VERSION;
+	h.arena_version = AOQ_ARENA_VERSION;
 	h.job = "fuzz-ring";
 	h.device = "cpu";
 	Aoq__Envelope env = AOQ__ENVELOPE__INIT;

@@ -97,6 +97,7 @@ static void hello(struct buf *b, bool observer)
 {
 	Aoq__Hello h = AOQ__HELLO__INIT;
 	h.protocol_version = AOQ_PROTOCOL_VERSION;
+	h.arena_version = AOQ_ARENA_VERSION;
 	h.job = observer ? "aoqctl" : "seed";
 	h.device = "cpu";
 	h.observer = observer;

@@ -38,6 +38,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "aoq-version.h"
 #include "harness.h"
 
 static struct aoqt_daemon daemon_;
@@ -162,6 +163,7 @@ static void hello_env(Aoq__Envelope *env, Aoq__Hello *h, const char *job)
 {
 	aoq__hello__init(h);
 	h->protocol_version = AOQ_PROTOCOL_VERSION;
+	h->arena_version = AOQ_ARENA_VERSION;
 	h->job = (char *)job;
 	h->device = (char *)"cpu";
 	h->pid = (uint32_t)getpid();
@@ -327,6 +329,46 @@ static void attack_wrong_state(void)
 	CHECK_OK(aoqt_send_env(fd, &env));
 	expect_closed("protocol version 99", fd, AOQ__ERROR_CODE__VERSION);
 	check_logged_growth("protocol version 99", before);
+
+	/* A client of another release is refused at Hello, the refusal naming
+	 * both sides' protocol and arena versions and the client's version
+	 * made printable: an arena version that is not this daemon's (a
+	 * trainer's Hello without one too), a protocol before versions were
+	 * sent (1), and a version string of control characters. */
+	static const struct {
+		uint32_t proto, arena;
+		const char *version, *want;
+		bool observer;
+		const char *what;
+	} bad[] = {
+		{ AOQ_PROTOCOL_VERSION, AOQ_ARENA_VERSION + 1, "9.9.9+hostile", "client 9.9.9+hostile", false,
+		  "arena version +1" },
+		{ AOQ_PROTOCOL_VERSION, 0, "9.9.9+hostile", "arena 0;", false, "a trainer without an arena version" },
+		{ 1, 0, "", "(no version sent)", false, "protocol 1, no versions" },
+		{ 1, 0, "", "(no version sent)", true, "an observer of protocol 1" },
+		{ 3, AOQ_ARENA_VERSION, "\x1b[2J\x7f" "9", "client ?[2J?9", false, "a version of control characters" },
+	};
+	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+		fd = connect_raw();
+		hello_env(&env, &h, "hostile-version");
+		h.protocol_version = bad[i].proto;
+		h.arena_version = bad[i].arena;
+		h.version = (char *)bad[i].version;
+		h.observer = bad[i].observer;
+		CHECK_OK(aoqt_send_env(fd, &env));
+		char msg[512], ours[128], theirs[64];
+		int code = aoqt_raw_expect_close(fd, 20000, msg, sizeof(msg));
+		close(fd);
+		snprintf(ours, sizeof(ours), "aoqd %s speaks protocol %u, arena %u", aoq_full_version(), AOQ_PROTOCOL_VERSION,
+		         AOQ_ARENA_VERSION);
+		snprintf(theirs, sizeof(theirs), "protocol %u, arena %u", bad[i].proto, bad[i].arena);
+		printf("  %-48s -> %s: %s\n", bad[i].what, code >= 0 ? aoq_error_name(code) : "closed", msg);
+		CHECK(code == AOQ__ERROR_CODE__VERSION, "%s: got %d '%s', want Error VERSION", bad[i].what, code, msg);
+		CHECK(strstr(msg, ours) && strstr(msg, theirs) && strstr(msg, bad[i].want),
+		      "%s: the refusal '%s' names '%s', '%s' and '%s'", bad[i].what, msg, ours, theirs, bad[i].want);
+		CHECK(!strchr(msg, 0x1b) && !strchr(msg, 0x7f), "%s: a control character in '%s'", bad[i].what, msg);
+	}
+	check_alive("Hellos of other versions");
 
 	/* Register twice: the second, valid in itself, is wrong now. */
 	struct aoqt_raw s;

@@ -333,6 +333,7 @@ static void hello_msg(Aoq__Hello *h, const char *job, bool observer)
 {
 	aoq__hello__init(h);
 	h->protocol_version = AOQ_PROTOCOL_VERSION;
+	h->arena_version = AOQ_ARENA_VERSION;
 	h->job = (char *)job;
 	h->device = (char *)"cpu";
 	h->pid = (uint32_t)getpid();

@@ -778,6 +778,7 @@ int aoqt_raw_hello(int fd, const char *job, uint32_t rank, bool observer, uint64
 {
 	Aoq__Hello h = AOQ__HELLO__INIT;
 	h.protocol_version = AOQ_PROTOCOL_VERSION;
+	h.arena_version = AOQ_ARENA_VERSION;
 	h.job = (char *)job;
 	h.rank = rank;
 	h.device = (char *)"cpu";
@@ -869,6 +870,7 @@ static int raw_open(struct aoqt_raw *s, const char *path, const char *job, const
 	if (world > 1) {
 		Aoq__Hello h = AOQ__HELLO__INIT;
 		h.protocol_version = AOQ_PROTOCOL_VERSION;
+		h.arena_version = AOQ_ARENA_VERSION;
 		h.job = (char *)job;
 		h.rank = rank;
 		h.device = (char *)"cpu";

@@ -14,7 +14,11 @@
 
 int main(void)
 {
-	EXPECT(strcmp(aoq_version(), AOQ_VERSION_STRING) == 0, "version %s", aoq_version());
+	/* the release of the header, then '+' and the build when known */
+	size_t rl = strlen(AOQ_VERSION_STRING);
+	EXPECT(strncmp(aoq_version(), AOQ_VERSION_STRING, rl) == 0 &&
+	               (aoq_version()[rl] == 0 || (aoq_version()[rl] == '+' && aoq_version()[rl + 1])),
+	       "version %s (header %s)", aoq_version(), AOQ_VERSION_STRING);
 	EXPECT(aoq_abi_version() == AOQ_ABI_VERSION, "ABI %d", aoq_abi_version());
 	EXPECT(aoq_struct_size("aoq_options") == sizeof(struct aoq_options), "aoq_options");
 	EXPECT(aoq_struct_size("aoq_group") == sizeof(struct aoq_group), "aoq_group");

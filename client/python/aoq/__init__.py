@@ -12,6 +12,14 @@ from .daemon import Daemon
 
 from ._lib import PACKAGE_VERSION as __version__  # noqa: E402  (libaoq's version, checked at load)
 
+
+def version():
+    """The release and the build of the libaoq in use ("0.1.0+<git describe>";
+    the release alone when it was not built from a git checkout); its release
+    is __version__."""
+    from ._lib import check_library
+    return check_library()
+
 __all__ = ["Client", "Daemon", "AoqError", "StepResult", "Hyperparams", "FP32", "BF16", "FP16", "ADAMW", "ADAM",
            "STATE_FP32", "STATE_Q8", "STATE_BF16", "STATE_BF16_Q8", "STATE_BF16_ALL", "PUSH_ACCUMULATE", "MASTER", "EXP_AVG",
            "EXP_AVG_SQ"]

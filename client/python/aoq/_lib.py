@@ -197,7 +197,7 @@ def _check(lib):
 def check_library():
     """Loads libaoq and checks that it is the library this binding was written
     for (ABI version and the size of every public struct); returns its
-    version string.  load() does the same check: a library that fails it is
+    version string, the release and the build ("0.1.0+<git describe>").  load() does the same check: a library that fails it is
     never used."""
     return load().aoq_version().decode()
 
@@ -270,8 +270,9 @@ def _struct_size_mismatches(lib):
 
 def check_library_version(lib, path, expected=None):
     """Raises ImportError unless lib (loaded from path) is the libaoq this
-    package speaks: aoq_version() equal to `expected` (PACKAGE_VERSION) and
-    the public structs' sizes equal to this module's layouts."""
+    package speaks: aoq_version()'s release (before a '+' and the build)
+    equal to `expected` (PACKAGE_VERSION) and the public structs' sizes equal
+    to this module's layouts.  Returns aoq_version(): release and build."""
     expected = expected or PACKAGE_VERSION
     bad = []
     f = getattr(lib, "aoq_version", None)
@@ -280,7 +281,7 @@ def check_library_version(lib, path, expected=None):
         f.restype, f.argtypes = c_char_p, []
         raw = f()
         version = raw.decode("utf-8", "replace") if raw else "?"
-        if version != expected:
+        if version.split("+", 1)[0] != expected:
             bad.append("libaoq %s, this package expects %s" % (version, expected))
     bad += _struct_size_mismatches(lib)
     if bad:

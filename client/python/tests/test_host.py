@@ -88,6 +88,12 @@ def version_checks():
     check(_lib.check_library_version(_FakeLib(_lib.PACKAGE_VERSION.encode(), real), "/x/libaoq.so")
           == _lib.PACKAGE_VERSION, "a libaoq of the package's version and layouts is used")
     check(aoq.__version__ == _lib.PACKAGE_VERSION, "aoq.__version__ is the libaoq version it checks")
+    built = (_lib.PACKAGE_VERSION + "+v0.1.0-3-g55cc8f8-dirty").encode()
+    check(_lib.check_library_version(_FakeLib(built, real), "/x/libaoq.so") == built.decode(),
+          "a libaoq of the package's release with its build after '+' is used, and its version returned")
+    v = aoq.version()
+    check(v.split("+")[0] == aoq.__version__ and ("+" not in v or len(v.split("+")[1]) > 0),
+          f"aoq.version() is the release and the build: {v}")
     for fake, needles in ((_FakeLib(b"9.9.9"), ["/x/libaoq.so", "9.9.9", _lib.PACKAGE_VERSION, "AOQ_LIBRARY"]),
                           (_FakeLib(_lib.PACKAGE_VERSION.encode(), dict(real, aoq_tensor=real["aoq_tensor"] + 8)),
                            ["struct aoq_tensor is %d bytes there" % (real["aoq_tensor"] + 8)])):
