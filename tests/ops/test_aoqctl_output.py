@@ -227,8 +227,18 @@ def main():
                       f"bytes_in/s {r['bytes_in_per_second']} covers 2+ bytes a parameter")
                 check(r["bytes_out_per_second"] > 0, f"bytes_out/s {r['bytes_out_per_second']}")
 
+        # ---- versions: the daemon's and aoqctl's, each the release and the build
+        ctl_v = subprocess.run([AOQCTL, "--version"], capture_output=True, text=True).stdout.split()
+        d_v = subprocess.run([AOQD, "--version"], capture_output=True, text=True).stdout.split()
+        check(len(ctl_v) >= 2 and len(d_v) >= 2 and re.fullmatch(r"\d+\.\d+\.\d+(\+[\w.-]+)?", d_v[1]) is not None,
+              f"--version: aoqd {d_v}, aoqctl {ctl_v}")
+        check(st["version"] == d_v[1] and st.get("client_version") == ctl_v[1],
+              f"stats --json: version {st['version']} (aoqd --version {d_v[1]}), client_version "
+              f"{st.get('client_version')} (aoqctl --version {ctl_v[1]})")
+
         # ---- table
         t = aoqctl(sock, "stats").stdout
+        check(f"aoqd {d_v[1]}" in t and f"aoqctl {ctl_v[1]}" in t, "the table shows both versions")
         check("JOBS" in t and "UIDS" in t and "alpha" in t, "the table has job and uid sections")
         check(re.match(r"\d{4}-\d\d-\d\dT", t) is not None, "the table starts with the timestamp")
 
