@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -405,11 +406,37 @@ static void strip_comment(char *s)
 		}
 }
 
+/* The config file is a regular file of at most this many bytes: a FIFO,
+ * a device (/dev/zero), a symbolic link or a huge file is refused before
+ * a byte is read (it is read on the loop thread at SIGHUP). */
+#define CONFIG_MAX_BYTES (1u << 20)
+
 int aoqd_config_load(struct aoqd_config *c, const char *path)
 {
-	FILE *f = fopen(path, "r");
+	int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY);
+	struct stat sb;
+	int e = 0;
+	if (fd < 0)
+		e = errno;
+	else if (fstat(fd, &sb) < 0)
+		e = errno;
+	if (e) {
+		if (fd >= 0)
+			close(fd);
+		aoqd_err("config", "cannot read %s: %s", path,
+		         e == ELOOP ? "a symbolic link (give the file itself)" : strerror(e));
+		return -e;
+	}
+	if (!S_ISREG(sb.st_mode) || sb.st_size > CONFIG_MAX_BYTES) {
+		close(fd);
+		aoqd_err("config", "cannot read %s: %s", path,
+		         !S_ISREG(sb.st_mode) ? "not a regular file" : "larger than 1 MiB");
+		return -EINVAL;
+	}
+	FILE *f = fdopen(fd, "r");
 	if (!f) {
-		int e = errno;
+		e = errno;
+		close(fd);
 		aoqd_err("config", "cannot read %s: %s", path, strerror(e));
 		return -e;
 	}

@@ -156,6 +156,13 @@ uint32_t aoqd_snapfile_tensors(const struct aoqd_snapfile *f)
 	return f->n;
 }
 
+/* The job's part of a file name: its bytes, escaped (%XX) but for
+ * [A-Za-z0-9._-]; one that would be longer than JOB_NAME_MAX is cut (never
+ * inside an escape) and followed by '~' and a hash of the whole job, so
+ * that every job of 128 bytes, whatever its bytes, has a name that fits
+ * NAME_MAX with the uid and rank around it. */
+#define JOB_NAME_MAX 160
+
 int aoqd_snapshot_path(const char *dir, const struct aoqd_snap_key *key, char *path, size_t len)
 {
 	char job[3 * sizeof(key->job) + 1];
@@ -168,6 +175,15 @@ int aoqd_snapshot_path(const char *dir, const struct aoqd_snap_key *key, char *p
 			k += (size_t)snprintf(job + k, sizeof(job) - k, "%%%02X", *p);
 	}
 	job[k] = 0;
+	if (k > JOB_NAME_MAX) {
+		size_t cut = JOB_NAME_MAX - 17;
+		while (cut > 0 && (job[cut - 1] == '%' || (cut > 1 && job[cut - 2] == '%')))
+			cut--; /* not inside an escape */
+		uint64_t h = 0xcbf29ce484222325ull; /* FNV-1a */
+		for (const unsigned char *p = (const unsigned char *)key->job; *p; p++)
+			h = (h ^ *p) * 0x100000001b3ull;
+		snprintf(job + cut, sizeof(job) - cut, "~%016" PRIx64, h);
+	}
 	char rank[16];
 	if (key->local_world > 1)
 		snprintf(rank, sizeof(rank), "group"); /* a replica group's state */
@@ -474,7 +490,7 @@ int aoqd_snapfile_open(struct aoqd_snapfile *f, const char *dir, struct aoqd_err
 	f->dir = strdup(dir);
 	if (!f->dir)
 		return AOQD_REFUSE(err, NO_MEMORY, "out of memory");
-	if (asprintf(&f->tmp, "%s/.snapshot-XXXXXX", dir) < 0) {
+	if (asprintf(&f->tmp, "%s/" AOQD_SNAPSHOT_TEMP "XXXXXX", dir) < 0) {
 		f->tmp = NULL;
 		return AOQD_REFUSE(err, NO_MEMORY, "out of memory");
 	}

@@ -94,6 +94,38 @@ static int cmp_load(const void *x, const void *y)
 	return a < b ? -1 : a > b;
 }
 
+/*
+ * What json-c may cost to parse n bytes of JSON text, bounded before it is
+ * parsed: each value is an allocation (an object or array some 100 to 800
+ * bytes), so text of tiny values ("{},{}," or "0,0,") would cost hundreds
+ * of times its length.  What aoqd writes spends 8 bytes of text or more
+ * per value and 16 or more per object or array (a tensor's array entry is
+ * some 60 bytes for seven values, three of them containers): text denser
+ * than 4 bytes a value or 12 a container is not a snapshot aoqd wrote.
+ */
+static bool json_affordable(const char *s, size_t n)
+{
+	uint64_t values = 1, containers = 0;
+	bool str = false;
+	for (size_t i = 0; i < n; i++) {
+		char c = s[i];
+		if (str) {
+			if (c == '\\')
+				i++;
+			else if (c == '"')
+				str = false;
+		} else if (c == '"') {
+			str = true;
+		} else if (c == '{' || c == '[') {
+			containers++;
+			values++;
+		} else if (c == ',') {
+			values++;
+		}
+	}
+	return values * 4 <= n + 64 && containers * 12 <= n + 64;
+}
+
 int aoqd_snapshot_load(const char *path, int lock_memory, _Atomic uint64_t *locked_total, struct aoqd_snap_key *key,
                        uint64_t *step, struct aoqd_state *st, char *why, size_t wlen)
 {
@@ -103,10 +135,13 @@ int aoqd_snapshot_load(const char *path, int lock_memory, _Atomic uint64_t *lock
 	struct load_arr *la = NULL;
 	bool allocated = false;
 	memset(st, 0, sizeof(*st));
-	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	/* A regular file only: a symbolic link is not followed, and a FIFO
+	 * or a device opens without blocking, then is refused. */
+	int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY);
 	if (fd < 0) {
-		snprintf(why, wlen, "%s: %s", path, strerror(errno));
-		return -errno;
+		int e = errno;
+		snprintf(why, wlen, "%s: %s", path, e == ELOOP ? "a symbolic link (not followed)" : strerror(e));
+		return e == ELOOP ? -EINVAL : -e;
 	}
 	struct stat sb;
 	if (fstat(fd, &sb) < 0 || !S_ISREG(sb.st_mode))
@@ -132,6 +167,8 @@ int aoqd_snapshot_load(const char *path, int lock_memory, _Atomic uint64_t *lock
 	hdr[hlen] = 0;
 	if (strlen(hdr) != hlen)
 		FAIL("%s: NUL byte in the header", path);
+	if (!json_affordable(hdr, hlen))
+		FAIL("%s: the header is denser than any aoqd writes (refused before it is parsed)", path);
 	{
 		json_tokener *tok = json_tokener_new();
 		if (!tok) {
@@ -219,6 +256,8 @@ int aoqd_snapshot_load(const char *path, int lock_memory, _Atomic uint64_t *lock
 	st->options_set = true;
 	/* groups */
 	const char *gs = meta_str(meta, "groups"), *ts = meta_str(meta, "tensors");
+	if ((gs && !json_affordable(gs, strlen(gs))) || (ts && !json_affordable(ts, strlen(ts))))
+		FAIL("%s: metadata groups or tensors is denser than any aoqd writes (refused before it is parsed)", path);
 	groups = gs ? json_tokener_parse(gs) : NULL;
 	tens = ts ? json_tokener_parse(ts) : NULL;
 	if (!groups || !json_object_is_type(groups, json_type_array) || !tens || !json_object_is_type(tens, json_type_array))
@@ -382,6 +421,30 @@ out:
 }
 #undef FAIL
 
+/* A write's temp file (snapfile.c: AOQD_SNAPSHOT_TEMP and mkostemp's six
+ * characters).  At start no write is under way: one left is from a write
+ * that a crash cut short. */
+static bool is_temp(const char *name)
+{
+	size_t n = strlen(AOQD_SNAPSHOT_TEMP);
+	return strncmp(name, AOQD_SNAPSHOT_TEMP, n) == 0 && strlen(name) == n + 6;
+}
+
+static void remove_temp(int dfd, const char *dir, const char *name)
+{
+	struct stat sb;
+	if (fstatat(dfd, name, &sb, AT_SYMLINK_NOFOLLOW) < 0 || !S_ISREG(sb.st_mode)) {
+		aoqd_warn("snapshot", "%s/%s: not a regular file; left in place", dir, name);
+		return;
+	}
+	if (unlinkat(dfd, name, 0) < 0)
+		aoqd_warn("snapshot", "cannot remove %s/%s, left by a write that did not finish: %s", dir, name,
+		          strerror(errno));
+	else
+		aoqd_info("snapshot", "removed %s/%s (%" PRIu64 " bytes), left by a write that did not finish", dir, name,
+		          (uint64_t)sb.st_size);
+}
+
 int aoqd_snapshot_restore_all(const char *dir, int lock_memory, _Atomic uint64_t *locked_total,
                               aoqd_snapshot_restore_fn fn, void *arg)
 {
@@ -391,6 +454,10 @@ int aoqd_snapshot_restore_all(const char *dir, int lock_memory, _Atomic uint64_t
 	int taken = 0;
 	struct dirent *e;
 	while ((e = readdir(d))) {
+		if (is_temp(e->d_name)) {
+			remove_temp(dirfd(d), dir, e->d_name);
+			continue;
+		}
 		size_t l = strlen(e->d_name), sl = strlen(AOQD_SNAPSHOT_SUFFIX);
 		if (e->d_name[0] == '.' || l <= sl || strcmp(e->d_name + l - sl, AOQD_SNAPSHOT_SUFFIX) != 0)
 			continue;

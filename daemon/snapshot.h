@@ -34,6 +34,9 @@
 #define AOQD_SNAPSHOT_FORMAT "aoq-optimizer-state"
 #define AOQD_SNAPSHOT_VERSION 1
 #define AOQD_SNAPSHOT_SUFFIX ".safetensors"
+/* The temp file a write goes to before its rename (and six random characters):
+ * one left at start, from a write a crash cut short, is removed. */
+#define AOQD_SNAPSHOT_TEMP ".snapshot-"
 /* The header is at most this long (safetensors' own readers refuse more
  * than 100 MB). */
 #define AOQD_SNAPSHOT_MAX_HEADER (100u << 20)
