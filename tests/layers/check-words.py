@@ -5,7 +5,7 @@
 A reader can act on a date, a commit, a machine and a command, not on "the
 Nth session" of the work that wrote it, "issue 12", "device time", "the
 development VM", "the brief" or a helper that did the work.  This check reads
-every tracked file (git ls-files; the source tree without .git and build
+every tracked file (git ls-files; the source tree without hidden and build
 folders when the tree is not a git checkout), skips binary files and the
 fuzzers' corpus, and fails naming file:line and the phrase for each hit.
 
@@ -68,7 +68,8 @@ def tracked_files(root):
     files = []
     for d, dirs, names in os.walk(root):
         rel = os.path.relpath(d, root)
-        dirs[:] = [x for x in dirs if not (x.startswith(".git") or (rel == "." and x.startswith("build")))]
+        # Hidden folders (.git, local scratch) and build trees are not the source.
+        dirs[:] = [x for x in dirs if not (x.startswith(".") or (rel == "." and x.startswith("build")))]
         for n in names:
             files.append(os.path.normpath(os.path.join(rel, n)))
     return files
