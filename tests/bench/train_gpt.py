@@ -275,7 +275,9 @@ class DeepSpeedOffload:
         pass                        # engine.step() zeroes the gradients
 
     def close(self):
-        self.engine.destroy()
+        destroy = getattr(self.engine, "destroy", None)    # (not in every DeepSpeed release)
+        if destroy is not None:
+            destroy()
 
 
 def make_optimizer(mode, model, args, socket):
