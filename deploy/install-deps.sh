@@ -1,23 +1,45 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: MIT
-# Installs what building and testing aoq needs on Debian 12 (run as root, or
-# as a user with sudo).  Used by .ci/run and deploy/quickstart.sh.  torch is
-# not here (not a Debian package): .ci/run adds a venv with it
+# Installs what building aoq needs on Debian 12 (run as root, or as a user
+# with sudo):
+#   install-deps.sh          what building and running need
+#                            (deploy/quickstart.sh)
+#   install-deps.sh test     that and the test tools (.ci/run)
+# torch is not here (not a Debian package): .ci/run adds a venv with it
 # (deploy/python-venv.sh; python3-venv below makes the venv).
 # CUDA is not a Debian package: the CUDA code is built when a toolkit is
 # found at /usr/local/cuda (meson option -Dcudatoolkit=DIR).
 set -euo pipefail
 
+set_name=${1:-build}
+# Building and running: the compiler, meson, and the libraries aoqd, libaoq
+# and aoqctl link (libsystemd: socket activation and notify).
 packages=(
 	meson ninja-build pkg-config gcc
 	libuv1-dev libprotobuf-c-dev protobuf-c-compiler
-	libsystemd-dev libze-dev libjson-c-dev zlib1g-dev
-	valgrind python3 python3-numpy python3-venv python3-prometheus-client
-	# tests/run-all.sh phase fuzz: clang with libFuzzer.  The fuzzer's
-	# runtime (libclang_rt.fuzzer) is in libclang-rt-14-dev, which clang
-	# only recommends: --no-install-recommends would leave it out.
-	clang libclang-rt-14-dev
+	libsystemd-dev libjson-c-dev zlib1g-dev
 )
+case $set_name in
+build) ;;
+test)
+	packages+=(
+		# the Level Zero backend (suite ze, with the test driver)
+		libze-dev
+		# valgrind runs; the python suite without torch; aoqctl's
+		# Prometheus text through prometheus_client's parser; the man
+		# pages' lint (ops-man)
+		valgrind python3 python3-numpy python3-venv python3-prometheus-client mandoc
+		# tests/run-all.sh phase fuzz: clang with libFuzzer.  The fuzzer's
+		# runtime (libclang_rt.fuzzer) is in libclang-rt-14-dev, which clang
+		# only recommends: --no-install-recommends would leave it out.
+		clang libclang-rt-14-dev
+	)
+	;;
+*)
+	echo "usage: install-deps.sh [build|test]" >&2
+	exit 2
+	;;
+esac
 
 sudo=()
 if [[ $(id -u) != 0 ]]; then
