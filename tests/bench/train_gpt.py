@@ -282,8 +282,8 @@ class DeepSpeedOffload:
 
 def make_optimizer(mode, model, args, socket):
     attach, _ = variant_flags(mode, args)
-    auto = parse_mode(mode)[1] == "auto"
-    mode = parse_mode(mode)[0]
+    mode, variant = parse_mode(mode)
+    auto = variant == "auto"
     if mode == "deepspeed":
         return DeepSpeedOffload(model, args)
     if mode == "torchao":
@@ -305,7 +305,8 @@ def make_optimizer(mode, model, args, socket):
     budget = budget if budget == "auto" else int(float(budget) * 2 ** 30)
     if mode == "aoq-default":
         # the import swap and nothing else: no aoq argument (the daemon's
-        # socket from $AOQ_SOCKET); -auto adds gpu_state_budget="auto"
+        # socket from $AOQ_SOCKET), no attach() unless -attach; -auto adds
+        # gpu_state_budget="auto"
         if socket:
             os.environ["AOQ_SOCKET"] = socket
         kw = dict(lr=args.lr, weight_decay=0.1)
@@ -316,7 +317,7 @@ def make_optimizer(mode, model, args, socket):
         if budget == "auto" and args.max_device is not None:
             kw["max_device_bytes"] = args.max_device if args.max_device <= 1 else int(args.max_device * 2 ** 30)
         opt = OffloadOptimizer(model.parameters(), torch.optim.AdamW, **kw)
-        if attach:
+        if variant == "attach":      # the swap alone waits per module through the global pre-hook
             opt.attach(model)
         return opt
     kw = dict(lr=args.lr, weight_decay=0.1, socket=socket, offload_gradients=args.offload_gradients,
