@@ -4,8 +4,10 @@ state stays on the device (_DeviceShare), and "auto"'s arithmetic: which
 updates of a probe step end late (_auto_late), which parameters move
 (_auto_choice), whether to probe again (_auto_again), and how the ranks of a
 data-parallel job agree on one split (_dist_group, _agree, _first_ranks);
-_AutoSplit, OffloadOptimizer's methods that time the probe step and move the
-state."""
+the device bytes a share takes (_share_bytes, _share_step_bytes) against
+those torch's optimizer would (_torch_state_bytes); _AutoSplit,
+OffloadOptimizer's methods that time the probe step, cap the move by the
+device's measured memory (_auto_cap, _device_memory) and move the state."""
 import logging
 import time
 
