@@ -48,6 +48,7 @@ void aoqd_config_defaults(struct aoqd_config *c)
 	c->log_level = AOQD_LOG_INFO;
 	c->max_connections_per_uid = 128;
 	c->handshake_timeout_ms = 30000;
+	c->replica_wait_seconds = 60;
 	c->max_buffered_bytes_per_uid = 16ull << 20;
 	/* One uid holds at most half the machine's memory. */
 	c->max_state_bytes_per_uid = aoqd_config_mem_fraction(50);
@@ -137,6 +138,7 @@ static const struct key keys[] = {
 	{ "max_state_bytes_per_uid", K_MEMSIZE, OFF(max_state_bytes_per_uid), W(max_state_bytes_per_uid), 0, UINT64_MAX },
 	{ "max_connections_per_uid", K_COUNT, OFF(max_connections_per_uid), W(max_connections_per_uid), 1, 1u << 20 },
 	{ "handshake_timeout_ms", K_COUNT, OFF(handshake_timeout_ms), W(handshake_timeout_ms), 100, 3600000 },
+	{ "replica_wait_seconds", K_COUNT, OFF(replica_wait_seconds), W(replica_wait_seconds), 1, 86400 },
 	{ "max_buffered_bytes_per_uid", K_SIZE, OFF(max_buffered_bytes_per_uid), W(max_buffered_bytes_per_uid),
 	  1ull << 20, 1ull << 40 },
 	{ "lease_seconds", K_COUNT, OFF(lease_seconds), W(lease_seconds), 0, 7u * 86400 },
@@ -549,6 +551,7 @@ void aoqd_config_print(const struct aoqd_config *c, FILE *f)
 	fprintf(f, "max_state_bytes_per_uid = %" PRIu64 "\n", c->max_state_bytes_per_uid);
 	fprintf(f, "max_connections_per_uid = %" PRIu32 "\n", c->max_connections_per_uid);
 	fprintf(f, "handshake_timeout_ms = %" PRIu32 "\n", c->handshake_timeout_ms);
+	fprintf(f, "replica_wait_seconds = %" PRIu32 "\n", c->replica_wait_seconds);
 	fprintf(f, "max_buffered_bytes_per_uid = %" PRIu64 "\n", c->max_buffered_bytes_per_uid);
 	if (c->admin_gid == (uint32_t)-1)
 		fprintf(f, "admin_gid = none\n");

@@ -40,6 +40,7 @@ struct aoqd_config {
 	uint64_t max_state_bytes_per_uid; /* memory one uid's sessions hold; 0: unlimited */
 	uint32_t max_connections_per_uid;
 	uint32_t handshake_timeout_ms;   /* accept to Welcome (observer) or Registered */
+	uint32_t replica_wait_seconds;   /* a replica group waits this long for a missing local rank */
 	uint64_t max_buffered_bytes_per_uid; /* partial frames held beyond 64 KiB a connection */
 	uint32_t admin_gid;       /* sees every session; (gid_t)-1 none */
 	int log_level;            /* enum aoqd_log_level; the caller applies it */

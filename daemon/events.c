@@ -46,9 +46,22 @@ void aoqd_sessions_sample(struct aoqd_server *srv)
 			aoqd_steps_sample(s);
 		aoqd_trace_check(s);
 	}
-	for (struct aoqd_session *h = srv->hubs; h; h = h->next) {
+	struct aoqd_session *hn;
+	for (struct aoqd_session *h = srv->hubs; h; h = hn) {
+		hn = h->next;
 		aoqd_stats_sample(&h->stats, now);
 		aoqd_steps_sample(h); /* a snapshot of an idle group */
+		if (aoqd_replica_overdue(h, now)) {
+			struct aoqd_replica *rep = h->rep;
+			for (uint32_t k = 0; k < rep->world; k++) {
+				struct aoqd_session *m = rep->members[k];
+				if (!m || (m->state != AOQD_READY && m->state != AOQD_REGISTERING))
+					continue;
+				struct aoqd_error e;
+				AOQD_FAIL(&e, PEER_LOST, "%s", rep->why);
+				aoqd_session_fail(m, &e);
+			}
+		}
 	}
 }
 

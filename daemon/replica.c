@@ -54,6 +54,7 @@ static struct aoqd_session *hub_new(struct aoqd_session *s)
 	h->state = AOQD_READY;
 	h->lease_ns = s->lease_ns; /* the group's lease is its first member's */
 	rep->world = s->local_world;
+	rep->progress_ns = aoqd_now_ns();
 	h->rep = rep;
 	return h;
 }
@@ -225,4 +226,54 @@ void aoqd_replica_close(struct aoqd_session *m)
 int aoqd_replica_adopt(struct aoqd_session *s, struct aoqd_error *err)
 {
 	return s->local_world > 1 ? group_join(s, err) : aoqd_lease_resume(s, err);
+}
+
+bool aoqd_replica_overdue(struct aoqd_session *h, uint64_t now)
+{
+	struct aoqd_replica *rep = h->rep;
+	if (rep->broken)
+		return false;
+	uint64_t mark = rep->joined;
+	for (uint32_t k = 0; k < rep->world; k++)
+		if (rep->members[k])
+			mark += rep->members[k]->arrived;
+	if (mark != rep->progress_mark) {
+		rep->progress_mark = mark;
+		rep->progress_ns = now;
+		return false;
+	}
+	uint32_t limit = h->srv->cfg.replica_wait_seconds;
+	if (now - rep->progress_ns < (uint64_t)limit * 1000000000u)
+		return false;
+	/* Whom the group waits for: ranks not joined; else, once one member
+	 * came to the open step, those that did not. */
+	uint64_t step = h->steps.next_step;
+	bool begun = false;
+	for (uint32_t k = 0; k < rep->world; k++)
+		if (rep->members[k] && rep->members[k]->arrived >= step)
+			begun = true;
+	if (rep->joined == rep->world && !begun)
+		return false; /* every rank between steps: nobody waits */
+	char ranks[120] = "";
+	size_t n = 0;
+	uint32_t missing = 0;
+	for (uint32_t k = 0; k < rep->world; k++) {
+		struct aoqd_session *m = rep->members[k];
+		if (rep->joined < rep->world ? m != NULL : m->arrived >= step)
+			continue;
+		if (n < sizeof(ranks))
+			n += (size_t)snprintf(ranks + n, sizeof(ranks) - n, "%s%u", missing ? ", " : "", k);
+		missing++;
+	}
+	if (rep->joined < rep->world)
+		snprintf(rep->why, sizeof(rep->why), "local rank%s %s of replica group %" PRIu64 " (job '%s') did not join "
+		         "within %u s (replica_wait_seconds)", missing > 1 ? "s" : "", ranks, h->id, h->conn.job, limit);
+	else
+		snprintf(rep->why, sizeof(rep->why), "local rank%s %s of replica group %" PRIu64 " (job '%s') sent nothing "
+		         "of step %" PRIu64 " within %u s of the others (replica_wait_seconds)", missing > 1 ? "s" : "",
+		         ranks, h->id, h->conn.job, step, limit);
+	aoqd_warn("session", "%s", rep->why);
+	rep->broken = true;
+	atomic_store(&h->dead, true); /* the step's remaining updates are not run */
+	return true;
 }

@@ -29,6 +29,12 @@ int aoqd_replica_adopt(struct aoqd_session *s, struct aoqd_error *err);
  * back), so a partial step is never kept. */
 enum aoqd_leave { AOQD_LEAVE_BYE, AOQD_LEAVE_LOST, AOQD_LEAVE_FAILED };
 bool aoqd_replica_leave(struct aoqd_session *m, enum aoqd_leave how);
+/* The 1 s sampler's look at hub h: true when the group has waited
+ * replica_wait_seconds for a local rank that has not joined, or has sent
+ * nothing of a step another member began; the group is broken then, and
+ * rep->why names the missing ranks (the caller fails the members with
+ * PEER_LOST). */
+bool aoqd_replica_overdue(struct aoqd_session *h, uint64_t now);
 /* A member closes (after aoqd_replica_leave): its reference on the hub
  * goes; the last member's close takes the hub off the list. */
 void aoqd_replica_close(struct aoqd_session *m);

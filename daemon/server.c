@@ -402,6 +402,7 @@ void aoqd_server_apply(struct aoqd_server *srv, const struct aoqd_config *n)
 	LIVE(max_tensor_elems, PRIu64);
 	LIVE(max_arena_bytes, PRIu64);
 	LIVE(max_state_bytes_per_uid, PRIu64);
+	LIVE(replica_wait_seconds, PRIu32);
 	LIVE(snapshot_every_steps, PRIu64);
 	LIVE(snapshot_every_seconds, PRIu64);
 #undef LIVE

@@ -68,6 +68,10 @@ struct aoqd_replica {
 	                          * failure): the group's state is leased when
 	                          * its last member has closed */
 	char why[200];           /* what broke it (PEER_LOST's message) */
+	/* The last time a member joined or came to a step (the sum of joined
+	 * and the members' `arrived` changed): the 1 s sampler's measure of a
+	 * rank the group waits for (aoqd_replica_overdue). */
+	uint64_t progress_mark, progress_ns;
 	struct aoqd_session *members[AOQ_MAX_LOCAL_WORLD]; /* by local rank */
 };
 
@@ -96,6 +100,7 @@ struct aoqd_session {
 	 * which the traced steps have all ended.  Loop thread. */
 	struct aoqd_session *trace_to;
 	uint64_t trace_done_at;
+	uint64_t trace_charged; /* the recorder's bound, charged to the uid */
 	/* Snapshots: the last one written (step, wall clock), and when the
 	 * last periodic one was started (monotonic).  Loop thread. */
 	uint64_t snap_step, snap_wall_ns, snap_mono_ns;

@@ -96,6 +96,8 @@ out:
 	free(sp);
 	free(spp);
 	free(t.spans);
+	aoqd_account_uncharge(s->account, s->trace_charged);
+	s->trace_charged = 0;
 	aoqd_session_unref(to);
 }
 
@@ -163,8 +165,18 @@ int aoqd_on_trace(struct aoqd_session *who, const Aoq__Envelope *env, struct aoq
 	uint64_t first = s->steps.next_step + 2;
 	if (s->state == AOQD_READY)
 		aoqd_arena_set_trace(&s->arena, true);
-	if (aoqd_trace_start(&s->stats, first, first + m->steps - 1) < 0)
+	/* The recorder may grow to its bound: charged to the traced uid
+	 * until the trace ends. */
+	uint64_t bytes = aoqd_page_round((uint64_t)AOQD_TRACE_MAX_SPANS * sizeof(struct aoqd_span));
+	if (aoqd_account_charge(s->account, bytes, s->srv->cfg.max_state_bytes_per_uid) < 0)
+		return AOQD_REFUSE(err, QUOTA, "uid %u: a trace's buffer (%" PRIu64 " bytes) would pass its quota of %"
+		                   PRIu64 " bytes (max_state_bytes_per_uid)", (unsigned)s->conn.uid, bytes,
+		                   s->srv->cfg.max_state_bytes_per_uid);
+	if (aoqd_trace_start(&s->stats, first, first + m->steps - 1) < 0) {
+		aoqd_account_uncharge(s->account, bytes);
 		return AOQD_REFUSE(err, BUSY, "session %" PRIu64 " is being traced already", m->session);
+	}
+	s->trace_charged = bytes;
 	/* steps_done counts StepEnded replies: the step before next_step may
 	 * still be ending (end_pending), then next_step, then the traced ones,
 	 * the step skipped above, then one more: the client reports a step's

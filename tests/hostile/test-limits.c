@@ -1,0 +1,190 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * What one uid's sessions may make the daemon hold or wait for (docs/
+ * design.md, "Shared nodes").  Each case starts its own daemon (--case
+ * NAME; run one by hand with
+ *   build/tests/hostile/test-limits build/daemon/aoqd --case NAME):
+ *
+ *   trace      with max_state_bytes_per_uid = 32M, traces of three idle
+ *              sessions: each trace's recorder (up to 14 MiB) is charged to
+ *              the uid, so the third is refused (QUOTA) until one ends;
+ *   join       a replica group of two whose local rank 1 never connects:
+ *              rank 0 gets PEER_LOST naming rank 1 within
+ *              replica_wait_seconds (1 s) plus the sampler's second, not at
+ *              libaoq's own 120 s deadline;
+ *   push       both ranks joined, rank 0 pushes step 1, rank 1 sends
+ *              nothing: both get PEER_LOST naming rank 1, as bounded.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "aoq/aoq.h"
+#include "harness.h"
+#include "wire.h"
+
+static const char *aoqd;
+static struct aoqt_daemon daemon_;
+static char conf[200];
+
+static void start_with(const char *config)
+{
+	FILE *f = fopen(conf, "w");
+	CHECK(f && fputs(config, f) >= 0 && fclose(f) == 0, "%s", conf);
+	const char *args[] = { "--threads", "1", "--config", conf, NULL };
+	CHECK_OK(aoqt_daemon_start(&daemon_, aoqd, args));
+}
+
+static void stop(void)
+{
+	CHECK(aoqt_daemon_stop(&daemon_, 10000, true) == 0, "aoqd did not stop cleanly");
+}
+
+/* ---- trace ---- */
+
+/* TraceRequest of session id from an observer connection: 0 when accepted
+ * (the Stats that follows it is the first reply), else the Error's code
+ * with its message in msg. */
+static int trace_ask(int fd, uint64_t id, char *msg, size_t len)
+{
+	Aoq__TraceRequest tr = AOQ__TRACE_REQUEST__INIT;
+	tr.session = id;
+	tr.steps = 5;
+	CHECK_OK(aoqt_send_msg(fd, AOQ__ENVELOPE__MSG_TRACE_REQUEST, &tr));
+	Aoq__StatsRequest sr = AOQ__STATS_REQUEST__INIT;
+	CHECK_OK(aoqt_send_msg(fd, AOQ__ENVELOPE__MSG_STATS_REQUEST, &sr));
+	int code = 0;
+	for (;;) {
+		Aoq__Envelope *rep = NULL;
+		int r = aoq_recv_frame(fd, &rep, NULL, 0, NULL);
+		CHECK(r >= 0 && rep, "no reply to TraceRequest (%d)", r);
+		Aoq__Envelope__MsgCase mc = rep->msg_case;
+		if (mc == AOQ__ENVELOPE__MSG_ERROR) {
+			code = (int)rep->error->code;
+			snprintf(msg, len, "%s", rep->error->message);
+		}
+		aoq_envelope_free(rep);
+		if (mc == AOQ__ENVELOPE__MSG_STATS)
+			return code;
+		CHECK(mc == AOQ__ENVELOPE__MSG_ERROR || mc == AOQ__ENVELOPE__MSG_TRACE, "reply %d", (int)mc);
+	}
+}
+
+static void case_trace(void)
+{
+	start_with("max_state_bytes_per_uid = 32M\n");
+	struct aoqt_job j[3];
+	uint64_t ids[3] = { 0 };
+	char job[3][16];
+	for (int i = 0; i < 3; i++) {
+		snprintf(job[i], sizeof(job[i]), "traced%d", i);
+		aoqt_job_open(&j[i], daemon_.socket, job[i], 2, 4096);
+	}
+	Aoq__Envelope *e = NULL;
+	CHECK_OK(aoqt_stats(daemon_.socket, &e));
+	for (size_t k = 0; k < e->stats->n_sessions; k++)
+		for (int i = 0; i < 3; i++)
+			if (strcmp(e->stats->sessions[k]->job, job[i]) == 0)
+				ids[i] = e->stats->sessions[k]->id;
+	aoq_envelope_free(e);
+	CHECK(ids[0] && ids[1] && ids[2], "sessions not in Stats");
+	int fd = aoqt_raw_connect(daemon_.socket);
+	CHECK(fd >= 0, "connect");
+	uint64_t me;
+	CHECK_OK(aoqt_raw_hello(fd, "aoqctl", 0, true, &me));
+	char msg[512] = "";
+	CHECK(trace_ask(fd, ids[0], msg, sizeof(msg)) == 0, "trace 1: %s", msg);
+	CHECK(trace_ask(fd, ids[1], msg, sizeof(msg)) == 0, "trace 2: %s", msg);
+	int code = trace_ask(fd, ids[2], msg, sizeof(msg));
+	printf("trace: the third trace: %d %s\n", code, msg);
+	CHECK(code == AOQ__ERROR_CODE__QUOTA && strstr(msg, "trace's buffer"),
+	      "trace: a third 14 MiB recorder under a 32 MiB quota was not refused (%d '%s')", code, msg);
+	/* The first traces end (their steps run): the charge goes back. */
+	for (int s = 0; s < 12; s++)
+		for (int i = 0; i < 2; i++)
+			aoqt_job_step(&j[i]);
+	code = -1;
+	for (int tries = 0; tries < 100 && code != 0; tries++) {
+		code = trace_ask(fd, ids[2], msg, sizeof(msg));
+		if (code)
+			usleep(20000);
+	}
+	CHECK(code == 0, "trace: the third trace still refused after the others ended: %s", msg);
+	close(fd);
+	for (int i = 0; i < 3; i++)
+		aoqt_job_close(&j[i]);
+	stop();
+	printf("trace: a trace's recorder counts against the uid's quota\n");
+}
+
+/* ---- join, push ---- */
+
+/* Reads rank's connection until the daemon closes it: its Error is
+ * PEER_LOST naming local rank 1, within `bound` seconds of t0. */
+static void expect_peer_lost(struct aoqt_raw *s, const char *what, double t0, double bound)
+{
+	char msg[512] = "";
+	int code = aoqt_raw_expect_close(s->sock, (int)(bound * 1000), msg, sizeof(msg));
+	double dt = aoqt_now() - t0;
+	printf("%s: after %.2f s: %d %s\n", what, dt, code, msg);
+	CHECK(code == AOQ__ERROR_CODE__PEER_LOST && strstr(msg, "local rank 1 ") && strstr(msg, "replica_wait_seconds"),
+	      "%s: no PEER_LOST naming local rank 1 within %.0f s (%d '%s')", what, bound, code, msg);
+	CHECK(dt < bound, "%s: %.1f s", what, dt);
+}
+
+static void case_join(void)
+{
+	start_with("replica_wait_seconds = 1\n");
+	uint64_t numel[1] = { 4096 };
+	struct aoqt_raw r0;
+	double t0 = aoqt_now();
+	CHECK_OK(aoqt_raw_open_group(&r0, daemon_.socket, "lonely", numel, 1, 2, 0));
+	expect_peer_lost(&r0, "join", t0, 10);
+	aoqt_raw_close(&r0);
+	stop();
+}
+
+static void case_push(void)
+{
+	start_with("replica_wait_seconds = 1\n");
+	uint64_t numel[1] = { 4096 };
+	struct aoqt_raw r0, r1;
+	CHECK_OK(aoqt_raw_open_group(&r0, daemon_.socket, "silent", numel, 1, 2, 0));
+	CHECK_OK(aoqt_raw_open_group(&r1, daemon_.socket, "silent", numel, 1, 2, 1));
+	/* both ranks idle between steps for longer than the bound: no error */
+	usleep(2500000);
+	CHECK(aoqt_daemon_alive(&daemon_), "aoqd died");
+	double t0 = aoqt_now();
+	struct aoq_rec rec = { .tensor = 0, .slot = 0, .offset = 0, .count = 2048, .step = 1 };
+	CHECK_OK(aoqt_raw_push(&r0, &rec));
+	expect_peer_lost(&r0, "push: rank 0", t0, 10);
+	expect_peer_lost(&r1, "push: rank 1", t0, 10);
+	aoqt_raw_close(&r0);
+	aoqt_raw_close(&r1);
+	stop();
+}
+
+int main(int argc, char **argv)
+{
+	aoqt_init("limits");
+	aoqd = aoqt_aoqd_path(argc, argv);
+	const char *c = "all";
+	for (int i = 2; i + 1 < argc; i++)
+		if (strcmp(argv[i], "--case") == 0)
+			c = argv[i + 1];
+	snprintf(conf, sizeof(conf), "/tmp/aoqt-limits-%d.conf", (int)getpid());
+	bool all = strcmp(c, "all") == 0;
+	if (all || strcmp(c, "trace") == 0)
+		case_trace();
+	if (all || strcmp(c, "join") == 0)
+		case_join();
+	if (all || strcmp(c, "push") == 0)
+		case_push();
+	unlink(conf);
+	printf("ok\n");
+	return 0;
+}
