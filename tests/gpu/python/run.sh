@@ -17,9 +17,14 @@ export AOQCTL=${AOQCTL:-$build/client/tools/aoqctl}
 export PYTHONPATH=$root/client/python${PYTHONPATH:+:$PYTHONPATH}
 py=${PYTHON:-python3}
 pass=0 fail=0 skip=0
-for t in test_offload.py test_gpt_bf16.py test_distributed_gpu.py; do
+# each entry: a script (beside this one, or under the root) and its own arguments
+for t in test_offload.py test_gpt_bf16.py "test_gpt_bf16.py --state-precision default" test_distributed_gpu.py \
+	"client/python/tests/test_torch_policy.py --device cuda:0"; do
 	echo "== $t $*"
-	"$py" "$here/$t" "$@"
+	read -r -a cmd <<<"$t"
+	script=$here/${cmd[0]}
+	[ -f "$script" ] || script=$root/${cmd[0]}
+	"$py" "$script" "${cmd[@]:1}" "$@"
 	rc=$?
 	case $rc in
 	0) pass=$((pass + 1)); echo "PASS $t" ;;
