@@ -9,7 +9,34 @@
 # Used by .ci/run; deploy/quickstart.sh does not need torch.  PyPI's torch
 # wheel for Linux x86_64 brings its CUDA libraries (about 5 GiB, ~2 min); it
 # runs on the CPU too.  AOQ_TORCH_SPEC overrides the requirement ("torch").
+# The trainers client/python/tests/test_frameworks.py trains in (Lightning,
+# transformers, accelerate, torchtune with the torchao it imports), pinned,
+# are added to either venv unless they import already (about 70 s, 2026-12-03,
+# pip from PyPI); a constraints file holds torch and numpy at the versions
+# installed, so pip never replaces them (with a CUDA build, say).
+# AOQ_FRAMEWORKS overrides the list ("" installs none).
 set -euo pipefail
+
+frameworks=${AOQ_FRAMEWORKS-lightning==2.6.6 transformers==5.23.0 accelerate==1.15.0 torchtune==0.6.1 torchao==0.10.0}
+
+add_frameworks() {
+	[[ -n $frameworks ]] || return 0
+	# shellcheck disable=SC2086
+	if "$py" - $frameworks <<-'EOF' 2>/dev/null; then
+		import sys
+		from importlib.metadata import version
+		sys.exit(any(version(n) != v for n, v in (a.split("==") for a in sys.argv[1:])))
+	EOF
+		return 0
+	fi
+	local pins
+	pins=$(mktemp)
+	"$py" -c 'import numpy, torch; print("torch==" + torch.__version__.split("+")[0]); print("numpy==" + numpy.__version__)' >"$pins"
+	echo "python-venv.sh: adding $frameworks" >&2
+	# shellcheck disable=SC2086  # the list is words
+	"$py" -m pip install --quiet --disable-pip-version-check --no-cache-dir -c "$pins" $frameworks >&2
+	rm -f "$pins"
+}
 
 venv=${AOQ_VENV:-/opt/aoq-venv}
 py=$venv/bin/python
@@ -18,6 +45,7 @@ if [[ -x $py ]] && version=$("$py" -c 'import numpy, torch; print(torch.__versio
 	if ! "$py" -c 'import mesonpy' 2>/dev/null; then
 		"$py" -m pip install --quiet --disable-pip-version-check --no-cache-dir meson-python >&2
 	fi
+	add_frameworks
 	echo "$py"
 	exit 0
 fi
@@ -27,4 +55,5 @@ echo "python-venv.sh: creating $venv (torch from PyPI)" >&2
 "$py" -m pip install --quiet --disable-pip-version-check --no-cache-dir \
 	"${AOQ_TORCH_SPEC:-torch}" numpy pytest safetensors meson-python >&2
 "$py" -c 'import torch; print("python-venv.sh: torch", torch.__version__, file=__import__("sys").stderr)'
+add_frameworks
 echo "$py"

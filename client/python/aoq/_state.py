@@ -6,7 +6,7 @@ the optimizer classes aoqd does not run, stepped on host copies."""
 import torch
 
 from ._dist import _canon_fqn, _is_dtensor, _like_param, _local
-from ._kinds import _STATE_KEYS
+from ._kinds import _STATE_KEYS, _check_hp
 from ._share import _state_copy
 
 
@@ -96,9 +96,21 @@ class _HostFallback:
     def load_state_dict(self, sd):
         self.opt.load_state_dict(_copied_state_dict(sd))
         for g, hg in zip(self.owner.param_groups, self.opt.param_groups):
-            for k, v in hg.items():
-                if k != "params":
-                    g[k] = v
+            _take_group(g, hg)
+
+
+def _take_group(g, saved, keep=()):
+    """Live group g takes the saved group's keys whole, as torch's
+    load_state_dict does (a scheduler's initial_lr too), its own params
+    kept; of g's other keys only those in keep stay."""
+    params = g["params"]
+    kept = {k: g[k] for k in keep if k in g and k not in saved}
+    g.clear()
+    g["params"] = params
+    for k, v in saved.items():
+        if k != "params":
+            g[k] = tuple(v) if k == "betas" else v
+    g.update(kept)
 
 
 def _copied_state_dict(sd):
@@ -138,13 +150,7 @@ class _StateDict:
             self.synchronize()
             steps = self._client.get_tensor_steps()
             for s in self._slots:
-                st = {"step": torch.tensor(float(steps[s.t]))}
-                for key, w in self._state_keys(s) + (("master", "master"),):
-                    a = self._client.read_state(s.t, w)
-                    st[key] = _like_param(s.p, torch.from_numpy(a).view(s.x.shape))
-                if self._kind == "sgd" and not self._state_keys(s):
-                    st["momentum_buffer"] = None
-                state[index[s.p]] = st
+                state[index[s.p]] = self._slot_state(s, steps, sync=False)
         if self._dev_opt is not None:
             for p, st in self._dev_opt.state.items():
                 state[index[p]] = {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in st.items()}
@@ -168,6 +174,22 @@ class _StateDict:
             groups.append(d)
         return {"state": dict(sorted(state.items())), "param_groups": groups, "aoq": meta}
 
+    def _slot_state(self, s, steps=None, sync=True):
+        """Offloaded slot s's state as torch keeps it: "step", the moments
+        and "master", fp32 CPU tensors read from aoqd (after a host barrier
+        unless sync=False), DTensors for an FSDP2 parameter."""
+        if sync:
+            self.synchronize()
+        if steps is None:
+            steps = self._client.get_tensor_steps()
+        st = {"step": torch.tensor(float(steps[s.t]))}
+        for key, w in self._state_keys(s) + (("master", "master"),):
+            a = self._client.read_state(s.t, w)
+            st[key] = _like_param(s.p, torch.from_numpy(a).view(s.x.shape))
+        if self._kind == "sgd" and not self._state_keys(s):
+            st["momentum_buffer"] = None
+        return st
+
     def _entries(self, state_dict):
         """[(param, its state or None)] and [loaded group hyperparameters]
         from a state dict of aoq (formats 1 and 2), torch's Adam/AdamW
@@ -190,9 +212,15 @@ class _StateDict:
             if len(ids) != len(g["params"]):
                 raise ValueError("loaded state dict's group has %d parameters, this optimizer's %d"
                                  % (len(ids), len(g["params"])))
-            if ids and all(isinstance(i, str) for i in ids) and \
-                    [_canon_fqn(i) for i in ids] != [_canon_fqn(self._names[p]) for p in g["params"]]:
-                raise ValueError("loaded state dict's parameter names differ from this optimizer's")
+            # Names (torch.distributed.checkpoint's FQNs) are checked against
+            # the names this optimizer was given; unnamed parameters (their
+            # positions) match by position, as torch's optimizers match any.
+            if ids and all(isinstance(i, str) for i in ids):
+                bad = [(i, self._names[p]) for i, p in zip(ids, g["params"])
+                       if not self._names[p].isdigit() and _canon_fqn(i) != _canon_fqn(self._names[p])]
+                if bad:
+                    raise ValueError("loaded state dict's parameter names differ from this optimizer's (%s)"
+                                     % ", ".join("%r for %r" % b for b in bad[:3]))
             for i, p in zip(ids, g["params"]):
                 out.append((p, state.get(i)))
         return out, [{k: v for k, v in lg.items() if k != "params"} for lg in groups]
@@ -243,9 +271,8 @@ class _StateDict:
             return self._fallback.load_state_dict(sd)
         entries, groups = self._entries(state_dict)
         for g, lg in zip(self.param_groups, groups):
-            for k, v in lg.items():
-                if k in g or k in ("lr", "betas", "eps", "weight_decay"):
-                    g[k] = tuple(v) if k == "betas" else v
+            _take_group(g, lg, keep=("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov"))
+            _check_hp(self._kind, g)
         for p, st in entries:
             if st is not None and st.get("max_exp_avg_sq") is not None and p in self._slot_of:
                 raise ValueError("load_state_dict: parameter %s has amsgrad state (max_exp_avg_sq); aoqd runs "

@@ -16,7 +16,8 @@ DTYPES = {"fp32": _lib.FP32, "float32": _lib.FP32, "bf16": _lib.BF16, "bfloat16"
           "fp16": _lib.FP16, "float16": _lib.FP16}
 PRECISIONS = {"fp32": _lib.STATE_FP32, "q8": _lib.STATE_Q8, "bf16": _lib.STATE_BF16,
               "bf16-q8": _lib.STATE_BF16_Q8, "bf16_q8": _lib.STATE_BF16_Q8,
-              "bf16-all": _lib.STATE_BF16_ALL, "bf16_all": _lib.STATE_BF16_ALL}
+              "bf16-all": _lib.STATE_BF16_ALL, "bf16_all": _lib.STATE_BF16_ALL, "q4": _lib.STATE_Q4,
+              "bf16-q4": _lib.STATE_BF16_Q4, "bf16_q4": _lib.STATE_BF16_Q4}
 KINDS = {"adamw": _lib.ADAMW, "adam": _lib.ADAM, "sgd": _lib.SGD, "lion": _lib.LION}
 WHAT = {"master": _lib.MASTER, "param": _lib.MASTER, "exp_avg": _lib.EXP_AVG, "exp_avg_sq": _lib.EXP_AVG_SQ}
 _SIZE = {_lib.FP32: 4, _lib.BF16: 2, _lib.FP16: 2}
@@ -130,7 +131,13 @@ class Client:
         self.device = device
         self.delayed_update = bool(delayed_update)
         h = ctypes.c_void_p()
-        check(self._lib.aoq_connect(ctypes.byref(h), ctypes.byref(o)), "aoq_connect")
+        try:
+            check(self._lib.aoq_connect(ctypes.byref(h), ctypes.byref(o)), "aoq_connect")
+        except AoqError as e:
+            if "cannot connect" not in str(e):
+                raise
+            raise AoqError(e.errno, "%s; or start a private aoqd from Python: d = aoq.Daemon(), then pass "
+                           "socket=d.socket (it ends with this process)" % e.strerror) from None
         self._h = h
 
     # -- description -------------------------------------------------------

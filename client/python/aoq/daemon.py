@@ -1,11 +1,49 @@
 # SPDX-License-Identifier: MIT
 """A private aoqd: the caller creates the listening socket, so there is no
-race and no sleep -- a client may connect as soon as the object exists."""
+race and no sleep -- a client may connect as soon as the object exists.
+It ends with its owner: stop(), the with-block, the object's collection,
+interpreter exit, and on Linux the owner's death by any signal
+(PR_SET_PDEATHSIG: SIGTERM when the thread that made it ends, so make it in
+the main thread or one that lives as long)."""
+import ctypes
+import functools
 import os
+import signal
 import shutil
 import socket as _socket
 import subprocess
 import tempfile
+import weakref
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _prctl():
+    """libc's prctl, looked up in the parent (before fork), or None."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def _die_with_parent(prctl, parent):
+    """In the child before exec: SIGTERM when the parent (thread) ends; if
+    it already has, exit at once."""
+    prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _end(proc, path):
+    """SIGTERM, a short wait, SIGKILL; the temp directory goes."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def find_aoqd():
@@ -38,8 +76,22 @@ class Daemon:
         self.socket = os.path.join(self.dir, "aoqd.sock")
         self.log = log or os.path.join(self.dir, "aoqd.log")
         args = list(args)
-        if "--state-dir" not in args and "--config" not in args:   # a private daemon never restores the node's snapshots
-            args += ["--state-dir", os.path.join(self.dir, "state")]
+        if "--state-dir" not in args and "--config" not in args:
+            # a private daemon never restores the node's snapshots: its own
+            # (empty) directory, made here so that aoqd has nothing to warn about
+            state = os.path.join(self.dir, "state")
+            os.mkdir(state, 0o700)
+            args += ["--state-dir", state]
+        if "--config" not in args:
+            # A private daemon serves its owner alone: no per-uid memory
+            # quota (a node's aoqd keeps max_state_bytes_per_uid, 50% of
+            # memory by default, so that users share it), so a model that
+            # fits the host trains without a config change.
+            conf = os.path.join(self.dir, "aoqd.conf")
+            with open(conf, "w") as f:
+                f.write("max_state_bytes_per_uid = 0\n")
+            args += ["--config", conf]
+        prctl = _prctl() if os.uname().sysname == "Linux" else None
         s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
         try:
             s.bind(self.socket)
@@ -47,9 +99,12 @@ class Daemon:
             with open(self.log, "ab") as logf:
                 self.proc = subprocess.Popen([exe, "--listen-fd", str(s.fileno()), "--threads", str(threads)]
                                              + list(args), pass_fds=(s.fileno(),), stdin=subprocess.DEVNULL,
-                                             stdout=logf, stderr=subprocess.STDOUT)
+                                             stdout=logf, stderr=subprocess.STDOUT,
+                                             preexec_fn=functools.partial(_die_with_parent, prctl, os.getpid())
+                                             if prctl is not None else None)
         finally:
             s.close()  # the daemon holds its own copy
+        self._end = weakref.finalize(self, _end, self.proc, self.dir)
 
     def log_text(self):
         try:
@@ -60,6 +115,7 @@ class Daemon:
 
     def stop(self, timeout=30):
         """SIGTERM, wait; returns the exit status."""
+        self._end.detach()
         if self.proc.poll() is None:
             self.proc.terminate()
             try:

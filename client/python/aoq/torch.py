@@ -27,6 +27,7 @@ import weakref
 import torch
 
 from . import _lib
+from ._compat import routed
 from ._dist import _Distributed, _dist_rank, _job_default, _local, _local_group, _replica_seed, _shared_job_default
 from ._graph import _OPTIMIZERS
 from ._hooks import _PushPath, _Slot
@@ -62,6 +63,7 @@ def staging_window_for(params, staging_window=None, delayed_update=False):
     return 0 if need <= STAGING_BUDGET else STAGING_BUDGET
 
 
+@routed
 class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.optim.Optimizer):
     """torchao's CPUOffloadOptimizer constructor plus aoq's options.
 

@@ -375,6 +375,32 @@ def case_dcp_load(rank, ws, env):
     o.close()
 
 
+def case_dcp_ddp(rank, ws, env):
+    """In one job, under DDP, with an optimizer of m.parameters() (unnamed):
+    get_optimizer_state_dict then set_optimizer_state_dict into the same
+    optimizer and into a fresh one, training on between, equals DDP + torch
+    AdamW trained straight through."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    dev = env["dev"]
+    ref = ddp(make_model(), env)
+    train(ref, torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1), rank, dev, 6)
+    m = ddp(make_model(), env)
+    o = Offload(m.parameters(), env)
+    train(m, o, rank, dev, 3)
+    set_optimizer_state_dict(m, o, get_optimizer_state_dict(m, o))
+    train(m, o, rank, dev, 1, start=3)
+    m2 = ddp(make_model(seed=7), env)
+    m2.load_state_dict(m.state_dict())
+    o2 = Offload(m2.parameters(), env)
+    set_optimizer_state_dict(m2, o2, get_optimizer_state_dict(m, o))
+    o.close()
+    train(m2, o2, rank, dev, 2, start=4)
+    o2.synchronize()
+    same_across_ranks(m2, "DCP get/set under DDP")
+    close_to(m2, ref, "DCP get/set under DDP (unnamed parameters), vs DDP + torch AdamW")
+    o2.close()
+
+
 def case_nodes(rank, ws, env):
     """One daemon per simulated node: each rank on its node's socket."""
     dev = env["dev"]
@@ -593,6 +619,7 @@ def case_fsdp_dcp(rank, ws, env):
 
 CASES = {"ddp": case_ddp, "ddp_auto": case_ddp_auto, "shared": case_shared, "shared_disconnect": case_shared_disconnect,
          "shared_resume": case_shared_resume, "nosync": case_nosync, "dcp_save": case_dcp_save, "dcp_load": case_dcp_load,
+         "dcp_ddp": case_dcp_ddp,
          "nodes": case_nodes, "disconnect": case_disconnect, "fsdp": case_fsdp, "fsdp_dcp": case_fsdp_dcp}
 
 
@@ -680,7 +707,7 @@ def main():
         print("SKIP: %d CUDA devices (%d needed)" % (torch.cuda.device_count(), need))
         return 77
     sizes = [a.world] if a.world else ([2] if a.device == "cuda" else [2, 3])
-    want = a.cases.split(",") if a.cases else ["ddp", "ddp_auto", "shared", "shared_disconnect", "shared_resume", "nosync", "dcp", "nodes", "disconnect", "fsdp", "fsdp_dcp"]
+    want = a.cases.split(",") if a.cases else ["ddp", "ddp_auto", "shared", "shared_disconnect", "shared_resume", "nosync", "dcp", "dcp_ddp", "nodes", "disconnect", "fsdp", "fsdp_dcp"]
     failed = 0
     for case in want:
         with tempfile.TemporaryDirectory(prefix="aoq-dist-") as tmp, aoq.Daemon(threads=2) as d:
