@@ -539,10 +539,10 @@ def _dist_rank(rank, mode, args, socket, store, out):
         st = opt_kind.split("-")[-1]
         kw = dict(lr=args.lr, weight_decay=0.1, socket=socket, grad_accumulation_steps=args.grad_accum,
                   job="bench-%s" % mode, lease=None if args.lease else 0)   # as the single-rank modes
-        if st == "q8":
-            kw["state_precision"] = "q8"
-        if st == "bf16":
-            kw["master_dtype"] = "bf16"
+        # fp32 and q8 an fp32 master, bf16 everything in bf16, whatever the
+        # default for the parameters' dtype is
+        kw["master_dtype"] = "bf16" if st == "bf16" else "fp32"
+        kw["state_precision"] = st
         if opt_kind.startswith("shared"):
             kw["shared"] = True     # one state for the node's replicas (a replica group)
         opt = OffloadOptimizer(fwd.named_parameters(), torch.optim.AdamW, **kw)
