@@ -10,7 +10,10 @@ libaoq keeps to its own table in the same section (rows of `client/` files),
 checked the same way on an archive of libaoq's objects: every global symbol
 one of its C files uses from another.
 
-usage: check-layers.py DESIGN_MD NM LIBAOQD_CORE_A [LIBAOQ_OBJECTS_A]
+aoqctl's files keep theirs (rows of `client/tools/` files), checked on an
+archive of aoqctl's objects: every ctl_ function one file uses from another.
+
+usage: check-layers.py DESIGN_MD NM LIBAOQD_CORE_A [LIBAOQ_OBJECTS_A [AOQCTL_OBJECTS_A]]
 """
 import os
 import re
@@ -88,6 +91,11 @@ def main():
         if not client:
             raise SystemExit("no client/ rows in the \"Where things live\" section of %s" % design)
         bad += check(client, *symbols(nm, sys.argv[4], r"\w+", True), set(), "libaoq")
+    if len(sys.argv) > 5:
+        tools = table(design, "client/tools/")
+        if not tools:
+            raise SystemExit("no client/tools/ rows in the \"Where things live\" section of %s" % design)
+        bad += check(tools, *symbols(nm, sys.argv[5], r"ctl_\w+", True), set(), "aoqctl")
     return 1 if bad else 0
 
 
