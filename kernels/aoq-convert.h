@@ -45,6 +45,32 @@
 #define AOQK_Q8_M_TOP (aoqk_u2f((AOQK_Q8_M_C0 + 127u) << AOQK_Q8_M_SHIFT) - AOQK_Q8_M_K)
 #define AOQK_Q8_U_TOP (aoqk_u2f((AOQK_Q8_U_C0 + 255u) << AOQK_Q8_U_SHIFT) - AOQK_Q8_U_K)
 
+/* q4 moments (kernels/README.md, "q4 moments"): format 2's construction
+ * with 4-bit codes, two per byte (aoq-kernel.h: a group of 32 elements in
+ * 16 bytes, byte l = element l | element l + 16 << 4):
+ *   m:        nibble = sign << 3 | c, c in [0, 7], an e2m1 float c
+ *             |m| = (F(c) - K) * m_scale / TOP
+ *   sqrt(v):  nibble = c in [0, 15], an e2m2 float c
+ *             sqrt(v) = (F(c) - K) * v_scale / TOP
+ * F, K, TOP as format 2's (F(c) = bits (c + C0) << SHIFT, the largest code
+ * just below 2, K = F(0), TOP = F(cmax) - K), m_scale the block's max |m|,
+ * v_scale its max sqrt(v), per AOQK_Q4_BLOCK elements.  Code 0 is 0; a
+ * non-zero v never gets code 0 (the zero point excluded: sqrt(v) divides). */
+#ifndef AOQK_Q4_M_MB
+#define AOQK_Q4_M_MB 1 /* m: e2m1 */
+#endif
+#ifndef AOQK_Q4_U_MB
+#define AOQK_Q4_U_MB 2 /* sqrt(v): e2m2 */
+#endif
+#define AOQK_Q4_M_SHIFT (23 - AOQK_Q4_M_MB)
+#define AOQK_Q4_U_SHIFT (23 - AOQK_Q4_U_MB)
+#define AOQK_Q4_M_C0 ((127u << AOQK_Q4_M_MB) + (1u << AOQK_Q4_M_MB) - 1u - 7u)
+#define AOQK_Q4_U_C0 ((127u << AOQK_Q4_U_MB) + (1u << AOQK_Q4_U_MB) - 1u - 15u)
+#define AOQK_Q4_M_K aoqk_u2f(AOQK_Q4_M_C0 << AOQK_Q4_M_SHIFT)
+#define AOQK_Q4_U_K aoqk_u2f(AOQK_Q4_U_C0 << AOQK_Q4_U_SHIFT)
+#define AOQK_Q4_M_TOP (aoqk_u2f((AOQK_Q4_M_C0 + 7u) << AOQK_Q4_M_SHIFT) - AOQK_Q4_M_K)
+#define AOQK_Q4_U_TOP (aoqk_u2f((AOQK_Q4_U_C0 + 15u) << AOQK_Q4_U_SHIFT) - AOQK_Q4_U_K)
+
 /* Format 1 codebooks (square-root companding):
  *   m = sign(q) * q^2 / 127^2 * m_scale        q in [-127, 127] (int8)
  *   sqrt(v) = q^2 / 255^2 * v_scale            q in [0, 255]
@@ -186,6 +212,63 @@ static inline uint8_t aoqk_q8_v_encode(float v, float inv)
 	if (c == 0 && u > 0)
 		c = 1; /* a non-zero v keeps a non-zero code */
 	return (uint8_t)c;
+}
+
+/* q4: where element i's code is (aoq-kernel.h): byte and shift */
+static inline size_t aoqk_q4_byte(uint64_t i)
+{
+	return (size_t)(i / 32 * 16 + i % 16);
+}
+
+static inline unsigned aoqk_q4_shift(uint64_t i)
+{
+	return (unsigned)(i & 16) >> 2;
+}
+
+static inline unsigned aoqk_q4_get(const uint8_t *codes, uint64_t i)
+{
+	return (codes[aoqk_q4_byte(i)] >> aoqk_q4_shift(i)) & 0xfu;
+}
+
+static inline void aoqk_q4_put(uint8_t *codes, uint64_t i, unsigned c)
+{
+	uint8_t *p = &codes[aoqk_q4_byte(i)];
+	unsigned s = aoqk_q4_shift(i);
+	*p = (uint8_t)((*p & ~(0xfu << s)) | (c & 0xfu) << s);
+}
+
+/* q4: one code to its moment value, given the block's scale. */
+static inline float aoqk_q4_m_decode(unsigned code, float m_scale)
+{
+	float y = aoqk_u2f(((code & 7u) + AOQK_Q4_M_C0) << AOQK_Q4_M_SHIFT) - AOQK_Q4_M_K;
+	float x = y * (m_scale / AOQK_Q4_M_TOP);
+	return (code & 8u) ? -x : x;
+}
+
+static inline float aoqk_q4_v_decode(unsigned code, float v_scale)
+{
+	float y = aoqk_u2f(((code & 15u) + AOQK_Q4_U_C0) << AOQK_Q4_U_SHIFT) - AOQK_Q4_U_K;
+	float u = y * (v_scale / AOQK_Q4_U_TOP);
+	return u * u;
+}
+
+/* q4, round to nearest in code space; inv is AOQK_Q4_*_TOP / the block's
+ * scale, or 0 (aoqk_q8_inv). */
+static inline unsigned aoqk_q4_m_encode(float m, float inv)
+{
+	uint32_t c = aoqk_q8_code(fabsf(m), inv, AOQK_Q4_M_K, 1u << (AOQK_Q4_M_SHIFT - 1), AOQK_Q4_M_SHIFT,
+	                          AOQK_Q4_M_C0, 7);
+	return c | (m < 0 ? 8u : 0u);
+}
+
+static inline unsigned aoqk_q4_v_encode(float v, float inv)
+{
+	float u = sqrtf(fmaxf(v, 0.0f));
+	uint32_t c = aoqk_q8_code(u, inv, AOQK_Q4_U_K, 1u << (AOQK_Q4_U_SHIFT - 1), AOQK_Q4_U_SHIFT,
+	                          AOQK_Q4_U_C0, 15);
+	if (c == 0 && u > 0)
+		c = 1; /* a non-zero v keeps a non-zero code */
+	return c;
 }
 
 /* Format 1: one code to its moment value, given the block's scale. */

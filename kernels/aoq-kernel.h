@@ -38,11 +38,20 @@ enum aoqk_precision {
 	AOQK_STATE_BF16 = 2,    /* bf16 master (stochastic rounding), fp32 m, v */
 	AOQK_STATE_BF16_Q8 = 3, /* bf16 master (stochastic rounding), q8 m, v */
 	AOQK_STATE_BF16_ALL = 4, /* bf16 master, m and v (all stochastic rounding) */
+	AOQK_STATE_Q4 = 5,      /* fp32 master, q4 m and v */
+	AOQK_STATE_BF16_Q4 = 6, /* bf16 master (stochastic rounding), q4 m, v */
 };
 
 /* q8 moments are quantized in blocks of this many elements, one fp32 scale
  * per block.  Chunks handed to a kernel start on a block boundary. */
 #define AOQK_Q8_BLOCK 256
+
+/* q4 moments: blocks of 128 elements, one fp32 scale per block; the codes
+ * of each 32 elements (a group) fill 16 bytes, byte l holding element l in
+ * its low nibble and element l + 16 in its high nibble (kernels/README.md,
+ * "q4 moments").  Chunks start on a block boundary. */
+#define AOQK_Q4_BLOCK 128
+#define AOQK_Q4_GROUP 32
 
 static inline size_t aoqk_dtype_size(enum aoqk_dtype t)
 {
@@ -54,9 +63,27 @@ static inline bool aoqk_precision_q8(enum aoqk_precision p)
 	return p == AOQK_STATE_Q8 || p == AOQK_STATE_BF16_Q8;
 }
 
+static inline bool aoqk_precision_q4(enum aoqk_precision p)
+{
+	return p == AOQK_STATE_Q4 || p == AOQK_STATE_BF16_Q4;
+}
+
+/* q8 or q4: moments as codes with a scale per block */
+static inline bool aoqk_precision_blocked(enum aoqk_precision p)
+{
+	return aoqk_precision_q8(p) || aoqk_precision_q4(p);
+}
+
+/* Elements per scale block (0: no blocks). */
+static inline size_t aoqk_block(enum aoqk_precision p)
+{
+	return aoqk_precision_q8(p) ? AOQK_Q8_BLOCK : aoqk_precision_q4(p) ? AOQK_Q4_BLOCK : 0;
+}
+
 static inline bool aoqk_precision_bf16_master(enum aoqk_precision p)
 {
-	return p == AOQK_STATE_BF16 || p == AOQK_STATE_BF16_Q8 || p == AOQK_STATE_BF16_ALL;
+	return p == AOQK_STATE_BF16 || p == AOQK_STATE_BF16_Q8 || p == AOQK_STATE_BF16_ALL ||
+	       p == AOQK_STATE_BF16_Q4;
 }
 
 static inline bool aoqk_precision_bf16_moments(enum aoqk_precision p)
@@ -70,9 +97,27 @@ static inline size_t aoqk_master_size(enum aoqk_precision p)
 	return aoqk_precision_bf16_master(p) ? 2 : 4;
 }
 
+/* Bytes per element of each moment; 0 for q4 (half a byte: use
+ * aoqk_moment_bytes). */
 static inline size_t aoqk_moment_size(enum aoqk_precision p)
 {
-	return aoqk_precision_q8(p) ? 1 : aoqk_precision_bf16_moments(p) ? 2 : 4;
+	return aoqk_precision_q4(p) ? 0 : aoqk_precision_q8(p) ? 1 : aoqk_precision_bf16_moments(p) ? 2 : 4;
+}
+
+/* Bytes of one moment array of n elements (q4: 16 per group of 32, the
+ * last group whole). */
+static inline size_t aoqk_moment_bytes(enum aoqk_precision p, size_t n)
+{
+	if (aoqk_precision_q4(p))
+		return (n / AOQK_Q4_GROUP + (n % AOQK_Q4_GROUP != 0)) * (AOQK_Q4_GROUP / 2);
+	return n * aoqk_moment_size(p);
+}
+
+/* Scale blocks of n elements (0 without blocks). */
+static inline size_t aoqk_scale_count(enum aoqk_precision p, size_t n)
+{
+	size_t b = aoqk_block(p);
+	return b ? n / b + (n % b != 0) : 0;
 }
 
 /* Hyperparameters of one update, fixed for the whole step. */
@@ -102,7 +147,9 @@ struct aoqk_hparams {
  * One tensor's state.  Element i of the tensor lives at index i of every
  * array.  fp32 state: master, m, v are float[n].  bf16 master: master is
  * uint16_t[n] (bf16 bits).  q8: m is int8_t[n], v is uint8_t[n], with
- * m_scale and v_scale float[ceil(n / AOQK_Q8_BLOCK)].
+ * m_scale and v_scale float[ceil(n / AOQK_Q8_BLOCK)].  q4: m and v are
+ * uint8_t[aoqk_moment_bytes(p, n)] (two codes a byte), m_scale and v_scale
+ * float[ceil(n / AOQK_Q4_BLOCK)].
  */
 struct aoqk_state {
 	enum aoqk_precision precision;
@@ -116,7 +163,7 @@ struct aoqk_state {
 
 /* The chunk to update and where its data is. */
 struct aoqk_chunk {
-	size_t begin; /* first element; a multiple of AOQK_Q8_BLOCK for q8 state */
+	size_t begin; /* first element; a multiple of aoqk_block() for q8, q4 state */
 	size_t count; /* elements; begin + count <= state->n */
 	const void *grad;          /* grad of element begin; aligned to its element
 	                            * type, any vector alignment */
@@ -140,7 +187,7 @@ struct aoqk_report {
 struct aoqk_kernel {
 	const char *name; /* "scalar", "avx2", "avx512", "avx512bf16" */
 	/* 0: every result is plain C's, bit for bit (but avx512bf16's bf16
-	 * flush below 2^-126).  n > 0: the q8 precisions' update computes
+	 * flush below 2^-126).  n > 0: the q8 and q4 precisions' update computes
 	 * sqrt(v) and m / den within 2^-n of IEEE's (kernels/README.md, "q8:
 	 * the approximate divider"); other precisions are still plain C's. */
 	int q8_approx;
@@ -153,7 +200,7 @@ struct aoqk_kernel {
 	 * one moment in st->m (the momentum buffer; Lion's m); st->v and the q8
 	 * scales are never touched and may be NULL, and so may st->m for SGD
 	 * with momentum 0.  Precisions FP32, BF16 and BF16_ALL (bf16 m); Q8 and
-	 * BF16_Q8 return -EINVAL (kernels/README.md, "SGD and Lion"). */
+	 * BF16_Q8, Q4 and BF16_Q4 return -EINVAL (kernels/README.md, "SGD and Lion"). */
 	int (*sgd)(const struct aoqk_hparams *hp, const struct aoqk_state *st,
 	           const struct aoqk_chunk *c, struct aoqk_report *rep);
 	int (*lion)(const struct aoqk_hparams *hp, const struct aoqk_state *st,

@@ -222,7 +222,8 @@ static void init_job(int tid)
 		mq[i] = (int8_t)(x >> 25);
 		vq[i] = (uint8_t)(x >> 8);
 	}
-	for (size_t b = lo / AOQK_Q8_BLOCK; b < (hi + AOQK_Q8_BLOCK - 1) / AOQK_Q8_BLOCK; b++) {
+	/* the scales of q8's blocks and of q4's (half their size) */
+	for (size_t b = lo / AOQK_Q4_BLOCK; b < (hi + AOQK_Q4_BLOCK - 1) / AOQK_Q4_BLOCK; b++) {
 		ms[b] = 1e-3f;
 		vs[b] = 1e-3f;
 	}
@@ -243,7 +244,7 @@ static int cur_opt;
 
 static void *moment_ptr(enum aoqk_precision p, void *f32, void *q8, void *b16)
 {
-	if (aoqk_precision_q8(p))
+	if (aoqk_precision_blocked(p)) /* q4: the first half of q8's bytes */
 		return q8;
 	return aoqk_precision_bf16_moments(p) ? b16 : f32;
 }
@@ -295,8 +296,8 @@ static void kernel_hot_job(int tid)
 		.precision = cur_prec,
 		.n = N,
 		.master = aoqk_precision_bf16_master(cur_prec) ? (void *)master16 : (void *)master32,
-		.m = aoqk_precision_q8(cur_prec) ? (void *)mq : (void *)m32,
-		.v = aoqk_precision_q8(cur_prec) ? (void *)vq : (void *)v32,
+		.m = aoqk_precision_blocked(cur_prec) ? (void *)mq : (void *)m32,
+		.v = aoqk_precision_blocked(cur_prec) ? (void *)vq : (void *)v32,
 		.m_scale = ms,
 		.v_scale = vs,
 	};
@@ -559,7 +560,7 @@ static void record(const char *name, double seconds, double elems, double bytes_
 
 static const char *prec_name(enum aoqk_precision p)
 {
-	static const char *n[] = { "fp32", "q8", "bf16", "bf16q8", "bf16all" };
+	static const char *n[] = { "fp32", "q8", "bf16", "bf16q8", "bf16all", "q4", "bf16q4" };
 	return n[p];
 }
 
@@ -571,14 +572,15 @@ static const char *dt_name(enum aoqk_dtype d)
 
 /* Bytes the job must move per parameter: grad in, master and moments read
  * and written, param out (Adam: m and v; SGD with momentum and Lion: m),
- * q8: each moment's fp32 block scale read and written (kernels/README.md,
+ * q8, q4: each moment's fp32 block scale read and written; q4's codes are
+ * half a byte (kernels/README.md,
  * "Bytes per parameter"). */
 static double job_bytes_opt(enum aoqk_precision p, enum aoqk_dtype gd, enum aoqk_dtype pd, int opt)
 {
 	double master = (double)aoqk_master_size(p);
-	double mom = (double)aoqk_moment_size(p);
+	double mom = aoqk_precision_q4(p) ? 0.5 : (double)aoqk_moment_size(p);
 	double nmom = opt == OPT_ADAM ? 2 : 1;
-	double scales = aoqk_precision_q8(p) ? 2 * nmom * 4.0 / AOQK_Q8_BLOCK : 0; /* r + w */
+	double scales = aoqk_precision_blocked(p) ? 2 * nmom * 4.0 / (double)aoqk_block(p) : 0; /* r + w */
 	return (double)aoqk_dtype_size(gd) + 2 * master + 2 * nmom * mom + scales +
 	       (double)aoqk_dtype_size(pd);
 }
@@ -822,7 +824,7 @@ int main(int argc, char **argv)
 	printf("bench-kernels: %zu params, %d threads, %d reps (median), chunk %zu, default kernel %s\n", N, T,
 	       REPS, CHUNK, aoqk_select(NULL)->name);
 
-	size_t nb = (N + AOQK_Q8_BLOCK - 1) / AOQK_Q8_BLOCK;
+	size_t nb = (N + AOQK_Q4_BLOCK - 1) / AOQK_Q4_BLOCK; /* q4's blocks, the smaller */
 	master32 = big(N * 4);
 	m32 = big(N * 4);
 	v32 = big(N * 4);
@@ -858,7 +860,7 @@ int main(int argc, char **argv)
 			/* default: the best variant only */
 			if (!vars[i].runnable || (klist ? !wanted(klist, k->name) : k != aoqk_select(NULL)))
 				continue;
-			for (int p = 0; p <= AOQK_STATE_BF16_ALL; p++)
+			for (int p = 0; p <= AOQK_STATE_BF16_Q4; p++)
 				bench_resident(k, (enum aoqk_precision)p, ghz);
 		}
 		for (size_t i = 0; i < NDROPS; i++) {
@@ -885,15 +887,16 @@ int main(int argc, char **argv)
 			printf("%s: skipped\n", k->name);
 			continue;
 		}
-		for (int p = 0; p <= AOQK_STATE_BF16_ALL; p++)
+		for (int p = 0; p <= AOQK_STATE_BF16_Q4; p++)
 			bench_kernel(k, (enum aoqk_precision)p, AOQK_BF16, AOQK_BF16, 0, CHUNK, "");
 		/* a bf16 master with bf16 parameters is the parameter's bits:
 		 * the same jobs without the parameter copy, 2 B/param less
 		 * (aoqd's master_param; docs/decisions.md, "The master is the
 		 * parameter") */
 		cur_noparam = 1;
-		for (int p = AOQK_STATE_BF16; p <= AOQK_STATE_BF16_ALL; p++)
-			bench_kernel(k, (enum aoqk_precision)p, AOQK_BF16, AOQK_BF16, 0, CHUNK, "_noparam");
+		for (int p = AOQK_STATE_BF16; p <= AOQK_STATE_BF16_Q4; p++)
+			if (aoqk_precision_bf16_master((enum aoqk_precision)p))
+				bench_kernel(k, (enum aoqk_precision)p, AOQK_BF16, AOQK_BF16, 0, CHUNK, "_noparam");
 		cur_noparam = 0;
 		if (modes_only)
 			continue;
@@ -983,10 +986,11 @@ again:
 	printf("MODE triad_nt start %.1f GB/s, end %.1f GB/s\n", triad, triad_end);
 	printf("MODE %-10s %14s %10s %8s %8s %8s %8s\n", "precision", "bytes/param", "Gparam/s", "GB/s",
 	       "/start", "/end", "/best");
-	for (int p = 0; p <= AOQK_STATE_BF16_ALL; p++)
+	for (int p = 0; p <= AOQK_STATE_BF16_Q4; p++)
 		mode_line(best, (enum aoqk_precision)p, "", "", triad, triad_end);
-	for (int p = AOQK_STATE_BF16; p <= AOQK_STATE_BF16_ALL; p++)
-		mode_line(best, (enum aoqk_precision)p, "_noparam", "  (no param out)", triad, triad_end);
+	for (int p = AOQK_STATE_BF16; p <= AOQK_STATE_BF16_Q4; p++)
+		if (aoqk_precision_bf16_master((enum aoqk_precision)p))
+			mode_line(best, (enum aoqk_precision)p, "_noparam", "  (no param out)", triad, triad_end);
 	/* the q8 kernels against their own loads and stores without math */
 	for (int p = AOQK_STATE_Q8; p <= AOQK_STATE_BF16_Q8; p += 2) {
 		char kname[96], mname[64];

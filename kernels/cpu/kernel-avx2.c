@@ -150,6 +150,19 @@ KI void vb_store_codes(uint8_t *a, uint8_t *b, vi x, vi y)
 	vb_store_u8(b, y);
 }
 
+/* q4's decode: a table of 16 floats indexed by the low 4 bits of each
+ * lane of idx (two 8-entry permutes, bit 3 picks one: the shift moves it
+ * to the sign bit that blendv reads, and drops the bits above) */
+typedef struct {
+	__m256 lo, hi;
+} vtab;
+KI vtab vt_load(const float *t) { return (vtab){ _mm256_loadu_ps(t), _mm256_loadu_ps(t + 8) }; }
+KI vf vt_lookup(vtab t, vi idx)
+{
+	return _mm256_blendv_ps(_mm256_permutevar8x32_ps(t.lo, idx), _mm256_permutevar8x32_ps(t.hi, idx),
+	                        _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+}
+
 KI vacc vacc_zero(void) { return (vacc){ _mm256_setzero_pd(), _mm256_setzero_pd() }; }
 KI void vacc_add_sq(vacc *a, vf g)
 {

@@ -239,9 +239,13 @@ static AOQK_ALWAYS_INLINE vi vstep(const struct kvec kc, const struct kptrs *p,
                                      const int pd, const int nt, int want_ss, vacc *ss,
                                      float *bm, float *bu, uint32_t *hb, vi *xs, unsigned slot,
                                      vf *sq, vf sm, vf su, vf nkm, vf nku, vf *mx_m, vf *mx_u,
-                                     const int fast)
+                                     const int fast, size_t cj, vtab tm, vtab tu)
 {
-	const int q8 = aoqk_precision_q8(prec);
+	/* q8: the blocked path (q8 or q4), whose moments go through the
+	 * block buffers; q4 differs only in its codes (decoded here by table,
+	 * cj the element's index in p->m's codes, and encoded by q4_encode) */
+	const int q8 = aoqk_precision_blocked(prec);
+	const int q4 = aoqk_precision_q4(prec);
 	const int bfm = aoqk_precision_bf16_master(prec);
 	const int bfmom = aoqk_precision_bf16_moments(prec);
 	vf g = load_grad(p->grad, j, gd);
@@ -278,6 +282,19 @@ static AOQK_ALWAYS_INLINE vi vstep(const struct kvec kc, const struct kptrs *p,
 	if (q8 && AOQK_DROP_DECODE) {
 		m = sm;
 		v = su;
+	} else if (q4) {
+		/* the codes of the W elements from cj: bytes aoqk_q4_byte(cj)
+		 * on, low nibbles for the first 16 of a group, high for the
+		 * rest; the tables hold the block's 16 values (run_chunk) */
+		vi cm = vb_load_u8((const uint8_t *)p->m + aoqk_q4_byte(cj));
+		vi cu = vb_load_u8((const uint8_t *)p->v + aoqk_q4_byte(cj));
+		if (cj & 16) {
+			cm = vi_srli(cm, 4);
+			cu = vi_srli(cu, 4);
+		}
+		m = vt_lookup(tm, cm);
+		u = vt_lookup(tu, cu); /* times sqrt(beta2), as q8's */
+		v = vf_mul(u, u);
 	} else if (q8) {
 		m = q8_m_decode((const uint8_t *)p->m + j, sm, nkm, fast);
 		/* su carries sqrt(beta2) (run_chunk): u = sqrt(v * beta2),
@@ -410,6 +427,42 @@ static AOQK_ALWAYS_INLINE void q8_encode(const float *bm, const float *bu, vi a,
 	vb_store_codes(cm, cu, c, q);
 }
 
+/* q4 codes of W elements of the block buffers (aoq-convert.h): as
+ * q8_codes with 4-bit codes.  m rounds to the nearest code (stochastic
+ * rounding of a 4-bit m adds its noise to every step: kernels/README.md,
+ * "q4 moments"), so only A's bits are drawn: v's 8 random bits, bits 0..7
+ * of A shifted to the top of the discarded ones, the rest at one half.
+ * cmv: m's code in bits 28..30 and its sign in bit 31; cuv: v's code in
+ * bits 0..3 (C0's bits above).  No clamp, for q8_codes' reason. */
+static AOQK_ALWAYS_INLINE void q4_codes(const float *bm, const float *bu, vi a, vf inv_m, vf inv_u,
+                                        vi *cmv, vi *cuv)
+{
+	vi rm = vi_set1(1u << (AOQK_Q4_M_SHIFT - 1));
+	vi ru = vi_andor(vi_slli(a, AOQK_Q4_U_SHIFT - 8), vi_set1(0xffu << (AOQK_Q4_U_SHIFT - 8)),
+	                 vi_set1(1u << (AOQK_Q4_U_SHIFT - 9)));
+	vf m = vf_loadu(bm);
+	vf x = vf_fma(vf_abs(m), inv_m, vf_set1(AOQK_Q4_M_K));
+	/* the pattern's code bits to 28..30; C0's bit 3 lands in bit 31,
+	 * which the bit-select replaces with m's sign */
+	vi c = vi_slli(vi_add(vf_as_vi(x), rm), 28 - AOQK_Q4_M_SHIFT);
+	*cmv = vi_bitsel(vi_set1(0x7u << 28), c, vf_as_vi(m));
+
+	vf u = vf_loadu(bu);
+	vf y = vf_fma(u, inv_u, vf_set1(AOQK_Q4_U_K));
+	vi q = vi_srli(vi_add(vf_as_vi(y), ru), AOQK_Q4_U_SHIFT);
+	/* a non-zero v never becomes code 0 (q8_codes) */
+	*cuv = vi_max_s(q, vi_min_u(vf_as_vi(u), vi_set1(AOQK_Q4_U_C0 + 1)));
+}
+
+/* Stores the q4 codes of the W elements at l (c0, q0) and of the W at
+ * l + 16 (c1, q1) of a group: m's nibbles in the top byte of each lane,
+ * v's in the low byte, then vb_store_codes' W bytes each. */
+static AOQK_ALWAYS_INLINE void q4_store(uint8_t *cm, uint8_t *cu, vi c0, vi q0, vi c1, vi q1)
+{
+	vb_store_codes(cm, cu, vi_bitsel(vi_set1(0xf0000000u), c1, vi_srli(c0, 4)),
+	               vi_bitsel(vi_set1(0xf0u), vi_slli(q1, 4), q0));
+}
+
 /* Bytes of element type for the tail copies. */
 struct ksizes {
 	size_t g, master, mom;
@@ -421,7 +474,9 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
                                          const struct aoqk_chunk *c, int want_ss, double *ssum,
                                          const int prec, const int gd, const int pd, const int nt)
 {
-	const int q8 = aoqk_precision_q8(prec);
+	/* q8 or q4 (vstep); q4's codes are half a byte each */
+	const int q8 = aoqk_precision_blocked(prec);
+	const int q4 = aoqk_precision_q4(prec);
 	const struct ksizes sz = {
 		.g = gd == AOQK_FP32 ? 4 : 2,
 		.master = aoqk_master_size(prec),
@@ -434,18 +489,21 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 		.grad = c->grad,
 		.acc = c->acc,
 		.master = (char *)st->master + b0 * sz.master,
-		.m = (char *)st->m + b0 * sz.mom,
-		.v = (char *)st->v + b0 * sz.mom,
+		.m = (char *)st->m + (q4 ? b0 / 2 : b0 * sz.mom),
+		.v = (char *)st->v + (q4 ? b0 / 2 : b0 * sz.mom),
 		.param = c->param,
 	};
 	_Alignas(64) float bm[AOQK_Q8_BLOCK], bu[AOQK_Q8_BLOCK];
+	/* q4: the block's 16 values of m and of sqrt(v) * sqrt(beta2) */
+	_Alignas(64) float tabm[16] = { 0 }, tabu[16] = { 0 };
+	vtab q4m = vt_load(tabm), q4u = vt_load(tabu);
 	_Alignas(64) uint32_t hb[AOQK_Q8_BLOCK];
 	uint32_t bc[4] = { 0, 0, 0, 0 }; /* plain C: the current state's B */
 	vi xs[XS_N];
 	vf sq[XS_N];
 	vacc ss = vacc_zero();
 	const struct kvec kc = kvec_make(k);
-	const size_t blk = q8 ? AOQK_Q8_BLOCK : n;
+	const size_t blk = q8 ? aoqk_block(prec) : n;
 	/* q8 is compute-bound: its update loop has a twin for the common
 	 * case with the flags as constants */
 	const int fast = q8 && !d.acc && want_ss && !kc.l2 && kc.lerp_small;
@@ -461,7 +519,7 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 	 * the same top half as sr_bf16's.  Unless a constant is itself NaN
 	 * (with any payload): then the loop of one vector runs (a NaN block
 	 * scale fails q8_fma_ok: its block takes the loop with the flags). */
-	const int pair = prec == AOQK_STATE_BF16_Q8 && gd == AOQK_BF16 &&
+	const int pair = (prec == AOQK_STATE_BF16_Q8 || prec == AOQK_STATE_BF16_Q4) && gd == AOQK_BF16 &&
 	                 (pd == PD_BF16 || pd == PD_NONE);
 	const int pair_ok = pair && fast && !isnan(k->gscale) && !isnan(k->decay) && !isnan(k->w1) &&
 	                    !isnan(k->b2) && !isnan(k->w2) && !isnan(k->bc2s) && !isnan(k->eps) &&
@@ -471,7 +529,7 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 
 	for (size_t jb = 0; jb < n; jb += blk) {
 		size_t len = n - jb < blk ? n - jb : blk;
-		size_t bidx = (b0 + jb) / AOQK_Q8_BLOCK;
+		size_t bidx = q8 ? (b0 + jb) / blk : 0;
 		vf sm = vf_zero(), su = vf_zero(), mx_m = vf_zero(), mx_u = vf_zero();
 		vf nkm = vf_zero(), nku = vf_zero();
 		/* the fast loops decode with an FMA, which needs the block's
@@ -484,10 +542,25 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 			for (unsigned g = 0; g < XS_N; g++)
 				xs[g] = sr_hash(kc.srkey, b0 + jb + g * W);
 			/* fu: sqrt(v)'s decode times sqrt(beta2) (vstep) */
-			float fm = st->m_scale[bidx] / AOQK_Q8_M_TOP, fu = st->v_scale[bidx] / AOQK_Q8_U_TOP * k->sb2;
+			float fm = st->m_scale[bidx] / (q4 ? AOQK_Q4_M_TOP : AOQK_Q8_M_TOP),
+			      fu = st->v_scale[bidx] / (q4 ? AOQK_Q4_U_TOP : AOQK_Q8_U_TOP) * k->sb2;
 			sm = vf_set1(fm);
 			su = vf_set1(fu);
+			/* q4 decodes by table, whose values are aoqk_q4_*_decode's
+			 * bit for bit; the check keeps NaN and huge scales out of
+			 * the fast loops (the pair loop's NaN rule) */
 			fast_blk = fast && q8_fma_ok(fm) && q8_fma_ok(fu);
+			if (q4) {
+				for (unsigned q = 0; q < 8; q++) {
+					float x = (aoqk_u2f((q + AOQK_Q4_M_C0) << AOQK_Q4_M_SHIFT) - AOQK_Q4_M_K) * fm;
+					tabm[q] = x;
+					tabm[q + 8] = -x;
+				}
+				for (unsigned q = 0; q < 16; q++)
+					tabu[q] = (aoqk_u2f((q + AOQK_Q4_U_C0) << AOQK_Q4_U_SHIFT) - AOQK_Q4_U_K) * fu;
+				q4m = vt_load(tabm);
+				q4u = vt_load(tabu);
+			}
 			if (fast_blk) {
 				nkm = vf_set1(-AOQK_Q8_M_K * fm);
 				nku = vf_set1(-AOQK_Q8_U_K * fu);
@@ -505,10 +578,10 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 					unsigned s0 = (unsigned)(t / W) % XS_N, s1 = (unsigned)(t / W + 1) % XS_N;
 					vi a = vstep(kc, &d, jb + t, b0 + jb + t, prec, gd, pd, nt, want_ss, &ss,
 					             bm + t, bu + t, hb + t, xs, s0, &sq[s0], sm, su, nkm, nku, &mx_m,
-					             &mx_u, 2);
+					             &mx_u, 2, jb + t, q4m, q4u);
 					vi b = vstep(kc, &d, jb + t + W, b0 + jb + t + W, prec, gd, pd, nt, want_ss,
 					             &ss, bm + t + W, bu + t + W, hb + t + W, xs, s1, &sq[s1], sm,
-					             su, nkm, nku, &mx_m, &mx_u, 2);
+					             su, nkm, nku, &mx_m, &mx_u, 2, jb + t + W, q4m, q4u);
 					vi h2 = vi_pack_hi16(a, b);
 					uint16_t *pm = (uint16_t *)d.master + jb + t;
 					vi_storeu((uint32_t *)(void *)pm, h2);
@@ -525,14 +598,14 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 			for (; t + W <= len; t += W)
 				vstep(kc, &d, jb + t, b0 + jb + t, prec, gd, pd, nt, want_ss, &ss, bm + t,
 				      bu + t, hb + t, xs, (t / W) % XS_N, &sq[(t / W) % XS_N], sm, su, nkm,
-				      nku, &mx_m, &mx_u, 1);
+				      nku, &mx_m, &mx_u, 1, jb + t, q4m, q4u);
 			for (unsigned g = 0; g < XS_N; g++)
 				vacc_add(&ss, sq[g]);
 		} else {
 			for (; t + W <= len; t += W)
 				vstep(kc, &d, jb + t, b0 + jb + t, prec, gd, pd, nt, want_ss, &ss, bm + t,
 				      bu + t, hb + t, xs, (t / W) % XS_N, &sq[0], sm, su, nkm, nku, &mx_m,
-				      &mx_u, 0);
+				      &mx_u, 0, jb + t, q4m, q4u);
 		}
 		if (t < len) {
 			size_t j = jb + t;
@@ -551,16 +624,30 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 			memcpy(lmst, (char *)d.master + j * sz.master, r * sz.master);
 			memcpy(lm, (char *)d.m + j * sz.mom, r * sz.mom);
 			memcpy(lv, (char *)d.v + j * sz.mom, r * sz.mom);
+			/* q4: a copy of the codes of j's group, the nibbles past the
+			 * end zero (code 0 decodes to 0, as the padding of q8) */
+			_Alignas(16) uint8_t lm4[AOQK_Q4_GROUP / 2], lv4[AOQK_Q4_GROUP / 2];
+			size_t cj = 0;
+			if (q4) {
+				size_t gs = j - j % AOQK_Q4_GROUP;
+				memcpy(lm4, (char *)d.m + gs / 2, sizeof(lm4));
+				memcpy(lv4, (char *)d.v + gs / 2, sizeof(lv4));
+				for (size_t e = jb + len; e < gs + AOQK_Q4_GROUP; e++) {
+					aoqk_q4_put(lm4, e - gs, 0);
+					aoqk_q4_put(lv4, e - gs, 0);
+				}
+				cj = j - gs;
+			}
 			struct kptrs l = {
 				.grad = lg,
 				.acc = d.acc ? (float *)(void *)la : NULL,
 				.master = lmst,
-				.m = lm,
-				.v = lv,
+				.m = q4 ? (void *)lm4 : (void *)lm,
+				.v = q4 ? (void *)lv4 : (void *)lv,
 				.param = lp,
 			};
 			vstep(kc, &l, 0, b0 + j, prec, gd, pd, 0, want_ss, &ss, bm + t, bu + t,
-			      hb + t, xs, (t / W) % XS_N, &sq[0], sm, su, nkm, nku, &mx_m, &mx_u, 0);
+			      hb + t, xs, (t / W) % XS_N, &sq[0], sm, su, nkm, nku, &mx_m, &mx_u, 0, cj, q4m, q4u);
 			if (d.acc)
 				memset(d.acc + j, 0, r * 4);
 			memcpy((char *)d.master + j * sz.master, lmst, r * sz.master);
@@ -571,7 +658,57 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 			if (pd != PD_NONE)
 				memcpy((char *)d.param + j * psz, lp, r * psz);
 		}
-		if (q8) {
+		/* the random bits: A is the update's with a bf16 master (it
+		 * rounded the master with its top half), else steps here; B is
+		 * computed here */
+#define Q8_A(e) \
+	(aoqk_precision_bf16_master(prec) ? vi_loadu(hb + (e)) \
+	 : AOQK_DROP_HASH ? vi_zero() : rng_step(xs, ((e) / W) % XS_N))
+		/* plain C: the four words of the element's AES state */
+#define Q8_LANE(e) \
+	(aoqk_precision_bf16_master(prec) ? hb + ((e) & ~(size_t)3) \
+	 : (const uint32_t *)(const void *)&xs[((e) / W) % XS_N & ~3u])
+		if (q4) {
+			float mm = vf_hmax(mx_m), mu = vf_hmax(mx_u);
+			st->m_scale[bidx] = mm;
+			st->v_scale[bidx] = mu;
+			vf im = vf_set1(aoqk_q8_inv(AOQK_Q4_M_TOP, mm)),
+			   iu = vf_set1(aoqk_q8_inv(AOQK_Q4_U_TOP, mu));
+			uint8_t *cm = (uint8_t *)d.m + jb / 2;
+			uint8_t *cu = (uint8_t *)d.v + jb / 2;
+			/* whole groups: the last one's elements past the end
+			 * encode zeros (code 0, whatever the random bits) */
+			size_t lg = (len + AOQK_Q4_GROUP - 1) / AOQK_Q4_GROUP * AOQK_Q4_GROUP;
+			for (size_t e = len; e < lg; e++) {
+				bm[e] = 0.0f;
+				bu[e] = 0.0f;
+				hb[e] = 0;
+			}
+#if W == 1
+			/* the AES states' words in element order (rng_step),
+			 * then the nibbles paired */
+			_Alignas(64) uint32_t tc[AOQK_Q4_BLOCK], tq[AOQK_Q4_BLOCK];
+			for (size_t e = 0; e < lg && !AOQK_DROP_ENCODE; e++) {
+				q4_codes(bm + e, bu + e, Q8_A(e), im, iu, &tc[e], &tq[e]);
+			}
+			for (size_t e = 0; e < lg && !AOQK_DROP_ENCODE; e += AOQK_Q4_GROUP)
+				for (size_t l = 0; l < AOQK_Q4_GROUP / 2; l++)
+					q4_store(cm + e / 2 + l, cu + e / 2 + l, tc[e + l], tq[e + l], tc[e + l + 16],
+					         tq[e + l + 16]);
+#else
+			/* the vectors at l and l + 16 of a group together: each
+			 * AES slot is still stepped in the order of its elements
+			 * (slot (l / W) % XS_N is both's, l's first) */
+			for (size_t e = 0; e < lg && !AOQK_DROP_ENCODE; e += AOQK_Q4_GROUP)
+				for (size_t l = 0; l < AOQK_Q4_GROUP / 2; l += W) {
+					size_t lo = e + l, hi = e + l + 16;
+					vi c0, q0, c1, q1;
+					q4_codes(bm + lo, bu + lo, Q8_A(lo), im, iu, &c0, &q0);
+					q4_codes(bm + hi, bu + hi, Q8_A(hi), im, iu, &c1, &q1);
+					q4_store(cm + e / 2 + l, cu + e / 2 + l, c0, q0, c1, q1);
+				}
+#endif
+		} else if (q8) {
 			float mm = vf_hmax(mx_m), mu = vf_hmax(mx_u);
 			st->m_scale[bidx] = mm;
 			st->v_scale[bidx] = mu;
@@ -580,16 +717,6 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 			uint8_t *cm = (uint8_t *)d.m + jb;
 			uint8_t *cu = (uint8_t *)d.v + jb;
 			size_t e = 0;
-			/* the random bits: A is the update's with a bf16 master (it
-			 * rounded the master with its top half), else steps here;
-			 * B is computed here */
-#define Q8_A(e) \
-	(aoqk_precision_bf16_master(prec) ? vi_loadu(hb + (e)) \
-	 : AOQK_DROP_HASH ? vi_zero() : rng_step(xs, ((e) / W) % XS_N))
-			/* plain C: the four words of the element's AES state */
-#define Q8_LANE(e) \
-	(aoqk_precision_bf16_master(prec) ? hb + ((e) & ~(size_t)3) \
-	 : (const uint32_t *)(const void *)&xs[((e) / W) % XS_N & ~3u])
 #ifdef KHAS_CODES2
 			/* two vectors at a time, their codes packed together
 			 * (vb_store_codes2) */
@@ -617,12 +744,12 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 				vi a = Q8_A(e);
 				q8_encode(bm + e, bu + e, a, rng_second(a, Q8_LANE(e), (unsigned)(e % 4), bc), tm,
 				          tu, im, iu);
-#undef Q8_A
-#undef Q8_LANE
 				memcpy(cm + e, tm, rem);
 				memcpy(cu + e, tu, rem);
 			}
 		}
+#undef Q8_A
+#undef Q8_LANE
 	}
 	if (want_ss) {
 		*ssum = vacc_sum(ss);
@@ -723,7 +850,7 @@ typedef void chunk_fn(const struct aoqk_consts *k, const struct aoqk_state *st,
                       const struct aoqk_chunk *c, int want_ss, double *ssum);
 
 #define CHUNK_SEL(P, G, D) ((P) * 12 + (G) * 4 + (D))
-#define CHUNK_SELS 60
+#define CHUNK_SELS 84
 
 /* X(P, G, D, NT, ...) for every gradient dtype G and parameter dtype D of
  * precision P: D = PD_NONE only without non-temporal stores */
@@ -732,10 +859,11 @@ typedef void chunk_fn(const struct aoqk_consts *k, const struct aoqk_state *st,
 #define FOR_PD_NONE(X, P, G, NT, ...) FOR_PD(X, P, G, NT, __VA_ARGS__) X(P, G, 3, NT, __VA_ARGS__)
 #define FOR_G(F, X, P, NT, ...) F(X, P, 0, NT, __VA_ARGS__) F(X, P, 1, NT, __VA_ARGS__) \
 	F(X, P, 2, NT, __VA_ARGS__)
-/* precisions 0..4 are AOQK_STATE_FP32 .. AOQK_STATE_BF16_ALL (literals:
+/* precisions 0..6 are AOQK_STATE_FP32 .. AOQK_STATE_BF16_Q4 (literals:
  * they are pasted into names) */
 #define FOR_ADAM_P(F, X, NT, ...) FOR_G(F, X, 0, NT, __VA_ARGS__) FOR_G(F, X, 1, NT, __VA_ARGS__) \
-	FOR_G(F, X, 2, NT, __VA_ARGS__) FOR_G(F, X, 3, NT, __VA_ARGS__) FOR_G(F, X, 4, NT, __VA_ARGS__)
+	FOR_G(F, X, 2, NT, __VA_ARGS__) FOR_G(F, X, 3, NT, __VA_ARGS__) FOR_G(F, X, 4, NT, __VA_ARGS__) \
+	FOR_G(F, X, 5, NT, __VA_ARGS__) FOR_G(F, X, 6, NT, __VA_ARGS__)
 /* SGD and Lion: no q8 (precisions 1 and 3) */
 #define FOR_SL_P(F, X, NT, ...) FOR_G(F, X, 0, NT, __VA_ARGS__) FOR_G(F, X, 2, NT, __VA_ARGS__) \
 	FOR_G(F, X, 4, NT, __VA_ARGS__)

@@ -202,7 +202,7 @@ static inline int aoqk_check(const struct aoqk_hparams *hp, const struct aoqk_st
 {
 	if (!hp || !st || !c || !rep)
 		return -EINVAL;
-	if ((unsigned)st->precision > AOQK_STATE_BF16_ALL)
+	if ((unsigned)st->precision > AOQK_STATE_BF16_Q4)
 		return -EINVAL;
 	if (!aoqk_dtype_ok(c->grad_dtype) || (c->param && !aoqk_dtype_ok(c->param_dtype)))
 		return -EINVAL;
@@ -214,13 +214,14 @@ static inline int aoqk_check(const struct aoqk_hparams *hp, const struct aoqk_st
 		return 0;
 	if (!c->grad || !st->master || !st->m || !st->v)
 		return -EINVAL;
-	if (aoqk_precision_q8(st->precision)) {
-		if (c->begin % AOQK_Q8_BLOCK != 0)
+	if (aoqk_precision_blocked(st->precision)) {
+		size_t blk = aoqk_block(st->precision);
+		if (c->begin % blk != 0)
 			return -EINVAL;
 		if (!st->m_scale || !st->v_scale)
 			return -EINVAL;
 		/* a chunk ends on a block boundary or at the tensor's end */
-		if (c->count % AOQK_Q8_BLOCK != 0 && c->begin + c->count != st->n)
+		if (c->count % blk != 0 && c->begin + c->count != st->n)
 			return -EINVAL;
 	}
 	return 0;

@@ -97,6 +97,11 @@ static AOQK_ALWAYS_INLINE void vb_store_codes(uint8_t *a, uint8_t *b, vi x, vi y
 	*b = (uint8_t)y;
 }
 
+/* q4's decode: a table of 16 floats indexed by the low 4 bits of idx */
+typedef const float *vtab;
+static AOQK_ALWAYS_INLINE vtab vt_load(const float *t) { return t; }
+static AOQK_ALWAYS_INLINE vf vt_lookup(vtab t, vi idx) { return t[idx & 15u]; }
+
 static AOQK_ALWAYS_INLINE vacc vacc_zero(void) { return 0.0; }
 static AOQK_ALWAYS_INLINE void vacc_add_sq(vacc *a, vf g) { *a += (double)g * (double)g; }
 static AOQK_ALWAYS_INLINE void vacc_add(vacc *a, vf x) { *a += (double)x; }

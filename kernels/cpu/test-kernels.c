@@ -6,8 +6,8 @@
  *                             precision reference written here, bit-identity
  *                             of all variants with plain C, chunking
  *                             independence, non-finite handling
- *   test-kernels convergence  2000 steps of a noisy quadratic: q8 and bf16
- *                             master end within 2% of the fp32 loss; the
+ *   test-kernels convergence  2000 steps of a noisy quadratic: q8, q4 and
+ *                             bf16 master end within 2% (q4: 5%) of the fp32 loss; the
  *                             stochastic rounding is unbiased
  *
  * Fresh random inputs every run; AOQK_TEST_SEED=<n> repeats a run.
@@ -227,15 +227,17 @@ static void tbuf_alloc(struct tbuf *b, const struct tcase *t)
 {
 	size_t n = t->n ? t->n : 1;
 	b->n = t->n;
-	b->nb = (n + AOQK_Q8_BLOCK - 1) / AOQK_Q8_BLOCK;
+	size_t blk = aoqk_block(t->prec) ? aoqk_block(t->prec) : AOQK_Q8_BLOCK;
+	b->nb = (n + blk - 1) / blk;
 	/* every array off elements past a cache line: aligned to its element,
-	 * not to any vector */
+	 * not to any vector (q4: off bytes) */
 	b->grad = xalloc(n * 4, t->off * gsize(t->gd), &b->raw[0]);
 	b->param = xalloc(n * 4, t->off * (t->pd == AOQK_FP32 ? 4 : 2), &b->raw[1]);
-	size_t ms = aoqk_moment_size(t->prec);
+	size_t ms = aoqk_moment_bytes(t->prec, n);
+	size_t moff = aoqk_precision_q4(t->prec) ? t->off : t->off * aoqk_moment_size(t->prec);
 	b->master = xalloc(n * aoqk_master_size(t->prec), t->off * aoqk_master_size(t->prec), &b->raw[2]);
-	b->m = xalloc(n * ms, t->off * ms, &b->raw[3]);
-	b->v = xalloc(n * ms, t->off * ms, &b->raw[4]);
+	b->m = xalloc(ms, moff, &b->raw[3]);
+	b->v = xalloc(ms, moff, &b->raw[4]);
 	b->acc = xalloc(n * 4, t->off * 4, &b->raw[5]);
 	b->ms = xalloc(b->nb * 4, 0, &b->raw[6]);
 	b->vs = xalloc(b->nb * 4, 0, &b->raw[7]);
@@ -250,12 +252,12 @@ static void tbuf_free(struct tbuf *b)
 static void tbuf_copy(struct tbuf *d, const struct tbuf *s, const struct tcase *t)
 {
 	size_t n = t->n;
-	size_t ms = aoqk_moment_size(t->prec);
+	size_t ms = aoqk_moment_bytes(t->prec, n);
 	memcpy(d->grad, s->grad, n * 4);
 	memcpy(d->param, s->param, n * 4);
 	memcpy(d->master, s->master, n * aoqk_master_size(t->prec));
-	memcpy(d->m, s->m, n * ms);
-	memcpy(d->v, s->v, n * ms);
+	memcpy(d->m, s->m, ms);
+	memcpy(d->v, s->v, ms);
 	memcpy(d->acc, s->acc, n * 4);
 	memcpy(d->ms, s->ms, s->nb * 4);
 	memcpy(d->vs, s->vs, s->nb * 4);
@@ -265,10 +267,10 @@ static int tbuf_equal(const struct tbuf *a, const struct tbuf *b, const struct t
                       int bf16_param_ftz)
 {
 	size_t n = t->n;
-	int q8 = aoqk_precision_q8(t->prec), bfm = aoqk_precision_bf16_master(t->prec);
-	size_t ms = aoqk_moment_size(t->prec);
+	int q8 = aoqk_precision_blocked(t->prec), bfm = aoqk_precision_bf16_master(t->prec);
+	size_t ms = aoqk_moment_bytes(t->prec, n);
 	if (memcmp(a->master, b->master, n * aoqk_master_size(t->prec)) ||
-	    memcmp(a->m, b->m, n * ms) || memcmp(a->v, b->v, n * ms) ||
+	    memcmp(a->m, b->m, ms) || memcmp(a->v, b->v, ms) ||
 	    memcmp(a->acc, b->acc, n * 4) || (q8 && (memcmp(a->ms, b->ms, a->nb * 4) ||
 	                                             memcmp(a->vs, b->vs, a->nb * 4))))
 		return 0;
@@ -345,17 +347,25 @@ static double grad_val(const struct tbuf *b, const struct tcase *t, size_t i)
 	return f16_val(((const uint16_t *)b->grad)[i]);
 }
 
-/* Random state; q8 codes and scales random too. */
+/* Random state; q8 and q4 codes and scales random too (q4: the padding
+ * nibbles of the last group as well, which the kernel must ignore). */
 static void fill_state(struct tbuf *b, const struct tcase *t)
 {
-	int q8 = aoqk_precision_q8(t->prec), bfm = aoqk_precision_bf16_master(t->prec);
+	int q8 = aoqk_precision_blocked(t->prec), bfm = aoqk_precision_bf16_master(t->prec);
+	if (aoqk_precision_q4(t->prec))
+		for (size_t i = 0; i < aoqk_moment_bytes(t->prec, t->n); i++) {
+			b->m[i] = (uint8_t)rnd();
+			b->v[i] = (uint8_t)rnd();
+		}
 	for (size_t i = 0; i < t->n; i++) {
 		float p = t->wide ? wide_float() : (float)nrand();
 		if (bfm)
 			((uint16_t *)b->master)[i] = bf16_rne_ref(p);
 		else
 			((float *)b->master)[i] = p;
-		if (q8) {
+		if (aoqk_precision_q4(t->prec)) {
+			/* above */
+		} else if (q8) {
 			((uint8_t *)b->m)[i] = (uint8_t)rnd();
 			((uint8_t *)b->v)[i] = (uint8_t)(rnd() % 256);
 		} else {
@@ -420,8 +430,8 @@ static int run_chunked(const struct aoqk_kernel *k, const struct tcase *t, struc
 	*sumsq = 0;
 	do {
 		size_t nblk = 1 + rnd() % 3;
-		size_t cnt = nblk * AOQK_Q8_BLOCK;
-		if (!aoqk_precision_q8(t->prec)) /* any boundaries */
+		size_t cnt = nblk * aoqk_block(t->prec);
+		if (!aoqk_precision_blocked(t->prec)) /* any boundaries */
 			cnt = 1 + rnd() % 700;
 		if (cnt > t->n - pos)
 			cnt = t->n - pos;
@@ -469,12 +479,42 @@ static double q8_value(uint8_t code, int is_m, double scale)
 	return q8_ugrid(code) * scale / q8_ugrid(255);
 }
 
-/* The exact (fractional) code position of magnitude a in a block of max
- * scale: the inverse of q8_grid, piecewise linear. */
-static double q8_pos(double a, int is_m, double scale)
+/* q4 (kernels/README.md, "q4 moments"): the same construction with m's
+ * mb = AOQK_Q4_M_MB, cmax 7 and a sign bit (8), sqrt(v)'s mb =
+ * AOQK_Q4_U_MB, cmax 15; two codes a byte, element i of a group of 32 in
+ * byte i % 16 of the group's 16, the high nibble for i % 32 >= 16. */
+static double q4_value(unsigned code, int is_m, double scale)
 {
-	int mb = is_m ? AOQK_Q8_M_MB : AOQK_Q8_U_MB;
-	unsigned cm = is_m ? 127u : 255u;
+	if (is_m) {
+		double x = q8_grid(code & 7u, AOQK_Q4_M_MB, 7) * scale / q8_grid(7, AOQK_Q4_M_MB, 7);
+		return code & 8u ? -x : x;
+	}
+	return q8_grid(code, AOQK_Q4_U_MB, 15) * scale / q8_grid(15, AOQK_Q4_U_MB, 15);
+}
+
+static unsigned q4_code(const unsigned char *codes, size_t i)
+{
+	unsigned b = codes[i / 32 * 16 + i % 16];
+	return i % 32 >= 16 ? b >> 4 : b & 15u;
+}
+
+/* Element i's m or v code of a q8 or q4 state, and its value. */
+static unsigned code_of(const struct tcase *t, const unsigned char *codes, size_t i)
+{
+	return aoqk_precision_q4(t->prec) ? q4_code(codes, i) : codes[i];
+}
+
+static double code_value(const struct tcase *t, unsigned code, int is_m, double scale)
+{
+	return aoqk_precision_q4(t->prec) ? q4_value(code, is_m, scale) : q8_value((uint8_t)code, is_m, scale);
+}
+
+/* The exact (fractional) code position of magnitude a in a block of max
+ * scale: the inverse of q8_grid, piecewise linear.  q4: q4 = 1. */
+static double q8_pos(double a, int is_m, double scale, int q4)
+{
+	int mb = q4 ? (is_m ? AOQK_Q4_M_MB : AOQK_Q4_U_MB) : is_m ? AOQK_Q8_M_MB : AOQK_Q8_U_MB;
+	unsigned cm = q4 ? (is_m ? 7u : 15u) : is_m ? 127u : 255u;
 	int e0 = (int)(cm >> mb);
 	double top = q8_grid(cm, mb, cm), cmax = cm;
 	if (!(scale > 0))
@@ -495,7 +535,7 @@ struct ref {
 static struct ref ref_elem(const struct tcase *t, const struct tbuf *b0, size_t i)
 {
 	const struct aoqk_hparams *hp = &t->hp;
-	int q8 = aoqk_precision_q8(t->prec), bfm = aoqk_precision_bf16_master(t->prec);
+	int q8 = aoqk_precision_blocked(t->prec), bfm = aoqk_precision_bf16_master(t->prec);
 	struct ref r = { 0 };
 	double g = grad_val(b0, t, i);
 	if (t->use_acc)
@@ -505,9 +545,9 @@ static struct ref ref_elem(const struct tcase *t, const struct tbuf *b0, size_t 
 	double p = bfm ? bf16_val(((const uint16_t *)b0->master)[i]) : ((const float *)b0->master)[i];
 	double m, v;
 	if (q8) {
-		size_t blk = i / AOQK_Q8_BLOCK;
-		m = q8_value(((const uint8_t *)b0->m)[i], 1, b0->ms[blk]);
-		double u = q8_value(((const uint8_t *)b0->v)[i], 0, b0->vs[blk]);
+		size_t blk = i / aoqk_block(t->prec);
+		m = code_value(t, code_of(t, b0->m, i), 1, b0->ms[blk]);
+		double u = code_value(t, code_of(t, b0->v, i), 0, b0->vs[blk]);
 		v = u * u;
 	} else if (aoqk_precision_bf16_moments(t->prec)) {
 		m = bf16_val(((const uint16_t *)b0->m)[i]);
@@ -585,7 +625,9 @@ static void check_case_sl(const struct tcase *t, const struct tbuf *b0, const st
 static void check_case(const struct tcase *t, const struct tbuf *b0, const struct tbuf *b,
                        const char *who, double sumsq)
 {
-	int q8 = aoqk_precision_q8(t->prec), bfm = aoqk_precision_bf16_master(t->prec);
+	int q8 = aoqk_precision_blocked(t->prec), bfm = aoqk_precision_bf16_master(t->prec);
+	int q4 = aoqk_precision_q4(t->prec);
+	size_t qb = q8 ? aoqk_block(t->prec) : 1;
 	double ss_ref = 0, ss_tol = 0;
 	unsigned bad = 0;
 	char tag[160];
@@ -666,8 +708,8 @@ static void check_case(const struct tcase *t, const struct tbuf *b0, const struc
 	}
 	/* q8: per block, scales are the maxima and codes the nearest */
 	if (q8 && !bad) {
-		for (size_t blk = 0; blk < b->nb && blk * AOQK_Q8_BLOCK < t->n; blk++) {
-			size_t s = blk * AOQK_Q8_BLOCK, e = s + AOQK_Q8_BLOCK;
+		for (size_t blk = 0; blk < b->nb && blk * qb < t->n; blk++) {
+			size_t s = blk * qb, e = s + qb;
 			if (e > t->n)
 				e = t->n;
 			double mm = 0, mu = 0, tm = 0, tu = 0;
@@ -699,20 +741,21 @@ static void check_case(const struct tcase *t, const struct tbuf *b0, const struc
 			      "%s: v_scale[%zu]=%g ref %g", tag, blk, b->vs[blk], mu);
 			for (size_t i = s; i < e && bad < 5; i++) {
 				struct ref r = ref_elem(t, b0, i);
-				int cm = ((const uint8_t *)b->m)[i], qm = cm & 0x7f, qv = ((const uint8_t *)b->v)[i];
+				int cm = (int)code_of(t, b->m, i), qv = (int)code_of(t, b->v, i);
+				int sbit = q4 ? 8 : 0x80, qm = cm & (sbit - 1);
 				/* the code positions of the reference m and sqrt(v), widened
 				 * by their fp32 error bounds (as for the scales above) */
 				double em = 2e-6 * (fabs(r.m) + fabs(r.m0) + fabs(r.ge)) + w1 * r.eg;
 				double eu = (2e-6 + ua) * sqrt(r.v) + (r.v > 0 ? w2 * fabs(r.ge) * r.eg / sqrt(r.v) : 0);
-				double lm = q8_pos(fmax(fabs(r.m) - em, 0), 1, b->ms[blk]);
-				double hm = q8_pos(fabs(r.m) + em, 1, b->ms[blk]);
-				double lu = q8_pos(fmax(sqrt(r.v) - eu, 0), 0, b->vs[blk]);
-				double hu = q8_pos(sqrt(r.v) + eu, 0, b->vs[blk]);
+				double lm = q8_pos(fmax(fabs(r.m) - em, 0), 1, b->ms[blk], q4);
+				double hm = q8_pos(fabs(r.m) + em, 1, b->ms[blk], q4);
+				double lu = q8_pos(fmax(sqrt(r.v) - eu, 0), 0, b->vs[blk], q4);
+				double hu = q8_pos(sqrt(r.v) + eu, 0, b->vs[blk], q4);
 				/* stochastic rounding: one of the two codes around the
 				 * position (a denormal block max: fp32 m is coarse there) */
 				if (b->ms[blk] >= FLT_MIN &&
 				    (qm < floor(lm - 1e-6) || qm > ceil(hm + 1e-6) ||
-				     (qm != 0 && fabs(r.m) > em && !(cm & 0x80) != (r.m > 0)))) {
+				     (qm != 0 && fabs(r.m) > em && !(cm & sbit) != (r.m > 0)))) {
 					bad++;
 					CHECK(0, "%s: m code[%zu]=%#x want %.3f..%.3f", tag, i, cm, lm, hm);
 				}
@@ -730,6 +773,10 @@ static void check_case(const struct tcase *t, const struct tbuf *b0, const struc
 			}
 		}
 	}
+	/* q4: the last group's nibbles past the end are zero */
+	if (q4)
+		for (size_t i = t->n; i % 32; i++)
+			CHECK(q4_code(b->m, i) == 0 && q4_code(b->v, i) == 0, "%s: q4 padding code %zu not 0", tag, i);
 	if (!(fabs(sumsq - ss_ref) <= ss_tol + 1e-300) && !(isinf(ss_ref) && isinf(sumsq)))
 		CHECK(0, "%s: sumsq %.17g ref %.17g", tag, sumsq, ss_ref);
 	checks++;
@@ -924,7 +971,7 @@ static void one_case(struct tcase *t)
 	for (size_t vi = 0; vi < nrunnable; vi++) {
 		const struct aoqk_kernel *k = runnable[vi].k;
 		int ftz = !strncmp(k->name, "avx512bf16", 10);
-		int approx = aoqk_precision_q8(t->prec) && k->q8_approx;
+		int approx = aoqk_precision_blocked(t->prec) && k->q8_approx;
 		struct tcase ta = *t;
 		ta.q8_approx = approx ? k->q8_approx : 0;
 		tbuf_copy(&bv, &b0, t);
@@ -1090,6 +1137,18 @@ static void contract_cases(const struct aoqk_kernel *k)
 	t.hp.step = 0;
 	CHECK(run_kernel(k, &t, &b, 0, 256, 0, &rep) == -EINVAL, "step 0 accepted");
 	tbuf_free(&b);
+	/* q4: blocks of 128 */
+	t = (struct tcase){ .prec = AOQK_STATE_BF16_Q4, .gd = AOQK_FP32, .pd = 3, .n = 1000 };
+	random_hparams(&t);
+	tbuf_alloc(&b, &t);
+	fill_state(&b, &t);
+	CHECK(run_kernel(k, &t, &b, 64, 128, 0, &rep) == -EINVAL, "q4 unaligned begin accepted");
+	CHECK(run_kernel(k, &t, &b, 0, 200, 0, &rep) == -EINVAL, "q4 chunk ending mid-block accepted");
+	CHECK(run_kernel(k, &t, &b, 128, 128, 0, &rep) == 0, "q4 block refused");
+	CHECK(run_kernel(k, &t, &b, 896, 104, 0, &rep) == 0, "q4 last partial block refused");
+	t.prec = (enum aoqk_precision)(AOQK_STATE_BF16_Q4 + 1);
+	CHECK(run_kernel(k, &t, &b, 0, 128, 0, &rep) == -EINVAL, "unknown precision accepted");
+	tbuf_free(&b);
 }
 
 /* SGD and Lion: the precisions they take; the arrays they may not need */
@@ -1105,10 +1164,11 @@ static void contract_cases_sl(const struct aoqk_kernel *k)
 		t.hp.nesterov = false;
 		t.hp.momentum = 0.9;
 		t.null_m = 0;
-		for (int p = AOQK_STATE_Q8; p <= AOQK_STATE_BF16_Q8; p += 2) {
-			t.prec = (enum aoqk_precision)p;
-			CHECK(run_kernel(k, &t, &b, 0, 256, 0, &rep) == -EINVAL, "%s: %s q8 state accepted",
-			      k->name, opt_names[opt]);
+		static const int qp[] = { AOQK_STATE_Q8, AOQK_STATE_BF16_Q8, AOQK_STATE_Q4, AOQK_STATE_BF16_Q4 };
+		for (size_t pi = 0; pi < 4; pi++) {
+			t.prec = (enum aoqk_precision)qp[pi];
+			CHECK(run_kernel(k, &t, &b, 0, 256, 0, &rep) == -EINVAL, "%s: %s q8/q4 state %d accepted",
+			      k->name, opt_names[opt], qp[pi]);
 		}
 		t.prec = AOQK_STATE_FP32;
 		CHECK(run_kernel(k, &t, &b, 0, 1000, 0, &rep) == 0, "%s: %s refused a valid chunk",
@@ -1183,11 +1243,11 @@ static void huge_index_case(void)
 
 static int test_numerics(void)
 {
-	static const size_t lens[] = { 0, 1, 15, 16, 17, 255, 256, 257, 65536 + 3 };
+	static const size_t lens[] = { 0, 1, 15, 16, 17, 31, 33, 127, 129, 255, 256, 257, 65536 + 3 };
 	size_t ncases = 0, nsl = 0;
 
 	for (size_t li = 0; li < sizeof(lens) / sizeof(lens[0]); li++) {
-		for (int prec = 0; prec <= AOQK_STATE_BF16_ALL; prec++)
+		for (int prec = 0; prec <= AOQK_STATE_BF16_Q4; prec++)
 			for (int gd = 0; gd < 3; gd++)
 				for (int pd = 0; pd < 4; pd++) {
 					/* the long length once per combination, the
@@ -1233,7 +1293,7 @@ static int test_numerics(void)
 						}
 	for (size_t vi = 0; vi < nrunnable; vi++) {
 		const struct aoqk_kernel *k = runnable[vi].k;
-		for (int prec = 0; prec <= AOQK_STATE_BF16_ALL; prec++)
+		for (int prec = 0; prec <= AOQK_STATE_BF16_Q4; prec++)
 			for (int gd = 0; gd < 3; gd++)
 				for (int acc = 0; acc < 2; acc++)
 					nonfinite_case(k, (enum aoqk_precision)prec, (enum aoqk_dtype)gd, acc,
@@ -1241,6 +1301,8 @@ static int test_numerics(void)
 		for (int huge = 0; huge < 2; huge++) {
 			q8_report_case(k, AOQK_STATE_Q8, huge);
 			q8_report_case(k, AOQK_STATE_BF16_Q8, huge);
+			q8_report_case(k, AOQK_STATE_Q4, huge);
+			q8_report_case(k, AOQK_STATE_BF16_Q4, huge);
 		}
 		for (int opt = OPT_SGD; opt <= OPT_LION; opt++)
 			for (int pi = 0; pi < 3; pi++)
@@ -1268,6 +1330,8 @@ static int test_numerics(void)
 /* Convergence: noisy quadratic, and the mean error of stochastic rounding. */
 
 static double qnoise = 0.1;
+/* q4 against fp32 on the noisy quadratic (kernels/README.md, "q4 moments") */
+#define Q4_TOL 0.05
 /* SGD: 2% like Adam.  Lion: its steps (lr 0.005) are below the bf16 spacing
  * of parameters near 1 (2^-7), so a bf16 master pays the resolution floor
  * (README.md, "bf16 master"): about +2% here; held to 5%. */
@@ -1286,8 +1350,8 @@ static double quad_run_opt(const struct aoqk_kernel *k, enum aoqk_precision prec
 	uint64_t save = rng_state;
 
 	tbuf_alloc(&b, &t);
-	memset(b.m, 0, n * aoqk_moment_size(prec));
-	memset(b.v, 0, n * aoqk_moment_size(prec));
+	memset(b.m, 0, aoqk_moment_bytes(prec, n));
+	memset(b.v, 0, aoqk_moment_bytes(prec, n));
 	memset(b.ms, 0, b.nb * 4);
 	memset(b.vs, 0, b.nb * 4);
 	rng_state = seed;
@@ -1431,6 +1495,61 @@ static void sr_bias(const struct aoqk_kernel *k)
 	}
 	tbuf_free(&b);
 
+	/* q4 codes: blocks of 128, the first element of each 10 g, the others
+	 * between two codes; sqrt(v) rounds stochastically as q8's, m to the
+	 * nearest code (kernels/README.md, "q4 moments") */
+	t = (struct tcase){ .prec = AOQK_STATE_Q4, .gd = AOQK_FP32, .pd = 3, .n = n };
+	tbuf_alloc(&b, &t);
+	for (int trial = 0; trial < 8; trial++) {
+		float g = (float)((0.5 + urand()) * 0.01 * (trial & 1 ? -1 : 1));
+		memset(b.m, 0, aoqk_moment_bytes(t.prec, n));
+		memset(b.v, 0, aoqk_moment_bytes(t.prec, n));
+		memset(b.ms, 0, b.nb * 4);
+		memset(b.vs, 0, b.nb * 4);
+		for (size_t i = 0; i < n; i++) {
+			((float *)b.grad)[i] = i % AOQK_Q4_BLOCK ? g : 10 * g;
+			((float *)b.master)[i] = 1.0f;
+		}
+		t.hp = (struct aoqk_hparams){ .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
+		                              .decoupled = true, .step = 1 + rnd() % 100, .grad_scale = 1.0f };
+		t.seed = rnd();
+		struct aoqk_report rep;
+		run_kernel(k, &t, &b, 0, n, 0, &rep);
+		float w1 = (float)(1.0 - t.hp.beta1), w2 = (float)(1.0 - t.hp.beta2);
+		double xs[2] = { fabsf(fmaf(w1, g, 0.0f)), sqrtf(fmaf(w2, g * g, 0.0f)) };
+		for (int mv = 0; mv < 2; mv++) {
+			double mean = 0, x = xs[mv], lo = 0, hi = 0;
+			size_t cnt = 0;
+			for (size_t i = 0; i < n; i++) {
+				if (i % AOQK_Q4_BLOCK == 0)
+					continue;
+				size_t blk = i / AOQK_Q4_BLOCK;
+				mean += mv ? sqrt(aoqk_q4_v_decode(aoqk_q4_get(b.v, i), b.vs[blk]))
+				           : fabs(aoqk_q4_m_decode(aoqk_q4_get(b.m, i), b.ms[blk]));
+				cnt++;
+			}
+			mean /= (double)cnt;
+			for (unsigned c = 0; c < (mv ? 15u : 7u); c++) {
+				lo = mv ? sqrt(aoqk_q4_v_decode(c, b.vs[0])) : aoqk_q4_m_decode(c, b.ms[0]);
+				hi = mv ? sqrt(aoqk_q4_v_decode(c + 1, b.vs[0])) : aoqk_q4_m_decode(c + 1, b.ms[0]);
+				if (hi > x)
+					break;
+			}
+			double frac = (x - lo) / (hi - lo);
+			double sigma = (hi - lo) * sqrt(frac * (1 - frac) / (double)cnt);
+			if (!mv) { /* nearest: every element the nearer code */
+				double want = frac <= 0.5 ? lo : hi;
+				CHECK(fabs(mean - want) <= 1e-6 * want, "%s: q4 m mean %.10g of x %.10g, nearest code %.10g",
+				      k->name, mean, x, want);
+				continue;
+			}
+			CHECK(fabs(mean - x) < 5 * sigma + (hi - lo) / 512 + 1e-6 * x,
+			      "%s: q4 %s SR mean %.10g of x %.10g (codes %.10g..%.10g) off by %.3g sigma", k->name,
+			      mv ? "sqrt(v)" : "m", mean, x, lo, hi, (mean - x) / sigma);
+		}
+	}
+	tbuf_free(&b);
+
 	/* SGD's bf16 momentum buffer (all bf16): buf = momentum * buf + grad,
 	 * the same value in every element, rounded with 8 random bits (P(up)
 	 * within 2^-9 of the discarded fraction: that much bias is allowed;
@@ -1471,13 +1590,14 @@ static void sr_bias(const struct aoqk_kernel *k)
 static int test_convergence(void)
 {
 	const struct aoqk_kernel *k = aoqk_select(NULL);
-	static const char *names[] = { "fp32", "q8", "bf16", "bf16_q8", "bf16_all" };
+	static const char *names[] = { "fp32", "q8", "bf16", "bf16_q8", "bf16_all", "q4", "bf16_q4" };
 	/* noise 1: the optimizer's own noise floor dominates, every precision
 	 * must end within 2% of fp32.  noise 0.1: bf16 parameters' resolution
 	 * floor (README.md: about 2% here at lr 0.05, 11% at lr 0.01) is of
 	 * the order of the loss, so only q8 (fp32 master) is held to 2% there;
 	 * the bf16 figures are printed for information.  QLR, QN override the
-	 * learning rate and the parameter count. */
+	 * learning rate and the parameter count, QPREC (digits) picks the
+	 * precisions compared with fp32. */
 	static const double sigmas[] = { 1.0, 0.1 };
 	if (getenv("QLR"))
 		qlr = (float)atof(getenv("QLR"));
@@ -1489,17 +1609,23 @@ static int test_convergence(void)
 		double base = quad_run(k, AOQK_STATE_FP32, seed);
 		printf("noisy quadratic (noise %.2g), %s, 2000 steps: fp32 tail loss %.6g\n", qnoise,
 		       k->name, base);
-		for (int p = 1; p <= AOQK_STATE_BF16_ALL; p++) {
+		for (int p = 1; p <= AOQK_STATE_BF16_Q4; p++) {
+			if (getenv("QPREC") && !strchr(getenv("QPREC"), '0' + p))
+				continue;
 			double l = quad_run(k, (enum aoqk_precision)p, seed);
 			double rel = (l - base) / base;
-			int held = si == 0 || p == AOQK_STATE_Q8;
+			int held = si == 0 || p == AOQK_STATE_Q8 || p == AOQK_STATE_Q4;
+			/* q4: 4-bit moments, held to Q4_TOL */
+			double tol = aoqk_precision_q4((enum aoqk_precision)p) ? Q4_TOL : 0.02;
 			printf("  %-8s tail loss %.6g (%+.2f%%)%s\n", names[p], l, 100 * rel,
 			       held ? "" : " (not checked)");
 			if (held)
-				CHECK(fabs(rel) <= 0.02, "%s loss %.6g vs fp32 %.6g: %+.2f%%", names[p], l,
+				CHECK(fabs(rel) <= tol, "%s loss %.6g vs fp32 %.6g: %+.2f%%", names[p], l,
 				      base, 100 * rel);
 		}
 	}
+	if (getenv("QPREC")) /* the chosen precisions alone */
+		return failures ? 1 : 0;
 	/* SGD (momentum 0.9) and Lion, noise 1: bf16 master and all bf16
 	 * against fp32 */
 	for (int opt = OPT_SGD; opt <= OPT_LION; opt++) {
