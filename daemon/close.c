@@ -42,13 +42,15 @@ static void fail_others(struct aoqd_session *m)
 void aoqd_session_close(struct aoqd_session *s)
 {
 	if (s->state == AOQD_LEASED) {
-		aoqd_lease_end(s, "server stopping");
+		aoqd_lease_end(s, "server stopping", false);
 		return;
 	}
 	/* observers (aoqctl) come and go every second: their lines are debug */
 	bool quiet = s->state == AOQD_OBSERVER ||
 	             (s->conn.job && strcmp(s->conn.job, "aoqctl") == 0);
 	uint64_t lease = aoqd_lease_for(s);
+	if (!lease && s->registered && !s->hub && !s->srv->stopping)
+		aoqd_session_forget_snapshot(s); /* the state ends here */
 	atomic_store(&s->dead, true);
 	s->state = AOQD_CLOSING;
 	aoqd_step_close(s); /* an open step will not end */

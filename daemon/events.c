@@ -37,7 +37,7 @@ void aoqd_sessions_sample(struct aoqd_server *srv)
 		next = s->next;
 		if (s->state == AOQD_LEASED) {
 			if (now >= s->lease_until)
-				aoqd_lease_end(s, "expired");
+				aoqd_lease_end(s, "expired", true);
 			continue;
 		}
 		if (s->state == AOQD_READY || s->state == AOQD_REGISTERING)

@@ -59,8 +59,10 @@ void aoqd_lease_settle(struct aoqd_session *s)
 }
 
 /* Ends a leased session for good: its memory and quota go back. */
-void aoqd_lease_end(struct aoqd_session *s, const char *why)
+void aoqd_lease_end(struct aoqd_session *s, const char *why, bool forget)
 {
+	if (forget)
+		aoqd_session_forget_snapshot(s);
 	aoqd_info("session", "session %" PRIu64 " (uid %u job '%s' rank %u): lease ended (%s)", s->id,
 	          (unsigned)s->conn.uid, s->conn.job ? s->conn.job : "", s->conn.rank, why);
 	s->state = AOQD_CLOSING;
@@ -137,7 +139,7 @@ int aoqd_lease_resume(struct aoqd_session *s, struct aoqd_error *err)
 	s->resumed_from = l->id;
 	aoqd_info("session", "session %" PRIu64 ": resumes session %" PRIu64 " (job '%s' rank %u) at step %" PRIu64,
 	          s->id, l->id, s->conn.job, s->conn.rank, s->st.last_step + 1);
-	aoqd_lease_end(l, "resumed");
+	aoqd_lease_end(l, "resumed", false);
 	return 1;
 }
 
@@ -215,12 +217,29 @@ int64_t aoqd_lease_adopt(struct aoqd_server *srv, const struct aoqd_lease_key *k
 		rep->world = key->local_world;
 		s->rep = rep;
 	}
+	/* The limits of a live registration: the uid's sessions (leased ones
+	 * included) and its quota. */
+	uint32_t count = 0;
+	for (struct aoqd_session *o = srv->sessions; o; o = o->next)
+		if (o != s && o->conn.uid == key->uid && o->state != AOQD_OBSERVER && o->state != AOQD_CLOSING)
+			count++;
+	if (count >= srv->cfg.max_sessions_per_uid) {
+		aoqd_session_unref(s); /* and job, rep */
+		AOQD_FAIL(err, QUOTA, "uid %u has %u sessions, leased ones included (max_sessions_per_uid)",
+		          (unsigned)key->uid, count);
+		return -EDQUOT;
+	}
 	if (!st->account) {
 		uint64_t n = 0;
 		for (uint32_t i = 0; i < st->ntensors; i++)
 			n += aoqd_page_round(st->tensors[i].state_len);
+		if (aoqd_account_charge(a, n, srv->cfg.max_state_bytes_per_uid) < 0) {
+			aoqd_session_unref(s); /* and job, rep */
+			AOQD_FAIL(err, QUOTA, "uid %u: %" PRIu64 " bytes of state would pass its quota of %" PRIu64
+			          " bytes (max_state_bytes_per_uid)", (unsigned)key->uid, n, srv->cfg.max_state_bytes_per_uid);
+			return -EDQUOT;
+		}
 		st->account = a;
-		aoqd_account_charge(a, n, 0);
 		st->charged += n;
 	}
 	st->quota = srv->cfg.max_state_bytes_per_uid;

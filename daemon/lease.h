@@ -42,9 +42,10 @@ struct aoqd_lease_key {
  * aoqd_state_add_undo) and be whole at the end
  * of st->last_step (no open step: every tensor's cur_step at most
  * last_step).  Its mappings are charged to the uid's account (over any
- * quota: the daemon restored them) unless st->account is set already.
- * Returns the new session's id (> 0), or -EEXIST (a session with that key
- * exists, err says which), -ENOMEM.
+ * quota and the uid's session cap, as a live registration: -EDQUOT past
+ * them) unless st->account is set already.  Returns the new session's id
+ * (> 0), or -EEXIST (a session with that key exists, err says which),
+ * -EDQUOT, -ENOMEM.
  */
 int64_t aoqd_lease_adopt(struct aoqd_server *srv, const struct aoqd_lease_key *key, struct aoqd_state *st,
                          uint64_t lease_ns, struct aoqd_error *err);
@@ -57,8 +58,10 @@ uint64_t aoqd_lease_for(const struct aoqd_session *s);
 /* Once only the list's reference is left: the interrupted step goes back,
  * the arena goes and stops counting against the quota.  No-op otherwise. */
 void aoqd_lease_settle(struct aoqd_session *s);
-/* Ends a leased session for good: its memory and quota go back. */
-void aoqd_lease_end(struct aoqd_session *s, const char *why);
+/* Ends a leased session for good: its memory and quota go back; with
+ * `forget` (expired, dropped, a resume that failed) its key's snapshot
+ * file goes too (aoqd_session_forget_snapshot). */
+void aoqd_lease_end(struct aoqd_session *s, const char *why, bool forget);
 bool aoqd_lease_same_key(const struct aoqd_session *a, uid_t uid, const char *job, uint32_t rank);
 /* The leased session keyed (uid, job, rank), or NULL. */
 struct aoqd_session *aoqd_lease_find(struct aoqd_server *srv, uid_t uid, const char *job, uint32_t rank);

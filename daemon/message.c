@@ -307,7 +307,7 @@ static int on_drop(struct aoqd_session *who, const Aoq__Envelope *env, struct ao
 	char why[64];
 	snprintf(why, sizeof(why), "dropped by uid %u", (unsigned)who->conn.uid);
 	if (s->state == AOQD_LEASED) {
-		aoqd_lease_end(s, why);
+		aoqd_lease_end(s, why, true);
 	} else {
 		struct aoqd_error e;
 		AOQD_FAIL(&e, NOT_FOUND, "session %" PRIu64 " %s (aoqctl drop)", id, why);

@@ -254,6 +254,7 @@ int aoqd_register_finish(struct aoqd_session *s, uv_poll_cb on_doorbell, aoqd_ad
 		 * (its closed socket ends the session next), so the state it
 		 * took over is leased again instead of lost. */
 		s->state = AOQD_READY;
+		s->registered = true;
 		aoqd_info("session", "session %" PRIu64 ": the trainer went away while resuming at step %" PRIu64, s->id,
 		          st->last_step + 1);
 		return AOQD_REPLIED;
@@ -261,6 +262,7 @@ int aoqd_register_finish(struct aoqd_session *s, uv_poll_cb on_doorbell, aoqd_ad
 	if (r < 0)
 		return AOQD_FAIL(err, INTERNAL, "cannot send the arena: %s", strerror(-r));
 	s->state = AOQD_READY;
+	s->registered = true;
 	aoqd_info("session", "session %" PRIu64 ": registered %u tensors in %u groups, %" PRIu64
 	          " bytes of state (%s), arena %" PRIu64 " bytes, masters shared %" PRIu64 " bytes",
 	          s->id, st->ntensors, st->ngroups, st->state_bytes,
@@ -364,6 +366,7 @@ int aoqd_register_member(struct aoqd_session *s, struct aoqd_session *hub, uv_po
 	if (r < 0)
 		return AOQD_FAIL(err, INTERNAL, "cannot send the arena: %s", strerror(-r));
 	s->state = AOQD_READY;
+	s->registered = true;
 	aoqd_info("session", "session %" PRIu64 ": local rank %u of %u joined replica group %" PRIu64, s->id,
 	          s->local_rank, hub->rep->world, hub->id);
 	return AOQD_REPLIED;

@@ -87,6 +87,8 @@ static void group_gone(struct aoqd_session *h)
 	uint64_t lease = h->rep->lost ? aoqd_lease_for(h) : 0;
 	hub_detach(h);
 	if (!lease) {
+		if (!h->srv->stopping)
+			aoqd_session_forget_snapshot(h); /* the group's state ends here */
 		aoqd_session_unref(h); /* the hub list's */
 		return;
 	}
@@ -141,12 +143,12 @@ static int group_join(struct aoqd_session *s, struct aoqd_error *err)
 		h->resumed_from = l->id;
 		if ((r = aoqd_register_hub(h, s, true, err)) < 0) {
 			aoqd_session_unref(h); /* the state goes: the new group failed to start */
-			aoqd_lease_end(l, "its resume failed");
+			aoqd_lease_end(l, "its resume failed", true);
 			return r;
 		}
 		aoqd_info("session", "replica group %" PRIu64 ": resumes session %" PRIu64 " (job '%s', %u local ranks) at "
 		          "step %" PRIu64, h->id, l->id, s->conn.job, s->local_world, h->st.last_step + 1);
-		aoqd_lease_end(l, "resumed");
+		aoqd_lease_end(l, "resumed", false);
 		h->next = srv->hubs;
 		srv->hubs = h;
 	} else if (h) {

@@ -229,7 +229,7 @@ static int restore_one(const struct aoqd_snap_key *k, uint64_t step, struct aoqd
 	if (id < 0) {
 		aoqd_warn("server", "snapshot of uid %u job '%s' rank %u not restored: %s", k->uid, k->job, k->rank,
 		          err.msg[0] ? err.msg : strerror((int)-id));
-		return -1; /* restore_all frees it */
+		return id == -EDQUOT ? -EDQUOT : -1; /* restore_all frees it (and removes a file past the limits) */
 	}
 	free(st); /* adopt took the arrays and zeroed *st */
 	aoqd_info("server", "session %" PRId64 ": uid %u job '%s' rank %u restored at step %" PRIu64

@@ -5,12 +5,17 @@
  * aoqd_session_unref(), whose last call may come from a worker, and
  * aoqd_session_ref().
  */
+#include <inttypes.h>
+#include <limits.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #ifdef __GLIBC__
 #include <malloc.h>
 #endif
 
+#include "log.h"
 #include "server.h"
 #include "session.h"
 #include "snapshot.h"
@@ -165,6 +170,20 @@ struct aoqd_session *aoqd_session_next(struct aoqd_server *srv, struct aoqd_sess
 	return NULL;
 }
 
+
+void aoqd_session_forget_snapshot(struct aoqd_session *s)
+{
+	const char *dir = s->srv->cfg.state_dir;
+	s->snap_forget = true;
+	if (!dir || !*dir || !s->conn.job)
+		return;
+	struct aoqd_snap_key key = { .uid = (uint32_t)s->conn.uid, .rank = s->conn.rank,
+		                     .local_world = s->rep ? s->rep->world : 0 };
+	snprintf(key.job, sizeof(key.job), "%s", s->conn.job);
+	char path[PATH_MAX];
+	if (aoqd_snapshot_path(dir, &key, path, sizeof(path)) == 0 && unlink(path) == 0)
+		aoqd_info("snapshot", "session %" PRIu64 ": %s removed (the state ended)", s->id, path);
+}
 
 /* Root, or a member of admin_gid (primary or supplementary group). */
 bool aoqd_session_is_admin(const struct aoqd_session *who)

@@ -115,6 +115,12 @@ struct aoqd_session {
 	 * for to settle.  resumed_from: the leased session's id. */
 	uint64_t lease_ns;
 	bool no_lease;
+	/* registered: the session reached READY (its key may have a snapshot
+	 * file); snap_forget: its state ended for good, so its key's file is
+	 * deleted, and so is one a write still under way puts in place
+	 * (docs/snapshots.md, "Retention"). */
+	bool registered;
+	bool snap_forget;
 	uint64_t lease_until;
 	bool settled;
 	uint64_t adopt_wait;
@@ -173,6 +179,10 @@ struct aoqd_session *aoqd_session_find(struct aoqd_server *srv, uint64_t id);
 /* The next session after s (NULL: the first), live or leased, to walk
  * every one (do not close sessions while walking). */
 struct aoqd_session *aoqd_session_next(struct aoqd_server *srv, struct aoqd_session *s);
+/* s's state ended for good (Bye, drop, failure, its lease over): the
+ * snapshot file of its key goes from state_dir, now and after a write
+ * still under way (s->snap_forget). */
+void aoqd_session_forget_snapshot(struct aoqd_session *s);
 /* Root, or a member of admin_gid (primary or supplementary group); whether
  * `who` may see (trace, snapshot, drop) s: an admin, or s's uid. */
 bool aoqd_session_is_admin(const struct aoqd_session *who);

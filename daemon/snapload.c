@@ -445,13 +445,29 @@ static void remove_temp(int dfd, const char *dir, const char *name)
 		          (uint64_t)sb.st_size);
 }
 
+/* A directory entry to restore, newest first. */
+struct entry {
+	char *name;
+	int64_t mtime_ns;
+};
+
+static int cmp_newest(const void *x, const void *y)
+{
+	int64_t a = ((const struct entry *)x)->mtime_ns, b = ((const struct entry *)y)->mtime_ns;
+	return a > b ? -1 : a < b;
+}
+
 int aoqd_snapshot_restore_all(const char *dir, int lock_memory, _Atomic uint64_t *locked_total,
                               aoqd_snapshot_restore_fn fn, void *arg)
 {
 	DIR *d = opendir(dir);
 	if (!d)
 		return -errno;
-	int taken = 0;
+	/* Temp files go; the snapshots are restored newest first, so that a
+	 * uid past its limits keeps its latest states (docs/snapshots.md,
+	 * "Retention"). */
+	struct entry *ents = NULL;
+	size_t n = 0, cap = 0;
 	struct dirent *e;
 	while ((e = readdir(d))) {
 		if (is_temp(e->d_name)) {
@@ -461,8 +477,29 @@ int aoqd_snapshot_restore_all(const char *dir, int lock_memory, _Atomic uint64_t
 		size_t l = strlen(e->d_name), sl = strlen(AOQD_SNAPSHOT_SUFFIX);
 		if (e->d_name[0] == '.' || l <= sl || strcmp(e->d_name + l - sl, AOQD_SNAPSHOT_SUFFIX) != 0)
 			continue;
+		struct stat sb;
+		int64_t t = fstatat(dirfd(d), e->d_name, &sb, AT_SYMLINK_NOFOLLOW) == 0
+		                    ? (int64_t)sb.st_mtim.tv_sec * 1000000000 + sb.st_mtim.tv_nsec : 0;
+		if (n == cap) {
+			size_t nc = cap ? 2 * cap : 64;
+			struct entry *p = realloc(ents, nc * sizeof(*p));
+			if (!p)
+				break;
+			ents = p;
+			cap = nc;
+		}
+		if (!(ents[n].name = strdup(e->d_name)))
+			break;
+		ents[n++].mtime_ns = t;
+	}
+	closedir(d);
+	if (n)
+		qsort(ents, n, sizeof(*ents), cmp_newest);
+	int taken = 0;
+	for (size_t i = 0; i < n; i++) {
+		const char *name = ents[i].name;
 		char path[PATH_MAX], why[512];
-		if (snprintf(path, sizeof(path), "%s/%s", dir, e->d_name) >= (int)sizeof(path))
+		if (snprintf(path, sizeof(path), "%s/%s", dir, name) >= (int)sizeof(path))
 			continue;
 		struct aoqd_snap_key key;
 		uint64_t step;
@@ -490,15 +527,22 @@ int aoqd_snapshot_restore_all(const char *dir, int lock_memory, _Atomic uint64_t
 			free(st);
 			continue;
 		}
-		if (fn(&key, step, st, arg) < 0) {
+		r = fn(&key, step, st, arg);
+		if (r < 0) {
 			aoqd_state_free(st, locked_total);
 			free(st);
+			/* past the uid's limits: a state it could not hold live */
+			if (r == -EDQUOT && unlink(path) == 0)
+				aoqd_warn("snapshot", "%s removed: uid %u holds as many restored states as its limits allow "
+				          "(max_sessions_per_uid, max_state_bytes_per_uid)", path, key.uid);
 			continue;
 		}
 		aoqd_info("snapshot", "restored uid %u job '%s' rank %u at step %" PRIu64 " from %s", key.uid, key.job,
 		          key.rank, step, path);
 		taken++;
 	}
-	closedir(d);
+	for (size_t i = 0; i < n; i++)
+		free(ents[i].name);
+	free(ents);
 	return taken;
 }

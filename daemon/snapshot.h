@@ -109,7 +109,8 @@ int aoqd_snapshot_load(const char *path, int lock_memory, _Atomic uint64_t *lock
  * (key, step, state) to fn.  The state is malloc'ed and filled (arrays
  * allocated, locked per lock_memory, counted in *locked_total, no account
  * charged): fn takes it (returns 0; it frees it later with
- * aoqd_state_free() and free()) or refuses it (< 0: freed here).  The
+ * aoqd_state_free() and free()) or refuses it (< 0: freed here; -EDQUOT:
+ * past the uid's limits, the file is removed too).  Newest files first.  The
  * coordinator wires fn to the lease code (aoqd_lease_adopt).  A file that does not load is logged
  * and skipped.  Returns the number of states taken, or -errno when dir
  * cannot be read (-ENOENT: no directory, nothing to restore).

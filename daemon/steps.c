@@ -51,7 +51,10 @@ static void snap_done(void *arg, int r, const char *path, const char *why)
 	struct snap_req *q = arg;
 	struct aoqd_session *s = q->s, *who = q->who;
 	double secs = (double)(aoqd_now_ns() - q->t0) / 1e9;
-	if (r == 0) {
+	if (r == 0 && s->snap_forget && unlink(path) == 0) {
+		/* the state ended while its file was written: it goes */
+		aoqd_info("snapshot", "session %" PRIu64 ": %s removed (the state ended during its write)", s->id, path);
+	} else if (r == 0) {
 		s->snap_step = q->boundary;
 		s->snap_wall_ns = aoqd_wall_ns();
 		aoqd_log(who ? AOQD_LOG_INFO : AOQD_LOG_DEBUG, "snapshot",

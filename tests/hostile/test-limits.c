@@ -13,11 +13,17 @@
  *              replica_wait_seconds (1 s) plus the sampler's second, not at
  *              libaoq's own 120 s deadline;
  *   push       both ranks joined, rank 0 pushes step 1, rank 1 sends
- *              nothing: both get PEER_LOST naming rank 1, as bounded.
+ *              nothing: both get PEER_LOST naming rank 1, as bounded;
+ *   retention  a snapshot file goes with its state: at Bye, at a drop of
+ *              the lease; a restart with max_sessions_per_uid = 2 restores
+ *              the newest two of a uid's three files as leases and removes
+ *              the third (it used to restore all three past the cap).
  */
 #include <errno.h>
 #include <inttypes.h>
 #include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -168,6 +174,134 @@ static void case_push(void)
 	stop();
 }
 
+/* ---- retention ---- */
+
+static char sd[200];
+
+static uint64_t session_of(const char *job, const char *state)
+{
+	uint64_t id = 0;
+	for (int tries = 0; tries < 500 && !id; tries++) {
+		Aoq__Envelope *e = NULL;
+		CHECK_OK(aoqt_stats(daemon_.socket, &e));
+		for (size_t k = 0; k < e->stats->n_sessions; k++)
+			if (strcmp(e->stats->sessions[k]->job, job) == 0 && strcmp(e->stats->sessions[k]->state, state) == 0)
+				id = e->stats->sessions[k]->id;
+		aoq_envelope_free(e);
+		if (!id)
+			usleep(20000);
+	}
+	CHECK(id, "no %s session of job %s", state, job);
+	return id;
+}
+
+/* A trainer in a child process (trains two steps, then waits to be
+ * killed: no Bye, so its state is leased). */
+static pid_t trainer_child(const char *job)
+{
+	int p[2];
+	CHECK(pipe(p) == 0, "pipe");
+	pid_t pid = fork();
+	CHECK(pid >= 0, "fork");
+	if (pid == 0) {
+		close(p[0]);
+		struct aoqt_job j;
+		aoqt_job_open(&j, daemon_.socket, job, 2, 4096);
+		aoqt_job_step(&j);
+		aoqt_job_step(&j);
+		char c = 1;
+		if (write(p[1], &c, 1) != 1)
+			_exit(1);
+		for (;;)
+			pause();
+	}
+	close(p[1]);
+	char c;
+	CHECK(read(p[0], &c, 1) == 1, "%s: the trainer did not train", job);
+	close(p[0]);
+	return pid;
+}
+
+static void snapshot_of(const char *job, char *path, size_t len)
+{
+	uint64_t step = 0;
+	int r = aoqt_snapshot(daemon_.socket, session_of(job, "training"), path, len, &step);
+	CHECK(r == 0 && step == 2, "%s: snapshot: %d %s", job, r, path);
+}
+
+static bool gone(const char *path)
+{
+	struct stat sb;
+	for (int i = 0; i < 100; i++) {
+		if (stat(path, &sb) < 0 && errno == ENOENT)
+			return true;
+		usleep(20000);
+	}
+	return false;
+}
+
+static void kill_child(pid_t pid)
+{
+	kill(pid, SIGKILL);
+	waitpid(pid, NULL, 0);
+}
+
+static void case_retention(void)
+{
+	snprintf(sd, sizeof(sd), "/tmp/aoqt-ret-%d", (int)getpid());
+	CHECK(mkdir(sd, 0700) == 0, "mkdir %s", sd);
+	char cfg[400], path[3][512];
+	snprintf(cfg, sizeof(cfg), "state_dir = %s\nlease_seconds = 60\nmax_sessions_per_uid = 3\n", sd);
+	start_with(cfg);
+	/* Bye: the state ends, its file goes. */
+	struct aoqt_job j;
+	aoqt_job_open(&j, daemon_.socket, "ret-bye", 2, 4096);
+	aoqt_job_step(&j);
+	aoqt_job_step(&j);
+	snapshot_of("ret-bye", path[0], sizeof(path[0]));
+	aoqt_job_close(&j);
+	CHECK(gone(path[0]), "retention: %s stayed after Bye", path[0]);
+	/* A lease dropped: its file goes; while leased it stays. */
+	pid_t pid = trainer_child("ret-drop");
+	snapshot_of("ret-drop", path[0], sizeof(path[0]));
+	kill_child(pid);
+	uint64_t id = session_of("ret-drop", "leased");
+	struct stat sb;
+	CHECK(stat(path[0], &sb) == 0, "retention: %s went while its state is leased", path[0]);
+	char msg[256];
+	CHECK_OK(aoqt_drop(daemon_.socket, id, msg, sizeof(msg)));
+	CHECK(gone(path[0]), "retention: %s stayed after its lease was dropped", path[0]);
+	/* Three leases with files, then a restart under a cap of two. */
+	const char *jobs[3] = { "ret-a", "ret-b", "ret-c" };
+	for (int i = 0; i < 3; i++) {
+		pid = trainer_child(jobs[i]);
+		snapshot_of(jobs[i], path[i], sizeof(path[i]));
+		kill_child(pid);
+		session_of(jobs[i], "leased");
+		usleep(20000); /* distinct mtimes: a is the oldest */
+	}
+	kill(daemon_.pid, SIGKILL);
+	aoqt_daemon_stop(&daemon_, 1000, false);
+	snprintf(cfg, sizeof(cfg), "state_dir = %s\nlease_seconds = 60\nmax_sessions_per_uid = 2\n", sd);
+	start_with(cfg);
+	session_of("ret-b", "leased");
+	session_of("ret-c", "leased");
+	Aoq__Envelope *e = NULL;
+	CHECK_OK(aoqt_stats(daemon_.socket, &e));
+	uint32_t leased = 0;
+	for (size_t k = 0; k < e->stats->n_sessions; k++)
+		leased += strcmp(e->stats->sessions[k]->state, "leased") == 0;
+	aoq_envelope_free(e);
+	printf("retention: %u leased sessions restored under a cap of 2\n", leased);
+	CHECK(leased == 2, "retention: %u sessions restored past max_sessions_per_uid = 2", leased);
+	CHECK(gone(path[0]), "retention: the oldest file %s stayed past the cap", path[0]);
+	stop();
+	char cmd[256];
+	snprintf(cmd, sizeof(cmd), "rm -rf %s", sd);
+	CHECK(system(cmd) == 0, "rm");
+	printf("retention: files go with their state; a restore keeps the uid's limits\n");
+}
+
 int main(int argc, char **argv)
 {
 	aoqt_init("limits");
@@ -184,6 +318,8 @@ int main(int argc, char **argv)
 		case_join();
 	if (all || strcmp(c, "push") == 0)
 		case_push();
+	if (all || strcmp(c, "retention") == 0)
+		case_retention();
 	unlink(conf);
 	printf("ok\n");
 	return 0;
