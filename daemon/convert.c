@@ -76,3 +76,38 @@ void aoqd_q8_encode(void *codes, float *scales, const float *src, bool second, u
 		}
 	}
 }
+
+void aoqd_q4_decode(float *dst, const void *codes, const float *scales, bool second, uint64_t first, size_t n)
+{
+	for (size_t i = 0; i < n; i++) {
+		uint64_t e = first + i;
+		float s = scales[e / AOQK_Q4_BLOCK];
+		unsigned c = aoqk_q4_get(codes, e);
+		dst[i] = second ? aoqk_q4_v_decode(c, s) : aoqk_q4_m_decode(c, s);
+	}
+}
+
+void aoqd_q4_encode(void *codes, float *scales, const float *src, bool second, uint64_t first, size_t n,
+                    uint64_t numel)
+{
+	for (size_t b = 0; b < n; b += AOQK_Q4_BLOCK) {
+		size_t len = n - b < AOQK_Q4_BLOCK ? n - b : AOQK_Q4_BLOCK;
+		float mx = 0;
+		for (size_t i = 0; i < len; i++) {
+			float x = second ? sqrtf(fmaxf(src[b + i], 0.0f)) : fabsf(src[b + i]);
+			if (x > mx)
+				mx = x;
+		}
+		uint64_t e0 = first + b;
+		scales[e0 / AOQK_Q4_BLOCK] = mx;
+		float inv = aoqk_q8_inv(second ? AOQK_Q4_U_TOP : AOQK_Q4_M_TOP, mx);
+		for (size_t i = 0; i < len; i++)
+			aoqk_q4_put(codes, e0 + i, second ? aoqk_q4_v_encode(src[b + i], inv)
+			                                  : aoqk_q4_m_encode(src[b + i], inv));
+	}
+	/* the last group's codes past the tensor's end: 0, as the kernels
+	 * write them */
+	if (first + n == numel)
+		for (uint64_t e = numel; e % AOQK_Q4_GROUP; e++)
+			aoqk_q4_put(codes, e, 0);
+}

@@ -21,4 +21,11 @@ void aoqd_from_f32(void *dst, enum aoqk_dtype t, const float *src, size_t n);
 void aoqd_q8_decode(float *dst, const void *codes, const float *scales, bool second, uint64_t first, size_t n);
 void aoqd_q8_encode(void *codes, float *scales, const float *src, bool second, uint64_t first, size_t n);
 
+/* q4 moments, the same way (kernels/README.md, "q4 moments"); first is a
+ * block boundary for the encode, and numel the tensor's length (the
+ * codes past it in its last group are set to 0). */
+void aoqd_q4_decode(float *dst, const void *codes, const float *scales, bool second, uint64_t first, size_t n);
+void aoqd_q4_encode(void *codes, float *scales, const float *src, bool second, uint64_t first, size_t n,
+                    uint64_t numel);
+
 #endif

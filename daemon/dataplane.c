@@ -326,9 +326,9 @@ static bool rec_valid(struct aoqd_session *s, const struct aoqd_session *m, cons
 			return false;
 		}
 	}
-	if (aoqk_precision_q8((enum aoqk_precision)s->st.precision) &&
+	if (aoqk_precision_blocked((enum aoqk_precision)s->st.precision) &&
 	    (r->offset % AOQK_Q8_BLOCK || (r->count % AOQK_Q8_BLOCK && r->offset + r->count != t->numel))) {
-		snprintf(why, len, "tensor %u: q8 state needs chunks on %u-element blocks", r->tensor, AOQK_Q8_BLOCK);
+		snprintf(why, len, "tensor %u: q8 and q4 state need chunks on %u-element blocks", r->tensor, AOQK_Q8_BLOCK);
 		return false;
 	}
 	/* The client posts every record of a step before its StepEnd, but the

@@ -5,7 +5,7 @@
  * of a live state and the writer thread are snapshot.c.
  *
  * The file: header = JSON object with one entry per array
- * ("<key>.master", "<key>.exp_avg", "<key>.exp_avg_sq", and for q8
+ * ("<key>.master", "<key>.exp_avg", "<key>.exp_avg_sq", and for q8 and q4
  * "<key>.exp_avg.scale", "<key>.exp_avg_sq.scale") and a __metadata__ map of
  * strings.  Arrays are laid out by element size (4-byte dtypes first, then
  * 2, then 1), each class in tensor order, contiguous, so every array is
@@ -37,7 +37,7 @@
 
 const char *const snap_arr_suffix[A_N] = { "master", "exp_avg", "exp_avg_sq", "exp_avg.scale", "exp_avg_sq.scale" };
 
-const char *const snap_prec_names[SNAP_NPREC] = { "fp32", "q8", "bf16", "bf16_q8", "bf16_all" };
+const char *const snap_prec_names[SNAP_NPREC] = { "fp32", "q8", "bf16", "bf16_q8", "bf16_all", "q4", "bf16_q4" };
 const char *const snap_kind_names[SNAP_NKIND] = { "adamw", "adam", "sgd", "lion" };
 const char *const snap_dtype_names[SNAP_NDTYPE] = { "fp32", "bf16", "fp16" };
 
@@ -46,7 +46,9 @@ const char *const snap_dtype_names[SNAP_NDTYPE] = { "fp32", "bf16", "fp16" };
 bool snap_arr_info(enum aoqk_precision p, uint64_t n, unsigned moments, int k, const char **dtype,
                    uint64_t *elems, unsigned *esize)
 {
-	bool q8 = aoqk_precision_q8(p);
+	/* q8 and q4: U8 codes (q4: two a byte, aoqk_moment_bytes of them) and
+	 * an F32 scale per block */
+	bool q8 = aoqk_precision_blocked(p);
 	switch (k) {
 	case A_MASTER:
 		*dtype = aoqk_precision_bf16_master(p) ? "BF16" : "F32";
@@ -58,15 +60,15 @@ bool snap_arr_info(enum aoqk_precision p, uint64_t n, unsigned moments, int k, c
 		if (moments < (k == A_M ? 1u : 2u))
 			return false;
 		*dtype = q8 ? "U8" : aoqk_precision_bf16_moments(p) ? "BF16" : "F32";
-		*esize = (unsigned)aoqk_moment_size(p);
-		*elems = n;
+		*esize = q8 ? 1u : (unsigned)aoqk_moment_size(p);
+		*elems = aoqk_moment_bytes(p, n) / *esize;
 		return true;
 	default:
 		if (!q8 || moments < (k == A_MS ? 1u : 2u))
 			return false;
 		*dtype = "F32";
 		*esize = 4;
-		*elems = (n + AOQK_Q8_BLOCK - 1) / AOQK_Q8_BLOCK;
+		*elems = aoqk_scale_count(p, n);
 		return true;
 	}
 }
@@ -98,6 +100,11 @@ uint32_t snap_crc(uint32_t crc, const void *p, uint64_t n)
 #define Q8_FORMAT "blockwise-256, code format 2: exp_avg uint8 codes, bit 7 the sign, bits 0-6 an e3m4 float c: " \
                   "|m| = (u2f((c + 1920) << 19) - u2f(1920 << 19)) * (scale / TOP_M); exp_avg_sq uint8 codes c (e3m5): " \
                   "sqrt(v) = (u2f((c + 3840) << 18) - u2f(3840 << 18)) * (scale / TOP_U); u2f reads the bits as fp32 " \
+                  "(docs/snapshots.md)"
+#define Q4_FORMAT "blockwise-128, q4 format 1: two codes a byte, element i of each 32 in byte i % 16 of their 16, " \
+                  "bits 4-7 for i % 32 >= 16; exp_avg nibbles, bit 3 the sign, bits 0-2 an e2m1 float c: " \
+                  "|m| = (u2f((c + 248) << 22) - u2f(248 << 22)) * (scale / TOP_M); exp_avg_sq nibbles c (e2m2): " \
+                  "sqrt(v) = (u2f((c + 496) << 21) - u2f(496 << 21)) * (scale / TOP_U); u2f reads the bits as fp32 " \
                   "(docs/snapshots.md)"
 
 /* ---- the file ---- */
@@ -364,6 +371,8 @@ struct aoqd_snapfile *aoqd_snapfile_prepare(const struct aoqd_snap_key *key, uin
 			goto fail;
 	}
 	if (aoqk_precision_q8(f->prec) && add_str(meta, "q8_format", Q8_FORMAT) < 0)
+		goto fail;
+	if (aoqk_precision_q4(f->prec) && add_str(meta, "q4_format", Q4_FORMAT) < 0)
 		goto fail;
 	if (add_str(meta, "checksum", "crc32:00000000") < 0)
 		goto fail;

@@ -20,7 +20,7 @@ extern const char *const snap_arr_suffix[A_N];
 
 /* The metadata's names of enum aoqk_precision, the group kinds and the
  * tensor dtypes, indexed by their values. */
-#define SNAP_NPREC 5
+#define SNAP_NPREC 7
 #define SNAP_NKIND 4
 #define SNAP_NDTYPE 3
 extern const char *const snap_prec_names[SNAP_NPREC];

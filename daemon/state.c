@@ -72,9 +72,9 @@ bool aoqd_hp_valid(int kind, const Aoq__Hyperparams *h, char *why, size_t len)
 
 bool aoqd_kind_precision_ok(int kind, Aoq__StatePrecision p)
 {
-	/* kernels/README.md, "SGD and Lion": no q8 moment for SGD and Lion */
+	/* kernels/README.md, "SGD and Lion": no q8 or q4 moment for SGD and Lion */
 	if (kind == AOQ__OPTIMIZER_KIND__SGD || kind == AOQ__OPTIMIZER_KIND__LION)
-		return !aoqk_precision_q8((enum aoqk_precision)p);
+		return !aoqk_precision_blocked((enum aoqk_precision)p);
 	return true;
 }
 
@@ -112,10 +112,9 @@ bool aoqd_dtype_valid(int d)
 
 uint64_t aoqd_state_len(enum aoqk_precision p, uint64_t n, unsigned moments, uint64_t off[5])
 {
-	uint64_t blocks = (n + AOQK_Q8_BLOCK - 1) / AOQK_Q8_BLOCK;
 	uint64_t master = n * aoqk_master_size(p);
-	uint64_t mom = n * aoqk_moment_size(p);
-	uint64_t scale = aoqk_precision_q8(p) ? blocks * 4 : 0;
+	uint64_t mom = aoqk_moment_bytes(p, n);
+	uint64_t scale = aoqk_scale_count(p, n) * 4;
 	uint64_t o = 0;
 	off[0] = o; o = aoq_align_up(o + master, 64);
 	off[1] = o; o = aoq_align_up(o + (moments >= 1 ? mom : 0), 64);
@@ -291,8 +290,8 @@ int aoqd_state_alloc(struct aoqd_state *st, int lock_memory, _Atomic uint64_t *l
 		x->st.master = p + off[0];
 		x->st.m = moments >= 1 ? p + off[1] : NULL; /* SGD without momentum: none */
 		x->st.v = moments >= 2 ? p + off[2] : NULL; /* SGD and Lion: none */
-		x->st.m_scale = aoqk_precision_q8(prec) ? (float *)(p + off[3]) : NULL;
-		x->st.v_scale = aoqk_precision_q8(prec) ? (float *)(p + off[4]) : NULL;
+		x->st.m_scale = aoqk_precision_blocked(prec) ? (float *)(p + off[3]) : NULL;
+		x->st.v_scale = aoqk_precision_blocked(prec) ? (float *)(p + off[4]) : NULL;
 	}
 	/* The daemon's mappings are made: nobody maps the masters writable
 	 * again, nor changes their size (the client's mapping is read-only). */
@@ -413,6 +412,12 @@ void aoqd_state_io(struct aoqd_tensor *t, int what, bool load, float *buf, uint6
 			aoqd_q8_encode(mom, scale, buf, second, e, n);
 		else
 			aoqd_q8_decode(buf, mom, scale, second, e, n);
+	} else if (aoqk_precision_q4(t->st.precision)) {
+		float *scale = second ? t->st.v_scale : t->st.m_scale;
+		if (load)
+			aoqd_q4_encode(mom, scale, buf, second, e, n, t->numel);
+		else
+			aoqd_q4_decode(buf, mom, scale, second, e, n);
 	} else if (aoqk_precision_bf16_moments(t->st.precision)) {
 		if (load)
 			aoqd_from_f32((uint16_t *)mom + e, AOQK_BF16, buf, n);
@@ -460,17 +465,21 @@ static void range_copy(const struct aoqd_tensor *t, uint64_t b, uint64_t n, uint
 {
 	const uint8_t *base = t->state_mem;
 	enum aoqk_precision p = t->st.precision;
+	/* q8, q4: the ranges start on a block and end on one or at the end;
+	 * q4's codes are bytes [b / 2, the end of the group of b + n) */
+	uint64_t blk = aoqk_block(p) ? aoqk_block(p) : 1;
+	bool q4 = aoqk_precision_q4(p);
+	uint64_t mb = q4 ? b / 2 : b, mn = q4 ? aoqk_moment_bytes(p, b + n) - b / 2 : n;
 	struct {
 		void *arr;
 		size_t el;
 		uint64_t b, n;
 	} part[5] = {
 		{ t->st.master, aoqk_master_size(p), b, n },
-		{ t->st.m, aoqk_moment_size(p), b, n },
-		{ t->st.v, aoqk_moment_size(p), b, n },
-		/* q8: the ranges start on a block and end on one or at the end */
-		{ t->st.m_scale, 4, b / AOQK_Q8_BLOCK, (b + n + AOQK_Q8_BLOCK - 1) / AOQK_Q8_BLOCK - b / AOQK_Q8_BLOCK },
-		{ t->st.v_scale, 4, b / AOQK_Q8_BLOCK, (b + n + AOQK_Q8_BLOCK - 1) / AOQK_Q8_BLOCK - b / AOQK_Q8_BLOCK },
+		{ t->st.m, q4 ? 1 : aoqk_moment_size(p), mb, mn },
+		{ t->st.v, q4 ? 1 : aoqk_moment_size(p), mb, mn },
+		{ t->st.m_scale, 4, b / blk, (b + n + blk - 1) / blk - b / blk },
+		{ t->st.v_scale, 4, b / blk, (b + n + blk - 1) / blk - b / blk },
 	};
 	for (int i = 0; i < 5; i++) {
 		if (!part[i].arr)

@@ -82,9 +82,9 @@ static int transfer_valid(struct aoqd_session *m, uint32_t tensor, int what, int
 			                 m->local_rank, b, e);
 	}
 	if (load && (what == AOQ__STATE_KIND__EXP_AVG || what == AOQ__STATE_KIND__EXP_AVG_SQ) &&
-	    aoqk_precision_q8((enum aoqk_precision)s->st.precision) &&
+	    aoqk_precision_blocked((enum aoqk_precision)s->st.precision) &&
 	    (offset % AOQK_Q8_BLOCK || (count % AOQK_Q8_BLOCK && offset + count != t->numel)))
-		return AOQD_REFUSE(err, INVALID, "q8 moments load in whole blocks of %u elements", AOQK_Q8_BLOCK);
+		return AOQD_REFUSE(err, INVALID, "q8 and q4 moments load in whole blocks of %u elements", AOQK_Q8_BLOCK);
 	return 0;
 }
 

@@ -84,6 +84,8 @@ const char *ctl_precision_name(int p)
 	case AOQ__STATE_PRECISION__STATE_BF16: return "bf16";
 	case AOQ__STATE_PRECISION__STATE_BF16_Q8: return "bf16-q8";
 	case AOQ__STATE_PRECISION__STATE_BF16_ALL: return "bf16-all";
+	case AOQ__STATE_PRECISION__STATE_Q4: return "q4";
+	case AOQ__STATE_PRECISION__STATE_BF16_Q4: return "bf16-q4";
 	default: return "unknown";
 	}
 }

@@ -256,7 +256,7 @@ static void test_window(const char *sock)
  */
 static void test_restore(const char *sock, enum aoq_precision prec)
 {
-	static const char *const names[] = { "fp32", "q8", "bf16", "bf16+q8", "bf16-all" };
+	static const char *const names[] = { "fp32", "q8", "bf16", "bf16+q8", "bf16-all", "q4", "bf16+q4" };
 	struct aoq_options o = AOQ_OPTIONS_INIT;
 	o.precision = prec;
 	o.seed = 0x1234567;
@@ -281,16 +281,21 @@ static void test_restore(const char *sock, enum aoq_precision prec)
 			CHECK_OK(aoq_read_state(a.c, (uint32_t)t, what, AOQ_FP32, 0, sizes[t], x));
 			CHECK_OK(aoq_load_state(b.c, (uint32_t)t, what, AOQ_FP32, 0, sizes[t], x));
 			CHECK_OK(aoq_read_state(b.c, (uint32_t)t, what, AOQ_FP32, 0, sizes[t], y));
-			bool q8 = what > 0 && (prec == AOQ_STATE_Q8 || prec == AOQ_STATE_BF16_Q8);
+			bool q4 = what > 0 && (prec == AOQ_STATE_Q4 || prec == AOQ_STATE_BF16_Q4);
+			bool q8 = q4 || (what > 0 && (prec == AOQ_STATE_Q8 || prec == AOQ_STATE_BF16_Q8));
+			size_t blk = q4 ? 128 : 256;
 			double big = 0;
 			for (size_t i = 0; i < sizes[t]; i++) {
-				/* q8: within one code of the largest value of its block */
-				if (q8 && i % 256 == 0) {
+				/* q8, q4: within one code of the largest value of its
+				 * block (q4: the top codes are 36% (m) and 15% (sqrt
+				 * v) of it apart, kernels/README.md) */
+				if (q8 && i % blk == 0) {
 					big = 0;
-					for (size_t k = i; k < sizes[t] && k < i + 256; k++)
+					for (size_t k = i; k < sizes[t] && k < i + blk; k++)
 						big = fmax(big, fabs((double)x[k]));
 				}
-				double tol = q8 ? (what == 1 ? 2.0 / 127 * big : 4.0 / 255 * big) : 0;
+				double tol = q4 ? (what == 1 ? 0.4 * big : 0.35 * big)
+				             : q8 ? (what == 1 ? 2.0 / 127 * big : 4.0 / 255 * big) : 0;
 				CHECK(fabs((double)x[i] - y[i]) <= tol, "%s: tensor %d state %d [%zu]: %g loaded as %g",
 				      names[prec], t, what, i, x[i], y[i]);
 			}
@@ -335,7 +340,7 @@ int main(int argc, char **argv)
 	test_skip(d.socket);
 	test_delayed(d.socket);
 	test_window(d.socket);
-	for (int p = AOQ_STATE_FP32; p <= AOQ_STATE_BF16_ALL; p++)
+	for (int p = AOQ_STATE_FP32; p <= AOQ_STATE_BF16_Q4; p++)
 		test_restore(d.socket, (enum aoq_precision)p);
 	CHECK(aoqt_daemon_stop(&d, 10000, true) == 0, "aoqd did not exit cleanly");
 	return 0;

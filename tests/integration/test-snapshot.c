@@ -2,7 +2,7 @@
 /*
  * Snapshots through the built aoqd (docs/snapshots.md).
  *
- * Mode "roundtrip" (suite integration): for fp32, bf16, q8 and bf16_all
+ * Mode "roundtrip" (suite integration): for fp32, bf16, q8, bf16_all, q4 and bf16_q4
  * state, a libaoq client trains a few steps; a SnapshotRequest from an
  * observer connection (what aoqctl snapshot sends) answers with the file's
  * path; the file, loaded by aoqd's own loader, holds exactly what ReadState
@@ -206,11 +206,12 @@ static int roundtrip(const char *aoqd)
 	snprintf(sd, sizeof(sd), "%s", tmpl);
 	const char *args[] = { "--threads", "2", "--state-dir", sd, NULL };
 	CHECK_OK(aoqt_daemon_start(&d, aoqd, args));
-	const enum aoq_precision precs[] = { AOQ_STATE_FP32, AOQ_STATE_BF16, AOQ_STATE_Q8, AOQ_STATE_BF16_ALL };
-	const char *names[] = { "fp32", "bf16", "q8", "bf16_all" };
+	const enum aoq_precision precs[] = { AOQ_STATE_FP32, AOQ_STATE_BF16, AOQ_STATE_Q8, AOQ_STATE_BF16_ALL,
+	                                     AOQ_STATE_Q4,   AOQ_STATE_BF16_Q4 };
+	const char *names[] = { "fp32", "bf16", "q8", "bf16_all", "q4", "bf16_q4" };
 	char path[4096];
 	uint64_t step;
-	for (int p = 0; p < 4; p++) {
+	for (int p = 0; p < 6; p++) {
 		struct trainer t;
 		char job[64];
 		snprintf(job, sizeof(job), "snap-%s", names[p]);

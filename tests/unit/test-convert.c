@@ -4,8 +4,8 @@
  * by the kernels and the daemon's state transfer) against the harness's
  * independent double reference: every bf16/fp16 bit pattern decodes to the
  * reference value, random floats (normal, subnormal, overflowing, ties)
- * round as the reference rounds, and the q8 codebook decodes to its
- * formula and encodes to the nearest code.
+ * round as the reference rounds, and the q8 and q4 codebooks decode to
+ * their formula and encode to the nearest code.
  */
 #include <inttypes.h>
 #include <math.h>
@@ -221,6 +221,99 @@ static void test_q8_load_v1(void)
 	EXPECT(bad == 0, "%zu values of format-1 state load into format 2 beyond half a code", bad);
 }
 
+/* q4 (kernels/README.md, "q4 moments"): every code decodes to the format's
+ * value, round-trips, encodes to the nearest code; and the daemon's array
+ * conversion (LoadState / ReadState, aoqd_q4_encode / _decode) keeps each
+ * value within half a code of its block's grid, packs two codes a byte in
+ * the layout of the kernels, and zeroes the last group's codes past the end. */
+static void test_q4(void)
+{
+	size_t bad = 0, badrt = 0;
+	const float scale = 3.0f;
+	const double mtop = q8_grid(7, AOQK_Q4_M_MB, 7), utop = q8_grid(15, AOQK_Q4_U_MB, 15);
+	for (unsigned c = 0; c < 16; c++) {
+		double want = (c & 8 ? -1 : 1) * q8_grid(c & 7, AOQK_Q4_M_MB, 7) / mtop * scale;
+		float got = aoqk_q4_m_decode(c, scale);
+		if (fabs(got - want) > 1e-6 * fabs(want))
+			bad++;
+		if (aoqk_q4_m_encode(got, aoqk_q8_inv(AOQK_Q4_M_TOP, scale)) != (c == 8 ? 0 : c))
+			badrt++;
+		double u = q8_grid(c, AOQK_Q4_U_MB, 15) / utop * scale;
+		float gv = aoqk_q4_v_decode(c, scale);
+		if (fabs(gv - u * u) > 1e-6 * u * u)
+			bad++;
+		if (aoqk_q4_v_encode(gv, aoqk_q8_inv(AOQK_Q4_U_TOP, scale)) != c)
+			badrt++;
+	}
+	EXPECT(bad == 0, "%zu q4 codes do not decode to the format", bad);
+	EXPECT(badrt == 0, "%zu q4 codes do not round-trip", badrt);
+	for (unsigned c = 0; c < 6; c++) {
+		double lo = q8_grid(c, AOQK_Q4_M_MB, 7) / mtop * scale, hi = q8_grid(c + 1, AOQK_Q4_M_MB, 7) / mtop * scale;
+		float inv = aoqk_q8_inv(AOQK_Q4_M_TOP, scale);
+		if (aoqk_q4_m_encode((float)(lo + 0.25 * (hi - lo)), inv) != c ||
+		    aoqk_q4_m_encode((float)-(lo + 0.75 * (hi - lo)), inv) != (8 | (c + 1)))
+			bad++;
+	}
+	EXPECT(bad == 0, "%zu q4 m values do not round to the nearest code", bad);
+	EXPECT(aoqk_q4_v_encode(1e-30f, aoqk_q8_inv(AOQK_Q4_U_TOP, 1.0f)) == 1, "q4: a non-zero v keeps a non-zero code");
+	EXPECT(aoqk_q4_v_encode(0.0f, aoqk_q8_inv(AOQK_Q4_U_TOP, 1.0f)) == 0, "q4: zero v is code 0");
+	EXPECT(aoqk_q4_m_encode(-3.0f, aoqk_q8_inv(AOQK_Q4_M_TOP, 3.0f)) == 15, "q4: the block's max is the extreme code");
+
+	/* the array conversion: 1000 elements (7 blocks, the last partial, and
+	 * a partial last group), values spread over 6 decades */
+	enum { N = 1000 };
+	static float src[N], got[N], scales[(N + 127) / 128];
+	static uint8_t codes[(N + 31) / 32 * 16];
+	srand(77);
+	for (int second = 0; second < 2; second++) {
+		memset(codes, 0xff, sizeof(codes)); /* the padding must come back 0 */
+		for (size_t i = 0; i < N; i++) {
+			double x = pow(10.0, -6.0 * rand() / RAND_MAX) * (second || rand() & 1 ? 1 : -1);
+			src[i] = (float)(second ? x * x : x);
+		}
+		src[5] = 0.0f;
+		aoqd_q4_encode(codes, scales, src, second, 0, N, N);
+		aoqd_q4_decode(got, codes, scales, second, 0, N);
+		size_t badv = 0, badl = 0;
+		for (size_t i = 0; i < N; i++) {
+			size_t b = i / AOQK_Q4_BLOCK;
+			double top = second ? utop : mtop;
+			unsigned cmax = second ? 15 : 7;
+			int mb = second ? AOQK_Q4_U_MB : AOQK_Q4_M_MB;
+			double x = second ? sqrt(src[i]) : fabs(src[i]), y = second ? sqrt(got[i]) : fabs(got[i]);
+			/* the two grid values around x: y must be the nearer (or the
+			 * smallest non-zero code for a tiny non-zero v) */
+			double pos = x / scales[b] * top, lo = 0, hi = 0;
+			for (unsigned c = 0; c < cmax; c++) {
+				lo = q8_grid(c, mb, cmax);
+				hi = q8_grid(c + 1, mb, cmax);
+				if (hi >= pos)
+					break;
+			}
+			double want = pos - lo <= hi - pos ? lo : hi;
+			if (second && x > 0 && want == 0)
+				want = q8_grid(1, mb, cmax);
+			if (fabs(y / scales[b] * top - want) > 1e-5 * (want + 1e-30) + 1e-6 * (hi - lo))
+				badv++;
+			if (!second && got[i] != 0 && (got[i] < 0) != (src[i] < 0))
+				badv++;
+			unsigned c = (codes[i / 32 * 16 + i % 16] >> (i % 32 >= 16 ? 4 : 0)) & 15u;
+			if (c != aoqk_q4_get(codes, i))
+				badl++;
+		}
+		for (size_t i = N; i % 32; i++)
+			if (aoqk_q4_get(codes, i) != 0)
+				badl++;
+		EXPECT(badv == 0, "q4 %s: %zu loaded values not the nearest code", second ? "v" : "m", badv);
+		EXPECT(badl == 0, "q4 %s: %zu codes in the wrong place or padding not 0", second ? "v" : "m", badl);
+		/* a piece that starts on a later block decodes the same values */
+		static float part[N];
+		aoqd_q4_decode(part, codes, scales, second, 256, N - 256);
+		EXPECT(!memcmp(part, got + 256, (N - 256) * sizeof(float)), "q4 %s: a piece decodes differently",
+		       second ? "v" : "m");
+	}
+}
+
 int main(void)
 {
 	test_decode_all();
@@ -228,5 +321,6 @@ int main(void)
 	test_q8();
 	test_q8v1();
 	test_q8_load_v1();
+	test_q4();
 	return failures != 0;
 }

@@ -46,7 +46,7 @@ static void make_state(struct aoqd_state *st, int prec, uint32_t nt, bool dup_na
 	st->window = rnd() % 2 ? 0 : 1u << 20;
 	st->skip_nonfinite = rnd() % 2;
 	st->max_grad_norm = rnd() % 2 ? 0 : 1.25;
-	bool q8 = aoqk_precision_q8((enum aoqk_precision)prec);
+	bool q8 = aoqk_precision_blocked((enum aoqk_precision)prec); /* q8 or q4 */
 	st->ngroups = q8 ? 1 : 3;
 	st->groups = calloc(st->ngroups, sizeof(*st->groups));
 	Aoq__Hyperparams h = AOQ__HYPERPARAMS__INIT;
@@ -94,11 +94,11 @@ static void make_state(struct aoqd_state *st, int prec, uint32_t nt, bool dup_na
 static size_t arr_bytes(const struct aoqd_state *st, const struct aoqd_tensor *t, int k)
 {
 	enum aoqk_precision p = (enum aoqk_precision)st->precision;
-	size_t blocks = (t->numel + AOQK_Q8_BLOCK - 1) / AOQK_Q8_BLOCK;
+	size_t blocks = aoqk_scale_count(p, t->numel);
 	switch (k) {
 	case 0: return t->numel * aoqk_master_size(p);
-	case 1: return t->st.m ? t->numel * aoqk_moment_size(p) : 0;
-	case 2: return t->st.v ? t->numel * aoqk_moment_size(p) : 0;
+	case 1: return t->st.m ? aoqk_moment_bytes(p, t->numel) : 0;
+	case 2: return t->st.v ? aoqk_moment_bytes(p, t->numel) : 0;
 	case 3: return t->st.m_scale && t->st.m ? blocks * 4 : 0;
 	default: return t->st.v_scale && t->st.v ? blocks * 4 : 0;
 	}
@@ -353,7 +353,7 @@ int main(void)
 	snprintf(dir, sizeof(dir), "/tmp/aoq-snap-XXXXXX");
 	if (!mkdtemp(dir))
 		return 1;
-	for (int prec = 0; prec <= 4; prec++) {
+	for (int prec = 0; prec <= AOQK_STATE_BF16_Q4; prec++) {
 		round_trip(prec, false);
 		round_trip(prec, true);
 	}

@@ -88,6 +88,8 @@ enum aoq_precision {
 	AOQ_STATE_BF16 = 2,    /* bf16 master with stochastic rounding, fp32 m, v */
 	AOQ_STATE_BF16_Q8 = 3, /* bf16 master, 8-bit m, v */
 	AOQ_STATE_BF16_ALL = 4, /* bf16 master, m, v: 6 bytes per parameter */
+	AOQ_STATE_Q4 = 5,      /* fp32 master, 4-bit blockwise m, v */
+	AOQ_STATE_BF16_Q4 = 6, /* bf16 master, 4-bit m, v: about 3 bytes per parameter */
 };
 
 /* Which part of a tensor's optimizer state aoq_read_state() and
