@@ -22,6 +22,7 @@
 #include "log.h"
 #include "server.h"
 #include "events.h"
+#include "fdstore.h"
 #include "session.h"
 #include "snapshot.h"
 #include "wire.h"
@@ -169,10 +170,17 @@ static int open_listener(struct aoqd_server *srv)
 	if (fd < 0) {
 		char **names = NULL;
 		int n = sd_listen_fds_with_names(1, &names);
-		if (n > 1)
-			aoqd_warn("server", "%d sockets passed by systemd; using the first", n);
-		if (n >= 1) {
-			fd = SD_LISTEN_FDS_START;
+		/* the fd store's states (fdstore.c) come with the socket */
+		int sockets = 0;
+		for (int i = 0; i < n; i++) {
+			if (names && aoqd_fdstore_is_state(names[i]))
+				aoqd_fdstore_keep(SD_LISTEN_FDS_START + i, names[i]);
+			else if (sockets++ == 0)
+				fd = SD_LISTEN_FDS_START + i;
+		}
+		if (sockets > 1)
+			aoqd_warn("server", "%d sockets passed by systemd; using the first", sockets);
+		if (fd >= 0) {
 			if (sd_is_socket(fd, AF_UNIX, SOCK_STREAM, 1) <= 0) {
 				aoqd_err("server", "fd %d from systemd is not a listening Unix stream socket", fd);
 				fd = -2;
@@ -353,6 +361,7 @@ int aoqd_server_init(struct aoqd_server *srv, uv_loop_t *loop, const struct aoqd
 		aoqd_server_stop(srv);
 		return r;
 	}
+	aoqd_fdstore_adopt(srv); /* before the snapshots: newer */
 	restore_snapshots(srv);
 #if AOQ_HAVE_SYSTEMD
 	uint64_t usec = 0;
@@ -478,6 +487,7 @@ void aoqd_server_stop(struct aoqd_server *srv)
 	if (srv->watchdog_on)
 		uv_close((uv_handle_t *)&srv->watchdog, NULL);
 #endif
+	aoqd_fdstore_save(srv); /* a restart loses no step (fdstore.h) */
 	aoqd_sessions_close_all(srv);
 	aoqd_snapshotter_free(srv->snapshotter); /* finishes the snapshot being written */
 	srv->snapshotter = NULL;

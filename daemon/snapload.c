@@ -19,6 +19,7 @@
 
 #include "aoq-arena.h"
 #include "aoq-config.h"
+#include "fdstore.h"
 #include "log.h"
 #include "snapfile.h"
 #include "snapshot.h"
@@ -501,6 +502,11 @@ int aoqd_snapshot_restore_all(const char *dir, int lock_memory, _Atomic uint64_t
 		char path[PATH_MAX], why[512];
 		if (snprintf(path, sizeof(path), "%s/%s", dir, name) >= (int)sizeof(path))
 			continue;
+		if (aoqd_fdstore_taken(name)) {
+			/* systemd's fd store gave this key's state back, newer */
+			aoqd_info("snapshot", "%s not read: its session came back from the fd store", path);
+			continue;
+		}
 		struct aoqd_snap_key key;
 		uint64_t step;
 		struct aoqd_state *st = calloc(1, sizeof(*st));
