@@ -6,7 +6,7 @@ aoq.Daemon      starts a private aoqd on a socket it created (tests, notebooks)
 aoq.torch       OffloadOptimizer, a drop-in torch.optim.Optimizer (import it explicitly)
 """
 from ._lib import (ADAM, ADAMW, BF16, EXP_AVG, EXP_AVG_SQ, FP16, FP32, MASTER, PUSH_ACCUMULATE, STATE_BF16,
-                   STATE_BF16_ALL, STATE_BF16_Q8, STATE_FP32, STATE_Q8, AoqError)
+                   STATE_BF16_ALL, STATE_BF16_Q4, STATE_BF16_Q8, STATE_FP32, STATE_Q4, STATE_Q8, AoqError)
 from .client import Client, Hyperparams, StepResult
 from .daemon import Daemon
 
@@ -21,5 +21,5 @@ def version():
     return check_library()
 
 __all__ = ["Client", "Daemon", "AoqError", "StepResult", "Hyperparams", "FP32", "BF16", "FP16", "ADAMW", "ADAM",
-           "STATE_FP32", "STATE_Q8", "STATE_BF16", "STATE_BF16_Q8", "STATE_BF16_ALL", "PUSH_ACCUMULATE", "MASTER", "EXP_AVG",
-           "EXP_AVG_SQ"]
+           "STATE_FP32", "STATE_Q8", "STATE_BF16", "STATE_BF16_Q8", "STATE_BF16_ALL", "STATE_Q4", "STATE_BF16_Q4",
+           "PUSH_ACCUMULATE", "MASTER", "EXP_AVG", "EXP_AVG_SQ"]

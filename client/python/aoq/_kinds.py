@@ -60,11 +60,12 @@ _STATE_KEYS = {"adamw": (("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")),
                "adam": (("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")),
                "sgd": (("momentum_buffer", "exp_avg"),), "lion": (("exp_avg", "exp_avg"),)}
 _MASTER_DTYPES = (None, "fp32", "bf16", torch.float32, torch.bfloat16)
-_STATE_PRECISIONS = (None, "fp32", "q8", "bf16")
+_STATE_PRECISIONS = (None, "fp32", "q8", "q4", "bf16")
 # (moments, master) -> the daemon's state precision; moments None: the master's dtype
 _PRECISION = {("fp32", None): _lib.STATE_FP32, ("q8", None): _lib.STATE_Q8, (None, None): _lib.STATE_FP32,
               ("fp32", "bf16"): _lib.STATE_BF16, ("q8", "bf16"): _lib.STATE_BF16_Q8,
-              ("bf16", "bf16"): _lib.STATE_BF16_ALL, (None, "bf16"): _lib.STATE_BF16_ALL}
+              ("bf16", "bf16"): _lib.STATE_BF16_ALL, (None, "bf16"): _lib.STATE_BF16_ALL,
+              ("q4", None): _lib.STATE_Q4, ("q4", "bf16"): _lib.STATE_BF16_Q4}
 # The moments of the default for bf16 parameters (no master_dtype, no
 # state_precision) with Adam/AdamW: compressed, beside the bf16 master that
 # is the parameter.  One constant (docs/python.md, "The default precision").

@@ -31,6 +31,7 @@ FP32, BF16, FP16 = 0, 1, 2
 ADAMW, ADAM, SGD, LION = 0, 1, 2, 3
 # enum aoq_precision
 STATE_FP32, STATE_Q8, STATE_BF16, STATE_BF16_Q8, STATE_BF16_ALL = 0, 1, 2, 3, 4
+STATE_Q4, STATE_BF16_Q4 = 5, 6
 # push flags
 PUSH_ACCUMULATE = 1 << 0
 # enum aoq_state_kind (read_state / load_state `what`)

@@ -86,9 +86,9 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
     moments: None (with the default for bf16 parameters the compressed
     moments above; else the master's dtype: fp32, or with master_dtype=
     "bf16" bf16, the all-bf16 state of torchao's full-bf16 offload, 6 bytes
-    per parameter), "fp32", "q8" (blockwise 8-bit), "bf16" (with a bf16
-    master only).  opt.master_dtype and opt.state_precision say what the
-    optimizer chose.
+    per parameter), "fp32", "q8" (blockwise 8-bit), "q4" (blockwise 4-bit,
+    kernels/README.md "q4 moments"), "bf16" (with a bf16 master only).
+    opt.master_dtype and opt.state_precision say what the optimizer chose.
     max_grad_norm / skip_nonfinite: global clipping and step skipping in the
     daemon (every parameter is then offloaded, so the norm is global).
     delayed_update: ZeRO-Offload's DPU (parameters one step stale); call
@@ -132,12 +132,12 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
             raise ValueError("unknown master_dtype %r; allowed: None, 'fp32', 'bf16' (or torch.float32, "
                              "torch.bfloat16)" % (master_dtype,))
         if state_precision not in _STATE_PRECISIONS:
-            raise ValueError("unknown state_precision %r; allowed: None, 'fp32', 'q8', 'bf16' (with master_dtype="
-                             "'bf16')" % (state_precision,))
+            raise ValueError("unknown state_precision %r; allowed: None, 'fp32', 'q8', 'q4', 'bf16' (with "
+                             "master_dtype='bf16')" % (state_precision,))
         master = "bf16" if master_dtype in ("bf16", torch.bfloat16) else None
         if master_dtype is not None and (state_precision, master) not in _PRECISION:
             raise ValueError("state_precision %r needs master_dtype='bf16' (allowed with an fp32 master: None, "
-                             "'fp32', 'q8')" % (state_precision,))
+                             "'fp32', 'q8', 'q4')" % (state_precision,))
         if copy_mode not in (None, "native", "framework"):
             raise ValueError("unknown copy_mode %r; allowed: None, 'native', 'framework'" % (copy_mode,))
         if grad_edits not in (None, True, False):
@@ -228,7 +228,7 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
                 if p.requires_grad and (offload_all or p.numel() >= minimal_size)])
             if (state_precision, master) not in _PRECISION:
                 raise ValueError("state_precision %r needs master_dtype='bf16' or bf16 parameters (allowed with "
-                                 "an fp32 master: None, 'fp32', 'q8')" % (state_precision,))
+                                 "an fp32 master: None, 'fp32', 'q8', 'q4')" % (state_precision,))
         self.master_dtype = "fp32" if master is None else "bf16"
         self.state_precision = state_precision or self.master_dtype
         self._fp32_master = master is None

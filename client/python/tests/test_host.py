@@ -4,7 +4,7 @@
 AdamW/Adam reference: several tensors and groups, registered and per-push
 gradient buffers, gradient accumulation, a tensor left out of a step,
 hyperparameter changes, an fp16 parameter, state read/load round trip into a
-new daemon, errors; q8 and all-bf16 sessions.  Exit 0 ok, 1 fail, 77 skip (no numpy)."""
+new daemon, errors; q8, all-bf16, q4 and bf16 + q4 sessions.  Exit 0 ok, 1 fail, 77 skip (no numpy)."""
 import errno
 import os
 import sys
@@ -313,6 +313,37 @@ def main():
                 for w in ("master", "exp_avg", "exp_avg_sq"):
                     c5.load_state(0, w, st[w])
                     check(np.array_equal(c5.read_state(0, w), st[w]), "bf16-all %s round trip" % w)
+
+        # A q4 session (kernels/README.md, "q4 moments"): reads come back as
+        # fp32 near the reference, and a state loaded into a second q4
+        # session reads back bit for bit (each value read is a code's value,
+        # its block's largest the block's scale: the nearest codes are the
+        # same codes).
+        for prec in ("q4", "bf16-q4"):
+            with aoq.Client(socket=d3.socket, job="py-" + prec, device="cpu", precision=prec) as c:
+                p, ref = train_one(c, "q")
+                st = {w: c.read_state(0, w) for w in ("master", "exp_avg", "exp_avg_sq")}
+                check(all(x.dtype == np.float32 and x.shape == (4096,) for x in st.values()), prec + " read dtype")
+                # m to the nearest code: up to half a spacing (18% of its
+                # block's max at the top) per step, carried through the 0.9
+                # decay over 4 steps; sqrt(v) stochastically, up to a spacing
+                # (15%) of its block's max
+                mmax = np.abs(ref.m).reshape(-1, 128).max(axis=1).repeat(128)
+                umax = np.sqrt(ref.v).reshape(-1, 128).max(axis=1).repeat(128)
+                check(np.all(np.abs(st["exp_avg"] - ref.m) <= 0.65 * mmax), prec + " exp_avg near the reference")
+                check(np.all(np.abs(np.sqrt(st["exp_avg_sq"]) - np.sqrt(ref.v)) <= 0.6 * umax),
+                      prec + " exp_avg_sq near the reference")
+                check(np.all(np.sign(st["exp_avg"][np.abs(ref.m) > 0.4 * mmax]) ==
+                             np.sign(ref.m[np.abs(ref.m) > 0.4 * mmax])), prec + " exp_avg signs")
+                # each of the 4 steps moves a parameter by about lr (1e-2)
+                close(st["master"], ref.p, prec + " master", rtol=1e-2, atol=4e-2)
+                with aoq.Client(socket=d3.socket, job="py-%s-2" % prec, device="cpu", precision=prec) as c6:
+                    c6.add_group(**hps[0])
+                    c6.add_tensor("q", np.zeros(4096, np.float32))
+                    c6.register()
+                    for w in ("master", "exp_avg", "exp_avg_sq"):
+                        c6.load_state(0, w, st[w])
+                        check(np.array_equal(c6.read_state(0, w), st[w]), "%s %s round trip" % (prec, w))
     finally:
         d3.stop()
 

@@ -645,7 +645,7 @@ def expect_value_error(fn, *needles):
 def case_errors():
     m = make_model(W, DEV)
     mk = lambda **kw: OffloadOptimizer(m.named_parameters(), socket=SOCKET, **kw)  # noqa: E731
-    expect_value_error(lambda: mk(state_precision="q4"), "'q4'", "'q8'")
+    expect_value_error(lambda: mk(state_precision="q3"), "'q3'", "'q8'", "'q4'")
     expect_value_error(lambda: mk(state_precision="bf16"), "'bf16'", "master_dtype")
     expect_value_error(lambda: mk(master_dtype="fp8"), "'fp8'", "'bf16'")
     expect_value_error(lambda: mk(device="gpu:0"), "'gpu:0'", "'cuda:N'")
