@@ -258,7 +258,10 @@ int aoqd_arena_lock(struct aoqd_arena *a, _Atomic uint64_t *locked_total)
 {
 	if (!a->base)
 		return 0;
-	if (mlock(a->base, a->size) < 0)
+	/* Locked as its pages are first written (the trainer's copies), not
+	 * populated here on the loop thread: a large model's gradient areas
+	 * would hold every session for seconds. */
+	if (mlock2(a->base, a->size, MLOCK_ONFAULT) < 0)
 		return -errno;
 	a->locked = a->size;
 	a->locked_total = locked_total;

@@ -151,8 +151,8 @@ static int make_state(struct aoqd_session *s, struct aoqd_error *err)
 	/* One mapping per tensor: what is locked is whole pages. */
 	if (aoqd_state_charge(st, mapped) < 0)
 		return AOQD_FAIL(err, QUOTA, "uid %u: %" PRIu64 " bytes of state (%" PRIu64 " in whole pages) would pass its "
-		                 "quota of %" PRIu64 " bytes (max_state_bytes_per_uid)", (unsigned)s->conn.uid, total, mapped,
-		                 st->quota);
+		                 "quota of %" PRIu64 " bytes: raise max_state_bytes_per_uid in aoqd's config (a size, a share "
+		                 "of memory such as 90%%, or 0: no limit)", (unsigned)s->conn.uid, total, mapped, st->quota);
 	uint64_t failed_len = 0;
 	int r = aoqd_state_alloc(st, cfg->lock_memory, &s->srv->locked_bytes, &failed_len);
 	if (r < 0)

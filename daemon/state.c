@@ -156,7 +156,12 @@ static int lock_state(void *p, size_t len, int lock_memory, bool *locked)
 	*locked = false;
 	if (!lock_memory)
 		return 0;
-	if (mlock(p, len) == 0) {
+	/* Locked as they are first written, not populated here: the loop
+	 * thread does not fault in (and the kernel zero) a whole model's
+	 * state at registration; the workers that load the parameters and
+	 * run the first step fault their own ranges, in parallel.  The limit
+	 * (RLIMIT_MEMLOCK) is checked here, for the whole length. */
+	if (mlock2(p, len, MLOCK_ONFAULT) == 0) {
 		*locked = true;
 	} else if (lock_memory == 2) {
 		return -errno;

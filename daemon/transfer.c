@@ -11,6 +11,7 @@
  */
 #include <inttypes.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "arena.h"
 #include "convert.h"
@@ -88,6 +89,16 @@ static int transfer_valid(struct aoqd_session *m, uint32_t tensor, int what, int
 	return 0;
 }
 
+/* The master moves in its own dtype (a bf16 master as bf16, an fp32 one as
+ * fp32): a copy, not a conversion through fp32 (the conversion would give
+ * the same bits). */
+static bool master_as_is(const struct xfer *x)
+{
+	if (x->what != AOQ__STATE_KIND__MASTER && x->what != AOQ__STATE_KIND__PARAM)
+		return false;
+	return x->dtype == (aoqk_precision_bf16_master(x->t->st.precision) ? AOQK_BF16 : AOQK_FP32);
+}
+
 static void xfer_run(struct aoqd_task *task, unsigned worker)
 {
 	struct xfer_task *k = (struct xfer_task *)task;
@@ -96,7 +107,16 @@ static void xfer_run(struct aoqd_task *task, unsigned worker)
 	size_t dsize = aoqk_dtype_size(x->dtype);
 	float buf[4096];
 	(void)worker;
-	for (uint64_t i = 0; i < k->count && !atomic_load_explicit(&s->dead, memory_order_relaxed); i += 4096) {
+	bool as_is = master_as_is(x);
+	if (as_is) {
+		uint8_t *d = x->data + k->begin * dsize;
+		uint8_t *m = (uint8_t *)x->t->st.master + (x->offset + k->begin) * dsize;
+		if (x->load)
+			memcpy(m, d, k->count * dsize);
+		else
+			memcpy(d, m, k->count * dsize);
+	}
+	for (uint64_t i = 0; !as_is && i < k->count && !atomic_load_explicit(&s->dead, memory_order_relaxed); i += 4096) {
 		size_t n = k->count - i < 4096 ? k->count - i : 4096;
 		uint8_t *d = x->data + (k->begin + i) * dsize;
 		uint64_t e = x->offset + k->begin + i;
