@@ -5,6 +5,7 @@
 #   install-deps.sh          what building and running need
 #                            (deploy/quickstart.sh)
 #   install-deps.sh test     that and the test tools (.ci/run)
+#   AOQ_DEPS_LIST=1 install-deps.sh [build|test]   print the packages only
 # torch is not here (not a Debian package): .ci/run adds a venv with it
 # (deploy/python-venv.sh; python3-venv below makes the venv).
 # CUDA is not a Debian package: the CUDA code is built when a toolkit is
@@ -40,6 +41,11 @@ test)
 	exit 2
 	;;
 esac
+
+if [[ -n ${AOQ_DEPS_LIST:-} ]]; then
+	printf '%s\n' "${packages[@]}"
+	exit 0
+fi
 
 sudo=()
 if [[ $(id -u) != 0 ]]; then
