@@ -726,9 +726,15 @@ int aoqd_fdstore_save(struct aoqd_server *srv)
 		          " kept in the fd store as " AOQD_FDSTORE_PREFIX "%" PRIu64 " (%" PRIu64 " bytes)", s->id,
 		          (unsigned)s->conn.uid, s->conn.job, s->conn.rank, s->st.last_step, s->id, size);
 	}
-	if (stored)
+	if (stored) {
+		/* the manager has taken them before we exit (it reads the notify
+		 * socket after our death, and then no longer knows our pid) */
+		int b = sd_notify_barrier(0, 5000000);
+		if (b < 0)
+			aoqd_warn("fdstore", "no answer to the notify barrier: %s", strerror(-b));
 		aoqd_info("fdstore", "%d state(s), %" PRIu64 " bytes, kept in the fd store in %.3f s", stored, bytes,
 		          (double)(now_ns() - t0) / 1e9);
+	}
 	return stored;
 #else
 	(void)srv;
