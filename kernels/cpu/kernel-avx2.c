@@ -157,6 +157,10 @@ typedef struct {
 	__m256 lo, hi;
 } vtab;
 KI vtab vt_load(const float *t) { return (vtab){ _mm256_loadu_ps(t), _mm256_loadu_ps(t + 8) }; }
+KI vtab vt_mul(vtab a, float s)
+{
+	return (vtab){ _mm256_mul_ps(a.lo, _mm256_set1_ps(s)), _mm256_mul_ps(a.hi, _mm256_set1_ps(s)) };
+}
 KI vf vt_lookup(vtab t, vi idx)
 {
 	return _mm256_blendv_ps(_mm256_permutevar8x32_ps(t.lo, idx), _mm256_permutevar8x32_ps(t.hi, idx),

@@ -494,9 +494,18 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 		.param = c->param,
 	};
 	_Alignas(64) float bm[AOQK_Q8_BLOCK], bu[AOQK_Q8_BLOCK];
-	/* q4: the block's 16 values of m and of sqrt(v) * sqrt(beta2) */
-	_Alignas(64) float tabm[16] = { 0 }, tabu[16] = { 0 };
-	vtab q4m = vt_load(tabm), q4u = vt_load(tabu);
+	/* q4: the grids F(c) - K of m (signed) and sqrt(v), exact; per block
+	 * times its scale / TOP (one multiply per vector), the block's 16
+	 * values of m and of sqrt(v) * sqrt(beta2) */
+	_Alignas(64) float tabm[16], tabu[16];
+	for (unsigned q = 0; q < 8; q++) {
+		tabm[q] = aoqk_u2f((q + AOQK_Q4_M_C0) << AOQK_Q4_M_SHIFT) - AOQK_Q4_M_K;
+		tabm[q + 8] = -tabm[q];
+	}
+	for (unsigned q = 0; q < 16; q++)
+		tabu[q] = aoqk_u2f((q + AOQK_Q4_U_C0) << AOQK_Q4_U_SHIFT) - AOQK_Q4_U_K;
+	const vtab q4gm = vt_load(tabm), q4gu = vt_load(tabu);
+	vtab q4m = q4gm, q4u = q4gu;
 	_Alignas(64) uint32_t hb[AOQK_Q8_BLOCK];
 	uint32_t bc[4] = { 0, 0, 0, 0 }; /* plain C: the current state's B */
 	vi xs[XS_N];
@@ -551,15 +560,10 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 			 * the fast loops (the pair loop's NaN rule) */
 			fast_blk = fast && q8_fma_ok(fm) && q8_fma_ok(fu);
 			if (q4) {
-				for (unsigned q = 0; q < 8; q++) {
-					float x = (aoqk_u2f((q + AOQK_Q4_M_C0) << AOQK_Q4_M_SHIFT) - AOQK_Q4_M_K) * fm;
-					tabm[q] = x;
-					tabm[q + 8] = -x;
-				}
-				for (unsigned q = 0; q < 16; q++)
-					tabu[q] = (aoqk_u2f((q + AOQK_Q4_U_C0) << AOQK_Q4_U_SHIFT) - AOQK_Q4_U_K) * fu;
-				q4m = vt_load(tabm);
-				q4u = vt_load(tabu);
+				/* (F(c) - K) * (scale / TOP): aoqk_q4_*_decode's
+				 * arithmetic ((-x) * s is -(x * s) exactly) */
+				q4m = vt_mul(q4gm, fm);
+				q4u = vt_mul(q4gu, fu);
 			}
 			if (fast_blk) {
 				nkm = vf_set1(-AOQK_Q8_M_K * fm);

@@ -98,9 +98,22 @@ static AOQK_ALWAYS_INLINE void vb_store_codes(uint8_t *a, uint8_t *b, vi x, vi y
 }
 
 /* q4's decode: a table of 16 floats indexed by the low 4 bits of idx */
-typedef const float *vtab;
-static AOQK_ALWAYS_INLINE vtab vt_load(const float *t) { return t; }
-static AOQK_ALWAYS_INLINE vf vt_lookup(vtab t, vi idx) { return t[idx & 15u]; }
+typedef struct {
+	float t[16];
+} vtab;
+static AOQK_ALWAYS_INLINE vtab vt_load(const float *t)
+{
+	vtab r;
+	memcpy(r.t, t, sizeof(r.t));
+	return r;
+}
+static AOQK_ALWAYS_INLINE vtab vt_mul(vtab a, float s)
+{
+	for (unsigned i = 0; i < 16; i++)
+		a.t[i] *= s;
+	return a;
+}
+static AOQK_ALWAYS_INLINE vf vt_lookup(vtab t, vi idx) { return t.t[idx & 15u]; }
 
 static AOQK_ALWAYS_INLINE vacc vacc_zero(void) { return 0.0; }
 static AOQK_ALWAYS_INLINE void vacc_add_sq(vacc *a, vf g) { *a += (double)g * (double)g; }
