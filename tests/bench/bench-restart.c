@@ -1,0 +1,215 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * bench-restart: how long a trainer is paused when aoqd restarts mid-step,
+ * with the fd store (SIGTERM: the states go to the store, the next aoqd
+ * takes them back) against a snapshot restore of the same state (a
+ * snapshot at the last completed step, SIGKILL, the next aoqd reads it).
+ * A supervisor does what systemd does (tests/integration/supervisor.h).
+ *
+ *   bench-restart [PARAMS [TENSORS]]    (default 2^30 parameters, 16 tensors)
+ *
+ * One fp32 AdamW job (12 B of state per parameter, and the lease's undo
+ * copy as much again), host backend.  The pause: from the signal until the
+ * trainer has finished the interrupted step again, less that step's
+ * undisturbed time; with its parts (the old aoqd's stop, the new one's
+ * start to READY=1, the trainer's reconnect and resume).  Peak memory is
+ * about 52 B per parameter (old aoqd 36, the trainer 16).
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "harness.h"
+#include "supervisor.h"
+
+#ifndef AOQD_PATH
+#define AOQD_PATH "aoqd"
+#endif
+
+static double now(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+struct job {
+	struct aoq_client *c;
+	unsigned nt;
+	uint64_t per;
+	float **p, **g;
+};
+
+static uint64_t job_open(struct job *j, const char *sock)
+{
+	struct aoq_options o = AOQ_OPTIONS_INIT;
+	o.socket = sock;
+	o.job = "bench-restart";
+	o.timeout_ms = 600000;
+	o.seed = 1;
+	CHECK_OK(aoq_connect(&j->c, &o));
+	struct aoq_group g = AOQ_GROUP_INIT;
+	g.kind = AOQ_ADAMW;
+	g.lr = 1e-4;
+	g.beta1 = 0.9;
+	g.beta2 = 0.999;
+	g.eps = 1e-8;
+	g.weight_decay = 0.01;
+	CHECK_OK(aoq_add_group(j->c, &g));
+	for (unsigned i = 0; i < j->nt; i++) {
+		char name[32];
+		snprintf(name, sizeof(name), "layers.%u.weight", i);
+		struct aoq_tensor t = AOQ_TENSOR_INIT;
+		t.name = name;
+		t.numel = j->per;
+		t.param_dtype = t.grad_dtype = AOQ_FP32;
+		t.param = j->p[i];
+		t.grad = j->g[i];
+		CHECK_OK(aoq_add_tensor(j->c, &t));
+	}
+	CHECK_OK(aoq_register(j->c));
+	uint64_t step = 0;
+	CHECK(aoq_resumed(j->c, &step) >= 0, "aoq_resumed");
+	return step;
+}
+
+/* Step k's first `upto` tensors (all: the whole step, synced). */
+static int job_step(struct job *j, unsigned upto)
+{
+	int r;
+	for (unsigned i = 0; i < upto; i++)
+		if ((r = aoq_push_grad(j->c, i, 0, NULL)) < 0)
+			return r;
+	if (upto < j->nt)
+		return aoq_sync_param(j->c, 0);
+	struct aoq_step_result res = AOQ_STEP_RESULT_INIT;
+	if ((r = aoq_step_end(j->c)) < 0 || (r = aoq_sync(j->c, &res)) < 0)
+		return r;
+	return 0;
+}
+
+static uint64_t session_id(const char *sock)
+{
+	Aoq__Envelope *env;
+	CHECK_OK(aoqt_stats(sock, &env));
+	CHECK(env->stats && env->stats->n_sessions >= 1, "no session in Stats");
+	uint64_t id = 0;
+	for (size_t i = 0; i < env->stats->n_sessions; i++)
+		if (strcmp(env->stats->sessions[i]->job, "bench-restart") == 0)
+			id = env->stats->sessions[i]->id;
+	aoq_envelope_free(env);
+	CHECK(id, "the job's session is not in Stats");
+	return id;
+}
+
+struct pause {
+	double stop, start, resume, redo, total;
+	uint64_t at;
+};
+
+/* Half of a step, aoqd killed with sig, started again, the trainer back
+ * and the step done again. */
+static struct pause restart(struct sup *s, struct job *j, int sig, double step_s)
+{
+	struct pause p;
+	CHECK_OK(job_step(j, j->nt / 2));
+	double t0 = now();
+	sup_kill(s, sig);
+	double t1 = now();
+	aoq_close(j->c);
+	j->c = NULL;
+	sup_start(s, AOQD_PATH, NULL, NULL, 0);
+	double t2 = now();
+	p.at = job_open(j, s->sock);
+	double t3 = now();
+	CHECK_OK(job_step(j, j->nt));
+	double t4 = now();
+	p.stop = t1 - t0;
+	p.start = t2 - t1;
+	p.resume = t3 - t2;
+	p.redo = t4 - t3;
+	p.total = t4 - t0 - step_s;
+	return p;
+}
+
+static void report(const char *what, const struct pause *p, double step_s)
+{
+	printf("%-22s pause %7.3f s  (stop %6.3f, start to READY %6.3f, reconnect+resume %6.3f, step %6.3f vs %6.3f "
+	       "undisturbed), resumed at step %" PRIu64 "\n",
+	       what, p->total, p->stop, p->start, p->resume, p->redo, step_s, p->at);
+}
+
+int main(int argc, char **argv)
+{
+	aoqt_init("bench-restart");
+	uint64_t params = argc > 1 ? strtoull(argv[1], NULL, 0) : (1ull << 30);
+	unsigned nt = argc > 2 ? (unsigned)strtoul(argv[2], NULL, 0) : 16;
+	CHECK(params >= nt && nt >= 2, "PARAMS >= TENSORS >= 2");
+	signal(SIGPIPE, SIG_IGN);
+	struct sup s;
+	sup_init(&s, false, "lease_seconds = 600\nlog_level = info\nthreads = 0\n");
+	sup_start(&s, AOQD_PATH, NULL, NULL, 0);
+
+	struct job j = { .nt = nt, .per = params / nt };
+	j.p = aoqt_xcalloc(nt, sizeof(*j.p));
+	j.g = aoqt_xcalloc(nt, sizeof(*j.g));
+	for (unsigned i = 0; i < nt; i++) {
+		j.p[i] = aoqt_xmalloc(j.per * sizeof(float));
+		j.g[i] = aoqt_xmalloc(j.per * sizeof(float));
+		for (uint64_t k = 0; k < j.per; k++) {
+			j.p[i][k] = 1.0f + (float)(k & 127) * 1e-3f;
+			j.g[i][k] = 1e-2f * (float)((k * 7) & 255) / 255.0f;
+		}
+	}
+	printf("bench-restart: %" PRIu64 " fp32 parameters in %u tensors, AdamW (%.1f GB of state)\n", j.per * nt, nt,
+	       (double)(j.per * nt) * 12e-9);
+	CHECK(job_open(&j, s.sock) == 0, "a fresh job resumed");
+	double step_s = 1e9;
+	for (int k = 0; k < 4; k++) {
+		double t = now();
+		CHECK_OK(job_step(&j, nt));
+		if (k > 0 && now() - t < step_s)
+			step_s = now() - t;
+	}
+	printf("undisturbed step: %.3f s\n", step_s);
+
+	/* The fd store: SIGTERM mid-step. */
+	struct pause fds = restart(&s, &j, SIGTERM, step_s);
+	report("fd store (SIGTERM)", &fds, step_s);
+
+	/* A snapshot of the same state at its last completed step, then
+	 * SIGKILL mid-step: the next aoqd reads the snapshot. */
+	char path[4096];
+	uint64_t snap_step = 0;
+	double ts = now();
+	int r = aoqt_snapshot(s.sock, session_id(s.sock), path, sizeof(path), &snap_step);
+	CHECK(r == 0, "snapshot: %d %s", r, path);
+	printf("snapshot at step %" PRIu64 " written in %.3f s: %s\n", snap_step, now() - ts, path);
+	struct pause snap = restart(&s, &j, SIGKILL, step_s);
+	report("snapshot (SIGKILL)", &snap, step_s);
+
+	const char *log = sup_log(&s);
+	for (const char *l = log; (l = strstr(l, "aoqd info fdstore:")); l++) {
+		const char *e = strchr(l, '\n');
+		printf("  %.*s\n", e ? (int)(e - l) : (int)strlen(l), l);
+	}
+	for (const char *l = log; (l = strstr(l, "from its snapshot")); l++) {
+		const char *b = l;
+		while (b > log && b[-1] != '\n')
+			b--;
+		const char *e = strchr(l, '\n');
+		printf("  %.*s\n", e ? (int)(e - b) : (int)strlen(b), b);
+	}
+	aoq_close(j.c);
+	sup_kill(&s, SIGTERM);
+	char cmd[160];
+	snprintf(cmd, sizeof(cmd), "rm -rf '%s'", s.dir);
+	if (system(cmd) != 0)
+		fprintf(stderr, "could not remove %s\n", s.dir);
+	return 0;
+}
