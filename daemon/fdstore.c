@@ -308,7 +308,14 @@ int aoqd_fdstore_encode(const struct aoqd_snap_key *key, const struct aoqd_state
 		r = -errno;
 		goto out;
 	}
-	map = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	/* The pages allocated in one call and mapped in one go: shmem has no
+	 * huge pages by default, and a fault per 4 KiB page in the copy cost
+	 * 4x its time (0.8 GB: 4.3 s instead of 1.1 s on a 2-core VM) */
+	if (fallocate(fd, 0, 0, (off_t)total) < 0 && errno != EOPNOTSUPP) {
+		r = -errno;
+		goto out;
+	}
+	map = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
 	c = calloc(ncopies + 1, sizeof(*c));
 	if (map == MAP_FAILED || !c) {
 		r = map == MAP_FAILED ? -errno : -ENOMEM;
