@@ -64,6 +64,9 @@ def main():
     ap.add_argument("--device", default="cpu", help="where the parameters live: cpu or cuda[:N]")
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1), help="aoqd workers")
     ap.add_argument("--repeat", type=int, default=2, help="registrations, each a new session (default 2)")
+    ap.add_argument("--window", type=int, default=1 << 30,
+                    help="the staging window in bytes (default 1 GiB, OffloadOptimizer's for a model larger than "
+                         "that; 0: a slot per tensor, the arena as large as the gradients)")
     ap.add_argument("--aoqd-arg", action="append", default=[], help="an extra aoqd argument (repeatable)")
     a = ap.parse_args()
 
@@ -74,9 +77,9 @@ def main():
     tensors = [torch.empty(a.numel, dtype=dt, device=dev).normal_() for _ in range(count)]
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     params = count * a.numel
-    print("register_bench: %d tensors x %d = %.3f G %s parameters (%.2f GB) on %s; state %s; aoqd %d workers; "
-          "%d cores" % (count, a.numel, params / 1e9, a.dtype, nbytes / 1e9, a.device, a.precision, a.threads,
-                        os.cpu_count() or 0), flush=True)
+    print("register_bench: %d tensors x %d = %.3f G %s parameters (%.2f GB) on %s; state %s; window %d; aoqd %d "
+          "workers; %d cores" % (count, a.numel, params / 1e9, a.dtype, nbytes / 1e9, a.device, a.precision,
+                                 a.window, a.threads, os.cpu_count() or 0), flush=True)
     fresh = memcpy_gbs(tensors, True)
     warm = memcpy_gbs(tensors, False)
     print("memcpy ceiling: %.2f GB/s into fresh memory, %.2f GB/s into written memory" % (fresh, warm), flush=True)
@@ -86,7 +89,7 @@ def main():
     with Daemon(threads=a.threads, args=a.aoqd_arg) as d:
         best = None
         for rep in range(a.repeat):
-            c = Client(socket=d.socket, device=cdev, precision=a.precision)
+            c = Client(socket=d.socket, device=cdev, precision=a.precision, window=a.window)
             c.add_group("adamw", lr=1e-4)
             t0 = time.perf_counter()
             for i, t in enumerate(tensors):
