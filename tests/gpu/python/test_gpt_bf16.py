@@ -8,7 +8,9 @@ master weights
     tests/gpu/python/test_gpt_bf16.py [--device cuda:0] [--steps 200] [--state-precision q8]
 
 --state-precision q8 keeps the moments in aoqd's 8-bit blockwise format
-(kernels/README.md, "q8 moments"), held to the same 1%; --state-precision
+(kernels/README.md, "q8 moments"), held to the same 1%, and so are
+--state-precision q4 (4-bit moments, "q4 moments") and bf16-q4 (q4 beside a
+bf16 master that is the parameter); --state-precision
 default passes no precision argument at all (the default for bf16
 parameters: a bf16 master, the parameter itself, with stochastic rounding,
 and compressed moments), held to the same 1% of the fp32 master.
@@ -36,7 +38,9 @@ def run(device, steps, socket, cfg, use_aoq, lr=1e-3, state_precision="fp32"):
     model = GPT(**cfg).to(device).to(torch.bfloat16)
     params = [p for p in model.parameters() if p.requires_grad]
     if use_aoq:
-        prec = {} if state_precision == "default" else dict(master_dtype="fp32", state_precision=state_precision)
+        prec = ({} if state_precision == "default" else
+                dict(master_dtype="bf16", state_precision="q4") if state_precision == "bf16-q4" else
+                dict(master_dtype="fp32", state_precision=state_precision))
         opt = OffloadOptimizer(model.named_parameters(), torch.optim.AdamW, lr=lr, weight_decay=0.1,
                                socket=socket, minimal_size=0, **prec)
         opt.attach(model)
@@ -82,9 +86,10 @@ def main():
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--small", action="store_true", help="a tiny model (CPU smoke run)")
-    ap.add_argument("--state-precision", default="fp32", choices=("fp32", "q8", "default"),
-                    help="aoqd's moments with an fp32 master: fp32 (default) or q8; or default: no precision "
-                         "argument (the default policy for bf16 parameters)")
+    ap.add_argument("--state-precision", default="fp32", choices=("fp32", "q8", "q4", "bf16-q4", "default"),
+                    help="aoqd's moments with an fp32 master: fp32 (default), q8 or q4; bf16-q4: q4 moments "
+                         "beside a bf16 master; or default: no precision argument (the default policy for bf16 "
+                         "parameters)")
     a = ap.parse_args()
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         print("SKIP: no CUDA device")
