@@ -145,6 +145,7 @@ int aoqd_arena_build_lanes(struct aoqd_arena *a, const struct aoqd_state *st, ui
 	if (fd < 0)
 		return -errno;
 	a->fd = fd;
+	a->owner = true;
 	if (ftruncate(fd, (off_t)a->size) < 0)
 		return -errno;
 	void *p = mmap(NULL, a->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -278,6 +279,13 @@ void aoqd_arena_free(struct aoqd_arena *a)
 	a->slots = NULL;
 	if (a->base)
 		munmap(a->base, a->size);
+	/* The client may keep its fd and mapping: the pages go now, not with
+	 * its last reference (it then maps zeros; what it writes is its own
+	 * memory, not the daemon's charged to nobody).  The seals forbid a
+	 * size change, not a hole. */
+	if (a->fd >= 0 && a->owner && a->size)
+		fallocate(a->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, (off_t)a->size);
+	a->owner = false;
 	if (a->fd >= 0)
 		close(a->fd);
 	if (a->doorbell_in >= 0)

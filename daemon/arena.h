@@ -33,6 +33,7 @@ struct aoqd_arena {
 	uint64_t lane_off, lane_bytes;
 	uint64_t to_daemon_off, to_client_off;
 	struct aoq_arena_slot *slots; /* private copy */
+	bool owner;                   /* made the memfd (not a member's view): frees its pages */
 	uint32_t ring_cap;
 	struct aoq_ring_cons to_daemon;   /* loop thread */
 	struct aoq_ring_prod to_client;   /* under ring_lock */

@@ -22,6 +22,7 @@
 #include "log.h"
 #include "server.h"
 #include "events.h"
+#include "held.h"
 #include "fdstore.h"
 #include "session.h"
 #include "snapshot.h"
@@ -226,6 +227,15 @@ static int open_listener(struct aoqd_server *srv)
 	return r;
 }
 
+/* A client let go of a masters memfd (held.h). */
+static void on_held(uv_poll_t *h, int status, int events)
+{
+	(void)h;
+	(void)status;
+	(void)events;
+	aoqd_held_poll();
+}
+
 /* Restore on restart: one snapshot becomes a leased session keyed as it was. */
 static int restore_one(const struct aoqd_snap_key *k, uint64_t step, struct aoqd_state *st, void *arg)
 {
@@ -356,6 +366,12 @@ int aoqd_server_init(struct aoqd_server *srv, uv_loop_t *loop, const struct aoqd
 	uv_timer_init(loop, &srv->rates);
 	srv->rates.data = srv;
 	uv_timer_start(&srv->rates, on_rates, AOQD_RATE_INTERVAL_MS, AOQD_RATE_INTERVAL_MS);
+	int hfd = aoqd_held_init();
+	if (hfd >= 0 && uv_poll_init(loop, &srv->held, hfd) == 0) {
+		srv->held.data = srv;
+		uv_poll_start(&srv->held, UV_READABLE, on_held);
+		srv->held_on = true;
+	}
 	int r = open_listener(srv);
 	if (r < 0) {
 		aoqd_server_stop(srv);
@@ -497,6 +513,9 @@ void aoqd_server_stop(struct aoqd_server *srv)
 	uv_close((uv_handle_t *)&srv->spin, NULL);
 	uv_close((uv_handle_t *)&srv->sweep, NULL);
 	uv_close((uv_handle_t *)&srv->rates, NULL);
+	if (srv->held_on)
+		uv_close((uv_handle_t *)&srv->held, NULL);
+	srv->held_on = false;
 	uv_close((uv_handle_t *)&srv->sigterm, NULL);
 	uv_close((uv_handle_t *)&srv->sigint, NULL);
 	uv_close((uv_handle_t *)&srv->sighup, NULL);

@@ -41,6 +41,8 @@ struct aoqd_server {
 	uv_timer_t rates;         /* ends each session's rate interval */
 	bool watchdog_on;
 	uv_timer_t sweep;         /* handshake deadlines */
+	uv_poll_t held;           /* memory clients keep after their session (held.h) */
+	bool held_on;
 	struct aoqd_pool *pool;
 	const struct aoqk_kernel *kernel;
 	struct aoqd_snapshotter *snapshotter; /* the snapshot writer thread */

@@ -13,6 +13,7 @@
 #include <string.h>
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #if defined(__x86_64__)
 #include <emmintrin.h>
@@ -20,6 +21,7 @@
 
 #include "aoq-arena.h"
 #include "convert.h"
+#include "held.h"
 #include "log.h"
 #include "state.h"
 #include "wire.h"
@@ -247,6 +249,7 @@ static int make_masters(struct aoqd_state *st)
 	}
 	st->masters_fd = fd;
 	st->masters_size = size;
+	st->masters_wd = aoqd_held_watch(fd);
 	return 0;
 }
 
@@ -370,8 +373,15 @@ void aoqd_state_free(struct aoqd_state *st, _Atomic uint64_t *locked_total)
 	st->tensors = NULL;
 	st->groups = NULL;
 	st->ntensors = st->ngroups = 0;
-	if (st->masters_size)
+	if (st->masters_size) {
+		/* The client may keep the masters (its parameters) after its
+		 * session: what they hold stays charged to the uid until no
+		 * description of them is left (held.h). */
+		struct stat sb;
+		if (fstat(st->masters_fd, &sb) == 0)
+			aoqd_held_release(st->masters_wd, st->account, (uint64_t)sb.st_blocks * 512);
 		close(st->masters_fd);
+	}
 	st->masters_size = 0;
 }
 

@@ -73,6 +73,7 @@ struct aoqd_state {
 	 * masters_size bytes, 0 when no tensor's master is its parameter. */
 	int masters_fd;
 	uint64_t masters_size;
+	int masters_wd; /* its watch (held.h): charged until no client holds it */
 	uint32_t ngroups, ntensors;
 	uint32_t cap_groups, cap_tensors;
 	struct aoqd_group *groups;

@@ -17,7 +17,14 @@
  *   retention  a snapshot file goes with its state: at Bye, at a drop of
  *              the lease; a restart with max_sessions_per_uid = 2 restores
  *              the newest two of a uid's three files as leases and removes
- *              the third (it used to restore all three past the cap).
+ *              the third (it used to restore all three past the cap);
+ *   held       with max_state_bytes_per_uid = 64M: rounds of "register a
+ *              bf16 state of 2 Mi elements, Bye, keep the arena and masters
+ *              fds": the arena's pages (some MiB) are gone at once (the
+ *              client maps zeros), the masters (4 MiB a round) stay charged, so a
+ *              round is refused (QUOTA) before the kept memory passes the
+ *              quota, and once the fds are closed a registration fits again
+ *              (it used to go on without bound).
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -302,6 +309,80 @@ static void case_retention(void)
 	printf("retention: files go with their state; a restore keeps the uid's limits\n");
 }
 
+/* ---- held ---- */
+
+static int held_round(struct aoqt_raw *s)
+{
+	uint64_t numel[1] = { 2u << 20 };
+	int r = aoqt_raw_open_bf16(s, daemon_.socket, "held", numel, 1);
+	if (r < 0)
+		return r;
+	CHECK(s->masters_fd >= 0, "held: no masters memfd (the master as the parameter is off?)");
+	/* one update of the whole tensor: the daemon writes every master */
+	struct aoq_rec rec = { .tensor = 0, .slot = 0, .offset = 0, .count = numel[0], .step = 1 };
+	CHECK_OK(aoqt_raw_push(s, &rec));
+	struct stat ab;
+	struct aoq_rec ans;
+	CHECK(aoqt_raw_pop(s, &ans, 20000) == 1, "held: no answer to the update");
+	CHECK(fstat(s->arena_fd, &ab) == 0 && ab.st_blocks * 512 >= (off_t)(1u << 20),
+	      "held: the arena holds only %lld bytes after an update", (long long)ab.st_blocks * 512);
+	struct stat sb;
+	CHECK(fstat(s->masters_fd, &sb) == 0 && sb.st_blocks * 512 >= (off_t)(numel[0] * 2),
+	      "held: the masters hold %lld bytes after an update", (long long)sb.st_blocks * 512);
+	Aoq__Bye bye = AOQ__BYE__INIT;
+	CHECK_OK(aoqt_send_msg(s->sock, AOQ__ENVELOPE__MSG_BYE, &bye));
+	char msg[64];
+	aoqt_raw_expect_close(s->sock, 5000, msg, sizeof(msg));
+	close(s->sock);
+	s->sock = -1;
+	return 0;
+}
+
+static void case_held(void)
+{
+	start_with("max_state_bytes_per_uid = 64M\n");
+	struct aoqt_raw kept[20];
+	int rounds = 0, refused = 0;
+	for (; rounds < 20; rounds++) {
+		int r = held_round(&kept[rounds]);
+		if (r == -EPROTO) { /* raw_open's answer to an Error: the log says which */
+			char *log = aoqt_daemon_log(&daemon_);
+			refused = strstr(log, "QUOTA") && strstr(log, "would pass its quota");
+			free(log);
+			CHECK(refused, "held: round %d failed, not for the quota", rounds + 1);
+			printf("held: round %d refused (QUOTA)\n", rounds + 1);
+			break;
+		}
+		CHECK_OK(r);
+		/* the arena's pages went with the session (a hole now) */
+		struct stat sb;
+		for (int i = 0; i < 100; i++) {
+			CHECK(fstat(kept[rounds].arena_fd, &sb) == 0, "fstat");
+			if (sb.st_blocks * 512 < (off_t)(1u << 20))
+				break;
+			usleep(20000);
+		}
+		CHECK(sb.st_blocks * 512 < (off_t)(1u << 20), "held: round %d: the arena still holds %lld bytes after Bye", rounds + 1,
+		      (long long)sb.st_blocks * 512);
+	}
+	printf("held: %d rounds kept %d MiB of masters\n", rounds, rounds * 4);
+	CHECK(refused, "held: %d rounds of register, Bye, keep the fds: none refused under a 64 MiB quota", rounds);
+	CHECK(rounds * 4 <= 64, "held: %d MiB kept past the quota", rounds * 4);
+	for (int i = 0; i < rounds; i++)
+		aoqt_raw_close(&kept[i]);
+	int r = -EPROTO;
+	struct aoqt_raw s;
+	for (int tries = 0; tries < 100 && r == -EPROTO; tries++) {
+		r = held_round(&s);
+		if (r == -EPROTO)
+			usleep(20000);
+	}
+	CHECK_OK(r);
+	aoqt_raw_close(&s);
+	stop();
+	printf("held: masters a client keeps stay charged to its uid until it lets go\n");
+}
+
 int main(int argc, char **argv)
 {
 	aoqt_init("limits");
@@ -320,6 +401,8 @@ int main(int argc, char **argv)
 		case_push();
 	if (all || strcmp(c, "retention") == 0)
 		case_retention();
+	if (all || strcmp(c, "held") == 0)
+		case_held();
 	unlink(conf);
 	printf("ok\n");
 	return 0;

@@ -649,8 +649,13 @@ static int test_restart(const char *exe)
 	uint32_t world = 0;
 	CHECK(group_leased(&d, job, &last, &world) && last == 3 && world == 2,
 	      "after the restart: the group's state is not leased at step 3 (%" PRIu64 ", local world %u)", last, world);
-	/* aoqctl drop ends the restored group's lease: a new group starts
-	 * afresh (the file stays, and the next start restores it again). */
+	/* aoqctl drop ends the restored group's lease and removes its file
+	 * (docs/snapshots.md, "Retention"): a new group starts afresh.  The
+	 * file, put back from a link made before the drop, is restored at
+	 * the next start. */
+	char keep[sizeof(path) + 8];
+	snprintf(keep, sizeof(keep), "%s.keep", path);
+	CHECK(link(path, keep) == 0, "link %s: %s", path, strerror(errno));
 	CHECK_OK(aoqt_stats(d.socket, &env));
 	row = find_row(env->stats, job, UINT32_MAX);
 	CHECK(row, "no row of the leased group");
@@ -659,12 +664,17 @@ static int test_restart(const char *exe)
 	char msg[256] = "";
 	CHECK(aoqt_drop(d.socket, leased_id, msg, sizeof(msg)) == 0, "drop of the leased group: %s", msg);
 	CHECK(!group_leased(&d, job, &last, &world), "the group is still leased after its drop");
+	struct stat kst;
+	for (int i = 0; i < 100 && stat(path, &kst) == 0; i++)
+		usleep(20000);
+	CHECK(stat(path, &kst) < 0 && errno == ENOENT, "the dropped group's snapshot %s stayed", path);
 	for (uint32_t q = 0; q < 2; q++) {
 		CHECK_OK(open_rank(&g[q], d.socket, job, 2, q, desc, init_vals));
 		CHECK(aoq_resumed(g[q].c, NULL) == 0, "rank %u resumed a dropped group", q);
 	}
 	for (uint32_t q = 0; q < 2; q++)
-		close_rank(&g[q]);
+		close_rank(&g[q]); /* Bye: the new group's state ends (no file) */
+	CHECK(rename(keep, path) == 0, "rename %s: %s", keep, strerror(errno));
 	CHECK(kill(d.pid, SIGKILL) == 0, "kill");
 	aoqt_daemon_stop(&d, 10000, true);
 	CHECK_OK(aoqt_daemon_start(&d, exe, args));
