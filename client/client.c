@@ -45,7 +45,7 @@ size_t aoq_struct_size(const char *name)
 }
 
 /* How long a thread waiting for an answer polls the to-client ring before
- * it sleeps (README, "Waiting for an update"): AOQ_SPIN_US microseconds,
+ * it sleeps (docs/operating.md, "Clients"): AOQ_SPIN_US microseconds,
  * default 50; none with one CPU, where polling only delays the daemon. */
 #define SPIN_US_DEFAULT 50u
 #define SPIN_US_MAX 10000u

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: MIT
-"""OffloadOptimizer: Adam/AdamW in aoqd, as a torch.optim.Optimizer.
+"""OffloadOptimizer: Adam/AdamW, SGD and Lion in aoqd, as a torch.optim.Optimizer.
 
     from aoq.torch import OffloadOptimizer
     opt = OffloadOptimizer(model.named_parameters(), lr=1e-3, weight_decay=0.1)
@@ -68,10 +68,11 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
     """torchao's CPUOffloadOptimizer constructor plus aoq's options.
 
     params: tensors, (name, tensor) pairs (named_parameters()) or param
-    groups whose "params" hold either.  Names key state_dict(); without
-    them a parameter is named by its position ("0", "1", ...).
-    optimizer_class: torch.optim.AdamW or torch.optim.Adam (the daemon's
-    kinds); it also steps the parameters smaller than minimal_size on the
+    groups whose "params" hold either.  state_dict() keys the state by
+    position, as torch's optimizers do; the names (the given ones, else
+    "0", "1", ...) are in sd["aoq"]["names"].
+    optimizer_class: torch.optim.AdamW, Adam, SGD or aoq.torch.Lion (the
+    daemon's kinds); it also steps the parameters smaller than minimal_size on the
     device.  kwargs: lr, betas, eps, weight_decay (defaults of
     optimizer_class) and options of optimizer_class for the small ones.
     device: the aoq device ("cuda:0", "cpu", "xpu:0") when not the
