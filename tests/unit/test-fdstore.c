@@ -1,0 +1,281 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The fd store's stored form (daemon/fdstore.c) without a daemon:
+ *  - encode -> decode round trip, byte for byte, of random states in every
+ *    precision (groups AdamW, SGD without momentum, Lion; odd sizes);
+ *  - the memfd is sealed; an unsealed, cut, grown or retyped one is refused
+ *    with a message naming what is wrong;
+ *  - random mutations of the descriptor with its checksum recomputed (so
+ *    that the field checks, not the CRC, must catch them) and of the
+ *    header never crash the decoder (run under ASan/UBSan by
+ *    tests/run-all.sh) and never give a state whose arrays differ from
+ *    what was written.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include "fdstore.h"
+#include "snapfile.h"
+#include "snapshot.h"
+
+#include "expect.h"
+
+static uint64_t rs;
+static uint64_t rnd(void)
+{
+	uint64_t z = (rs += 0x9e3779b97f4a7c15ull);
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+	return z ^ (z >> 31);
+}
+
+static _Atomic uint64_t locked;
+
+static void make_state(struct aoqd_state *st, int prec, uint32_t nt)
+{
+	memset(st, 0, sizeof(*st));
+	st->precision = (Aoq__StatePrecision)prec;
+	st->seed = rnd();
+	st->window = rnd() % 2 ? 0 : 1u << 20;
+	st->skip_nonfinite = rnd() % 2;
+	st->max_grad_norm = rnd() % 2 ? 0 : 1.25;
+	st->last_step = rnd() % 100000;
+	bool q8 = aoqk_precision_blocked((enum aoqk_precision)prec);
+	st->ngroups = q8 ? 1 : 3;
+	st->groups = calloc(st->ngroups, sizeof(*st->groups));
+	Aoq__Hyperparams h = AOQ__HYPERPARAMS__INIT;
+	h.lr = 1e-3 * (double)(rnd() % 1000 + 1) / 7.0;
+	h.beta1 = 0.9;
+	h.beta2 = 0.999;
+	h.eps = 1e-8;
+	h.weight_decay = 0.1;
+	aoqd_group_set(&st->groups[0], AOQ__OPTIMIZER_KIND__ADAMW, &h);
+	if (!q8) {
+		Aoq__Hyperparams s = AOQ__HYPERPARAMS__INIT;
+		s.lr = 0.1;
+		aoqd_group_set(&st->groups[1], AOQ__OPTIMIZER_KIND__SGD, &s);
+		h.beta2 = 0.99;
+		aoqd_group_set(&st->groups[2], AOQ__OPTIMIZER_KIND__LION, &h);
+	}
+	for (uint32_t g = 0; g < st->ngroups; g++)
+		st->groups[g].moments = aoqd_group_moments(&st->groups[g]);
+	st->ntensors = nt;
+	st->tensors = calloc(nt, sizeof(*st->tensors));
+	for (uint32_t i = 0; i < nt; i++) {
+		struct aoqd_tensor *t = &st->tensors[i];
+		char nm[64];
+		snprintf(nm, sizeof(nm), "layers.%u.weight", i);
+		t->name = strdup(nm);
+		t->numel = 1 + rnd() % 3000;
+		t->group = (uint32_t)(rnd() % st->ngroups);
+		t->param_dtype = (enum aoqk_dtype)(rnd() % 3);
+		t->grad_dtype = (enum aoqk_dtype)(rnd() % 3);
+		t->steps = rnd() % 100000;
+		st->parameters += t->numel;
+	}
+	uint64_t failed;
+	if (aoqd_state_alloc(st, 0, &locked, &failed) < 0) {
+		fprintf(stderr, "alloc failed\n");
+		exit(1);
+	}
+	for (uint32_t i = 0; i < nt; i++) {
+		struct aoqd_tensor *t = &st->tensors[i];
+		void *arr[5] = { t->st.master, t->st.m, t->st.v, t->st.m_scale, t->st.v_scale };
+		enum aoqk_precision p = (enum aoqk_precision)prec;
+		size_t len[5] = { t->numel * aoqk_master_size(p), aoqk_moment_bytes(p, t->numel),
+		                  aoqk_moment_bytes(p, t->numel), aoqk_scale_count(p, t->numel) * 4,
+		                  aoqk_scale_count(p, t->numel) * 4 };
+		for (int k = 0; k < 5; k++)
+			for (size_t b = 0; arr[k] && b < len[k]; b++)
+				((uint8_t *)arr[k])[b] = (uint8_t)rnd();
+	}
+}
+
+/* Arrays by the stored form's own rule (snapfile.h). */
+static bool same_state(const struct aoqd_state *a, const struct aoqd_state *b, char *why, size_t len)
+{
+	if (a->precision != b->precision || a->seed != b->seed || a->window != b->window ||
+	    a->skip_nonfinite != b->skip_nonfinite || a->max_grad_norm != b->max_grad_norm ||
+	    a->last_step != b->last_step || a->ngroups != b->ngroups || a->ntensors != b->ntensors) {
+		snprintf(why, len, "options or counts differ");
+		return false;
+	}
+	for (uint32_t g = 0; g < a->ngroups; g++) {
+		const struct aoqd_group *x = &a->groups[g], *y = &b->groups[g];
+		if (x->kind != y->kind || x->hp.lr != y->hp.lr || x->hp.beta1 != y->hp.beta1 || x->hp.beta2 != y->hp.beta2 ||
+		    x->hp.eps != y->hp.eps || x->hp.weight_decay != y->hp.weight_decay || x->moments != y->moments) {
+			snprintf(why, len, "group %u differs", g);
+			return false;
+		}
+	}
+	for (uint32_t i = 0; i < a->ntensors; i++) {
+		const struct aoqd_tensor *x = &a->tensors[i], *y = &b->tensors[i];
+		if (strcmp(x->name, y->name) || x->numel != y->numel || x->group != y->group || x->steps != y->steps ||
+		    x->param_dtype != y->param_dtype || x->grad_dtype != y->grad_dtype) {
+			snprintf(why, len, "tensor %u's description differs", i);
+			return false;
+		}
+		enum aoqk_precision p = (enum aoqk_precision)a->precision;
+		for (int k = 0; k < A_N; k++) {
+			const char *dt;
+			uint64_t elems;
+			unsigned es;
+			if (!snap_arr_info(p, x->numel, a->groups[x->group].moments, k, &dt, &elems, &es))
+				continue;
+			if (memcmp(snap_arr_ptr(&x->st, k), snap_arr_ptr(&y->st, k), elems * es)) {
+				snprintf(why, len, "tensor %u array %d differs", i, k);
+				return false;
+			}
+		}
+	}
+	return true;
+}
+
+static uint8_t *read_all(int fd, size_t *n)
+{
+	struct stat sb;
+	fstat(fd, &sb);
+	*n = (size_t)sb.st_size;
+	uint8_t *d = malloc(*n);
+	if (pread(fd, d, *n, 0) != (ssize_t)*n)
+		exit(1);
+	return d;
+}
+
+/* A memfd holding d, sealed unless `unsealed`. */
+static int memfd_of(const uint8_t *d, size_t n, bool unsealed)
+{
+	int fd = memfd_create("t", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+	if (fd < 0 || ftruncate(fd, (off_t)n) < 0 || pwrite(fd, d, n, 0) != (ssize_t)n)
+		exit(1);
+	if (!unsealed)
+		fcntl(fd, F_ADD_SEALS, F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL);
+	return fd;
+}
+
+static void fix_crc(uint8_t *d)
+{
+	uint64_t desc;
+	memcpy(&desc, d + 16, 8);
+	uint32_t c = (uint32_t)crc32(crc32(0, Z_NULL, 0), d + 16, (uInt)(desc - 16));
+	memcpy(d + 12, &c, 4);
+}
+
+/* d (n bytes) must be refused with `want` in the reason. */
+static void expect_refused(const char *what, const uint8_t *d, size_t n, bool unsealed, const char *want)
+{
+	int fd = memfd_of(d, n, unsealed);
+	struct aoqd_snap_key key;
+	struct aoqd_state st;
+	char why[512] = "";
+	int r = aoqd_fdstore_decode(fd, 0, &locked, 2, &key, &st, why, sizeof(why));
+	EXPECT(r < 0 && strstr(why, want), "%s: r %d, why '%s' (want '%s')", what, r, why, want);
+	if (r == 0)
+		aoqd_state_free(&st, &locked);
+	close(fd);
+}
+
+int main(void)
+{
+	rs = (uint64_t)getpid() * 0x100000001b3ull ^ (uint64_t)time(NULL);
+	printf("seed %" PRIu64 "\n", rs);
+	uint8_t *keep = NULL;
+	size_t keep_n = 0;
+	for (int prec = 0; prec < SNAP_NPREC; prec++) {
+		struct aoqd_state st;
+		make_state(&st, prec, 1 + (uint32_t)(rnd() % 9));
+		struct aoqd_snap_key key = { .uid = 1000, .rank = 3 };
+		snprintf(key.job, sizeof(key.job), "job-%d", prec);
+		int fd = aoqd_fdstore_encode(&key, &st, 1 + (unsigned)(rnd() % 4));
+		EXPECT(fd >= 0, "encode precision %d: %s", prec, strerror(-fd));
+		if (fd < 0)
+			continue;
+		int seals = fcntl(fd, F_GET_SEALS);
+		EXPECT(seals >= 0 && (seals & (F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL)) ==
+		       (F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL), "seals %#x", seals);
+		struct aoqd_snap_key k2;
+		struct aoqd_state back;
+		char why[512] = "";
+		int r = aoqd_fdstore_decode(fd, 0, &locked, 3, &k2, &back, why, sizeof(why));
+		EXPECT(r == 0, "decode precision %d: %s", prec, why);
+		if (r == 0) {
+			EXPECT(k2.uid == 1000 && k2.rank == 3 && strcmp(k2.job, key.job) == 0, "key differs");
+			EXPECT(same_state(&st, &back, why, sizeof(why)), "precision %d: %s", prec, why);
+			aoqd_state_free(&back, &locked);
+		}
+		if (prec == 0)
+			keep = read_all(fd, &keep_n);
+		close(fd);
+		aoqd_state_free(&st, &locked);
+	}
+	if (!keep)
+		return 1;
+
+	/* Damaged copies, each refused with its reason. */
+	uint8_t *d = malloc(keep_n + 8192);
+	memcpy(d, keep, keep_n);
+	expect_refused("unsealed", d, keep_n, true, "not sealed");
+	expect_refused("cut short", d, keep_n - 4096, false, "not within");
+	memset(d + keep_n, 0, 8192);
+	expect_refused("grown", d, keep_n + 4096, false, "not within");
+	expect_refused("header only", d, 63, false, "not a memfd of the stored form");
+	d[100] ^= 1;
+	expect_refused("descriptor byte", d, keep_n, false, "checksum mismatch");
+	memcpy(d, keep, keep_n);
+	d[8] = 2;
+	expect_refused("version", d, keep_n, false, "version 2");
+	memcpy(d, keep, keep_n);
+	d[0] = 'X';
+	expect_refused("magic", d, keep_n, false, "magic");
+	memcpy(d, keep, keep_n);
+	d[50] = 1;
+	expect_refused("reserved", d, keep_n, false, "reserved");
+	memcpy(d, keep, keep_n);
+	uint32_t big = 1u << 30;
+	memcpy(d + 64 + 8, &big, 4); /* the job's length */
+	fix_crc(d);
+	expect_refused("job length", d, keep_n, false, "job name");
+
+	/* Random mutations of the descriptor (checksum made right) and of the
+	 * header: refused, or a state equal in its arrays' bytes to what the
+	 * data holds (never a read outside the memfd: ASan). */
+	uint64_t desc;
+	memcpy(&desc, keep + 16, 8);
+	int loaded = 0;
+	for (int it = 0; it < 3000; it++) {
+		memcpy(d, keep, keep_n);
+		int flips = 1 + (int)(rnd() % 4);
+		for (int f = 0; f < flips; f++) {
+			size_t at = it % 3 == 0 ? (size_t)(rnd() % 64) : 64 + (size_t)(rnd() % (desc - 64));
+			d[at] = rnd() % 3 == 0 ? (uint8_t)rnd() : (uint8_t)(d[at] ^ (1u << (rnd() % 8)));
+		}
+		if (it % 3)
+			fix_crc(d);
+		int fd = memfd_of(d, keep_n, false);
+		struct aoqd_snap_key k2;
+		struct aoqd_state back;
+		char why[512] = "";
+		if (aoqd_fdstore_decode(fd, 0, &locked, 2, &k2, &back, why, sizeof(why)) == 0) {
+			loaded++;
+			EXPECT(back.ntensors >= 1 && back.ngroups >= 1, "a decoded state without tensors");
+			aoqd_state_free(&back, &locked);
+		} else {
+			EXPECT(why[0], "refused without a reason");
+		}
+		close(fd);
+	}
+	printf("mutations: %d of 3000 decoded (values the checks allow), the rest refused\n", loaded);
+	EXPECT(atomic_load(&locked) == 0, "locked bytes left: %" PRIu64, (uint64_t)atomic_load(&locked));
+	free(d);
+	free(keep);
+	return failures != 0;
+}
