@@ -17,6 +17,8 @@ parameter, then convert.  Registration (OffloadOptimizer) then loads each
 parameter into aoqd through the arena's transfer area, a piece at a time:
 the trainer's host peak is one module's tensors, aoqd's is its state.
 """
+import warnings
+
 import torch
 
 __all__ = ["materialize"]
@@ -27,6 +29,9 @@ def _reset(module):
     fn = getattr(module, "reset_parameters", None)
     if callable(fn):
         fn()
+    elif any(True for _ in module.parameters(recurse=False)):
+        warnings.warn("aoq.materialize: %s has no reset_parameters(): its parameters are left uninitialised; "
+                      "pass init= (a function of the module)" % type(module).__name__, stacklevel=3)
 
 
 def _moved(t, device):
