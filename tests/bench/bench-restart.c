@@ -8,6 +8,8 @@
  *
  *   bench-restart [PARAMS [TENSORS]]    (default 2^30 parameters, 16 tensors)
  *
+ * aoqd: $AOQD when set, else the build's.
+ *
  * One fp32 AdamW job (12 B of state per parameter, and the lease's undo
  * copy as much again), host backend.  The pause: from the signal until the
  * trainer has finished the interrupted step again, less that step's
@@ -21,6 +23,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/time.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -30,6 +34,12 @@
 #ifndef AOQD_PATH
 #define AOQD_PATH "aoqd"
 #endif
+
+static const char *aoqd_exe(void)
+{
+	const char *e = getenv("AOQD");
+	return e && *e ? e : AOQD_PATH;
+}
 
 static double now(void)
 {
@@ -123,7 +133,7 @@ static struct pause restart(struct sup *s, struct job *j, int sig, double step_s
 	double t1 = now();
 	aoq_close(j->c);
 	j->c = NULL;
-	sup_start(s, AOQD_PATH, NULL, NULL, 0);
+	sup_start(s, aoqd_exe(), NULL, NULL, 0);
 	double t2 = now();
 	p.at = job_open(j, s->sock);
 	double t3 = now();
@@ -153,7 +163,7 @@ int main(int argc, char **argv)
 	signal(SIGPIPE, SIG_IGN);
 	struct sup s;
 	sup_init(&s, false, "lease_seconds = 600\nlog_level = info\nthreads = 0\n");
-	sup_start(&s, AOQD_PATH, NULL, NULL, 0);
+	sup_start(&s, aoqd_exe(), NULL, NULL, 0);
 
 	struct job j = { .nt = nt, .per = params / nt };
 	j.p = aoqt_xcalloc(nt, sizeof(*j.p));
@@ -187,11 +197,19 @@ int main(int argc, char **argv)
 	char path[4096];
 	uint64_t snap_step = 0;
 	double ts = now();
-	int r = aoqt_snapshot(s.sock, session_id(s.sock), path, sizeof(path), &snap_step);
+	int sfd = aoqt_snapshot_ask(s.sock, session_id(s.sock));
+	CHECK(sfd >= 0, "SnapshotRequest: %d", sfd);
+	struct timeval forever = { 0, 0 }; /* the write may take minutes */
+	setsockopt(sfd, SOL_SOCKET, SO_RCVTIMEO, &forever, sizeof(forever));
+	int r = aoqt_snapshot_wait(sfd, path, sizeof(path), &snap_step);
 	CHECK(r == 0, "snapshot: %d %s", r, path);
 	printf("snapshot at step %" PRIu64 " written in %.3f s: %s\n", snap_step, now() - ts, path);
 	struct pause snap = restart(&s, &j, SIGKILL, step_s);
 	report("snapshot (SIGKILL)", &snap, step_s);
+	/* The fd store again, after the snapshot's run: the order's effect
+	 * (fresh memory, a host's background work) shows as the spread. */
+	struct pause fds2 = restart(&s, &j, SIGTERM, step_s);
+	report("fd store again", &fds2, step_s);
 
 	const char *log = sup_log(&s);
 	for (const char *l = log; (l = strstr(l, "aoqd info fdstore:")); l++) {
