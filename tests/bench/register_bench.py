@@ -36,20 +36,23 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 def memcpy_gbs(tensors, fresh):
     """GB/s of memcpy over every tensor's bytes, one tensor at a time, into
     one buffer the size of the largest (fresh: a new buffer per tensor, so
-    every destination page is touched for the first time)."""
+    every destination page is touched for the first time).  From a GPU the
+    destination is pinned, as the arena's transfer area is."""
     big = max(t.numel() * t.element_size() for t in tensors)
-    dst = None if fresh else torch.empty(big, dtype=torch.uint8)
+    pin = tensors[0].device.type == "cuda"
+    dst = None if fresh else torch.empty(big, dtype=torch.uint8, pin_memory=pin)
     if dst is not None:
         dst.fill_(1)
     total = 0
     t0 = time.perf_counter()
     for t in tensors:
         n = t.numel() * t.element_size()
-        d = torch.empty(n, dtype=torch.uint8) if fresh else dst
+        d = torch.empty(n, dtype=torch.uint8, pin_memory=pin) if fresh else dst
         if t.device.type == "cpu":
             ctypes.memmove(d.data_ptr(), t.data_ptr(), n)
         else:
             d[:n].copy_(t.view(-1).view(torch.uint8))
+            torch.cuda.synchronize(t.device)
         total += n
         del d
     return total / 1e9 / (time.perf_counter() - t0)
