@@ -425,6 +425,20 @@ void aoqd_sessions_wake(struct aoqd_server *srv)
 	}
 	for (struct aoqd_session *s = srv->sessions; s; s = next) {
 		next = s->next;
+		if (s->building && atomic_load_explicit(&s->build_done, memory_order_acquire)) {
+			/* a registration's state and arena built on a worker */
+			struct aoqd_error err;
+			aoqd_session_ref(s);
+			if (s->state != AOQD_REGISTERING)
+				s->building = false; /* failed meanwhile: freed with the session */
+			else if (aoqd_register_built(s, s->on_doorbell, &err) < 0)
+				aoqd_session_error(s, &err);
+			else
+				aoqd_session_frames(s);
+			next = s->next;
+			aoqd_session_unref(s);
+			continue;
+		}
 		if (s->backlog && s->state != AOQD_CLOSING) {
 			aoqd_session_ref(s);
 			aoqd_session_frames(s);

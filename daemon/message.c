@@ -132,7 +132,7 @@ static int on_hello(struct aoqd_session *s, const Aoq__Envelope *env, struct aoq
 static int on_register(struct aoqd_session *s, const Aoq__Envelope *env, struct aoqd_error *err)
 {
 	int r = aoqd_register(s, env->register_, s->on_doorbell, aoqd_replica_adopt, err);
-	return r == AOQD_ADOPT_WAIT ? AOQD_DEFERRED : r == AOQD_GROUP_JOINED ? AOQD_REPLIED : r;
+	return r == AOQD_ADOPT_WAIT || r == AOQD_BUILDING ? AOQD_DEFERRED : r == AOQD_GROUP_JOINED ? AOQD_REPLIED : r;
 }
 
 static const char *state_name(enum aoqd_session_state st)
@@ -181,7 +181,7 @@ static int on_stats(struct aoqd_session *who, const Aoq__Envelope *env, struct a
 		x->parameters = s->st.parameters; /* no walk over the tensors: Stats costs O(sessions) */
 		x->state = (char *)state_name(s->state);
 		x->precision = s->st.precision;
-		x->arena_bytes = s->arena.size;
+		x->arena_bytes = s->building ? 0 : s->arena.size; /* being built off the loop */
 		aoqd_stats_fill(&s->stats, x);
 		x->state_bytes = s->st.state_bytes;
 		x->snapshot_step = s->snap_step;
@@ -240,7 +240,7 @@ static int on_stats(struct aoqd_session *who, const Aoq__Envelope *env, struct a
 		/* Others' figures are not a plain user's business: only what
 		 * its own sessions lock. */
 		for (struct aoqd_session *s = srv->sessions; s; s = s->next)
-			if (s->conn.uid == who->conn.uid)
+			if (s->conn.uid == who->conn.uid && !s->building) /* mapped off the loop now */
 				st.locked_bytes += s->st.locked_bytes;
 		for (struct aoqd_session *h = srv->hubs; h; h = h->next)
 			if (h->conn.uid == who->conn.uid)
@@ -379,7 +379,7 @@ void aoqd_session_frames(struct aoqd_session *s)
 	size_t off = 0;
 	unsigned handled = 0;
 	s->backlog = false;
-	while (s->state != AOQD_CLOSING && !s->steps.end_pending && !s->steps.xfer_busy && !s->adopt_wait &&
+	while (s->state != AOQD_CLOSING && !s->steps.end_pending && !s->steps.xfer_busy && !s->adopt_wait && !s->building &&
 	       aoqd_conn_queued(c) < AOQD_MAX_QUEUED_REPLY_BYTES) {
 		struct aoqd_error err;
 		Aoq__Envelope *env = NULL;
@@ -409,6 +409,6 @@ void aoqd_session_frames(struct aoqd_session *s)
 		return;
 	}
 	aoqd_conn_consume(c, off);
-	aoqd_conn_want_read(c, !s->steps.end_pending && !s->steps.xfer_busy && !s->adopt_wait &&
+	aoqd_conn_want_read(c, !s->steps.end_pending && !s->steps.xfer_busy && !s->adopt_wait && !s->building &&
 	                       aoqd_conn_queued(c) < AOQD_MAX_QUEUED_REPLY_BYTES);
 }

@@ -8,7 +8,9 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "arena.h"
@@ -126,8 +128,9 @@ static int add_tensors(struct aoqd_session *s, const Aoq__Register *m, struct ao
 	return 0;
 }
 
-/* The last frame: state within the uid's quota, mapped. */
-static int make_state(struct aoqd_session *s, struct aoqd_error *err)
+/* The last frame: the tables checked, the state charged to the uid's
+ * quota (not yet mapped: alloc_state). */
+static int charge_state(struct aoqd_session *s, struct aoqd_error *err)
 {
 	const struct aoqd_config *cfg = &s->srv->cfg;
 	struct aoqd_state *st = &s->st;
@@ -153,18 +156,71 @@ static int make_state(struct aoqd_session *s, struct aoqd_error *err)
 		return AOQD_FAIL(err, QUOTA, "uid %u: %" PRIu64 " bytes of state (%" PRIu64 " in whole pages) would pass its "
 		                 "quota of %" PRIu64 " bytes: raise max_state_bytes_per_uid in aoqd's config (a size, a share "
 		                 "of memory such as 90%%, or 0: no limit)", (unsigned)s->conn.uid, total, mapped, st->quota);
-	uint64_t failed_len = 0;
-	int r = aoqd_state_alloc(st, cfg->lock_memory, &s->srv->locked_bytes, &failed_len);
-	if (r < 0)
-		return AOQD_FAIL(err, NO_MEMORY, "cannot %s %" PRIu64 " bytes of optimizer state: %s%s",
-		                 r == -ENOMEM || r == -EAGAIN || r == -EPERM ? "lock" : "allocate", failed_len,
-		                 strerror(-r), cfg->lock_memory == 2 ? " (raise LimitMEMLOCK or give CAP_IPC_LOCK)" : "");
 	st->state_bytes = total;
 	/* A new state holds no parameters until the trainer loads them: it
 	 * is not leased before its first step ends (a trainer killed between
 	 * Registered and its first LoadState would leave zeros to resume). */
 	st->dirty = true;
+	(void)cfg;
 	return 0;
+}
+
+static int alloc_failed(int r, int lock_memory, uint64_t failed_len, struct aoqd_error *err)
+{
+	return AOQD_FAIL(err, NO_MEMORY, "cannot %s %" PRIu64 " bytes of optimizer state: %s%s",
+	                 r == -ENOMEM || r == -EAGAIN || r == -EPERM ? "lock" : "allocate", failed_len, strerror(-r),
+	                 lock_memory == 2 ? " (raise LimitMEMLOCK or give CAP_IPC_LOCK)" : "");
+}
+
+/* The charged state, mapped. */
+static int make_state(struct aoqd_session *s, struct aoqd_error *err)
+{
+	int r = charge_state(s, err);
+	if (r < 0)
+		return r;
+	uint64_t failed_len = 0;
+	int lock = s->srv->cfg.lock_memory;
+	r = aoqd_state_alloc(&s->st, lock, &s->srv->locked_bytes, &failed_len);
+	return r < 0 ? alloc_failed(r, lock, failed_len, err) : 0;
+}
+
+/*
+ * A registration of more tensors than this maps its state and builds its
+ * arena on a thread of its own, not the loop: at 100,000 tensors that is
+ * some 200 ms during which the loop would serve no other session
+ * (bench-regstall).  Not on the pool either: one worker busy that long
+ * would hold the sessions queued behind it.  The Register reply waits (the
+ * connection reads nothing meanwhile); the wake that follows the build
+ * finishes it (aoqd_register_built).
+ */
+#define BUILD_OFF_LOOP_TENSORS AOQD_MAX_TENSORS_PER_FRAME
+
+struct build {
+	struct aoqd_session *s;  /* a reference */
+	bool alloc;              /* a new state (not a resumed one) */
+	int lock_memory;         /* the settings when it began */
+	uint64_t max_arena_bytes;
+};
+
+/* The build's thread: nothing of the session but its state and arena,
+ * which the loop leaves alone while s->building. */
+static void *build_run(void *arg)
+{
+	struct build *b = arg;
+	struct aoqd_session *s = b->s;
+	int r = 0;
+	s->build_alloc_failed = false;
+	if (b->alloc && (r = aoqd_state_alloc(&s->st, b->lock_memory, &s->srv->locked_bytes, &s->build_failed_len)) < 0)
+		s->build_alloc_failed = true;
+	if (r == 0)
+		r = aoqd_arena_build(&s->arena, &s->st, s->id, b->max_arena_bytes);
+	s->build_r = r;
+	s->build_lock = b->lock_memory;
+	free(b);
+	atomic_store_explicit(&s->build_done, true, memory_order_release);
+	uv_async_send(&s->srv->wake);
+	s->steps.ops->release(s);
+	return NULL;
 }
 
 /* The arena's pages charged to st; a resume charged them before it took
@@ -204,6 +260,8 @@ int aoqd_register(struct aoqd_session *s, const Aoq__Register *m, uv_poll_cb on_
 	return aoqd_register_finish(s, on_doorbell, adopt, err);
 }
 
+static int arena_made(struct aoqd_session *s, uv_poll_cb on_doorbell, int r, struct aoqd_error *err);
+
 int aoqd_register_finish(struct aoqd_session *s, uv_poll_cb on_doorbell, aoqd_adopt_fn adopt, struct aoqd_error *err)
 {
 	struct aoqd_state *st = &s->st;
@@ -211,9 +269,55 @@ int aoqd_register_finish(struct aoqd_session *s, uv_poll_cb on_doorbell, aoqd_ad
 	int r = adopt(s, err);
 	if (r < 0 || r > 1)
 		return r; /* > 1: the adopter's own answer (it waits) */
-	if (r == 0 && (r = make_state(s, err)) < 0)
+	bool fresh = r == 0;
+	if (fresh && (r = charge_state(s, err)) < 0)
 		return r;
+	struct build *b = st->ntensors > BUILD_OFF_LOOP_TENSORS ? calloc(1, sizeof(*b)) : NULL;
+	if (b) {
+		b->s = s;
+		b->alloc = fresh;
+		b->lock_memory = s->srv->cfg.lock_memory;
+		b->max_arena_bytes = s->srv->cfg.max_arena_bytes;
+		s->building = true;
+		atomic_store(&s->build_done, false);
+		s->steps.ops->hold(s);
+		pthread_t t;
+		pthread_attr_t at;
+		int e = pthread_attr_init(&at);
+		if (e == 0)
+			e = pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+		if (e == 0)
+			e = pthread_create(&t, &at, build_run, b);
+		pthread_attr_destroy(&at);
+		if (e == 0)
+			return AOQD_BUILDING;
+		/* no thread: built here, as a small one */
+		s->building = false;
+		s->steps.ops->release(s);
+		free(b);
+	}
+	if (fresh) {
+		uint64_t failed_len = 0;
+		int lock = s->srv->cfg.lock_memory;
+		if ((r = aoqd_state_alloc(st, lock, &s->srv->locked_bytes, &failed_len)) < 0)
+			return alloc_failed(r, lock, failed_len, err);
+	}
 	r = aoqd_arena_build(&s->arena, st, s->id, s->srv->cfg.max_arena_bytes);
+	return arena_made(s, on_doorbell, r, err);
+}
+
+int aoqd_register_built(struct aoqd_session *s, uv_poll_cb on_doorbell, struct aoqd_error *err)
+{
+	s->building = false;
+	if (s->build_alloc_failed)
+		return alloc_failed(s->build_r, s->build_lock, s->build_failed_len, err);
+	return arena_made(s, on_doorbell, s->build_r, err);
+}
+
+/* The arena built (r: its result): charged, locked, watched, sent. */
+static int arena_made(struct aoqd_session *s, uv_poll_cb on_doorbell, int r, struct aoqd_error *err)
+{
+	struct aoqd_state *st = &s->st;
 	/* The memfd's pages are taken as the client fills it: charged now. */
 	if (r == 0 && charge_arena(s, st, s->arena.size) < 0)
 		return AOQD_FAIL(err, QUOTA, "uid %u: the arena (%" PRIu64 " bytes) would pass its quota of %" PRIu64

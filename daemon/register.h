@@ -26,8 +26,14 @@ typedef int (*aoqd_adopt_fn)(struct aoqd_session *s, struct aoqd_error *err);
 int aoqd_register(struct aoqd_session *s, const Aoq__Register *m, uv_poll_cb on_doorbell, aoqd_adopt_fn adopt,
                   struct aoqd_error *err);
 /* The last frame's work once its tables are in (aoqd_register calls it; the
- * session calls it again when adopt answered that it waits). */
+ * session calls it again when adopt answered that it waits).  A
+ * registration of many tensors maps its state and builds its arena on a
+ * thread of its own: AOQD_BUILDING, and the wake after s->build_done finishes it with
+ * aoqd_register_built (the loop leaves s->st and s->arena alone while
+ * s->building). */
+#define AOQD_BUILDING 4
 int aoqd_register_finish(struct aoqd_session *s, uv_poll_cb on_doorbell, aoqd_adopt_fn adopt, struct aoqd_error *err);
+int aoqd_register_built(struct aoqd_session *s, uv_poll_cb on_doorbell, struct aoqd_error *err);
 /* Replica groups (docs/design.md, "Replica groups"; replica.c decides
  * which): the first member's tables become the new hub's state, which is
  * made with the group's arena (a lane per local rank) — with `resumed`,

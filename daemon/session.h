@@ -129,6 +129,14 @@ struct aoqd_session {
 	 * state over (lease.c, aoqd_lease_reserve): a refused resume leaves
 	 * the lease as it was; the registration's arena takes the charge. */
 	uint64_t arena_charged;
+	/* A registration's state and arena being built off the loop
+	 * (register.c, AOQD_BUILDING): the loop leaves st and arena alone
+	 * until build_done; the worker's results below. */
+	bool building;
+	_Atomic bool build_done;
+	bool build_alloc_failed;
+	int build_r, build_lock;
+	uint64_t build_failed_len;
 	/* In srv->sessions.  A leased session that ends is unlinked but keeps
 	 * its `next` (a walk of the list may stand on it) and waits on the
 	 * zombie list for the next wake to drop the list's reference. */
