@@ -228,8 +228,9 @@ static uint8_t get8(struct rd *r)
 	return v;
 }
 
-/* Tensor x's arrays into c (up to A_N): their sizes and places in the data
- * from *off on (64-byte aligned); the state's pointers when st_arrays. */
+/* A tensor's arrays in the stored form (up to A_N): their lengths and kinds
+ * into lens and ks; *off moves past them (each at a multiple of 64 bytes).
+ * Returns how many. */
 static size_t tensor_arrays(enum aoqk_precision p, uint64_t numel, unsigned moments, uint64_t *off, uint64_t *lens,
                             int *ks)
 {
@@ -390,10 +391,8 @@ int aoqd_fdstore_decode(int fd, int lock_memory, _Atomic uint64_t *locked_total,
 		BAD("not sealed against writes, growth and shrinking (seals %#x): it could change under aoqd",
 		    seals < 0 ? 0 : (unsigned)seals);
 	map = mmap(NULL, size, PROT_READ, MAP_SHARED, fd, 0);
-	if (map == MAP_FAILED) {
-		map = MAP_FAILED;
+	if (map == MAP_FAILED)
 		BAD("mmap of %" PRIu64 " bytes: %s", size, strerror(errno));
-	}
 	uint32_t ver, crc;
 	uint64_t desc_len, data_off, data_len;
 	memcpy(&ver, map + 8, 4);
@@ -438,6 +437,10 @@ int aoqd_fdstore_decode(int fd, int lock_memory, _Atomic uint64_t *locked_total,
 		    st->max_grad_norm);
 	if (ng == 0 || ng > 65536 || nt == 0 || nt > (1u << 24))
 		BAD("%u groups and %u tensors", ng, nt);
+	/* a group takes 68 bytes of the descriptor, a tensor at least 29:
+	 * no table larger than the descriptor can fill is allocated */
+	if ((uint64_t)ng * 68 + (uint64_t)nt * 29 > rd.len - rd.pos)
+		BAD("%u groups and %u tensors do not fit in a %" PRIu64 "-byte descriptor", ng, nt, desc_len);
 	st->precision = (Aoq__StatePrecision)prec;
 	st->skip_nonfinite = skip;
 	st->delayed = delayed;
