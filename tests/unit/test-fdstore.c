@@ -245,6 +245,12 @@ int main(void)
 	fix_crc(d);
 	expect_refused("job length", d, keep_n, false, "job name");
 
+	memcpy(d, keep, keep_n);
+	uint32_t many = 1u << 24;
+	memcpy(d + 64 + 12 + 5 + 24 + 8 + 4 + 4 + 4, &many, 4); /* tensors, after job "job-0" */
+	fix_crc(d);
+	expect_refused("tensor count", d, keep_n, false, "do not fit");
+
 	/* Random mutations of the descriptor (checksum made right) and of the
 	 * header: refused, or a state equal in its arrays' bytes to what the
 	 * data holds (never a read outside the memfd: ASan). */
