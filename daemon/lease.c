@@ -217,8 +217,18 @@ int64_t aoqd_lease_adopt(struct aoqd_server *srv, const struct aoqd_lease_key *k
 		rep->world = key->local_world;
 		s->rep = rep;
 	}
-	/* The limits of a live registration: the uid's sessions (leased ones
-	 * included) and its quota. */
+	/* The limits of a live registration: the tables' sizes, the uid's
+	 * sessions (leased ones included) and its quota. */
+	uint64_t biggest = 0;
+	for (uint32_t i = 0; i < st->ntensors; i++)
+		if (st->tensors[i].numel > biggest)
+			biggest = st->tensors[i].numel;
+	if (st->ntensors > srv->cfg.max_tensors || biggest > srv->cfg.max_tensor_elems) {
+		aoqd_session_unref(s); /* and job, rep */
+		AOQD_FAIL(err, QUOTA, "%u tensors, the largest of %" PRIu64 " elements (max_tensors %u, max_tensor_elems %"
+		          PRIu64 ")", st->ntensors, biggest, srv->cfg.max_tensors, srv->cfg.max_tensor_elems);
+		return -EDQUOT;
+	}
 	uint32_t count = 0;
 	for (struct aoqd_session *o = srv->sessions; o; o = o->next)
 		if (o != s && o->conn.uid == key->uid && o->state != AOQD_OBSERVER && o->state != AOQD_CLOSING)

@@ -539,8 +539,8 @@ int aoqd_snapshot_restore_all(const char *dir, int lock_memory, _Atomic uint64_t
 			free(st);
 			/* past the uid's limits: a state it could not hold live */
 			if (r == -EDQUOT && unlink(path) == 0)
-				aoqd_warn("snapshot", "%s removed: uid %u holds as many restored states as its limits allow "
-				          "(max_sessions_per_uid, max_state_bytes_per_uid)", path, key.uid);
+				aoqd_warn("snapshot", "%s removed: past uid %u's limits for a registration (max_sessions_per_uid, "
+				          "max_state_bytes_per_uid, max_tensors, max_tensor_elems)", path, key.uid);
 			continue;
 		}
 		aoqd_info("snapshot", "restored uid %u job '%s' rank %u at step %" PRIu64 " from %s", key.uid, key.job,
