@@ -182,11 +182,30 @@ static void image_same(const struct image *a, const struct image *b, const char 
 	}
 }
 
+static void image_free(struct image *im)
+{
+	for (int i = 0; i < NT; i++)
+		for (int k = 0; k < 4; k++) {
+			free(im->v[i][k]);
+			im->v[i][k] = NULL;
+		}
+}
+
 static void trainer_close(struct trainer *t)
 {
 	if (t->c)
 		aoq_close(t->c);
 	t->c = NULL;
+}
+
+static void trainer_free(struct trainer *t)
+{
+	trainer_close(t);
+	for (int i = 0; i < NT; i++) {
+		free(t->param[i]);
+		free(t->grad[i]);
+		t->param[i] = t->grad[i] = NULL;
+	}
 }
 
 /* ---- hostile fds beside the real ones ---- */
@@ -232,7 +251,7 @@ int main(int argc, char **argv)
 		CHECK_OK(trainer_step(&ref, k, false));
 		image_take(&ref, &at[k]);
 	}
-	trainer_close(&ref);
+	trainer_free(&ref);
 
 	/* The same job, with aoqd going mid-step. */
 	struct trainer run = { 0 };
@@ -324,11 +343,15 @@ int main(int argc, char **argv)
 	struct image now;
 	image_take(&run, &now);
 	image_same(&now, &at[resumed], "at the resume");
+	image_free(&now);
 	for (uint64_t k = resumed + 1; k <= STEPS; k++)
 		CHECK_OK(trainer_step(&run, k, false));
 	image_take(&run, &now);
 	image_same(&now, &at[STEPS], "at the end");
-	trainer_close(&run);
+	image_free(&now);
+	trainer_free(&run);
+	for (int k = 0; k <= STEPS; k++)
+		image_free(&at[k]);
 
 	/* Every session ended with a Bye: the next stop stores nothing. */
 	sup_kill(&s, SIGTERM);
