@@ -102,8 +102,8 @@ uint32_t snap_crc(uint32_t crc, const void *p, uint64_t n)
                   "sqrt(v) = (u2f((c + 3840) << 18) - u2f(3840 << 18)) * (scale / TOP_U); u2f reads the bits as fp32 " \
                   "(docs/snapshots.md)"
 #define Q4_FORMAT "blockwise-128, q4 format 1: two codes a byte, element i of each 32 in byte i % 16 of their 16, " \
-                  "bits 4-7 for i % 32 >= 16; exp_avg nibbles, bit 3 the sign, bits 0-2 an e2m1 float c: " \
-                  "|m| = (u2f((c + 248) << 22) - u2f(248 << 22)) * (scale / TOP_M); exp_avg_sq nibbles c (e2m2): " \
+                  "bits 4-7 for i % 32 >= 16; exp_avg nibbles, bit 3 the sign, bits 0-2 an e1m2 float c: " \
+                  "|m| = (u2f((c + 504) << 21) - u2f(504 << 21)) * (scale / TOP_M); exp_avg_sq nibbles c (e2m2): " \
                   "sqrt(v) = (u2f((c + 496) << 21) - u2f(496 << 21)) * (scale / TOP_U); u2f reads the bits as fp32 " \
                   "(docs/snapshots.md)"
 

@@ -48,7 +48,7 @@
 /* q4 moments (kernels/README.md, "q4 moments"): format 2's construction
  * with 4-bit codes, two per byte (aoq-kernel.h: a group of 32 elements in
  * 16 bytes, byte l = element l | element l + 16 << 4):
- *   m:        nibble = sign << 3 | c, c in [0, 7], an e2m1 float c
+ *   m:        nibble = sign << 3 | c, c in [0, 7], an e1m2 float c
  *             |m| = (F(c) - K) * m_scale / TOP
  *   sqrt(v):  nibble = c in [0, 15], an e2m2 float c
  *             sqrt(v) = (F(c) - K) * v_scale / TOP
@@ -57,7 +57,7 @@
  * v_scale its max sqrt(v), per AOQK_Q4_BLOCK elements.  Code 0 is 0; a
  * non-zero v never gets code 0 (the zero point excluded: sqrt(v) divides). */
 #ifndef AOQK_Q4_M_MB
-#define AOQK_Q4_M_MB 1 /* m: e2m1 */
+#define AOQK_Q4_M_MB 2 /* m: e1m2 */
 #endif
 #ifndef AOQK_Q4_U_MB
 #define AOQK_Q4_U_MB 2 /* sqrt(v): e2m2 */

@@ -287,7 +287,7 @@ static void test_restore(const char *sock, enum aoq_precision prec)
 			double big = 0;
 			for (size_t i = 0; i < sizes[t]; i++) {
 				/* q8, q4: within one code of the largest value of its
-				 * block (q4: the top codes are 36% (m) and 15% (sqrt
+				 * block (q4: the top codes are 20% (m) and 15% (sqrt
 				 * v) of it apart, kernels/README.md) */
 				if (q8 && i % blk == 0) {
 					big = 0;

@@ -324,7 +324,7 @@ def main():
                 p, ref = train_one(c, "q")
                 st = {w: c.read_state(0, w) for w in ("master", "exp_avg", "exp_avg_sq")}
                 check(all(x.dtype == np.float32 and x.shape == (4096,) for x in st.values()), prec + " read dtype")
-                # m to the nearest code: up to half a spacing (18% of its
+                # m to the nearest code: up to half a spacing (10% of its
                 # block's max at the top) per step, carried through the 0.9
                 # decay over 4 steps; sqrt(v) stochastically, up to a spacing
                 # (15%) of its block's max
