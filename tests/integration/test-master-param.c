@@ -6,7 +6,8 @@
  *
  * Two daemons, one with master_param = yes (the default) and one with
  * master_param = no (the parameter written to the arena, as before), train
- * the same sessions: bf16 master, bf16 master + q8 moments and all bf16,
+ * the same sessions: bf16 master, bf16 master + q8 moments, all bf16 and
+ * bf16 master + q4 moments,
  * each with a slot per tensor and with a 2-slot window, micro-batches
  * accumulated in every other step, tensors of 1, 3, 4097 and 1 Mi + 13
  * elements (pieces of several records); with the delayed update too (a slot
@@ -221,7 +222,10 @@ int main(int argc, char **argv)
 	static const struct {
 		const char *name;
 		enum aoq_precision prec;
-	} precs[] = { { "bf16", AOQ_STATE_BF16 }, { "bf16q8", AOQ_STATE_BF16_Q8 }, { "bf16all", AOQ_STATE_BF16_ALL } };
+	} precs[] = { { "bf16", AOQ_STATE_BF16 },
+	              { "bf16q8", AOQ_STATE_BF16_Q8 },
+	              { "bf16all", AOQ_STATE_BF16_ALL },
+	              { "bf16q4", AOQ_STATE_BF16_Q4 } };
 	for (size_t p = 0; p < sizeof(precs) / sizeof(precs[0]); p++) {
 		char what[64];
 		snprintf(what, sizeof(what), "%s-slots", precs[p].name);

@@ -278,6 +278,8 @@ int main(int argc, char **argv)
 	run_modes(d.socket, lion, 51);
 	refused(d.socket, AOQ_STATE_Q8, sgd, "STATE_Q8");
 	refused(d.socket, AOQ_STATE_BF16_Q8, lion, "STATE_BF16_Q8");
+	refused(d.socket, AOQ_STATE_Q4, sgd, "STATE_Q4");
+	refused(d.socket, AOQ_STATE_BF16_Q4, lion, "STATE_BF16_Q4");
 	struct aoq_group bad = sgd;
 	bad.momentum = 0.9;
 	bad.dampening = 0.1;
