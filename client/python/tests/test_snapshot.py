@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: MIT
-"""Snapshots opened the way users will open them: for fp32, bf16 and q8
+"""Snapshots opened the way users will open them: for fp32, bf16, q8 and q4
 state, a Client trains a few steps, `aoqctl snapshot ID` writes the file and
 prints its path, and the file is read with the `safetensors` library (numpy
 framework where numpy has the dtype) and with torch
@@ -81,6 +81,41 @@ def q8_v(codes, scale):
     return u * u
 
 
+# q4 (kernels/README.md, "q4 moments"; docs/snapshots.md): two codes a byte,
+# element i of each 32 in byte i % 16 of their 16 (bits 4-7 for i % 32 >= 16);
+# m e1m2 plus a sign bit (bit 3), sqrt(v) e2m2; blocks of 128.
+_Q4M_C0, _Q4M_SHIFT, _Q4U_C0, _Q4U_SHIFT = 504, 21, 496, 21
+_Q4M_K, _Q4U_K = _u2f(_Q4M_C0 << _Q4M_SHIFT), _u2f(_Q4U_C0 << _Q4U_SHIFT)
+_Q4M_TOP = _u2f((_Q4M_C0 + 7) << _Q4M_SHIFT) - _Q4M_K
+_Q4U_TOP = _u2f((_Q4U_C0 + 15) << _Q4U_SHIFT) - _Q4U_K
+
+
+def q4_codes(packed, n):
+    b = packed.astype(np.uint32).reshape(-1, 16)
+    return np.concatenate([b & 15, b >> 4], axis=1).reshape(-1)[:n]
+
+
+def q4_m(packed, scale, n):
+    c = q4_codes(packed, n)
+    y = _u2f(((c & 7) + _Q4M_C0) << _Q4M_SHIFT) - _Q4M_K
+    x = y * np.repeat(scale.astype(np.float32) / _Q4M_TOP, 128)[:n]
+    return np.where((c & 8) != 0, -x, x).astype(np.float32)
+
+
+def q4_v(packed, scale, n):
+    c = q4_codes(packed, n)
+    y = _u2f((c + _Q4U_C0) << _Q4U_SHIFT) - _Q4U_K
+    u = y * np.repeat(scale.astype(np.float32) / _Q4U_TOP, 128)[:n]
+    return u * u
+
+
+def decode(precision, what, codes, scale, n):
+    """exp_avg / exp_avg_sq of a q8 or q4 file, as ReadState gives them."""
+    if precision == "q4":
+        return (q4_m if what == "exp_avg" else q4_v)(codes, scale, n)
+    return (q8_m if what == "exp_avg" else q8_v)(codes, scale)
+
+
 def session_id(sock, job):
     out = subprocess.run([AOQCTL, "--socket", sock, "sessions"], capture_output=True, text=True, check=True).stdout
     ids = [int(line.split()[0]) for line in out.splitlines()[1:] if line.split()[1:2] == [job]]
@@ -137,7 +172,7 @@ def run(d, sd, precision):
     check(groups[0]["kind"] == "adamw" and groups[0]["lr"] == 3e-3 and groups[0]["beta2"] == 0.95,
           "%s: groups %r" % (precision, groups))
     expect_keys = {"%s.%s" % (n, a) for n in names for a in ("master", "exp_avg", "exp_avg_sq")}
-    if precision == "q8":
+    if precision in ("q8", "q4"):
         expect_keys |= {"%s.%s.scale" % (n, a) for n in names for a in ("exp_avg", "exp_avg_sq")}
     check(keys == expect_keys, "%s: keys %r" % (precision, sorted(keys)))
 
@@ -147,13 +182,12 @@ def run(d, sd, precision):
         m = td[n + ".master"]
         check(m.dtype == (torch.bfloat16 if precision == "bf16" else torch.float32), "%s: master dtype" % precision)
         same_bits(m.float().numpy(), want[(i, "master")], "%s: torch %s.master" % (precision, n))
-        if precision == "q8":
+        if precision in ("q8", "q4"):
             check(td[n + ".exp_avg"].dtype == torch.uint8 and td[n + ".exp_avg_sq"].dtype == torch.uint8,
-                  "q8: code dtypes")
-            same_bits(q8_m(td[n + ".exp_avg"].numpy(), td[n + ".exp_avg.scale"].numpy()), want[(i, "exp_avg")],
-                      "q8: torch %s.exp_avg decoded" % n)
-            same_bits(q8_v(td[n + ".exp_avg_sq"].numpy(), td[n + ".exp_avg_sq.scale"].numpy()),
-                      want[(i, "exp_avg_sq")], "q8: torch %s.exp_avg_sq decoded" % n)
+                  "%s: code dtypes" % precision)
+            for what in ("exp_avg", "exp_avg_sq"):
+                same_bits(decode(precision, what, td[n + "." + what].numpy(), td[n + "." + what + ".scale"].numpy(),
+                                 sizes[i]), want[(i, what)], "%s: torch %s.%s decoded" % (precision, n, what))
         else:
             for what in ("exp_avg", "exp_avg_sq"):
                 same_bits(td["%s.%s" % (n, what)].numpy(), want[(i, what)], "%s: torch %s.%s" % (precision, n, what))
@@ -166,8 +200,8 @@ def run(d, sd, precision):
             if precision == "fp32":
                 same_bits(nd[n + ".exp_avg_sq"], want[(i, "exp_avg_sq")], "fp32: numpy %s.exp_avg_sq" % n)
             else:
-                same_bits(q8_m(nd[n + ".exp_avg"], nd[n + ".exp_avg.scale"]), want[(i, "exp_avg")],
-                          "q8: numpy %s.exp_avg decoded" % n)
+                same_bits(decode(precision, "exp_avg", nd[n + ".exp_avg"], nd[n + ".exp_avg.scale"], sizes[i]),
+                          want[(i, "exp_avg")], "%s: numpy %s.exp_avg decoded" % (precision, n))
     # training goes on after the snapshot
     for i in reversed(range(len(sizes))):
         c.push_grad(i)
@@ -183,7 +217,7 @@ def main():
     sd = tempfile.mkdtemp(prefix="aoq-py-snap-")
     d = aoq.Daemon(args=["--state-dir", sd])
     try:
-        for precision in ("fp32", "bf16", "q8"):
+        for precision in ("fp32", "bf16", "q8", "q4"):
             run(d, sd, precision)
     finally:
         rc = d.stop()
