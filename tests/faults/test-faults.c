@@ -932,20 +932,20 @@ static void case_memlock(const char *exe)
 /* ---- case restart ---- */
 
 /*
- * aoqd killed (SIGKILL) under three training sessions (fp32 state with a
- * window of two staging slots, q8 moments, bf16 master: the three snapshot
- * formats), after a snapshot of each at step RS_K.  aoqd is stopped
+ * aoqd killed (SIGKILL) under four training sessions (fp32 state with a
+ * window of two staging slots, q8 moments, bf16 master, bf16 master + q4
+ * moments: the snapshot formats), after a snapshot of each at step RS_K.  aoqd is stopped
  * (SIGSTOP) first, so that every trainer is inside a libaoq call waiting for
  * it (a push waiting for a staging slot, a request's reply, aoq_sync) when
  * the kill comes.  Every such call, and every call after it, must fail
  * within RS_BOUND s of the kill (no hang; libaoq's 60 s timeout cannot
  * produce that).  A restarted aoqd on the same state_dir, which also holds
  * a damaged snapshot (CRC mismatch) of a fourth key, must skip that file,
- * say so and rename it aside, and offer the three snapshots as leased
+ * say so and rename it aside, and offer the four snapshots as leased
  * sessions: each trainer reconnects with its key and layout, resumes at
  * RS_K and trains on to RS_K + RS_M, bit for bit like an undisturbed run.
  */
-#define RS 3
+#define RS 4
 #define RS_K 4
 #define RS_M 6
 /* The bound: the kernel closes a killed aoqd's sockets at once; libaoq's
@@ -966,6 +966,7 @@ static const struct {
 	{ "rs-fp32", AOQ_STATE_FP32, 1 },
 	{ "rs-q8", AOQ_STATE_Q8, 0 },
 	{ "rs-bf16", AOQ_STATE_BF16, 0 },
+	{ "rs-bf16q4", AOQ_STATE_BF16_Q4, 0 },
 };
 
 struct rs_client {
