@@ -1307,7 +1307,7 @@ static void case_restart(const char *exe)
 		free(got.bytes);
 		free(want.bytes);
 	}
-	printf("restart: fp32, q8 and bf16 sessions resumed at step %d from their snapshots (q8 killed again, "
+	printf("restart: fp32, q8, bf16 and bf16 + q4 sessions resumed at step %d from their snapshots (q8 killed again, "
 	       "leased and resumed once more) and equal undisturbed runs of %d steps bit for bit\n", RS_K, RS_K + RS_M);
 	/* A session snapshot before its trainer died, resumed, snapshot
 	 * again: the capture moves with the state to the new session. */
