@@ -913,10 +913,62 @@ def case_master_param():
               "master_param = no" % (", delayed update" if delayed else "", " (of the step before)" if delayed else ""))
 
 
+def case_q4():
+    """state_precision="q4" (kernels/README.md, "q4 moments") with an fp32 and
+    with a bf16 master: the optimizer says what it keeps, state_dict() holds
+    fp32 moments, and loaded into a second optimizer with the same seed it
+    reads back bit for bit (every value read is its own nearest code) and
+    both train on to the same parameters bit for bit."""
+    for master in ("fp32", "bf16"):
+        runs, sds = [], []
+        for k in range(2):
+            m = make_model(W, DEV)
+            if master == "bf16":
+                m = m.to(torch.bfloat16)
+            o = OffloadOptimizer(m.named_parameters(), torch.optim.AdamW, socket=SOCKET, lr=1e-2,
+                                 master_dtype=master, state_precision="q4", seed=99)
+            assert o.state_precision == "q4" and o.master_dtype == master, (o.state_precision, o.master_dtype)
+            data = batches(8, DEV)
+            dt = torch.bfloat16 if master == "bf16" else torch.float32
+
+            def train(first, n, m=m, o=o, data=data, dt=dt):    # this run's model and optimizer
+                for i in range(first, first + n):
+                    x, y = data[i % len(data)]
+                    torch.nn.functional.mse_loss(m(x.to(dt)).float(), y).backward()
+                    o.step()
+                    o.zero_grad()
+                o.synchronize()
+            if k == 0:
+                train(0, 4)
+                sd = saved(o.state_dict())
+                model_sd = {n_: t.clone() for n_, t in m.state_dict().items()}
+            else:
+                m.load_state_dict(model_sd)
+                o.load_state_dict(sd)
+                back = o.state_dict()["state"]
+                for i, st in sd["state"].items():
+                    for key in ("exp_avg", "exp_avg_sq", "master"):
+                        if key in st:
+                            assert torch.equal(back[i][key], st[key]), "q4 %s master: %s of %d changed on load" % (
+                                master, key, i)
+                o0 = runs[0][1]
+                train(4, 3)
+                o0_m = runs[0][0]
+                runs[0][2](4, 3)
+                for a, b in zip(o0_m.parameters(), m.parameters()):
+                    assert torch.equal(a.detach().float(), b.detach().float()), \
+                        "q4 %s master: the loaded optimizer trains differently" % master
+                o0.close()
+                o.close()
+            runs.append((m, o, train))
+        print("ok: q4 moments with %s master: state_dict round trip bit for bit, then the same training"
+              % ("an fp32" if master == "fp32" else "a bf16"))
+
+
 CASES = {"grad-edits": case_grad_edits, "import-swap": case_import_swap, "other-classes": case_other_classes,
          "reads-after-step": case_reads_after_step, "checkpoints": case_checkpoints, "dcp": case_dcp, "add-param-group": case_add_param_group,
          "errors": case_errors, "gpu-share": case_gpu_share, "two-optimizers": case_two_optimizers,
-         "master-param": case_master_param}
+         "master-param": case_master_param, "q4": case_q4}
 DEFAULT = list(CASES)
 
 
