@@ -7,9 +7,11 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "arena.h"
+#include "held.h"
 
 void aoqd_arena_init(struct aoqd_arena *a)
 {
@@ -146,6 +148,7 @@ int aoqd_arena_build_lanes(struct aoqd_arena *a, const struct aoqd_state *st, ui
 		return -errno;
 	a->fd = fd;
 	a->owner = true;
+	a->held_wd = aoqd_held_watch(fd);
 	if (ftruncate(fd, (off_t)a->size) < 0)
 		return -errno;
 	void *p = mmap(NULL, a->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -279,12 +282,12 @@ void aoqd_arena_free(struct aoqd_arena *a)
 	a->slots = NULL;
 	if (a->base)
 		munmap(a->base, a->size);
-	/* The client may keep its fd and mapping: the pages go now, not with
-	 * its last reference (it then maps zeros; what it writes is its own
-	 * memory, not the daemon's charged to nobody).  The seals forbid a
-	 * size change, not a hole. */
-	if (a->fd >= 0 && a->owner && a->size)
-		fallocate(a->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, (off_t)a->size);
+	/* The client may keep its fd and mapping (and reads its rings' last
+	 * counters and the Error after a failure): what the memfd holds stays
+	 * charged to the uid until no description of it is left (held.h). */
+	struct stat sb;
+	if (a->fd >= 0 && a->owner && fstat(a->fd, &sb) == 0)
+		aoqd_held_release(a->held_wd, a->account, (uint64_t)sb.st_blocks * 512);
 	a->owner = false;
 	if (a->fd >= 0)
 		close(a->fd);

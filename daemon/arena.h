@@ -33,7 +33,9 @@ struct aoqd_arena {
 	uint64_t lane_off, lane_bytes;
 	uint64_t to_daemon_off, to_client_off;
 	struct aoq_arena_slot *slots; /* private copy */
-	bool owner;                   /* made the memfd (not a member's view): frees its pages */
+	bool owner;                   /* made the memfd (not a member's view) */
+	int held_wd;                  /* its watch (held.h): charged until no client holds it */
+	struct aoqd_account *account; /* the uid charged for it (register.c sets it) */
 	uint32_t ring_cap;
 	struct aoq_ring_cons to_daemon;   /* loop thread */
 	struct aoq_ring_prod to_client;   /* under ring_lock */

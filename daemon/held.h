@@ -1,9 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * Memory a client can keep alive (held.c; docs/design.md, "Shared nodes"):
- * a masters memfd (the master as the parameter) is the daemon's state and
- * the client's parameters at once, and the client may keep its fd and
- * mapping after Bye.  Its pages stay charged to the uid until no open file
+ * the arena and a masters memfd (the master as the parameter) are shared
+ * with the client, which may keep their fds and mappings after Bye.  Its pages stay charged to the uid until no open file
  * description of the memfd is left: an inotify watch, added when the memfd
  * is made, counts the descriptions (IN_OPEN: a reopen through
  * /proc/PID/fd; IN_CLOSE: the last reference of one, fd or mapping, gone).

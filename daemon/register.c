@@ -227,6 +227,7 @@ static void *build_run(void *arg)
  * the leased state over (s->arena_charged, lease.c). */
 static int charge_arena(struct aoqd_session *s, struct aoqd_state *st, uint64_t size)
 {
+	s->arena.account = st->account; /* held after the session, if the client keeps it */
 	uint64_t pages = aoqd_page_round(size), pre = s->arena_charged;
 	s->arena_charged = 0;
 	if (pre == pages)
