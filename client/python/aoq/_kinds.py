@@ -67,24 +67,28 @@ _PRECISION = {("fp32", None): _lib.STATE_FP32, ("q8", None): _lib.STATE_Q8, (Non
               ("bf16", "bf16"): _lib.STATE_BF16_ALL, (None, "bf16"): _lib.STATE_BF16_ALL,
               ("q4", None): _lib.STATE_Q4, ("q4", "bf16"): _lib.STATE_BF16_Q4}
 # The moments of the default for bf16 parameters (no master_dtype, no
-# state_precision) with Adam/AdamW: compressed, beside the bf16 master that
-# is the parameter.  One constant (docs/python.md, "The default precision").
+# state_precision) with Adam/AdamW: compressed, beside an fp32 master.  One
+# constant (docs/python.md, "The default precision").
 _DEFAULT_BF16_MOMENTS = "q8"
 
 
 def _default_policy(kind, state_precision, dtypes):
-    """(state_precision, master) for _PRECISION when master_dtype is None:
-    the offloaded parameters' dtypes (dtypes) decide, as torch's AdamW keeps
-    its state in the parameter's dtype.  All bf16: a bf16 master (aoqd makes
-    it the parameter itself) with stochastic rounding, and as moments
-    state_precision, else _DEFAULT_BF16_MOMENTS for Adam/AdamW and bf16 for
-    SGD and Lion (aoqd keeps no 8-bit state for them).  Anything else (fp32,
-    fp16, fp32 beside bf16, nothing offloaded): an fp32 master and, unless
-    state_precision says otherwise, fp32 moments: torch's AdamW bit for bit."""
+    """(state_precision, master) for _PRECISION when master_dtype is None.
+    Every offloaded parameter bf16: an fp32 master and, unless
+    state_precision says otherwise, _DEFAULT_BF16_MOMENTS moments for
+    Adam/AdamW (fp32 for SGD and Lion, which aoqd keeps in no 8-bit form);
+    state_precision="bf16" alone means the all-bf16 state (bf16 moments
+    exist only beside a bf16 master).  A bf16 master is never the default:
+    over 200 steps of a 0.94 B GPT it trained to a loss 6-46 % above the fp32
+    master's (tests/bench/RESULTS.md, "The default precision").  Anything
+    else (fp32, fp16, fp32 beside bf16, nothing offloaded): an fp32 master
+    and fp32 moments unless state_precision says otherwise: torch's AdamW
+    bit for bit."""
     if dtypes and all(d == torch.bfloat16 for d in dtypes):
-        if state_precision is None:
-            state_precision = _DEFAULT_BF16_MOMENTS if kind in ("adam", "adamw") else "bf16"
-        return state_precision, "bf16"
+        if state_precision is None and kind in ("adam", "adamw"):
+            state_precision = _DEFAULT_BF16_MOMENTS
+        if state_precision == "bf16":
+            return state_precision, "bf16"
     return state_precision, None
 
 

@@ -79,13 +79,13 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
     parameters'; copy_mode: "native" (libaoq copies with the CUDA backend or
     host memory) or "framework" (torch copies through pinned host buffers;
     default for devices libaoq cannot drive).  master_dtype None|"fp32"|
-    "bf16": None (default) follows the offloaded parameters' dtype as
-    torch's AdamW does (_default_policy): bf16 parameters get a bf16 master
-    (the parameter itself, stochastic rounding) with _DEFAULT_BF16_MOMENTS
-    moments, any other an fp32 master (torch's AdamW bit for bit);
-    "fp32" is the quality option for bf16 parameters.  state_precision, the
-    moments: None (with the default for bf16 parameters the compressed
-    moments above; else the master's dtype: fp32, or with master_dtype=
+    "bf16": None (default) is an fp32 master (_default_policy): with
+    bf16 parameters and Adam/AdamW beside _DEFAULT_BF16_MOMENTS moments,
+    otherwise fp32 moments (torch's AdamW bit for bit); "bf16" is the fast
+    option for bf16 parameters (the master is the parameter itself, with
+    stochastic rounding).  state_precision, the moments: None (with the
+    default for bf16 parameters the compressed moments above; else the
+    master's dtype: fp32, or with master_dtype=
     "bf16" bf16, the all-bf16 state of torchao's full-bf16 offload, 6 bytes
     per parameter), "fp32", "q8" (blockwise 8-bit), "q4" (blockwise 4-bit,
     kernels/README.md "q4 moments"), "bf16" (with a bf16 master only).
