@@ -2,21 +2,18 @@
 # SPDX-License-Identifier: MIT
 """The project speaks of itself alone: no file says how it was made.
 
-A reader can act on a date, a commit, a machine and a command, not on "the
-Nth session" of the work that wrote it, "issue 12", "device time", "the
-development VM", "the brief" or a helper that did the work.  This check reads
-every tracked file (git ls-files; the source tree without hidden and build
-folders when the tree is not a git checkout), skips binary files and the
-fuzzers' corpus, and fails naming file:line and the phrase for each hit.
+A reader can act on a date, a commit, a machine and a command, not on the
+numbered stretch of work that wrote a line, a tracker's issue number, the
+accelerator budget or the machine the work was done on, the document the
+work was asked for in, or an assistant that did it.  This check reads every
+tracked file (git ls-files; the source tree without hidden and build folders
+when the tree is not a git checkout), skips binary files and the fuzzers'
+corpus, and fails naming file:line and the kind of phrase for each hit.
 
 An aoq session (the daemon's per-trainer object) is a domain word: "a second
-session", "the session's lease" pass.  The patterns are therefore the
-phrases the project's history used: ordinals from "fifth" up (and numbered
-ones, "12th") before "session", "fourth session" in brackets or with a
-possessive, "work session", "this/that session" only
-where a measurement or a build is said to belong to it ("this session's
-aoqd", "measured in this session"), and "helper" only as a worker's name
-("helper `spine`", "merged helpers").
+session", "the session's lease" pass.  The patterns below are therefore the
+phrases the project's history used, each with the narrowest context that
+tells the two apart (PATTERNS says which).
 
 Usage: check-words.py [SOURCE_ROOT]   (default: two folders above this file)
 Exit 0: clean; 1: hits (listed); 2: usage.
@@ -35,8 +32,8 @@ ORDINAL = ("(?:" + "|".join(ORDINALS + ["(?:twenty|thirty)-(?:%s)" % "|".join(UN
 PATTERNS = [
     (re.compile(r"\b%s(?:\s+and\s+%s)?[\s,]+(?:work\s+)?sessions?\b" % (ORDINAL, ORDINAL), re.I),
      "a work session by its number"),
-    # "the fourth session" is often an aoq session in the tests; as a work
-    # session it came in brackets or with a possessive.
+    # the fourth aoq session is common in the tests; the other use of the
+    # ordinal came in brackets or with a possessive.
     (re.compile(r"(?:\(|, )fourth\s+sessions?\b|\bfourth\s+session(?:'s|\))", re.I), "a work session by its number"),
     (re.compile(r"\bwork\s+sessions?\b", re.I), "a work session"),
     (re.compile(r"\b(?:this|that|the\s+last|the\s+previous|an\s+earlier)\s+session(?:'s)?\s+"
@@ -44,9 +41,9 @@ PATTERNS = [
      "a work session"),
     (re.compile(r"\b(?:measured|built|run|ran|added|found|tried)\s+(?:in|during|by)\s+(?:this|that)\s+session\b",
                 re.I), "a work session"),
-    (re.compile(r"\bdevice[\s-]+time\b", re.I), "device time"),
-    (re.compile(r"\b(?:development|dev)\s+VMs?\b", re.I), "the development VM"),
-    (re.compile(r"\b(?:the|design|team|project's)\s+brief\b|\bbrief's\b", re.I), "the brief"),
+    (re.compile(r"\bdevice[\s-]+time\b", re.I), "the accelerator budget"),
+    (re.compile(r"\b(?:development|dev)\s+VMs?\b", re.I), "the machine of the work"),
+    (re.compile(r"\b(?:the|design|team|project's)\s+brief\b|\bbrief's\b", re.I), "the document the work was asked in"),
     (re.compile(r"\bissues?\s+#?\d+", re.I), "an issue number"),
     (re.compile(r"#\d+\b(?=\s+(?:item|issue))", re.I), "an issue number"),
     (re.compile(r"\bhelpers?\s+`[\w-]+`", re.I), "a helper (assistant)"),
