@@ -53,18 +53,25 @@ void aoqd_q8_decode(float *dst, const void *codes, const float *scales, bool sec
 	}
 }
 
+/* A block's scale: the largest |m|, or the largest sqrt(v) (second). */
+static float block_max(const float *src, size_t len, bool second)
+{
+	float mx = 0;
+	for (size_t i = 0; i < len; i++) {
+		float x = second ? sqrtf(fmaxf(src[i], 0.0f)) : fabsf(src[i]);
+		if (x > mx)
+			mx = x;
+	}
+	return mx;
+}
+
 /* Encodes whole blocks: first is a block boundary; n covers whole blocks
  * or ends the tensor.  Round to nearest in code space. */
 void aoqd_q8_encode(void *codes, float *scales, const float *src, bool second, uint64_t first, size_t n)
 {
 	for (size_t b = 0; b < n; b += AOQK_Q8_BLOCK) {
 		size_t len = n - b < AOQK_Q8_BLOCK ? n - b : AOQK_Q8_BLOCK;
-		float mx = 0;
-		for (size_t i = 0; i < len; i++) {
-			float x = second ? sqrtf(fmaxf(src[b + i], 0.0f)) : fabsf(src[b + i]);
-			if (x > mx)
-				mx = x;
-		}
+		float mx = block_max(src + b, len, second);
 		uint64_t e0 = first + b;
 		scales[e0 / AOQK_Q8_BLOCK] = mx;
 		float inv = aoqk_q8_inv(second ? AOQK_Q8_U_TOP : AOQK_Q8_M_TOP, mx);
@@ -92,12 +99,7 @@ void aoqd_q4_encode(void *codes, float *scales, const float *src, bool second, u
 {
 	for (size_t b = 0; b < n; b += AOQK_Q4_BLOCK) {
 		size_t len = n - b < AOQK_Q4_BLOCK ? n - b : AOQK_Q4_BLOCK;
-		float mx = 0;
-		for (size_t i = 0; i < len; i++) {
-			float x = second ? sqrtf(fmaxf(src[b + i], 0.0f)) : fabsf(src[b + i]);
-			if (x > mx)
-				mx = x;
-		}
+		float mx = block_max(src + b, len, second);
 		uint64_t e0 = first + b;
 		scales[e0 / AOQK_Q4_BLOCK] = mx;
 		float inv = aoqk_q8_inv(second ? AOQK_Q4_U_TOP : AOQK_Q4_M_TOP, mx);
