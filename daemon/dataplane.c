@@ -409,7 +409,9 @@ static int accept_record(struct aoqd_session *s, struct aoqd_session *origin, co
 	 * and the client copies it from the masters memfd. */
 	j->param = aoqd_tensor_master_param(&s->st, t) ? NULL
 	                                               : s->arena.base + param_off + first * aoqk_dtype_size(t->param_dtype);
-	j->seed = s->st.seed; /* the kernel mixes in the tensor's step: a restored session continues alike */
+	/* the session's seed and the tensor's index; the kernel mixes in the
+	 * tensor's step: a restored session continues alike */
+	j->seed = aoqk_tensor_seed(s->st.seed, r->tensor);
 	j->t0 = aoqd_now_ns();
 	j->arrival = s->steps.arrivals++;
 	j->nchunks = n;

@@ -179,6 +179,22 @@ struct aoqk_chunk {
 };
 
 /* What a chunk pass saw. */
+/* The stochastic-rounding seed of one tensor's chunks: the session's seed
+ * with the tensor's index mixed in.  The random bits are a function of
+ * (seed, step, element index); with one seed for a whole session every
+ * tensor would round its element i with the same bits at a step, and the
+ * rounding errors of same-shaped tensors would move together: a deep
+ * model's norm gains, all near 1.0 where a step is a small fraction of a
+ * bf16 ulp, then jump up or down by an ulp in every layer at once
+ * (kernels/README.md, "bf16 master with stochastic rounding"). */
+static inline uint64_t aoqk_tensor_seed(uint64_t seed, uint32_t tensor)
+{
+	uint64_t z = ((uint64_t)tensor + 1) * 0x9e3779b97f4a7c15ull;
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+	return seed ^ z ^ (z >> 31);
+}
+
 struct aoqk_report {
 	double sumsq;   /* sum of squares of the (scaled) gradient */
 	bool nonfinite; /* some gradient value was inf or nan */

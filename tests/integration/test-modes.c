@@ -9,11 +9,15 @@
  * - delayed: after step N the device holds update N-1; aoq_flush() brings
  *   update N;
  * - window: a session staging through a 2-slot window agrees bit for bit
- *   with one holding a slot per tensor, accumulation included.
+ *   with one holding a slot per tensor, accumulation included;
+ * - tensors: two tensors of one session with the same values and gradients
+ *   round with their own random bits (stochastic rounding of a bf16 master,
+ *   q8 and q4 codes), not with the same bits at the same index.
  */
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "harness.h"
 
@@ -330,6 +334,65 @@ static void test_restore(const char *sock, enum aoq_precision prec)
 	printf("restore %s: ok\n", names[prec]);
 }
 
+/* Two tensors with equal values and equal gradients in one session: every
+ * precision that rounds stochastically must draw other bits for each, so a
+ * fair share of their elements differ after a few steps (about a third
+ * for a bf16 master: two independent roundings of a value between two bf16
+ * numbers disagree with probability 2f(1 - f)).  With the session's seed
+ * alone the two were bit-identical, and a deep model's same-shaped tensors
+ * rounded together. */
+static void test_independent_rounding(const char *sock, enum aoq_precision prec)
+{
+	static const char *const names[] = { "fp32", "q8", "bf16", "bf16+q8", "bf16-all", "q4", "bf16+q4" };
+	enum { N = 65536 + 5 };
+	struct aoq_options o = AOQ_OPTIONS_INIT;
+	o.socket = sock;
+	o.job = "independent";
+	o.device = "cpu";
+	o.precision = prec;
+	o.seed = 0x5eed;
+	struct aoq_client *c;
+	CHECK_OK(aoq_connect(&c, &o));
+	CHECK_OK(aoq_add_group(c, &hp));
+	float *param[2], *grad[2];
+	for (int t = 0; t < 2; t++) {
+		param[t] = aoqt_xmalloc(N * 4);
+		grad[t] = aoqt_xmalloc(N * 4);
+		struct aoqt_rng g = aoqt_rng_for(21, 0, 0);
+		for (size_t i = 0; i < N; i++)
+			param[t][i] = (float)aoqt_uniform(&g);
+		char name[8];
+		snprintf(name, sizeof(name), "t%d", t);
+		struct aoq_tensor d = { .size = sizeof(struct aoq_tensor), .name = name, .numel = N, .param_dtype = AOQ_FP32,
+		                        .grad_dtype = AOQ_FP32, .param = param[t], .grad = grad[t] };
+		CHECK(aoq_add_tensor(c, &d) == t, "tensor index");
+	}
+	CHECK_OK(aoq_register(c));
+	for (uint64_t step = 1; step <= 3; step++) {
+		struct aoqt_rng g = aoqt_rng_for(22, 0, step);
+		for (size_t i = 0; i < N; i++)
+			grad[0][i] = grad[1][i] = (float)(0.1 * aoqt_uniform(&g));
+		CHECK_OK(aoq_push_grad(c, 1, 0, NULL));
+		CHECK_OK(aoq_push_grad(c, 0, 0, NULL));
+		CHECK_OK(aoq_step_end(c));
+		CHECK_OK(aoq_sync(c, NULL));
+	}
+	size_t differ = 0;
+	for (size_t i = 0; i < N; i++)
+		differ += memcmp(&param[0][i], &param[1][i], 4) != 0;
+	if (prec == AOQ_STATE_FP32)
+		CHECK(differ == 0, "fp32: %zu of %d elements differ between equal tensors", differ, N);
+	else
+		CHECK(differ >= N / 20, "%s: only %zu of %d elements differ between two equal tensors: "
+		      "they round with the same random bits", names[prec], differ, N);
+	aoq_close(c);
+	for (int t = 0; t < 2; t++) {
+		free(param[t]);
+		free(grad[t]);
+	}
+	printf("independent rounding %s: %zu of %d elements differ\n", names[prec], differ, N);
+}
+
 int main(int argc, char **argv)
 {
 	aoqt_init("integration-modes");
@@ -342,6 +405,8 @@ int main(int argc, char **argv)
 	test_window(d.socket);
 	for (int p = AOQ_STATE_FP32; p <= AOQ_STATE_BF16_Q4; p++)
 		test_restore(d.socket, (enum aoq_precision)p);
+	for (int p = AOQ_STATE_FP32; p <= AOQ_STATE_BF16_Q4; p++)
+		test_independent_rounding(d.socket, (enum aoq_precision)p);
 	CHECK(aoqt_daemon_stop(&d, 10000, true) == 0, "aoqd did not exit cleanly");
 	return 0;
 }
