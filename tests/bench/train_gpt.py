@@ -14,7 +14,8 @@ The peers and the default (tests/bench/offload_table.sh runs them all at the two
 aoq-default is the import swap with no aoq argument at all (OffloadOptimizer(model.parameters(),
 torch.optim.AdamW, lr=, weight_decay=): the default precision for the parameters' dtype);
 every other aoq mode names its precision (aoq-fp32, aoq-q8, aoq-delayed*: an fp32 master;
-aoq-bf16master: all bf16; aoq-*bf16-q8 / -q4: a bf16 master with 8- or 4-bit moments).
+aoq-bf16: a bf16 master beside fp32 moments; aoq-bf16master: all bf16; aoq-*bf16-q8 / -q4: a bf16
+master with 8- or 4-bit moments; gpu-adamw-sr: the bf16 master's numerics done by torch on the device).
 torchao is torchao's CPUOffloadOptimizer (fused CPU AdamW), deepspeed DeepSpeed ZeRO-2 with
 offload_optimizer to the CPU (pinned), a process group of one; either prints a row saying why
 when it does not import here.  An aoq mode ending in -auto adds gpu_state_budget="auto"
@@ -70,7 +71,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "client", "python"))
 
-MODES = ["gpu-adamw", "gpu-adamw-master", "aoq-default", "aoq-fp32", "aoq-q8", "aoq-bf16master", "aoq-delayed",
+MODES = ["gpu-adamw", "gpu-adamw-master", "gpu-adamw-sr", "aoq-default", "aoq-fp32", "aoq-q8", "aoq-bf16", "aoq-bf16master", "aoq-delayed",
          "aoq-delayed-q8", "aoq-bf16-q8", "aoq-delayed-bf16-q8", "aoq-bf16-q4", "aoq-delayed-bf16-q4", "torchao",
          "deepspeed"]
 VARIANTS = ("swap", "attach", "compile", "rcompile", "auto")
@@ -211,6 +212,44 @@ class MasterAdamW:
             m.grad = None
 
 
+class SRAdamW:
+    """gpu-adamw-sr: AdamW on the device with each bf16 parameter its own
+    master, rounded to bf16 stochastically after every step (16 random bits
+    from torch's generator added below the bf16 mantissa, then truncated),
+    beside fp32 moments: the numerics of aoq's bf16 master
+    (master_dtype="bf16", state_precision="fp32") computed by torch, which
+    tells what the rounding costs apart from the offload."""
+
+    def __init__(self, params, lr, weight_decay, betas=(0.9, 0.999), eps=1e-8):
+        self.params = [p for p in params if p.requires_grad]
+        self.lr, self.wd, (self.b1, self.b2), self.eps = lr, weight_decay, betas, eps
+        self.m = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
+        self.v = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
+        self.t = 0
+        self.state = {}
+
+    @torch.no_grad()
+    def step(self):
+        self.t += 1
+        bc1, bc2 = 1 - self.b1 ** self.t, 1 - self.b2 ** self.t
+        for p, m, v in zip(self.params, self.m, self.v):
+            if p.grad is None:
+                continue
+            g = p.grad.float()
+            m.lerp_(g, 1 - self.b1)
+            v.mul_(self.b2).addcmul_(g, g, value=1 - self.b2)
+            x = p.float().mul_(1 - self.lr * self.wd)
+            x.addcdiv_(m, (v / bc2).sqrt_().add_(self.eps), value=-self.lr / bc1)
+            if p.dtype == torch.bfloat16:
+                r = torch.randint(0, 1 << 16, x.shape, device=x.device, dtype=torch.int32)
+                x = ((x.view(torch.int32) + r) & -65536).view(torch.float32)
+            p.copy_(x)
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+
 class Unavailable(Exception):
     """A peer that does not run here (torchao or DeepSpeed missing): its
     row says why, the other modes go on."""
@@ -297,6 +336,8 @@ def make_optimizer(mode, model, args, socket):
     if mode == "gpu-adamw-master":
         return MasterAdamW(model.parameters(), lr=args.lr, weight_decay=0.1,
                            fused=torch.device(args.device).type == "cuda")
+    if mode == "gpu-adamw-sr":
+        return SRAdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     if mode == "gpu-adamw":
         fused = torch.device(args.device).type == "cuda"
         return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=fused)
@@ -334,6 +375,8 @@ def make_optimizer(mode, model, args, socket):
         kw["state_precision"] = "bf16"
     else:
         kw["state_precision"] = "fp32"
+    if args.copy_mode:
+        kw["copy_mode"] = args.copy_mode
     if args.staging_window is not None:
         kw["staging_window"] = int(args.staging_window * 2 ** 30)
     if mode.startswith("aoq-delayed"):
@@ -436,7 +479,7 @@ def run_mode(mode, args, socket):
             continue
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
-        print("#   step %d: %.3f s" % (step, times[-1]), file=sys.stderr, flush=True)
+        print("#   step %d: %.3f s  loss %.4f" % (step, times[-1], losses[-1]), file=sys.stderr, flush=True)
     if prof is not None:
         prof.__exit__(None, None, None)
         os.makedirs(args.profile, exist_ok=True)
@@ -716,6 +759,8 @@ def main():
     ap.add_argument("--no-attach", dest="attach", action="store_false")
     ap.add_argument("--staging-window", type=float, default=None, metavar="GIB",
                     help="aoq modes: the staging window in GiB (default: the optimizer's own default)")
+    ap.add_argument("--copy-mode", default=None, choices=("native", "framework"),
+                    help="aoq modes but aoq-default: OffloadOptimizer's copy_mode= (default: its own choice)")
     ap.add_argument("--init-on-device", action="store_true",
                     help="build the model on the device in its training dtype (models larger than host memory)")
     ap.add_argument("--d-model", type=int, default=2048)
