@@ -156,7 +156,7 @@ int aoqc_ctl_recv(struct aoq_client *c, int want, Aoq__Envelope **out, int *fds,
 	}
 }
 
-int aoqc_ctl_send(struct aoq_client *c, const Aoq__Envelope *env, int want)
+int aoqc_ctl_call(struct aoq_client *c, const Aoq__Envelope *env, int want, Aoq__Envelope **out)
 {
 	int r = aoqc_session_error_locked(c);
 	if (r < 0)
@@ -171,22 +171,12 @@ int aoqc_ctl_send(struct aoq_client *c, const Aoq__Envelope *env, int want)
 	if (r == -EPIPE || r == -ECONNRESET) {
 		/* The daemon closed the connection, perhaps after saying why
 		 * (a QUOTA refusal): an Error waiting to be read wins. */
-		Aoq__Envelope *rep = NULL;
-		int e = aoqc_ctl_recv(c, want, &rep, NULL, NULL);
-		aoq_envelope_free(rep);
+		int e = aoqc_ctl_recv(c, want, out, NULL, NULL);
 		if (e < 0 && e != -EPIPE && e != -ECONNRESET)
 			return e;
 	}
 	if (r < 0)
 		return aoq_set_error(r, "aoqd: send: %s", strerror(-r));
-	return 0;
-}
-
-int aoqc_ctl_call(struct aoq_client *c, const Aoq__Envelope *env, int want, Aoq__Envelope **out)
-{
-	int r = aoqc_ctl_send(c, env, want);
-	if (r < 0)
-		return r;
 	return aoqc_ctl_recv(c, want, out, NULL, NULL);
 }
 

@@ -27,11 +27,6 @@ void aoqc_ring(int fd);
 /* Reads the reply of kind want (StepEnded replies of earlier StepEnds are
  * taken on the way).  Caller holds ctl_lock. */
 int aoqc_ctl_recv(struct aoq_client *c, int want, Aoq__Envelope **out, int *fds, int *nfds);
-/* Sends env; its reply (of kind want) is read later with aoqc_ctl_recv, so
- * that the caller can work while aoqd does (the transfers' two halves).
- * When aoqd closed the connection the Error it sent first is returned.
- * Caller holds ctl_lock. */
-int aoqc_ctl_send(struct aoq_client *c, const Aoq__Envelope *env, int want);
 /* Sends env and reads its reply (aoqc_ctl_recv).  Caller holds ctl_lock. */
 int aoqc_ctl_call(struct aoq_client *c, const Aoq__Envelope *env, int want, Aoq__Envelope **out);
 /* A public struct's size field against the layout this library knows. */

@@ -35,7 +35,7 @@
 #define AOQ_ARENA_MAGIC 0x41514f41u /* "AOQA" */
 #define AOQ_ARENA_VERSION 3u /* 3: masters with the delayed update too */
 #define AOQ_ARENA_ALIGN 64u
-#define AOQ_PROTOCOL_VERSION 3u /* 2: Hello and Welcome carry the arena version and the release; 3: LoadState and ReadState name their place in the transfer area (xfer_offset) */
+#define AOQ_PROTOCOL_VERSION 2u /* 2: Hello and Welcome carry the arena version and the release */
 #define AOQ_MAX_FRAME (1u << 20)
 #define AOQ_MAX_FDS 4
 /* Clients push a tensor as records of at most this many elements (a
