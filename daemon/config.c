@@ -21,6 +21,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "account.h"
 #include "aoq-kernel.h"
 #include "config.h"
 #include "log.h"
@@ -51,7 +52,7 @@ void aoqd_config_defaults(struct aoqd_config *c)
 	c->replica_wait_seconds = 60;
 	c->max_buffered_bytes_per_uid = 16ull << 20;
 	/* One uid holds at most half the machine's memory. */
-	c->max_state_bytes_per_uid = aoqd_config_mem_fraction(50);
+	c->max_state_bytes_per_uid = AOQD_QUOTA_AUTO;
 	/* systemd's StateDirectory= (a list: the first) */
 	static char sd[3001];
 	const char *e = getenv("STATE_DIRECTORY");
@@ -135,7 +136,8 @@ static const struct key keys[] = {
 	{ "max_tensors", K_COUNT, OFF(max_tensors), W(max_tensors), 1, UINT32_MAX },
 	{ "max_tensor_elems", K_SIZE, OFF(max_tensor_elems), W(max_tensor_elems), 1, 1ull << 48 },
 	{ "max_arena_bytes", K_SIZE, OFF(max_arena_bytes), W(max_arena_bytes), 1ull << 16, 1ull << 52 },
-	{ "max_state_bytes_per_uid", K_MEMSIZE, OFF(max_state_bytes_per_uid), W(max_state_bytes_per_uid), 0, UINT64_MAX },
+	{ "max_state_bytes_per_uid", K_MEMSIZE, OFF(max_state_bytes_per_uid), W(max_state_bytes_per_uid), 0,
+	  AOQD_QUOTA_AUTO - 1 },
 	{ "max_connections_per_uid", K_COUNT, OFF(max_connections_per_uid), W(max_connections_per_uid), 1, 1u << 20 },
 	{ "handshake_timeout_ms", K_COUNT, OFF(handshake_timeout_ms), W(handshake_timeout_ms), 100, 3600000 },
 	{ "replica_wait_seconds", K_COUNT, OFF(replica_wait_seconds), W(replica_wait_seconds), 1, 86400 },
@@ -188,7 +190,7 @@ static int set_number(struct aoqd_config *c, const struct key *k, const char *v,
 	int r = aoqd_parse_u64(v, size, &x);
 	if (r == -EINVAL) {
 		snprintf(err, errlen, "'%s' is not a whole number%s", v,
-		         size ? (k->kind == K_MEMSIZE ? " (optionally with a K, M, G or T suffix), or N% of the memory"
+		         size ? (k->kind == K_MEMSIZE ? " (optionally with a K, M, G or T suffix), N% of the memory or auto"
 		                                      : " (optionally with a K, M, G or T suffix)")
 		              : auto_value(k) ? " or auto" : "");
 		return r;
@@ -281,8 +283,14 @@ int aoqd_config_set(struct aoqd_config *c, const char *key, const char *v, char 
 	int i;
 	switch (k->kind) {
 	case K_MEMSIZE: {
-		/* A size, or "N%" of the machine's memory (1..100). */
+		/* A size, "N%" of the machine's memory (1..100), or auto (a
+		 * fair share: account.h). */
 		size_t n = strlen(v);
+		if (strcmp(v, "auto") == 0) {
+			uint64_t x = AOQD_QUOTA_AUTO;
+			memcpy((char *)c + k->off, &x, 8);
+			return 0;
+		}
 		if (n > 1 && v[n - 1] == '%') {
 			char num[16];
 			uint64_t pct;
@@ -548,7 +556,10 @@ void aoqd_config_print(const struct aoqd_config *c, FILE *f)
 	fprintf(f, "max_tensors = %" PRIu32 "\n", c->max_tensors);
 	fprintf(f, "max_tensor_elems = %" PRIu64 "\n", c->max_tensor_elems);
 	fprintf(f, "max_arena_bytes = %" PRIu64 "\n", c->max_arena_bytes);
-	fprintf(f, "max_state_bytes_per_uid = %" PRIu64 "\n", c->max_state_bytes_per_uid);
+	if (c->max_state_bytes_per_uid == AOQD_QUOTA_AUTO)
+		fprintf(f, "max_state_bytes_per_uid = auto\n");
+	else
+		fprintf(f, "max_state_bytes_per_uid = %" PRIu64 "\n", c->max_state_bytes_per_uid);
 	fprintf(f, "max_connections_per_uid = %" PRIu32 "\n", c->max_connections_per_uid);
 	fprintf(f, "handshake_timeout_ms = %" PRIu32 "\n", c->handshake_timeout_ms);
 	fprintf(f, "replica_wait_seconds = %" PRIu32 "\n", c->replica_wait_seconds);

@@ -37,7 +37,8 @@ struct aoqd_config {
 	uint32_t max_tensors;
 	uint64_t max_tensor_elems;
 	uint64_t max_arena_bytes;
-	uint64_t max_state_bytes_per_uid; /* memory one uid's sessions hold; 0: unlimited */
+	uint64_t max_state_bytes_per_uid; /* memory one uid's sessions hold; 0: unlimited;
+	                                   * AOQD_QUOTA_AUTO: a fair share (account.h) */
 	uint32_t max_connections_per_uid;
 	uint32_t handshake_timeout_ms;   /* accept to Welcome (observer) or Registered */
 	uint32_t replica_wait_seconds;   /* a replica group waits this long for a missing local rank */

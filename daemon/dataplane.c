@@ -358,7 +358,7 @@ static int accept_record(struct aoqd_session *s, struct aoqd_session *origin, co
 		if (a == -EDQUOT)
 			return AOQD_FAIL(err, QUOTA, "tensor %u: the gradient accumulator (%" PRIu64 " bytes) would pass uid "
 			                 "%u's quota of %" PRIu64 " bytes", r->tensor, t->numel * 4, (unsigned)s->conn.uid,
-			                 s->st.quota);
+			                 aoqd_state_quota(&s->st));
 		if (a < 0)
 			return AOQD_FAIL(err, NO_MEMORY, "tensor %u: no memory for the gradient accumulator", r->tensor);
 		if (t->acc_step != r->step) {

@@ -109,7 +109,7 @@ int aoqd_lease_reserve(struct aoqd_session *s, const struct aoqd_session *l, uin
 	if (r < 0)
 		return AOQD_FAIL(err, QUOTA, "uid %u: cannot resume job '%s' (leased session %" PRIu64 "): its arena (%"
 		                 PRIu64 " bytes) would pass the uid's quota of %" PRIu64 " bytes (max_state_bytes_per_uid); "
-		                 "the lease stays", (unsigned)s->conn.uid, s->conn.job, l->id, size, s->st.quota);
+		                 "the lease stays", (unsigned)s->conn.uid, s->conn.job, l->id, size, aoqd_state_quota(&s->st));
 	return 0;
 }
 
@@ -246,7 +246,8 @@ int64_t aoqd_lease_adopt(struct aoqd_server *srv, const struct aoqd_lease_key *k
 		if (aoqd_account_charge(a, n, srv->cfg.max_state_bytes_per_uid) < 0) {
 			aoqd_session_unref(s); /* and job, rep */
 			AOQD_FAIL(err, QUOTA, "uid %u: %" PRIu64 " bytes of state would pass its quota of %" PRIu64
-			          " bytes (max_state_bytes_per_uid)", (unsigned)key->uid, n, srv->cfg.max_state_bytes_per_uid);
+			          " bytes (max_state_bytes_per_uid)", (unsigned)key->uid, n,
+			          aoqd_account_limit(a, srv->cfg.max_state_bytes_per_uid));
 			return -EDQUOT;
 		}
 		st->account = a;

@@ -74,7 +74,7 @@ static int add_tensors(struct aoqd_session *s, const Aoq__Register *m, struct ao
 		bytes += strlen(m->tensors[i]->name) + 1 + 16; /* and malloc's header */
 	if (aoqd_state_charge(st, bytes) < 0)
 		return AOQD_FAIL(err, QUOTA, "uid %u: the registration's tables (%" PRIu64 " bytes more) would pass its quota "
-		                 "of %" PRIu64 " bytes", (unsigned)s->conn.uid, bytes, st->quota);
+		                 "of %" PRIu64 " bytes", (unsigned)s->conn.uid, bytes, aoqd_state_quota(st));
 	if (m->n_groups) {
 		struct aoqd_group *g = aoq_grow(st->groups, &st->cap_groups, st->ngroups + (uint32_t)m->n_groups,
 		                                 sizeof(*g));
@@ -154,8 +154,10 @@ static int charge_state(struct aoqd_session *s, struct aoqd_error *err)
 	/* One mapping per tensor: what is locked is whole pages. */
 	if (aoqd_state_charge(st, mapped) < 0)
 		return AOQD_FAIL(err, QUOTA, "uid %u: %" PRIu64 " bytes of state (%" PRIu64 " in whole pages) would pass its "
-		                 "quota of %" PRIu64 " bytes: raise max_state_bytes_per_uid in aoqd's config (a size, a share "
-		                 "of memory such as 90%%, or 0: no limit)", (unsigned)s->conn.uid, total, mapped, st->quota);
+		                 "quota of %" PRIu64 " bytes%s: raise max_state_bytes_per_uid in aoqd's config (a size, a share "
+		                 "of memory such as 90%%, or 0: no limit)", (unsigned)s->conn.uid, total, mapped,
+		                 aoqd_state_quota(st), st->quota == AOQD_QUOTA_AUTO ? " (auto: its share of "
+		                 "the memory the other uids leave)" : "");
 	st->state_bytes = total;
 	/* A new state holds no parameters until the trainer loads them: it
 	 * is not leased before its first step ends (a trainer killed between
@@ -322,7 +324,7 @@ static int arena_made(struct aoqd_session *s, uv_poll_cb on_doorbell, int r, str
 	/* The memfd's pages are taken as the client fills it: charged now. */
 	if (r == 0 && charge_arena(s, st, s->arena.size) < 0)
 		return AOQD_FAIL(err, QUOTA, "uid %u: the arena (%" PRIu64 " bytes) would pass its quota of %" PRIu64
-		                 " bytes", (unsigned)s->conn.uid, s->arena.size, st->quota);
+		                 " bytes", (unsigned)s->conn.uid, s->arena.size, aoqd_state_quota(st));
 	if (r == 0 && cfg_lock(s) && (r = aoqd_arena_lock(&s->arena, &s->srv->locked_bytes)) < 0) {
 		static bool warned;
 		if (cfg_lock(s) == 2)
@@ -396,7 +398,7 @@ int aoqd_register_hub(struct aoqd_session *hub, struct aoqd_session *s, bool res
 	r = aoqd_arena_build_lanes(&hub->arena, &hub->st, hub->id, hub->srv->cfg.max_arena_bytes, hub->rep->world);
 	if (r == 0 && charge_arena(hub, &hub->st, hub->arena.size) < 0)
 		return AOQD_FAIL(err, QUOTA, "uid %u: the replica group's arena (%" PRIu64 " bytes) would pass its quota of %"
-		                 PRIu64 " bytes", (unsigned)hub->conn.uid, hub->arena.size, hub->st.quota);
+		                 PRIu64 " bytes", (unsigned)hub->conn.uid, hub->arena.size, aoqd_state_quota(&hub->st));
 	if (r == 0 && cfg_lock(s) && aoqd_arena_lock(&hub->arena, &hub->srv->locked_bytes) < 0 && cfg_lock(s) == 2)
 		return AOQD_FAIL(err, NO_MEMORY, "cannot lock the replica group's arena (%" PRIu64 " bytes) in memory "
 		                 "(lock_memory = yes; raise LimitMEMLOCK or give CAP_IPC_LOCK)", hub->arena.size);

@@ -426,7 +426,16 @@ void aoqd_server_apply(struct aoqd_server *srv, const struct aoqd_config *n)
 	LIVE(max_tensors, PRIu32);
 	LIVE(max_tensor_elems, PRIu64);
 	LIVE(max_arena_bytes, PRIu64);
-	LIVE(max_state_bytes_per_uid, PRIu64);
+	if (o->max_state_bytes_per_uid != n->max_state_bytes_per_uid) {
+		char was[24], now[24];
+		snprintf(was, sizeof(was), "%" PRIu64, o->max_state_bytes_per_uid);
+		snprintf(now, sizeof(now), "%" PRIu64, n->max_state_bytes_per_uid);
+		aoqd_info("server", "reload: max_state_bytes_per_uid %s -> %s",
+		          o->max_state_bytes_per_uid == AOQD_QUOTA_AUTO ? "auto" : was,
+		          n->max_state_bytes_per_uid == AOQD_QUOTA_AUTO ? "auto" : now);
+		o->max_state_bytes_per_uid = n->max_state_bytes_per_uid;
+		changed++;
+	}
 	LIVE(replica_wait_seconds, PRIu32);
 	LIVE(snapshot_every_steps, PRIu64);
 	LIVE(snapshot_every_seconds, PRIu64);

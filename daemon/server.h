@@ -51,7 +51,7 @@ struct aoqd_server {
 	struct aoqd_session *hubs; /* replica groups' hubs (replica.c), linked by `next` */
 	uint64_t next_id;
 	uint32_t connections;
-	struct aoqd_account *accounts; /* one per uid seen (events.c, lease.c charge them) */
+	struct aoqd_account *_Atomic accounts; /* one per uid seen (events.c, lease.c charge them) */
 	uint64_t start_ns;
 	_Atomic uint64_t locked_bytes;
 	/* SIGHUP: builds the settings again and hands them to

@@ -321,6 +321,11 @@ int aoqd_state_charge(struct aoqd_state *st, uint64_t n)
 	return r;
 }
 
+uint64_t aoqd_state_quota(const struct aoqd_state *st)
+{
+	return st->account ? aoqd_account_limit(st->account, st->quota) : st->quota;
+}
+
 int aoqd_tensor_mark_done(struct aoqd_tensor *t, uint64_t b, uint64_t n)
 {
 	uint64_t e = b + n; /* validated: within the tensor */

@@ -113,6 +113,9 @@ bool aoqd_dtype_valid(int d);
 
 /* Charges n bytes to the session's uid: 0, or -EDQUOT past its quota. */
 int aoqd_state_charge(struct aoqd_state *st, uint64_t n);
+/* The bytes the session's uid may hold now (its quota, an auto quota
+ * worked out: account.h), for messages. */
+uint64_t aoqd_state_quota(const struct aoqd_state *st);
 /* Marks elements [b, b + n) of tensor t final in its current step: 1 when
  * the whole tensor is then final, 0 when not yet, -EEXIST when some of
  * them already were, -ENOMEM. */

@@ -171,7 +171,7 @@ int aoqd_on_trace(struct aoqd_session *who, const Aoq__Envelope *env, struct aoq
 	if (aoqd_account_charge(s->account, bytes, s->srv->cfg.max_state_bytes_per_uid) < 0)
 		return AOQD_REFUSE(err, QUOTA, "uid %u: a trace's buffer (%" PRIu64 " bytes) would pass its quota of %"
 		                   PRIu64 " bytes (max_state_bytes_per_uid)", (unsigned)s->conn.uid, bytes,
-		                   s->srv->cfg.max_state_bytes_per_uid);
+		                   aoqd_account_limit(s->account, s->srv->cfg.max_state_bytes_per_uid));
 	if (aoqd_trace_start(&s->stats, first, first + m->steps - 1) < 0) {
 		aoqd_account_uncharge(s->account, bytes);
 		return AOQD_REFUSE(err, BUSY, "session %" PRIu64 " is being traced already", m->session);

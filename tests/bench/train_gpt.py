@@ -777,7 +777,7 @@ def main():
     ap.add_argument("--daemon-threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     ap.add_argument("--daemon-config", default=None, metavar="FILE",
                     help="--spawn-daemon: aoqd's configuration (e.g. a larger max_state_bytes_per_uid than the "
-                         "default 50%% of RAM, for the largest models)")
+                         "default: a fair share of 90%% of RAM among its users, for the largest models)")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="after the timed steps, two more under torch.profiler, traced to DIR/MODE.json")
     ap.add_argument("--data", default="random", choices=("random", "markov"),

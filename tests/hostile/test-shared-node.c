@@ -40,9 +40,13 @@
  *              1,000-byte names, and a session whose accumulation buffer
  *              would pass the quota: the daemon's RSS grows by at most the
  *              quota plus 48 MiB, and the accumulation is refused (QUOTA);
- *   quota-default (4) without a config: one uid cannot register state of
- *              60% of the machine's memory; deploy/aoqd.conf's stated
- *              default parses;
+ *   quota-default (4) without a config (max_state_bytes_per_uid = auto): a
+ *              uid alone registers a session holding 75% of the machine's
+ *              memory (fp32 state of 28%, its undo copy and its arena:
+ *              a single-user node needs no config change) but not one of
+ *              27% more (past 90%); beside another uid's trainer one uid
+ *              cannot register state of 60% (its share is half);
+ *              deploy/aoqd.conf's stated default parses;
  *   identity   (5) a Hello claiming pid 1 with a job name holding a newline
  *              and device name holding an escape: stats show the peer's real
  *              pid, the log has no forged line and no raw control byte; a
@@ -794,22 +798,43 @@ static int att_quota(void)
 	return 0;
 }
 
-static int att_quota_default(void)
+/* A session whose fp32 state (12 bytes per element) is `percent` of the
+ * memory (with the default lease its undo copy doubles that, and the arena
+ * of slots adds a third of it): "registered" or "refused" and the Error's
+ * code. */
+static const char *register_share(int fd, unsigned rank, unsigned percent, int *code)
 {
 	long pages = sysconf(_SC_PHYS_PAGES), psize = sysconf(_SC_PAGESIZE);
 	uint64_t mem = (uint64_t)pages * (uint64_t)psize;
-	/* fp32 state is 12 bytes per element: 60% of the memory. */
-	uint64_t numel = mem / 20;
-	int fd = aoqt_raw_connect(att_sock);
-	int code = -1, kind = -1;
-	if (fd >= 0 && aoqt_raw_hello(fd, "att-default", 0, false, NULL) == 0) {
+	uint64_t numel = mem / 1200 * percent;
+	int kind = -1;
+	*code = -1;
+	if (fd >= 0 && aoqt_raw_hello(fd, "att-default", rank, false, NULL) == 0) {
 		uint8_t *buf;
 		size_t len = register_frame(&buf, 0, 1, numel, 0, true, false);
 		send_all(fd, buf, len);
 		free(buf);
-		kind = reply_code(fd, &code);
+		kind = reply_code(fd, code);
 	}
-	say("default %s %d", kind == AOQ__ENVELOPE__MSG_REGISTERED ? "registered" : "refused", code);
+	return kind == AOQ__ENVELOPE__MSG_REGISTERED ? "registered" : "refused";
+}
+
+/* arg "60": one session of 60% of the memory; "28+10": one of 28%, then,
+ * holding it, another of 10% (register_share). */
+static int att_quota_default(const char *arg)
+{
+	unsigned first = 60, second = 0;
+	if (arg)
+		sscanf(arg, "%u+%u", &first, &second);
+	int code, fd = aoqt_raw_connect(att_sock);
+	const char *res = register_share(fd, 0, first, &code);
+	if (!second) {
+		say("default %s %d", res, code);
+	} else {
+		int code2, fd2 = aoqt_raw_connect(att_sock);
+		const char *res2 = register_share(fd2, 1, second, &code2);
+		say("alone %s %d then %s %d", res, code, res2, code2);
+	}
 	hold_until_eof();
 	return 0;
 }
@@ -951,7 +976,7 @@ static int attacker_main(const char *mode, const char *sock, const char *arg)
 	if (strcmp(mode, "quota") == 0)
 		return att_quota();
 	if (strcmp(mode, "quota-default") == 0)
-		return att_quota_default();
+		return att_quota_default(arg);
 	if (strcmp(mode, "spoof") == 0)
 		return att_spoof();
 	if (strcmp(mode, "observer") == 0)
@@ -1256,11 +1281,20 @@ static void case_quota_default(const char *exe, const char *conf)
 {
 	static const char *const extra[] = { "--lock-memory", "no", NULL };
 	start_daemon(exe, NULL, extra);
-	struct run r;
-	begin(&r, "victim-qdef");
 	struct attacker a;
 	char line[512];
-	att_start(&a, "quota-default", ATT_UID, NULL, NULL);
+	/* alone: the whole auto pool (90%) is the uid's */
+	att_start(&a, "quota-default", ATT_UID, NULL, "28+10");
+	att_line(&a, line, sizeof(line), 60000, "quota-alone");
+	CHECK(strcmp(line, "alone registered -1 then refused 5") == 0,
+	      "quota-default: a uid alone could not register a session of 75%% of the memory, or could one of 27%% "
+	      "more: '%s'", line);
+	att_stop(&a);
+	end_daemon();
+	start_daemon(exe, NULL, extra);
+	struct run r;
+	begin(&r, "victim-qdef");
+	att_start(&a, "quota-default", ATT_UID, NULL, "60");
 	att_line(&a, line, sizeof(line), 60000, "quota-default");
 	CHECK(strcmp(line, "default refused 5") == 0,
 	      "quota-default: one uid registered state of 60%% of the memory: '%s'", line);

@@ -2,8 +2,10 @@
 /*
  * What one uid may hold (daemon/account.h) and which final records a step
  * takes (aoqd_tensor_mark_done, daemon/state.h): charges stop at the limit
- * and take nothing when refused; a tensor's final ranges merge in any
- * order, refuse any overlap, and end the tensor only when they cover it.
+ * and take nothing when refused; the auto limit is a uid's fair share of
+ * 90% of the memory among the uids holding some, never more than the
+ * others leave; a tensor's final ranges merge in any order, refuse any
+ * overlap, and end the tensor only when they cover it.
  */
 #include <errno.h>
 #include <stdlib.h>
@@ -16,7 +18,7 @@
 
 static void test_account(void)
 {
-	struct aoqd_account *list = NULL;
+	struct aoqd_account *_Atomic list = NULL;
 	struct aoqd_account *a = aoqd_account_get(&list, 1000), *b = aoqd_account_get(&list, 1001);
 	EXPECT(a && b && a != b, "two uids, two accounts");
 	EXPECT(aoqd_account_get(&list, 1000) == a, "one account per uid");
@@ -34,6 +36,50 @@ static void test_account(void)
 	       aoqd_page_round(0) == 0 && aoqd_page_round(UINT64_MAX) == UINT64_MAX, "page rounding");
 	aoqd_account_free_all(&list);
 	EXPECT(!list, "freed");
+}
+
+/* max_state_bytes_per_uid = auto. */
+static void test_auto(void)
+{
+	struct aoqd_account *_Atomic list = NULL;
+	long pages = sysconf(_SC_PHYS_PAGES), psize = sysconf(_SC_PAGESIZE);
+	uint64_t pool = (uint64_t)pages / 100 * AOQD_AUTO_PERCENT * (uint64_t)psize;
+	struct aoqd_account *a = aoqd_account_get(&list, 1000);
+	EXPECT(aoqd_account_limit(a, AOQD_QUOTA_AUTO) == pool, "alone: all of the pool (%llu, want %llu)",
+	       (unsigned long long)aoqd_account_limit(a, AOQD_QUOTA_AUTO), (unsigned long long)pool);
+	EXPECT(aoqd_account_limit(a, 12345) == 12345 && aoqd_account_limit(a, 0) == 0, "numbers stay numbers");
+	/* One uid alone takes 70% of the pool, which a 50% limit refused. */
+	uint64_t big = pool / 10 * 7;
+	EXPECT(aoqd_account_charge(a, big, AOQD_QUOTA_AUTO) == 0, "alone: 70%% of the pool");
+	EXPECT(aoqd_account_charge(a, pool - big + 1, AOQD_QUOTA_AUTO) == -EDQUOT, "alone: not past the pool");
+	/* A second uid: half the pool, but only what the first leaves. */
+	struct aoqd_account *b = aoqd_account_get(&list, 1001);
+	EXPECT(aoqd_account_limit(b, AOQD_QUOTA_AUTO) == pool - big, "the second gets what is left (%llu)",
+	       (unsigned long long)aoqd_account_limit(b, AOQD_QUOTA_AUTO));
+	EXPECT(aoqd_account_charge(b, pool - big + 1, AOQD_QUOTA_AUTO) == -EDQUOT, "not more than is left");
+	EXPECT(aoqd_account_charge(b, pool / 10, AOQD_QUOTA_AUTO) == 0, "a tenth of the pool");
+	/* The first keeps what it holds but cannot grow past its half now. */
+	EXPECT(aoqd_account_limit(a, AOQD_QUOTA_AUTO) == pool / 2, "two uids: half each (%llu)",
+	       (unsigned long long)aoqd_account_limit(a, AOQD_QUOTA_AUTO));
+	EXPECT(aoqd_account_charge(a, 1, AOQD_QUOTA_AUTO) == -EDQUOT, "over its half: no more");
+	/* The first gives all back: the second may have half, then three
+	 * uids a third each. */
+	aoqd_account_uncharge(a, big);
+	EXPECT(aoqd_account_limit(b, AOQD_QUOTA_AUTO) == pool, "the first gone: the second alone");
+	struct aoqd_account *c = aoqd_account_get(&list, 1002);
+	EXPECT(aoqd_account_charge(a, 1, AOQD_QUOTA_AUTO) == 0 && aoqd_account_charge(c, 1, AOQD_QUOTA_AUTO) == 0,
+	       "two more uids");
+	EXPECT(aoqd_account_limit(b, AOQD_QUOTA_AUTO) == pool / 3, "three uids: a third each (%llu)",
+	       (unsigned long long)aoqd_account_limit(b, AOQD_QUOTA_AUTO));
+	/* An account the others fill leaves nothing, and nothing means
+	 * refused, not unlimited. */
+	aoqd_account_uncharge(a, 1);
+	aoqd_account_uncharge(c, 1);
+	aoqd_account_uncharge(b, pool / 10);
+	EXPECT(aoqd_account_charge(b, pool, AOQD_QUOTA_AUTO) == 0, "one uid holds the whole pool");
+	EXPECT(aoqd_account_limit(a, AOQD_QUOTA_AUTO) == 0 && aoqd_account_charge(a, 1, AOQD_QUOTA_AUTO) == -EDQUOT,
+	       "nothing left: refused");
+	aoqd_account_free_all(&list);
 }
 
 static void test_ranges(void)
@@ -63,6 +109,7 @@ static void test_ranges(void)
 int main(void)
 {
 	test_account();
+	test_auto();
 	test_ranges();
 	if (!failures)
 		printf("ok\n");

@@ -84,9 +84,9 @@ class Daemon:
             args += ["--state-dir", state]
         if "--config" not in args:
             # A private daemon serves its owner alone: no per-uid memory
-            # quota (a node's aoqd keeps max_state_bytes_per_uid, 50% of
-            # memory by default, so that users share it), so a model that
-            # fits the host trains without a config change.
+            # quota (a node's aoqd keeps max_state_bytes_per_uid, a fair
+            # share of 90% of memory by default), so a model that fits the
+            # host trains without a config change.
             conf = os.path.join(self.dir, "aoqd.conf")
             with open(conf, "w") as f:
                 f.write("max_state_bytes_per_uid = 0\n")
