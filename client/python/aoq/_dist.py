@@ -122,6 +122,44 @@ def _replica_seed(seed):
     return (0x9e3779b97f4a7c15 * (n + 0x5eed)) % (1 << 64) or 1
 
 
+def _mix64(x):
+    """splitmix64's finalizer of x + the golden ratio, as a 64-bit int."""
+    m = (1 << 64) - 1
+    z = (x + 0x9e3779b97f4a7c15) & m
+    z = ((z ^ (z >> 30)) * 0xbf58476d1ce4e5b9) & m
+    z = ((z ^ (z >> 27)) * 0x94d049bb133111eb) & m
+    return z ^ (z >> 31)
+
+
+def _shard_seed(seed, params):
+    """The seed of a session that holds FSDP2 shards: the ranks' common seed
+    (_replica_seed) with this rank's place on the mesh's sharded dimensions
+    mixed in.  aoqd draws a tensor's random bits from (seed, tensor, step,
+    element index in what the session holds), so with one seed every shard
+    of a tensor would round its element i as the others do, and the
+    rounding errors of the whole tensor would repeat from shard to shard;
+    the ranks that hold the same shard (HSDP's replicas, the mesh's
+    Replicate dimensions) keep one seed and stay identical.  seed 0 (the
+    daemon picks one per session) and a session of no DTensor shard are
+    left alone."""
+    if not seed:
+        return seed
+    for p in params:
+        if not _is_dtensor(p):
+            continue
+        coord = p.device_mesh.get_coordinate()
+        if coord is None:
+            continue
+        key = [c for c, pl in zip(coord, p.placements) if pl.is_shard()]
+        if not key:
+            continue
+        h = 0
+        for c in key:
+            h = _mix64(h ^ (c + 1))
+        return (seed ^ h) or 1
+    return seed
+
+
 def _job_default():
     """torch-PID for a process's first optimizer without a job name,
     torch-PID-2, -3, ... for the next ones (two optimizers of one process,

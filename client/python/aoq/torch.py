@@ -28,7 +28,8 @@ import torch
 
 from . import _lib
 from ._compat import routed
-from ._dist import _Distributed, _dist_rank, _job_default, _local, _local_group, _replica_seed, _shared_job_default
+from ._dist import (_Distributed, _dist_rank, _job_default, _local, _local_group, _replica_seed, _shard_seed,
+                    _shared_job_default)
 from ._graph import _OPTIMIZERS
 from ._hooks import _PushPath, _Slot
 from ._kinds import (_AOQ_DTYPE, _DAEMON_CLASSES, _MASTER_DTYPES, _PRECISION, _STATE_KEYS,
@@ -303,7 +304,10 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
             if not named:
                 job = _shared_job_default()
         job = job or os.environ.get("AOQ_JOB") or _job_default()
-        seed = _replica_seed(seed)
+        # an explicit seed (a checkpoint's, for a bit-exact continuation)
+        # is the session's as given; the common one of the ranks takes the
+        # rank's shard in
+        seed = _replica_seed(seed) if seed else _shard_seed(_replica_seed(0), [p for _, p in big])
         if lease is None and not named:
             # torch-PID never resumes, and a lease costs an undo copy of the
             # state at every update (README, "Lease and resume"): none.

@@ -552,7 +552,8 @@ def fsdp_model(env, seed, reshard):
 
 def case_fsdp(rank, ws, env):
     """FSDP2 + aoq (each rank's shards in its session) against FSDP2 + torch
-    AdamW: reshard_after_forward True and False, with 2 micro-batches."""
+    AdamW: reshard_after_forward True and False, with 2 micro-batches; with
+    a bf16 master, each rank's session has its own rounding seed."""
     dev = env["dev"]
     for reshard in (True, False):
         for accum in (1, 2):
@@ -573,6 +574,44 @@ def case_fsdp(rank, ws, env):
                 % (what, [s.name for s in o._slots if not s.fwd])
             close_to(m, ref, what + " vs FSDP2 + torch AdamW")
             o.close()
+    # A bf16 master and q8 moments without seed=: each rank's shards round
+    # with their own random bits (aoq._dist._shard_seed), not the same bits
+    # at the same index of every shard.
+    import torch.distributed as dist
+    m = fsdp_model(env, 4, True)
+    o = Offload(m.named_parameters(), env, minimal_size=1024, master_dtype="bf16", state_precision="q8")
+    train(m, o, rank, dev, 2)
+    o.synchronize()
+    seeds = [None] * ws
+    dist.all_gather_object(seeds, o.state_dict()["aoq"]["seed"])
+    assert len(set(seeds)) == ws and 0 not in seeds, "FSDP2 shards with one stochastic rounding seed: %s" % seeds
+    o.close()
+    # HSDP: the ranks of one shard (a Replicate mesh dimension apart) keep
+    # one seed, those of different shards do not.
+    from aoq._dist import _shard_seed
+
+    class Shard:
+        def is_shard(self):
+            return True
+
+    class Replicate:
+        def is_shard(self):
+            return False
+
+    class Mesh:
+        def __init__(self, coord):
+            self.coord = coord
+
+        def get_coordinate(self):
+            return self.coord
+
+    def dtensor(coord):
+        return type("DTensor", (), dict(_local_tensor=None, device_mesh=Mesh(coord),
+                                        placements=(Replicate(), Shard())))()
+
+    s = {c: _shard_seed(12345, [torch.zeros(1), dtensor(c)]) for c in ((0, 0), (1, 0), (0, 1), (1, 1))}
+    assert s[(0, 0)] == s[(1, 0)] and s[(0, 1)] == s[(1, 1)] and s[(0, 0)] != s[(0, 1)], s
+    assert _shard_seed(12345, [torch.zeros(1)]) == 12345 and _shard_seed(0, [dtensor((0, 1))]) == 0
 
 
 def case_fsdp_dcp(rank, ws, env):
