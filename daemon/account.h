@@ -20,7 +20,7 @@
  * uids holding memory in the daemon at the charge (the charging uid
  * included) and never more than the others leave of it.  One uid alone may
  * use it all; each uid that comes gets an equal part of what is free; no
- * uid loses what it holds (docs/operating.md, "Shared nodes").
+ * uid loses what it holds (docs/design.md, "Shared nodes").
  */
 #ifndef AOQD_ACCOUNT_H
 #define AOQD_ACCOUNT_H
