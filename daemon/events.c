@@ -360,9 +360,17 @@ void aoqd_session_on_doorbell(uv_poll_t *h, int status, int events)
 	(void)events;
 	int ack = status < 0 ? 0 : aoqd_arena_ack(&s->arena);
 	if (ack < 0) {
-		/* The trainer died or left (its doorbell closes with its
-		 * socket, in either order): the lease, if any, keeps its
-		 * state, as when its connection ends first. */
+		/* The trainer died or left: its doorbell closes with its
+		 * socket, in either order.  While the connection is open its
+		 * frames decide: a Bye still unread there ends the session for
+		 * good, its end without one leases it.  (Closing here leased
+		 * trainers that had said Bye: aoq_close sends it and then
+		 * closes every fd, and the doorbell's hangup could come first.) */
+		uv_poll_stop(h);
+		if (s->conn.open && s->state != AOQD_CLOSING) {
+			aoqd_debug("session", "session %" PRIu64 ": doorbell closed; the connection decides", s->id);
+			return;
+		}
 		aoqd_info("session", "session %" PRIu64 ": client went away (doorbell closed)", s->id);
 		aoqd_session_close(s);
 		return;

@@ -13,6 +13,8 @@
  *            the kill that left it.
  *   unloaded a trainer that dies between Registered and its first
  *            LoadState leaves no lease (its state holds no parameters).
+ *   bye      a trainer that closes its doorbells before its Bye leaves no
+ *            lease.
  *   layout   resuming with another layout: Error naming the first difference.
  *   expiry   a lease of 1 s ends: the session leaves the stats and the uid's
  *            locked bytes go back.
@@ -608,6 +610,47 @@ static void case_unloaded(void)
 	      tr.resumed_at);
 	trainer_close(&tr);
 	printf("unloaded: a trainer killed before loading its parameters left no lease (session %lu)\n", id);
+}
+
+/* ---- case bye ---- */
+
+/* A trainer that closes its doorbells, then says Bye and closes its socket,
+ * ends its session for good: no lease, though aoqd sees the doorbells' hangup
+ * before the Bye (aoq_close says Bye and then closes every fd; a process's
+ * fds close in any order).  Before, the hangup leased the state of a trainer
+ * that had said goodbye. */
+static void case_bye(void)
+{
+	struct aoqt_raw s;
+	uint64_t n1[1] = { 4096 };
+	CHECK_OK(aoqt_raw_open(&s, daemon_.socket, "bye-last", n1, 1));
+	/* one step ends: the state is one a lease would keep */
+	struct aoq_rec rec = { .tensor = 0, .slot = 0, .count = n1[0], .step = 1 };
+	CHECK_OK(aoqt_raw_push(&s, &rec));
+	Aoq__StepEnd se = AOQ__STEP_END__INIT;
+	se.step = 1;
+	CHECK_OK(aoqt_send_msg(s.sock, AOQ__ENVELOPE__MSG_STEP_END, &se));
+	Aoq__Envelope *env = NULL;
+	for (;;) {
+		CHECK_OK(aoq_recv_frame(s.sock, &env, NULL, 0, NULL));
+		bool ended = env->msg_case == AOQ__ENVELOPE__MSG_STEP_ENDED;
+		CHECK(ended || env->msg_case != AOQ__ENVELOPE__MSG_ERROR, "bye: step 1 failed");
+		aoq_envelope_free(env);
+		if (ended)
+			break;
+	}
+	close(s.to_daemon);
+	close(s.to_client);
+	s.to_daemon = s.to_client = -1;
+	usleep(300000);
+	Aoq__Bye b = AOQ__BYE__INIT;
+	CHECK_OK(aoqt_send_msg(s.sock, AOQ__ENVELOPE__MSG_BYE, &b));
+	uint64_t id = s.id;
+	aoqt_raw_close(&s);
+	Aoq__Envelope *e = NULL;
+	wait_state(&e, "bye-last", NULL);
+	aoq_envelope_free(e);
+	printf("bye: a trainer that closed its doorbells before its Bye left no lease (session %" PRIu64 ")\n", id);
 }
 
 /* ---- case layout ---- */
@@ -1375,6 +1418,8 @@ int main(int argc, char **argv)
 		case_kill(getenv("AOQ_TEST_SLOW") ? 20 : 100);
 	if (all || strcmp(c, "unloaded") == 0)
 		case_unloaded();
+	if (all || strcmp(c, "bye") == 0)
+		case_bye();
 	if (all || strcmp(c, "layout") == 0)
 		case_layout();
 	if (all || strcmp(c, "expiry") == 0)

@@ -346,8 +346,12 @@ static void test_independent_rounding(const char *sock, enum aoq_precision prec)
 	static const char *const names[] = { "fp32", "q8", "bf16", "bf16+q8", "bf16-all", "q4", "bf16+q4" };
 	enum { N = 65536 + 5 };
 	struct aoq_options o = AOQ_OPTIONS_INIT;
+	char job[32];
+	/* a job per precision: a closed session may stay leased a moment,
+	 * and a registration of another precision would not resume it */
+	snprintf(job, sizeof(job), "independent-%d", (int)prec);
 	o.socket = sock;
-	o.job = "independent";
+	o.job = job;
 	o.device = "cpu";
 	o.precision = prec;
 	o.seed = 0x5eed;
