@@ -11,6 +11,13 @@ static int cuda_open(struct aoq_backend **out, int index, const struct aoq_optio
 	return aoq_set_error(-ENODEV, "no CUDA device: this libaoq was built without CUDA");
 }
 const struct aoq_backend_ops aoq_backend_cuda = { .name = "cuda", .open = cuda_open };
+
+int aoq_device_adam_q8(const struct aoq_device_step *s, void *cuda_stream)
+{
+	(void)s;
+	(void)cuda_stream;
+	return aoq_set_error(-ENOTSUP, "aoq_device_adam_q8: this libaoq was built without CUDA");
+}
 #endif
 
 #ifndef AOQ_WITH_ZE_BACKEND

@@ -37,6 +37,7 @@ size_t aoq_struct_size(const char *name)
 		{ "aoq_group", sizeof(struct aoq_group) },
 		{ "aoq_tensor", sizeof(struct aoq_tensor) },
 		{ "aoq_step_result", sizeof(struct aoq_step_result) },
+		{ "aoq_device_step", sizeof(struct aoq_device_step) },
 	};
 	for (size_t i = 0; name && i < sizeof(sizes) / sizeof(sizes[0]); i++)
 		if (strcmp(name, sizes[i].name) == 0)

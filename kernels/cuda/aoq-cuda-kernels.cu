@@ -4,6 +4,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <math.h>
+
+#include "../aoq-convert.h"
+#include "../aoq-kernel.h"
 #include "aoq-cuda-kernels.h"
 
 namespace {
@@ -90,6 +94,216 @@ __global__ void quantize_rows_kernel(int8_t *__restrict__ q, float *__restrict__
 	}
 }
 
+// ---- Adam/AdamW with q8 moments (aoq-cuda-kernels.h) ----
+//
+// One warp per q8 block (AOQK_Q8_BLOCK = 256 elements, 8 per lane): decode
+// m and sqrt(v), update as aoqd's kernels do (kernels/cpu/kernel-body.h,
+// vstep: torch's lerp and addcmul roundings, den = fma(sqrt(v), 1 /
+// sqrt(bc2), eps)), take the block's max |m| and max sqrt(v) with warp
+// shuffles (no shared memory, no block barrier), encode with 8 random bits
+// at the top of the discarded ones.  Whole blocks of 16-byte aligned
+// tensors move in 16-byte loads and stores (kVec); the last, partial block
+// and unaligned tensors element by element.
+static_assert(AOQK_Q8_BLOCK == 256, "a warp of 32 lanes, 8 elements each");
+constexpr int kQ8PerLane = 8;
+
+struct Q8Codes {
+	float m_k, m_top, u_k, u_top; // aoq-convert.h's K and TOP
+};
+
+__device__ __forceinline__ uint32_t mix32(uint32_t x)
+{
+	x ^= x >> 16;
+	x *= 0x7feb352du;
+	x ^= x >> 15;
+	x *= 0x846ca68bu;
+	x ^= x >> 16;
+	return x;
+}
+
+template <typename T> __device__ __forceinline__ float load_f32(const T *p, size_t i) { return to_f32<T>(p[i]); }
+template <> __device__ __forceinline__ float load_f32<float>(const float *p, size_t i) { return p[i]; }
+template <typename T> __device__ __forceinline__ void store_f32(T *p, size_t i, float x) { p[i] = from_f32<T>(x); }
+template <> __device__ __forceinline__ void store_f32<float>(float *p, size_t i, float x) { p[i] = x; }
+
+// 8 elements from/to 16-byte aligned memory
+__device__ __forceinline__ void load8(const float *p, float *x)
+{
+	float4 a = reinterpret_cast<const float4 *>(p)[0], b = reinterpret_cast<const float4 *>(p)[1];
+	x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+}
+template <typename H> __device__ __forceinline__ void load8(const H *p, float *x)
+{
+	uint4 u = *reinterpret_cast<const uint4 *>(p);
+	const H *h = reinterpret_cast<const H *>(&u);
+	for (int j = 0; j < 8; j++)
+		x[j] = to_f32<H>(h[j]);
+}
+__device__ __forceinline__ void store8(float *p, const float *x)
+{
+	reinterpret_cast<float4 *>(p)[0] = make_float4(x[0], x[1], x[2], x[3]);
+	reinterpret_cast<float4 *>(p)[1] = make_float4(x[4], x[5], x[6], x[7]);
+}
+template <typename H> __device__ __forceinline__ void store8(H *p, const float *x)
+{
+	uint4 u;
+	H *h = reinterpret_cast<H *>(&u);
+	for (int j = 0; j < 8; j++)
+		h[j] = from_f32<H>(x[j]);
+	*reinterpret_cast<uint4 *>(p) = u;
+}
+
+// aoqk_q8_inv: top / s, 0 for an empty block, FLT_MAX where it overflows
+__device__ __forceinline__ float q8_inv(float top, float s)
+{
+	float q = __fdiv_rn(top, s);
+	return s > 0.0f ? fminf(q, 3.40282347e38f) : 0.0f;
+}
+
+template <typename P, typename G, bool kVec>
+__global__ void __launch_bounds__(256) adam_q8_kernel(P *param, const G *__restrict__ grad, float *master,
+                                                      uint8_t *__restrict__ mc, uint8_t *__restrict__ vc,
+                                                      float *__restrict__ ms, float *__restrict__ vs, size_t n,
+                                                      struct aoq_cuda_adam_q8 k, Q8Codes q)
+{
+	const unsigned lane = threadIdx.x & 31u;
+	const bool own_param = (void *)param != (void *)master; // an fp32 parameter is its own master
+	size_t nblocks = (n + AOQK_Q8_BLOCK - 1) / AOQK_Q8_BLOCK;
+	size_t nwarps = ((size_t)gridDim.x * blockDim.x) >> 5;
+	for (size_t b = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5; b < nblocks; b += nwarps) {
+		size_t i0 = b * AOQK_Q8_BLOCK + lane * kQ8PerLane;
+		bool full = kVec && (b + 1) * AOQK_Q8_BLOCK <= n;
+		float g[kQ8PerLane], w[kQ8PerLane], m[kQ8PerLane], u[kQ8PerLane];
+		uint8_t cm[kQ8PerLane], cu[kQ8PerLane];
+		if (full) {
+			load8(grad + i0, g);
+			load8(master + i0, w);
+			*reinterpret_cast<uint2 *>(cm) = *reinterpret_cast<const uint2 *>(mc + i0);
+			*reinterpret_cast<uint2 *>(cu) = *reinterpret_cast<const uint2 *>(vc + i0);
+		} else {
+			for (int j = 0; j < kQ8PerLane; j++) {
+				bool in = i0 + j < n;
+				g[j] = in ? load_f32<G>(grad, i0 + j) : 0.0f;
+				w[j] = in ? master[i0 + j] : 0.0f;
+				cm[j] = in ? mc[i0 + j] : 0;
+				cu[j] = in ? vc[i0 + j] : 0;
+			}
+		}
+		// the block's scales as aoqk_q8_*_decode applies them: (F(c) - K) * (scale / TOP)
+		float sm = __fdiv_rn(ms[b], q.m_top), su = __fdiv_rn(vs[b], q.u_top);
+		float mx_m = 0.0f, mx_u = 0.0f;
+		for (int j = 0; j < kQ8PerLane; j++) {
+			float gj = __fmul_rn(g[j], k.gscale), wj = w[j];
+			if (k.l2)
+				gj = __fmaf_rn(k.wd, wj, gj);
+			if (k.adamw)
+				wj = __fmul_rn(wj, k.decay);
+			uint32_t c = cm[j];
+			float y = __fsub_rn(__uint_as_float(((c & 0x7fu) + AOQK_Q8_M_C0) << AOQK_Q8_M_SHIFT), q.m_k);
+			float mj = __fmul_rn(y, sm);
+			if (c & 0x80u)
+				mj = -mj;
+			y = __fsub_rn(__uint_as_float((cu[j] + AOQK_Q8_U_C0) << AOQK_Q8_U_SHIFT), q.u_k);
+			float uj = __fmul_rn(y, su);
+			float v = __fmul_rn(uj, uj);
+			// exp_avg.lerp_(grad, 1 - beta1); exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1 - beta2)
+			float d = __fsub_rn(gj, mj);
+			mj = k.lerp_small ? __fmaf_rn(k.w1, d, mj) : __fmaf_rn(-d, k.w1c, gj);
+			v = __fmaf_rn(k.w2, __fmul_rn(gj, gj), __fmul_rn(v, k.b2));
+			uj = __fsqrt_rn(v);
+			float den = __fmaf_rn(uj, k.inv_bc2s, k.eps);
+			w[j] = __fmaf_rn(k.nstep, __fdiv_rn(mj, den), wj);
+			if (!full && i0 + j >= n)
+				mj = uj = 0.0f; // past the end: out of the maxima
+			m[j] = mj;
+			u[j] = uj;
+			mx_m = fmaxf(mx_m, fabsf(mj));
+			mx_u = fmaxf(mx_u, uj); // NaN skipped, as the CPU kernels' max
+		}
+		if (full) {
+			store8(master + i0, w);
+			if (own_param)
+				store8(param + i0, w);
+		} else {
+			for (int j = 0; j < kQ8PerLane && i0 + j < n; j++) {
+				master[i0 + j] = w[j];
+				if (own_param)
+					store_f32<P>(param, i0 + j, w[j]);
+			}
+		}
+		for (int o = 16; o > 0; o >>= 1) {
+			mx_m = fmaxf(mx_m, __shfl_xor_sync(0xffffffffu, mx_m, o));
+			mx_u = fmaxf(mx_u, __shfl_xor_sync(0xffffffffu, mx_u, o));
+		}
+		float inv_m = q8_inv(q.m_top, mx_m), inv_u = q8_inv(q.u_top, mx_u);
+		for (int j = 0; j < kQ8PerLane; j++) {
+			uint32_t h = mix32((uint32_t)(i0 + j) ^ k.key);
+			uint32_t rm = ((h >> 8) & 0xffu) << (AOQK_Q8_M_SHIFT - 8) | 1u << (AOQK_Q8_M_SHIFT - 9);
+			uint32_t ru = (h & 0xffu) << (AOQK_Q8_U_SHIFT - 8) | 1u << (AOQK_Q8_U_SHIFT - 9);
+			uint32_t c = ((__float_as_uint(__fmaf_rn(fabsf(m[j]), inv_m, q.m_k)) + rm) >> AOQK_Q8_M_SHIFT) -
+			             AOQK_Q8_M_C0;
+			c = c < 127u ? c : 127u;
+			cm[j] = (uint8_t)(c | (__float_as_uint(m[j]) >> 31) << 7);
+			c = ((__float_as_uint(__fmaf_rn(u[j], inv_u, q.u_k)) + ru) >> AOQK_Q8_U_SHIFT) - AOQK_Q8_U_C0;
+			c = c < 255u ? c : 255u;
+			if (c == 0 && u[j] > 0.0f)
+				c = 1; // a non-zero v keeps a non-zero code
+			cu[j] = (uint8_t)c;
+		}
+		if (full) {
+			*reinterpret_cast<uint2 *>(mc + i0) = *reinterpret_cast<const uint2 *>(cm);
+			*reinterpret_cast<uint2 *>(vc + i0) = *reinterpret_cast<const uint2 *>(cu);
+		} else {
+			for (int j = 0; j < kQ8PerLane && i0 + j < n; j++) {
+				mc[i0 + j] = cm[j];
+				vc[i0 + j] = cu[j];
+			}
+		}
+		if (lane == 0) { // after the shuffles: every lane has read ms[b] and vs[b]
+			ms[b] = mx_m;
+			vs[b] = mx_u;
+		}
+	}
+}
+
+bool aligned16(const void *p)
+{
+	return ((uintptr_t)p & 15u) == 0;
+}
+
+template <typename P, typename G>
+cudaError_t adam_q8_launch2(P *param, const G *grad, float *master, uint8_t *m, uint8_t *v, float *ms, float *vs,
+                            size_t n, const struct aoq_cuda_adam_q8 &k, cudaStream_t stream)
+{
+	Q8Codes q = { AOQK_Q8_M_K, AOQK_Q8_M_TOP, AOQK_Q8_U_K, AOQK_Q8_U_TOP };
+	// 8 warps (q8 blocks) per CUDA block
+	unsigned g = grid_for((n + AOQK_Q8_BLOCK - 1) / AOQK_Q8_BLOCK, 8);
+	if (aligned16(param) && aligned16(grad) && aligned16(master) && ((uintptr_t)m & 7u) == 0 &&
+	    ((uintptr_t)v & 7u) == 0)
+		adam_q8_kernel<P, G, true><<<g, 256, 0, stream>>>(param, grad, master, m, v, ms, vs, n, k, q);
+	else
+		adam_q8_kernel<P, G, false><<<g, 256, 0, stream>>>(param, grad, master, m, v, ms, vs, n, k, q);
+	return cudaGetLastError();
+}
+
+template <typename P>
+cudaError_t adam_q8_launch(P *param, const void *grad, enum aoq_cuda_dtype gt, float *master, uint8_t *m,
+                           uint8_t *v, float *ms, float *vs, size_t n, const struct aoq_cuda_adam_q8 &k,
+                           cudaStream_t stream)
+{
+	switch (gt) {
+	case AOQ_CUDA_FP32:
+		return adam_q8_launch2(param, static_cast<const float *>(grad), master, m, v, ms, vs, n, k, stream);
+	case AOQ_CUDA_BF16:
+		return adam_q8_launch2(param, static_cast<const __nv_bfloat16 *>(grad), master, m, v, ms, vs, n, k,
+		                       stream);
+	case AOQ_CUDA_FP16:
+		return adam_q8_launch2(param, static_cast<const __half *>(grad), master, m, v, ms, vs, n, k, stream);
+	default:
+		return cudaErrorInvalidValue;
+	}
+}
+
 cudaError_t launched()
 {
 	return cudaGetLastError();
@@ -168,4 +382,48 @@ extern "C" cudaError_t aoq_cuda_pull_int8(int8_t *q, float *scales, const float 
 	if (e != cudaSuccess)
 		return e;
 	return aoq_cuda_quantize_int8_rows(q, scales, staging, rows, cols, stream);
+}
+
+extern "C" void aoq_cuda_adam_q8_consts(struct aoq_cuda_adam_q8 *k, double lr, double beta1, double beta2,
+                                        double eps, double weight_decay, int decoupled, uint64_t step,
+                                        uint64_t seed, float grad_scale)
+{
+	// as aoqk_consts_init (kernels/cpu/kernel-common.h)
+	double bc1 = 1.0 - pow(beta1, (double)step);
+	double bc2 = 1.0 - pow(beta2, (double)step);
+	k->w1 = (float)(1.0 - beta1);
+	k->w1c = 1.0f - k->w1;
+	k->b2 = (float)beta2;
+	k->w2 = (float)(1.0 - beta2);
+	k->nstep = (float)(-(lr / bc1));
+	k->inv_bc2s = (float)(1.0 / sqrt(bc2));
+	k->eps = (float)eps;
+	k->decay = (float)(1.0 - lr * weight_decay);
+	k->wd = (float)weight_decay;
+	k->gscale = grad_scale;
+	k->lerp_small = fabsf(k->w1) < 0.5f;
+	k->adamw = decoupled && weight_decay != 0.0;
+	k->l2 = !decoupled && weight_decay != 0.0;
+	k->key = aoq_cuda_q8_key(seed, step);
+}
+
+extern "C" cudaError_t aoq_cuda_adam_q8_step(void *param, enum aoq_cuda_dtype pt, const void *grad,
+                                             enum aoq_cuda_dtype gt, float *master, uint8_t *m, uint8_t *v,
+                                             float *m_scale, float *v_scale, size_t n,
+                                             const struct aoq_cuda_adam_q8 *k, cudaStream_t stream)
+{
+	if (n == 0)
+		return cudaSuccess;
+	switch (pt) {
+	case AOQ_CUDA_FP32:
+		return adam_q8_launch(static_cast<float *>(param), grad, gt, master, m, v, m_scale, v_scale, n, *k,
+		                      stream);
+	case AOQ_CUDA_BF16:
+		return adam_q8_launch(static_cast<__nv_bfloat16 *>(param), grad, gt, master, m, v, m_scale, v_scale, n,
+		                      *k, stream);
+	case AOQ_CUDA_FP16:
+		return adam_q8_launch(static_cast<__half *>(param), grad, gt, master, m, v, m_scale, v_scale, n, *k,
+		                      stream);
+	}
+	return cudaErrorInvalidValue;
 }

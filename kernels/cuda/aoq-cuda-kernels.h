@@ -22,6 +22,14 @@
  * dequantised w'_rj = q_rj * s_r.  Scales are fp32.  Non-finite weights
  * give an unspecified row (the caller's trainer has already failed).
  *
+ * - Adam/AdamW with q8 moments on the device (aoq.torch's GPU share): one
+ *   step of a tensor whose fp32 master and q8 moments stay on the device,
+ *   in aoqd's q8 format (kernels/README.md, "q8 moments": blocks of
+ *   AOQK_Q8_BLOCK elements, a scale per block, stochastic rounding in code
+ *   space), so the share costs 6 bytes per parameter instead of fp32
+ *   moments' 12.  The random bits are aoq_cuda_q8_bits() below, which the
+ *   Python binding's reference step (aoq/_q8.py) computes alike.
+ *
  * Every function enqueues on `stream` (NULL: the legacy default stream),
  * returns without waiting, and returns cudaSuccess or the launch error.
  * Element counts may be any size (no alignment needed).
@@ -64,6 +72,44 @@ cudaError_t aoq_cuda_quantize_int8_rows(int8_t *q, float *scales, const float *w
 /* Pull + quantise: H2D of host_master into staging, then quantise. */
 cudaError_t aoq_cuda_pull_int8(int8_t *q, float *scales, const float *host_master, float *staging, size_t rows,
                                size_t cols, cudaStream_t stream);
+
+/* The constants of one q8 step, computed on the host from the
+ * hyperparameters as aoqd's kernels do (aoq_cuda_adam_q8_consts). */
+struct aoq_cuda_adam_q8 {
+	float w1, w1c, b2, w2, nstep, inv_bc2s, eps, decay, wd, gscale;
+	int lerp_small, adamw, l2;
+	uint32_t key; /* the step's random key: aoq_cuda_q8_key(seed, step) */
+};
+
+/* Fills k from the hyperparameters (step counts from 1; decoupled: AdamW). */
+void aoq_cuda_adam_q8_consts(struct aoq_cuda_adam_q8 *k, double lr, double beta1, double beta2, double eps,
+                             double weight_decay, int decoupled, uint64_t step, uint64_t seed, float grad_scale);
+
+/* The 32-bit mix of the random bits (Wellons' "lowbias32"), the step's key
+ * and element i's bits: bits 0..7 round its v code, bits 8..15 its m code. */
+static inline uint32_t aoq_cuda_mix32(uint32_t x)
+{
+	x ^= x >> 16;
+	x *= 0x7feb352du;
+	x ^= x >> 15;
+	x *= 0x846ca68bu;
+	x ^= x >> 16;
+	return x;
+}
+
+static inline uint32_t aoq_cuda_q8_key(uint64_t seed, uint64_t step)
+{
+	return aoq_cuda_mix32((uint32_t)seed ^ aoq_cuda_mix32((uint32_t)(seed >> 32) ^ aoq_cuda_mix32((uint32_t)step)));
+}
+
+/* One step of n elements: param (dtype `pt`, written from the new master,
+ * round to nearest even), grad (dtype `gt`, read), master (fp32, read and
+ * written), m and v codes (n bytes each), m_scale and v_scale (one float
+ * per AOQK_Q8_BLOCK elements), all device memory of one tensor.  param
+ * may be master itself (an fp32 parameter). */
+cudaError_t aoq_cuda_adam_q8_step(void *param, enum aoq_cuda_dtype pt, const void *grad, enum aoq_cuda_dtype gt,
+                                  float *master, uint8_t *m, uint8_t *v, float *m_scale, float *v_scale, size_t n,
+                                  const struct aoq_cuda_adam_q8 *k, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

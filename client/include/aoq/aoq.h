@@ -320,6 +320,38 @@ AOQ_API int aoq_set_tensor_steps(struct aoq_client *c, uint32_t first, uint32_t 
  * (param, grad, streams) are the caller's again. */
 AOQ_API void aoq_close(struct aoq_client *c);
 
+/* One Adam/AdamW step of a tensor whose state stays on a CUDA device as an
+ * fp32 master and q8 moments in aoqd's format (kernels/README.md, "q8
+ * moments"): what aoq.torch's GPU share (gpu_state_budget=) runs for the
+ * default precision, 6 bytes of device state per parameter.  Every pointer
+ * is device memory of one tensor on CUDA device `device`: param (n elements
+ * of param_dtype, written from the new master), grad (n of grad_dtype),
+ * master (n floats; param itself for an fp32 parameter), m and v (n bytes
+ * each, the codes), m_scale and v_scale (ceil(n / 256) floats each).  step counts from 1 (after this step's
+ * increment); seed keys the stochastic rounding of the codes.  Enqueued on
+ * cuda_stream (a cudaStream_t; NULL: the legacy default stream), not waited
+ * for.  Returns 0, -EINVAL (a bad argument), -ENOTSUP (this libaoq was built
+ * without CUDA) or the launch's error. */
+struct aoq_device_step {
+	uint32_t size;              /* sizeof(struct aoq_device_step) */
+	int device;                 /* CUDA device index */
+	void *param;
+	enum aoq_dtype param_dtype;
+	const void *grad;
+	enum aoq_dtype grad_dtype;
+	float *master;
+	uint8_t *m, *v;
+	float *m_scale, *v_scale;
+	uint64_t n;
+	double lr, beta1, beta2, eps, weight_decay;
+	bool decoupled;             /* AdamW's decay; false: Adam's L2 */
+	uint64_t step;
+	uint64_t seed;
+	float grad_scale;           /* the gradient is multiplied by it (1: as is) */
+};
+
+AOQ_API int aoq_device_adam_q8(const struct aoq_device_step *s, void *cuda_stream);
+
 /* Level Zero backend: the staging mode of the most recently registered
  * arena ("none" before one; a diagnostic).  A static string. */
 AOQ_API const char *aoq_ze_staging_mode(void);

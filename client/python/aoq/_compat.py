@@ -147,8 +147,7 @@ class _StateView(collections.defaultdict):
             return True, dev.state[p]
         share = getattr(opt, "_share", None)
         if share is not None and p in share.params:
-            t = share.master.get(p, p)
-            st = share.opt.state.get(t)
+            st = share.live_state(p)
             if st:
                 return True, st
         return False, None
@@ -172,8 +171,10 @@ class _StateView(collections.defaultdict):
         keys = list(dict.keys(self))
         opt = self._opt()
         seen = set(keys)
-        for holder in (getattr(opt, "_dev_opt", None), getattr(getattr(opt, "_share", None), "opt", None)):
-            for p in (holder.state if holder is not None else ()):
+        dev, share = getattr(opt, "_dev_opt", None), getattr(opt, "_share", None)
+        # the share's state is held by its masters' keys: its parameters
+        for ps in (dev.state if dev is not None else (), share.params if share is not None else ()):
+            for p in ps:
                 if p not in seen and self._live(p)[0]:
                     keys.append(p)
                     seen.add(p)

@@ -117,6 +117,33 @@ class StepResult(_Sized):
     ]
 
 
+class DeviceStep(_Sized):
+    """struct aoq_device_step (aoq_device_adam_q8: the GPU share's q8 step)."""
+    _fields_ = [
+        ("size", c_uint32),
+        ("device", c_int),
+        ("param", c_void_p),
+        ("param_dtype", c_int),
+        ("grad", c_void_p),
+        ("grad_dtype", c_int),
+        ("master", c_void_p),
+        ("m", c_void_p),
+        ("v", c_void_p),
+        ("m_scale", c_void_p),
+        ("v_scale", c_void_p),
+        ("n", c_uint64),
+        ("lr", c_double),
+        ("beta1", c_double),
+        ("beta2", c_double),
+        ("eps", c_double),
+        ("weight_decay", c_double),
+        ("decoupled", c_bool),
+        ("step", c_uint64),
+        ("seed", c_uint64),
+        ("grad_scale", ctypes.c_float),
+    ]
+
+
 class AoqError(OSError):
     """A libaoq call failed: .errno is the (positive) errno value, .strerror
     libaoq's message (aoq_last_error(), including the daemon's Error text)."""
@@ -175,6 +202,7 @@ def _declare(lib):
         "aoq_session_seed": (c_uint64, [P]),
         "aoq_resumed": (c_int, [P, ctypes.POINTER(c_uint64)]),
         "aoq_close": (None, [P]),
+        "aoq_device_adam_q8": (c_int, [ctypes.POINTER(DeviceStep), P]),
     }
     for name, (restype, argtypes) in sigs.items():
         f = getattr(lib, name)
@@ -253,7 +281,8 @@ PACKAGE_VERSION = "0.1.0"
 
 # STRUCT-SIZE CHECK: the one place that compares the ctypes layouts above with
 # the library's own sizes (aoq_struct_size(name), where the library has it).
-_STRUCTS = {"aoq_options": Options, "aoq_group": Group, "aoq_tensor": Tensor, "aoq_step_result": StepResult}
+_STRUCTS = {"aoq_options": Options, "aoq_group": Group, "aoq_tensor": Tensor, "aoq_step_result": StepResult,
+            "aoq_device_step": DeviceStep}
 
 
 def _struct_size_mismatches(lib):

@@ -13,6 +13,9 @@ import time
 
 import torch
 
+from . import _q8
+from ._dist import _mix64
+
 
 def _state_copy(p, key, v):
     """A loaded optimizer state value for parameter p, as torch's
@@ -127,24 +130,31 @@ def _auto_choice(numels, costs, late, cap, margin=1.1):
     return chosen
 
 
-def _share_bytes(p, kind, master):
+def _share_bytes(p, kind, master, q8=False):
     """Device bytes of p's optimizer state in the GPU share, the cheapest
-    with the numerics of the offloaded state: the moments (two for
-    Adam/AdamW, one for SGD with momentum and Lion) in p's dtype, as torch's
-    optimizer keeps them when it steps p itself (a bf16 master's share: bf16
-    moments, 4 bytes/parameter for AdamW); where the state's master is fp32
-    and p is not, an fp32 master and fp32 moments (12 bytes/parameter)."""
+    with the numerics of the offloaded state.  q8 (aoqd keeps an fp32
+    master and q8 moments, Adam/AdamW): the master where p is not fp32 (4
+    bytes/parameter) and the q8 codes and scales (2.03 bytes/parameter,
+    aoq/_q8.py).  Otherwise the moments (two for Adam/AdamW, one for SGD
+    with momentum and Lion) in p's dtype, as torch's optimizer keeps them
+    when it steps p itself (a bf16 master's share: bf16 moments, 4
+    bytes/parameter for AdamW); where the state's master is fp32 and p is
+    not, an fp32 master and fp32 moments (12 bytes/parameter)."""
     moments = 2 if kind in ("adam", "adamw") else 1
+    n = p.numel()
+    if q8 and moments == 2:
+        return (4 * n if master is None and p.dtype != torch.float32 else 0) + 2 * n + 8 * _q8.blocks(n)
     if master is None and p.dtype != torch.float32:
-        return (moments + 1) * 4 * p.numel()
-    return moments * p.element_size() * p.numel()
+        return (moments + 1) * 4 * n
+    return moments * p.element_size() * n
 
 
-def _share_step_bytes(p, master):
+def _share_step_bytes(p, master, q8=False):
     """Device bytes the share allocates for p only while it steps: the fp32
     copy of the gradient where an fp32 master steps a parameter that is not
-    fp32 (_DeviceShare.step)."""
-    return 4 * p.numel() if master is None and p.dtype != torch.float32 else 0
+    fp32 with torch's optimizer (_DeviceShare.step); none with q8 moments,
+    whose step reads the gradient as it is."""
+    return 4 * p.numel() if master is None and p.dtype != torch.float32 and not q8 else 0
 
 
 def _alloc_bytes(n):
@@ -181,13 +191,20 @@ class _DeviceShare:
     stays on the device, stepped there at step() by optimizer_class (fused
     on CUDA where torch has it), on an fp32 master where the parameter is not
     fp32 and aoq's master would be, so the numerics are those of the
-    offloaded part.  They are the first parameters in order: the last
+    offloaded part.  With q8 (aoqd keeps an fp32 master and q8 moments,
+    Adam/AdamW) the moments are q8 codes in aoqd's format too, stepped by
+    _q8._Q8Adam.  They are the first parameters in order: the last
     gradients of backward, whose update would otherwise end after it."""
 
-    def __init__(self, share, groups, optimizer_class, kwargs, kind, fp32_master):
+    def __init__(self, share, groups, optimizer_class, kwargs, kind, fp32_master, q8=False, seed=0):
         self.fp32_master = fp32_master
+        self.q8 = q8 and kind in ("adam", "adamw")
+        self.seed = seed
         self.params = []
         self.master = {}
+        self.param_of = {}       # q8: the tensor stepped (master) -> its parameter
+        self.seed_of = {}        # q8: the tensor stepped -> its random bits' seed
+        self._index = {id(p): i for i, p in enumerate(p for g in groups for p in g["params"])}
         self.group_of = []
         per_group = self._take(share)
         opt_groups = []
@@ -197,6 +214,9 @@ class _DeviceShare:
         kw = {k: v for k, v in kwargs.items()
               if k not in ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov")}
         dev = self.params[0].device
+        if self.q8:
+            self.opt = _q8._Q8Adam(opt_groups, self.param_of, self.seed_of, decoupled=kind == "adamw")
+            return
         if (dev.type == "cuda" and kind in ("adam", "adamw") and "fused" not in kw and "foreach" not in kw):
             kw["fused"] = True
         self.opt = optimizer_class(opt_groups, **kw)
@@ -211,6 +231,10 @@ class _DeviceShare:
                 t = p.detach().to(torch.float32).clone()
                 self.master[p] = t
             self.params.append(p)
+            self.param_of[t] = p
+            # the parameter's place in the optimizer mixed into the seed:
+            # every tensor its own bits, every replica the same
+            self.seed_of[t] = _mix64(self.seed ^ _mix64(self._index.get(id(p), 0)))
             per_group.setdefault(gi, []).append(t)
         return per_group
 
@@ -235,6 +259,9 @@ class _DeviceShare:
             for k in ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov"):
                 if k in g and k in og:
                     og[k] = g[k]
+        if self.q8:
+            self.opt.step()         # reads p.grad, writes the master and p
+            return
         for p, m in self.master.items():
             m.grad = None if p.grad is None else p.grad.detach().to(torch.float32)
         self.opt.step()
@@ -244,12 +271,18 @@ class _DeviceShare:
                     p.copy_(m)
                 m.grad = None
 
+    def live_state(self, p):
+        """p's state as torch's optimizer keeps it (q8: decoded copies), or
+        None before its first step."""
+        t = self.master.get(p, p)
+        return self.opt.moments(t) if self.q8 else self.opt.state.get(t)
+
     def state_items(self):
         """(parameter, its state as torch's optimizer keeps it, plus
         "master" where the share keeps one)."""
         for p in self.params:
             t = self.master.get(p, p)
-            st = self.opt.state.get(t)
+            st = self.live_state(p)
             if not st:
                 continue
             d = {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in st.items()}
@@ -271,6 +304,9 @@ class _DeviceShare:
                 elif st.get("master") is not None:
                     p.copy_(st["master"].to(p.device, p.dtype).view(p.shape))
             d = {k: _state_copy(t, k, v) for k, v in st.items() if k != "master"}
+            if self.q8:
+                self.opt.set_moments(t, d)
+                continue
             if torch.is_tensor(d.get("step")) and self.opt.defaults.get("fused"):
                 d["step"] = d["step"].to(device=t.device, dtype=torch.float32)   # fused keeps it there
             self.opt.state[t] = d
@@ -340,10 +376,12 @@ class _AutoSplit:
         late, neg_cap = _agree(dist, late, -cap)
         late, cap = int(late), -neg_cap
         master = None if self._fp32_master else "bf16"
-        chosen = _auto_choice([s.numel for s in order], [_share_bytes(s.p, self._kind, master) +
-                                                         _share_step_bytes(s.p, master) for s in order], late, cap)
+        q8 = self._share_q8
+        chosen = _auto_choice([s.numel for s in order], [_share_bytes(s.p, self._kind, master, q8) +
+                                                         _share_step_bytes(s.p, master, q8) for s in order], late, cap)
         moved = _first_ranks(dist, [order[i] for i in chosen], self._slots)
-        self._auto_cost += sum(_share_bytes(s.p, self._kind, master) + _share_step_bytes(s.p, master) for s in moved)
+        self._auto_cost += sum(_share_bytes(s.p, self._kind, master, q8) + _share_step_bytes(s.p, master, q8)
+                               for s in moved)
         if moved:
             self._move_to_share(moved)
         prev = self.auto_split or {}
@@ -355,7 +393,7 @@ class _AutoSplit:
                                moved_params=n_moved, rounds=rounds,
                                device_params=prev.get("device_params", 0) + n_moved,
                                device_bytes=prev.get("device_bytes", 0) + sum(
-                                   _share_bytes(s.p, self._kind, master) for s in moved),
+                                   _share_bytes(s.p, self._kind, master, q8) for s in moved),
                                device_cap_bytes=cap, peak_bytes=peak, peak_bound_bytes=self._auto_bound)
         again = bool(_agree(dist, int(_auto_again(late, total, n_moved, rounds)))[0])   # any rank: all probe
         self._auto_probe = self._nstep + 2 if again else None
@@ -417,7 +455,8 @@ class _AutoSplit:
             entries.append((s.p, st))
         if self._share is None:
             self._share = _DeviceShare([(s.group, s.p) for s in slots], self.param_groups, self._optimizer_class,
-                                       self._dev_kwargs, self._kind, fp32_master=self._fp32_master)
+                                       self._dev_kwargs, self._kind, fp32_master=self._fp32_master,
+                                       q8=self._share_q8, seed=self._seed)
         else:
             self._share.add([(s.group, s.p) for s in slots], self.param_groups)
         self._share.load(entries)

@@ -234,6 +234,9 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
         self.master_dtype = "fp32" if master is None else "bf16"
         self.state_precision = state_precision or self.master_dtype
         self._fp32_master = master is None
+        # the GPU share keeps q8 moments where aoqd keeps an fp32 master and
+        # 8- or 4-bit moments (Adam/AdamW; _share_bytes)
+        self._share_q8 = master is None and state_precision in ("q8", "q4") and kind in ("adam", "adamw")
         self._max_device_bytes = max_device_bytes   # "auto": the cap (None: torch's optimizer's device peak)
         self._auto_bound = None         # "auto", default cap: the device peak on-GPU state would reach (bytes)
         self._auto_state = 0            # "auto", default cap: the bytes of that state (torch's optimizer's)
@@ -256,7 +259,7 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
                 if not p.requires_grad:
                     continue
                 if offload_all or p.numel() >= minimal_size:
-                    cost = _share_bytes(p, kind, master)
+                    cost = _share_bytes(p, kind, master, self._share_q8)
                     if cost <= share_left:
                         share_left -= cost
                         share.append((gi, p))
@@ -266,8 +269,13 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
                 else:
                     sg["params"].append(p)
             small_groups.append(sg)
+        # an explicit seed (a checkpoint's, for a bit-exact continuation)
+        # is the session's as given; the common one of the ranks takes the
+        # rank's shard in
+        seed = _replica_seed(seed) if seed else _shard_seed(_replica_seed(0), [p for _, p in big])
+        self._seed = seed
         self._share = _DeviceShare(share, self.param_groups, optimizer_class, self._dev_kwargs, kind,
-                                   fp32_master=master is None) if share else None
+                                   fp32_master=master is None, q8=self._share_q8, seed=seed) if share else None
         self._small_params = [p for g in small_groups for p in g["params"]]
         dev_kwargs = {k: v for k, v in self._dev_kwargs.items()
                       if k not in ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov")}
@@ -304,10 +312,6 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
             if not named:
                 job = _shared_job_default()
         job = job or os.environ.get("AOQ_JOB") or _job_default()
-        # an explicit seed (a checkpoint's, for a bit-exact continuation)
-        # is the session's as given; the common one of the ranks takes the
-        # rank's shard in
-        seed = _replica_seed(seed) if seed else _shard_seed(_replica_seed(0), [p for _, p in big])
         if lease is None and not named:
             # torch-PID never resumes, and a lease costs an undo copy of the
             # state at every update (README, "Lease and resume"): none.
