@@ -27,8 +27,11 @@ int aoq_device_adam_q8(const struct aoq_device_step *s, void *cuda_stream)
 		                     s ? s->size : 0u, sizeof(*s));
 	if (s->n == 0)
 		return 0;
-	if (!s->param || !s->grad || !s->master || !s->m || !s->v || !s->m_scale || !s->v_scale || s->device < 0)
+	if (!s->param || !s->grad || !s->m || !s->v || !s->m_scale || !s->v_scale || s->device < 0)
 		return aoq_set_error(-EINVAL, "aoq_device_adam_q8: a NULL buffer or a negative device");
+	if (!s->master == !s->master_lo || (s->master_lo && s->param_dtype != AOQ_BF16))
+		return aoq_set_error(-EINVAL, "aoq_device_adam_q8: one master: master, or master_lo beside a bf16 "
+		                     "parameter");
 	if (!dtype_ok(s->param_dtype) || !dtype_ok(s->grad_dtype))
 		return aoq_set_error(-EINVAL, "aoq_device_adam_q8: unknown dtype (param %d, grad %d)",
 		                     (int)s->param_dtype, (int)s->grad_dtype);
@@ -48,8 +51,8 @@ int aoq_device_adam_q8(const struct aoq_device_step *s, void *cuda_stream)
 		aoq_cuda_adam_q8_consts(&k, s->lr, s->beta1, s->beta2, s->eps, s->weight_decay, s->decoupled, s->step,
 		                        s->seed, s->grad_scale);
 		e = aoq_cuda_adam_q8_step(s->param, (enum aoq_cuda_dtype)s->param_dtype, s->grad,
-		                          (enum aoq_cuda_dtype)s->grad_dtype, s->master, s->m, s->v, s->m_scale,
-		                          s->v_scale, s->n, &k, (cudaStream_t)cuda_stream);
+		                          (enum aoq_cuda_dtype)s->grad_dtype, s->master, s->master_lo, s->m, s->v,
+		                          s->m_scale, s->v_scale, s->n, &k, (cudaStream_t)cuda_stream);
 	}
 	if (prev >= 0 && prev != s->device)
 		cudaSetDevice(prev);

@@ -160,11 +160,39 @@ __device__ __forceinline__ float q8_inv(float top, float s)
 	return s > 0.0f ? fminf(q, 3.40282347e38f) : 0.0f;
 }
 
-template <typename P, typename G, bool kVec>
+// The split master: an fp32 master whose high half is the bf16 parameter
+// (its rounding to nearest even) and whose low 16 bits are kept apart.  The
+// high half is the parameter, or the parameter less one where the low half
+// is above one half (the rounding went up); a low half of exactly one half
+// (0x8000) would leave that open, so split() never stores one: it moves
+// such a master one fp32 ulp (toward the side the rounding took, so the
+// parameter stays its rounding).
+__device__ __forceinline__ float join_master(uint32_t pb, uint32_t lo)
+{
+	return __uint_as_float((pb - (lo > 0x8000u ? 1u : 0u)) << 16 | lo);
+}
+
+__device__ __forceinline__ void split_master(float w, uint16_t *pb, uint16_t *lo)
+{
+	uint32_t b = __float_as_uint(w);
+	if ((b & 0x7fffffffu) > 0x7f800000u) { // NaN: a quiet NaN, as aoqk_f32_to_bf16
+		*pb = (uint16_t)((b >> 16) | 0x40u);
+		*lo = (uint16_t)b;
+		return;
+	}
+	if ((b & 0xffffu) == 0x8000u)
+		b = (b >> 16) & 1u ? b + 1u : b - 1u;
+	*pb = (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+	*lo = (uint16_t)b;
+}
+
+// kSplit: master is NULL, lo the master's low halves, P bf16 (split_master)
+template <typename P, typename G, bool kVec, bool kSplit>
 __global__ void __launch_bounds__(256) adam_q8_kernel(P *param, const G *__restrict__ grad, float *master,
-                                                      uint8_t *__restrict__ mc, uint8_t *__restrict__ vc,
-                                                      float *__restrict__ ms, float *__restrict__ vs, size_t n,
-                                                      struct aoq_cuda_adam_q8 k, Q8Codes q)
+                                                      uint16_t *lo, uint8_t *__restrict__ mc,
+                                                      uint8_t *__restrict__ vc, float *__restrict__ ms,
+                                                      float *__restrict__ vs, size_t n, struct aoq_cuda_adam_q8 k,
+                                                      Q8Codes q)
 {
 	const unsigned lane = threadIdx.x & 31u;
 	const bool own_param = (void *)param != (void *)master; // an fp32 parameter is its own master
@@ -175,16 +203,28 @@ __global__ void __launch_bounds__(256) adam_q8_kernel(P *param, const G *__restr
 		bool full = kVec && (b + 1) * AOQK_Q8_BLOCK <= n;
 		float g[kQ8PerLane], w[kQ8PerLane], m[kQ8PerLane], u[kQ8PerLane];
 		uint8_t cm[kQ8PerLane], cu[kQ8PerLane];
+		uint16_t pb[kQ8PerLane], pl[kQ8PerLane];
 		if (full) {
 			load8(grad + i0, g);
-			load8(master + i0, w);
+			if constexpr (kSplit) {
+				*reinterpret_cast<uint4 *>(pb) = *reinterpret_cast<const uint4 *>(param + i0);
+				*reinterpret_cast<uint4 *>(pl) = *reinterpret_cast<const uint4 *>(lo + i0);
+				for (int j = 0; j < kQ8PerLane; j++)
+					w[j] = join_master(pb[j], pl[j]);
+			} else {
+				load8(master + i0, w);
+			}
 			*reinterpret_cast<uint2 *>(cm) = *reinterpret_cast<const uint2 *>(mc + i0);
 			*reinterpret_cast<uint2 *>(cu) = *reinterpret_cast<const uint2 *>(vc + i0);
 		} else {
 			for (int j = 0; j < kQ8PerLane; j++) {
 				bool in = i0 + j < n;
 				g[j] = in ? load_f32<G>(grad, i0 + j) : 0.0f;
-				w[j] = in ? master[i0 + j] : 0.0f;
+				if constexpr (kSplit)
+					w[j] = in ? join_master(reinterpret_cast<const uint16_t *>(param)[i0 + j], lo[i0 + j])
+					          : 0.0f;
+				else
+					w[j] = in ? master[i0 + j] : 0.0f;
 				cm[j] = in ? mc[i0 + j] : 0;
 				cu[j] = in ? vc[i0 + j] : 0;
 			}
@@ -220,7 +260,19 @@ __global__ void __launch_bounds__(256) adam_q8_kernel(P *param, const G *__restr
 			mx_m = fmaxf(mx_m, fabsf(mj));
 			mx_u = fmaxf(mx_u, uj); // NaN skipped, as the CPU kernels' max
 		}
-		if (full) {
+		if constexpr (kSplit) {
+			for (int j = 0; j < kQ8PerLane; j++)
+				split_master(w[j], &pb[j], &pl[j]);
+			if (full) {
+				*reinterpret_cast<uint4 *>(param + i0) = *reinterpret_cast<const uint4 *>(pb);
+				*reinterpret_cast<uint4 *>(lo + i0) = *reinterpret_cast<const uint4 *>(pl);
+			} else {
+				for (int j = 0; j < kQ8PerLane && i0 + j < n; j++) {
+					reinterpret_cast<uint16_t *>(param)[i0 + j] = pb[j];
+					lo[i0 + j] = pl[j];
+				}
+			}
+		} else if (full) {
 			store8(master + i0, w);
 			if (own_param)
 				store8(param + i0, w);
@@ -271,34 +323,37 @@ bool aligned16(const void *p)
 	return ((uintptr_t)p & 15u) == 0;
 }
 
-template <typename P, typename G>
-cudaError_t adam_q8_launch2(P *param, const G *grad, float *master, uint8_t *m, uint8_t *v, float *ms, float *vs,
-                            size_t n, const struct aoq_cuda_adam_q8 &k, cudaStream_t stream)
+template <typename P, typename G, bool kSplit>
+cudaError_t adam_q8_launch2(P *param, const G *grad, float *master, uint16_t *lo, uint8_t *m, uint8_t *v, float *ms,
+                            float *vs, size_t n, const struct aoq_cuda_adam_q8 &k, cudaStream_t stream)
 {
 	Q8Codes q = { AOQK_Q8_M_K, AOQK_Q8_M_TOP, AOQK_Q8_U_K, AOQK_Q8_U_TOP };
 	// 8 warps (q8 blocks) per CUDA block
 	unsigned g = grid_for((n + AOQK_Q8_BLOCK - 1) / AOQK_Q8_BLOCK, 8);
-	if (aligned16(param) && aligned16(grad) && aligned16(master) && ((uintptr_t)m & 7u) == 0 &&
-	    ((uintptr_t)v & 7u) == 0)
-		adam_q8_kernel<P, G, true><<<g, 256, 0, stream>>>(param, grad, master, m, v, ms, vs, n, k, q);
+	if (aligned16(param) && aligned16(grad) && aligned16(kSplit ? (void *)lo : (void *)master) &&
+	    ((uintptr_t)m & 7u) == 0 && ((uintptr_t)v & 7u) == 0)
+		adam_q8_kernel<P, G, true, kSplit><<<g, 256, 0, stream>>>(param, grad, master, lo, m, v, ms, vs, n, k, q);
 	else
-		adam_q8_kernel<P, G, false><<<g, 256, 0, stream>>>(param, grad, master, m, v, ms, vs, n, k, q);
+		adam_q8_kernel<P, G, false, kSplit><<<g, 256, 0, stream>>>(param, grad, master, lo, m, v, ms, vs, n, k,
+		                                                           q);
 	return cudaGetLastError();
 }
 
-template <typename P>
-cudaError_t adam_q8_launch(P *param, const void *grad, enum aoq_cuda_dtype gt, float *master, uint8_t *m,
-                           uint8_t *v, float *ms, float *vs, size_t n, const struct aoq_cuda_adam_q8 &k,
+template <typename P, bool kSplit>
+cudaError_t adam_q8_launch(P *param, const void *grad, enum aoq_cuda_dtype gt, float *master, uint16_t *lo,
+                           uint8_t *m, uint8_t *v, float *ms, float *vs, size_t n, const struct aoq_cuda_adam_q8 &k,
                            cudaStream_t stream)
 {
 	switch (gt) {
 	case AOQ_CUDA_FP32:
-		return adam_q8_launch2(param, static_cast<const float *>(grad), master, m, v, ms, vs, n, k, stream);
+		return adam_q8_launch2<P, float, kSplit>(param, static_cast<const float *>(grad), master, lo, m, v, ms,
+		                                         vs, n, k, stream);
 	case AOQ_CUDA_BF16:
-		return adam_q8_launch2(param, static_cast<const __nv_bfloat16 *>(grad), master, m, v, ms, vs, n, k,
-		                       stream);
+		return adam_q8_launch2<P, __nv_bfloat16, kSplit>(param, static_cast<const __nv_bfloat16 *>(grad), master,
+		                                                 lo, m, v, ms, vs, n, k, stream);
 	case AOQ_CUDA_FP16:
-		return adam_q8_launch2(param, static_cast<const __half *>(grad), master, m, v, ms, vs, n, k, stream);
+		return adam_q8_launch2<P, __half, kSplit>(param, static_cast<const __half *>(grad), master, lo, m, v, ms,
+		                                          vs, n, k, stream);
 	default:
 		return cudaErrorInvalidValue;
 	}
@@ -408,22 +463,27 @@ extern "C" void aoq_cuda_adam_q8_consts(struct aoq_cuda_adam_q8 *k, double lr, d
 }
 
 extern "C" cudaError_t aoq_cuda_adam_q8_step(void *param, enum aoq_cuda_dtype pt, const void *grad,
-                                             enum aoq_cuda_dtype gt, float *master, uint8_t *m, uint8_t *v,
-                                             float *m_scale, float *v_scale, size_t n,
+                                             enum aoq_cuda_dtype gt, float *master, uint16_t *master_lo,
+                                             uint8_t *m, uint8_t *v, float *m_scale, float *v_scale, size_t n,
                                              const struct aoq_cuda_adam_q8 *k, cudaStream_t stream)
 {
 	if (n == 0)
 		return cudaSuccess;
+	if (!master == !master_lo || (master_lo && pt != AOQ_CUDA_BF16))
+		return cudaErrorInvalidValue; // one master: fp32, or the low halves beside a bf16 parameter
+	if (master_lo)
+		return adam_q8_launch<__nv_bfloat16, true>(static_cast<__nv_bfloat16 *>(param), grad, gt, nullptr,
+		                                           master_lo, m, v, m_scale, v_scale, n, *k, stream);
 	switch (pt) {
 	case AOQ_CUDA_FP32:
-		return adam_q8_launch(static_cast<float *>(param), grad, gt, master, m, v, m_scale, v_scale, n, *k,
-		                      stream);
+		return adam_q8_launch<float, false>(static_cast<float *>(param), grad, gt, master, nullptr, m, v, m_scale,
+		                                    v_scale, n, *k, stream);
 	case AOQ_CUDA_BF16:
-		return adam_q8_launch(static_cast<__nv_bfloat16 *>(param), grad, gt, master, m, v, m_scale, v_scale, n,
-		                      *k, stream);
+		return adam_q8_launch<__nv_bfloat16, false>(static_cast<__nv_bfloat16 *>(param), grad, gt, master,
+		                                            nullptr, m, v, m_scale, v_scale, n, *k, stream);
 	case AOQ_CUDA_FP16:
-		return adam_q8_launch(static_cast<__half *>(param), grad, gt, master, m, v, m_scale, v_scale, n, *k,
-		                      stream);
+		return adam_q8_launch<__half, false>(static_cast<__half *>(param), grad, gt, master, nullptr, m, v,
+		                                     m_scale, v_scale, n, *k, stream);
 	}
 	return cudaErrorInvalidValue;
 }

@@ -103,13 +103,18 @@ static inline uint32_t aoq_cuda_q8_key(uint64_t seed, uint64_t step)
 }
 
 /* One step of n elements: param (dtype `pt`, written from the new master,
- * round to nearest even), grad (dtype `gt`, read), master (fp32, read and
- * written), m and v codes (n bytes each), m_scale and v_scale (one float
- * per AOQK_Q8_BLOCK elements), all device memory of one tensor.  param
- * may be master itself (an fp32 parameter). */
+ * round to nearest even), grad (dtype `gt`, read), the fp32 master (read
+ * and written), m and v codes (n bytes each), m_scale and v_scale (one
+ * float per AOQK_Q8_BLOCK elements), all device memory of one tensor.  The
+ * master is either `master` (n floats; param itself for an fp32 parameter)
+ * or, with master NULL and a bf16 parameter, split: master_lo holds its low
+ * 16 bits, the parameter its high half rounded to nearest (n uint16_t; 2
+ * bytes per parameter instead of 4; a master whose low half would be
+ * exactly 0x8000 moves one fp32 ulp, so the parameter stays its rounding
+ * and the pair stays unambiguous). */
 cudaError_t aoq_cuda_adam_q8_step(void *param, enum aoq_cuda_dtype pt, const void *grad, enum aoq_cuda_dtype gt,
-                                  float *master, uint8_t *m, uint8_t *v, float *m_scale, float *v_scale, size_t n,
-                                  const struct aoq_cuda_adam_q8 *k, cudaStream_t stream);
+                                  float *master, uint16_t *master_lo, uint8_t *m, uint8_t *v, float *m_scale,
+                                  float *v_scale, size_t n, const struct aoq_cuda_adam_q8 *k, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

@@ -325,9 +325,13 @@ AOQ_API void aoq_close(struct aoq_client *c);
  * moments"): what aoq.torch's GPU share (gpu_state_budget=) runs for the
  * default precision, 6 bytes of device state per parameter.  Every pointer
  * is device memory of one tensor on CUDA device `device`: param (n elements
- * of param_dtype, written from the new master), grad (n of grad_dtype),
- * master (n floats; param itself for an fp32 parameter), m and v (n bytes
- * each, the codes), m_scale and v_scale (ceil(n / 256) floats each).  step counts from 1 (after this step's
+ * of param_dtype, written from the new master), grad (n of grad_dtype), the
+ * master, m and v (n bytes each, the codes), m_scale and v_scale (ceil(n /
+ * 256) floats each).  The master is `master` (n floats; param itself for an
+ * fp32 parameter), or, with master NULL and a bf16 parameter, `master_lo`:
+ * the low 16 bits of an fp32 master whose high half is the parameter (its
+ * rounding to nearest; kernels/README.md, "The same format on the GPU"), 2
+ * bytes per parameter.  step counts from 1 (after this step's
  * increment); seed keys the stochastic rounding of the codes.  Enqueued on
  * cuda_stream (a cudaStream_t; NULL: the legacy default stream), not waited
  * for.  Returns 0, -EINVAL (a bad argument), -ENOTSUP (this libaoq was built
@@ -340,6 +344,7 @@ struct aoq_device_step {
 	const void *grad;
 	enum aoq_dtype grad_dtype;
 	float *master;
+	uint16_t *master_lo;        /* instead of master, beside a bf16 param */
 	uint8_t *m, *v;
 	float *m_scale, *v_scale;
 	uint64_t n;

@@ -127,6 +127,7 @@ class DeviceStep(_Sized):
         ("grad", c_void_p),
         ("grad_dtype", c_int),
         ("master", c_void_p),
+        ("master_lo", c_void_p),
         ("m", c_void_p),
         ("v", c_void_p),
         ("m_scale", c_void_p),

@@ -6,7 +6,10 @@ fp32 scale each (the block's max |m|, max sqrt(v)); m a sign and a 7-bit
 code, sqrt(v) an 8-bit code, each the top bits of the fp32 pattern of
 x * TOP / scale + K; stochastic rounding in code space for the step,
 nearest for loaded state.  An fp32 master and these moments take 6.03
-bytes per parameter on the device, fp32 moments 12.
+bytes per parameter on the device, fp32 moments 12; with bf16 parameters
+the master is split (the parameter its high half, 16 more bits beside it:
+split_master), 4.03 bytes per parameter, about what torch's AdamW keeps
+for the same parameters (two bf16 moments, 4).
 
 _Q8Adam steps a list of (fp32 master, parameter) pairs with Adam/AdamW: on
 CUDA through libaoq's aoq_device_adam_q8 (kernels/cuda, one kernel per
@@ -155,10 +158,39 @@ class _Consts:
         self.key = q8_key(seed, step)
 
 
-def step_torch(param, grad, master, mc, vc, ms, vs, k):
+def _to16(x):
+    """int64 values in [0, 2^16) as int16 bits."""
+    return (x - ((x >= 0x8000).to(torch.int64) << 16)).to(torch.int16)
+
+
+def join_master(pb, lo):
+    """fp32 masters from bf16 parameters and their low halves (int16 bits),
+    as kernels/cuda's join_master: the high half is the parameter, less one
+    where the low half is above one half (the rounding went up)."""
+    p = pb.view(torch.int16).to(torch.int64) & 0xFFFF
+    low = lo.to(torch.int64) & 0xFFFF
+    b = ((p - (low > 0x8000).to(torch.int64)) << 16 | low) & _MASK
+    return (b - ((b >= 1 << 31).to(torch.int64) << 32)).to(torch.int32).view(torch.float32)
+
+
+def split_master(w):
+    """(bf16 parameters, int16 low halves) of fp32 masters w, as
+    kernels/cuda's split_master: the parameter is w rounded to nearest even
+    (NaN: a quiet NaN); a w whose low half is exactly 0x8000 moves one ulp
+    toward the side its rounding takes, so the pair is unambiguous."""
+    b = w.contiguous().view(torch.int32).to(torch.int64) & _MASK
+    odd = (b >> 16) & 1
+    b = torch.where((b & 0xFFFF) == 0x8000, torch.where(odd == 1, b + 1, b - 1), b)
+    nan = (b & 0x7FFFFFFF) > 0x7F800000
+    pb = torch.where(nan, (b >> 16) | 0x40, (b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
+    return _to16(pb).view(torch.bfloat16), _to16(b & 0xFFFF)
+
+
+def step_torch(param, grad, master, mc, vc, ms, vs, k, lo=None):
     """One step of a flat tensor in torch operations (k: _Consts).  param
-    may be master itself (an fp32 parameter)."""
-    n = master.numel()
+    may be master itself (an fp32 parameter); master None: the master is
+    split, lo its low halves beside bf16 parameters (split_master)."""
+    n = param.numel()
     for a in range(0, n, _CHUNK):
         b = min(n, a + _CHUNK)
         nb = blocks(b - a)
@@ -166,7 +198,7 @@ def step_torch(param, grad, master, mc, vc, ms, vs, k):
         g = _as_blocks(grad[a:b].to(torch.float32), nb)
         if k.gscale != 1.0:
             g = g * k.gscale
-        w = _as_blocks(master[a:b], nb).clone()
+        w = _as_blocks(master[a:b] if lo is None else join_master(param[a:b], lo[a:b]), nb).clone()
         if k.l2:
             g = g + k.wd * w
         if k.adamw:
@@ -178,10 +210,15 @@ def step_torch(param, grad, master, mc, vc, ms, vs, k):
         u = torch.sqrt(v)
         w = w + k.nstep * (m / (u * k.inv_bc2s + k.eps))
         w = w.view(-1)[: b - a]
-        master[a:b].copy_(w)
-        if param is not master:
-            param[a:b].copy_(w)
-        cm, cv, sm, sv = encode(m, u, random_bits(a, nb * BLOCK, k.key, master.device).view(nb, BLOCK))
+        if lo is not None:
+            hi, low = split_master(w)
+            param[a:b].copy_(hi)
+            lo[a:b].copy_(low)
+        else:
+            master[a:b].copy_(w)
+            if param is not master:
+                param[a:b].copy_(w)
+        cm, cv, sm, sv = encode(m, u, random_bits(a, nb * BLOCK, k.key, param.device).view(nb, BLOCK))
         mc[a:b].copy_(cm.view(-1)[: b - a])
         vc[a:b].copy_(cv.view(-1)[: b - a])
         ms[bl].copy_(sm)
@@ -209,14 +246,16 @@ def state_to(mc, vc, ms, vs):
 _DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-def _device_step(lib, param, grad, master, mc, vc, ms, vs, hp):
-    """One step through libaoq's aoq_device_adam_q8 on the current stream;
-    False where it cannot run here (no such function, no CUDA in it)."""
+def _device_step(lib, param, grad, master, mc, vc, ms, vs, hp, lo=None):
+    """One step through libaoq's aoq_device_adam_q8 on the current stream
+    (master None: split, lo its low halves); raises AoqError where it
+    fails (ENOTSUP: a libaoq without CUDA)."""
     from . import _lib
-    s = _lib.DeviceStep(master.device.index or 0, param.data_ptr(), _DTYPE[param.dtype], grad.data_ptr(),
-                        _DTYPE[grad.dtype], master.data_ptr(), mc.data_ptr(), vc.data_ptr(), ms.data_ptr(),
-                        vs.data_ptr(), master.numel(), *hp)
-    stream = torch.cuda.current_stream(master.device).cuda_stream
+    s = _lib.DeviceStep(param.device.index or 0, param.data_ptr(), _DTYPE[param.dtype], grad.data_ptr(),
+                        _DTYPE[grad.dtype], None if master is None else master.data_ptr(),
+                        None if lo is None else lo.data_ptr(), mc.data_ptr(), vc.data_ptr(), ms.data_ptr(),
+                        vs.data_ptr(), param.numel(), *hp)
+    stream = torch.cuda.current_stream(param.device).cuda_stream
     r = lib.aoq_device_adam_q8(ctypes.byref(s), ctypes.c_void_p(stream))
     if r == 0:
         return True
@@ -226,10 +265,13 @@ def _device_step(lib, param, grad, master, mc, vc, ms, vs, hp):
 
 class _Q8Adam(torch.optim.Optimizer):
     """Adam/AdamW on fp32 masters with q8 moments (aoqd's format), for the GPU
-    share.  params: the masters; param_of: master -> the parameter it steps
-    (whose .grad it reads and which it writes); seed_of: master -> its
-    random key's seed.  state[master]: "step" (a float tensor, as torch's),
-    and the codes and scales ("m_codes", "v_codes", "m_scale", "v_scale");
+    share.  params: what it steps, each t one of: an fp32 parameter (its own
+    master), an fp32 master of another parameter (param_of[t], whose .grad
+    it reads and which it writes), or a bf16 parameter whose fp32 master is
+    split (the parameter its high half, state["master_lo"] its low 16 bits:
+    2 bytes per parameter instead of 4); seed_of: t -> its random key's
+    seed.  state[t]: "step" (a float tensor, as torch's), the codes and
+    scales ("m_codes", "v_codes", "m_scale", "v_scale"), "master_lo";
     moments()/set_moments() decode and encode them."""
 
     def __init__(self, params, param_of, seed_of, decoupled, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
@@ -240,10 +282,18 @@ class _Q8Adam(torch.optim.Optimizer):
         self.decoupled = decoupled
         self.use_kernel = None      # None: try libaoq's kernel on CUDA at the first step
 
+    @staticmethod
+    def split(t):
+        """t's master is split (a bf16 parameter stepped as itself)."""
+        return t.dtype == torch.bfloat16
+
     def _init_state(self, t):
         n = t.numel()
         st = self.state[t]
         st["step"] = torch.tensor(0.0)
+        if self.split(t):
+            # the parameter as it is: its master's low half zero
+            st["master_lo"] = torch.zeros(n, dtype=torch.int16, device=t.device)
         st["m_codes"] = torch.zeros(n, dtype=torch.uint8, device=t.device)
         st["v_codes"] = torch.zeros(n, dtype=torch.uint8, device=t.device)
         st["m_scale"] = torch.zeros(blocks(n), dtype=torch.float32, device=t.device)
@@ -255,14 +305,25 @@ class _Q8Adam(torch.optim.Optimizer):
         if not st:
             return None
         m, v = state_to(st["m_codes"], st["v_codes"], st["m_scale"], st["v_scale"])
-        return {"step": st["step"].clone(), "exp_avg": m.view(t.shape), "exp_avg_sq": v.view(t.shape)}
+        d = {"step": st["step"].clone(), "exp_avg": m.view(t.shape), "exp_avg_sq": v.view(t.shape)}
+        if self.split(t):
+            d["master"] = join_master(_local(t.detach()).reshape(-1), st["master_lo"]).view(t.shape)
+        return d
 
-    def set_moments(self, t, d):
+    def set_moments(self, t, d, master=None):
+        """Loads "step", "exp_avg" and "exp_avg_sq" of d (to the nearest
+        codes) and, for a split master, master (an fp32 tensor; without it
+        the parameter as it is)."""
         st = self._init_state(t)
-        if torch.is_tensor(d.get("step")) or d.get("step") is not None:
+        if master is not None and self.split(t):
+            hi, low = split_master(master.to(device=t.device, dtype=torch.float32).reshape(-1))
+            with torch.no_grad():
+                _local(t.data).view(-1).copy_(hi)
+            st["master_lo"] = low
+        if d.get("step") is not None:
             st["step"] = torch.tensor(float(d["step"]))
         if d.get("exp_avg") is not None and d.get("exp_avg_sq") is not None:
-            mc, vc, ms, vs = state_from(d["exp_avg"].to(t.device), d["exp_avg_sq"].to(t.device))
+            mc, vc, ms, vs = state_from(_local(d["exp_avg"]).to(t.device), _local(d["exp_avg_sq"]).to(t.device))
             st["m_codes"], st["v_codes"], st["m_scale"], st["v_scale"] = mc, vc, ms, vs
 
     @torch.no_grad()
@@ -278,22 +339,25 @@ class _Q8Adam(torch.optim.Optimizer):
                 st = self.state.get(t) or self._init_state(t)
                 st["step"] += 1
                 step = int(st["step"].item())
-                pv = t if p is t else _local(p.data)
-                pl = pv.view(-1) if pv.is_contiguous() else torch.empty(pv.numel(), dtype=pv.dtype, device=pv.device)
-                args = (pl, grad, t.view(-1), st["m_codes"], st["v_codes"], st["m_scale"], st["v_scale"])
+                pv = _local(p.data)
+                pl = pv.view(-1) if pv.is_contiguous() else pv.reshape(-1).clone()
+                split = self.split(t)
+                lo = st["master_lo"] if split else None
+                master = None if split else pl if p is t else t.view(-1)
+                args = (pl, grad, master, st["m_codes"], st["v_codes"], st["m_scale"], st["v_scale"])
                 if not self._kernel_step(args, (g["lr"], b1, b2, g["eps"], g["weight_decay"], self.decoupled,
-                                                step, self.seed_of[t], 1.0)):
+                                                step, self.seed_of[t], 1.0), lo):
                     step_torch(*args, _Consts(g["lr"], b1, b2, g["eps"], g["weight_decay"], self.decoupled, step,
-                                              self.seed_of[t]))
-                if pl is not pv and pl.data_ptr() != pv.data_ptr():
+                                              self.seed_of[t]), lo=lo)
+                if pl.data_ptr() != pv.data_ptr():
                     pv.copy_(pl.view(pv.shape))
 
-    def _kernel_step(self, args, hp):
-        if self.use_kernel is False or args[2].device.type != "cuda":
+    def _kernel_step(self, args, hp, lo):
+        if self.use_kernel is False or args[0].device.type != "cuda":
             return False
         from . import _lib
         try:
-            ok = _device_step(_lib.load(), *args, hp)
+            ok = _device_step(_lib.load(), *args, hp, lo=lo)
         except _lib.AoqError as e:
             if e.errno != errno.ENOTSUP:    # a libaoq without CUDA; anything else is a failure
                 raise

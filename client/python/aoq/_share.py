@@ -133,9 +133,10 @@ def _auto_choice(numels, costs, late, cap, margin=1.1):
 def _share_bytes(p, kind, master, q8=False):
     """Device bytes of p's optimizer state in the GPU share, the cheapest
     with the numerics of the offloaded state.  q8 (aoqd keeps an fp32
-    master and q8 moments, Adam/AdamW): the master where p is not fp32 (4
-    bytes/parameter) and the q8 codes and scales (2.03 bytes/parameter,
-    aoq/_q8.py).  Otherwise the moments (two for Adam/AdamW, one for SGD
+    master and q8 moments, Adam/AdamW): the q8 codes and scales (2.03
+    bytes/parameter, aoq/_q8.py) and the master: the low halves of a split
+    one beside bf16 parameters (2 bytes/parameter), fp16's own 4, none for
+    fp32.  Otherwise the moments (two for Adam/AdamW, one for SGD
     with momentum and Lion) in p's dtype, as torch's optimizer keeps them
     when it steps p itself (a bf16 master's share: bf16 moments, 4
     bytes/parameter for AdamW); where the state's master is fp32 and p is
@@ -143,7 +144,10 @@ def _share_bytes(p, kind, master, q8=False):
     moments = 2 if kind in ("adam", "adamw") else 1
     n = p.numel()
     if q8 and moments == 2:
-        return (4 * n if master is None and p.dtype != torch.float32 else 0) + 2 * n + 8 * _q8.blocks(n)
+        # the master: none beside an fp32 parameter, its low halves beside a
+        # bf16 one (_q8.split_master), else its own 4 bytes
+        own = 0 if master is not None or p.dtype == torch.float32 else 2 if p.dtype == torch.bfloat16 else 4
+        return own * n + 2 * n + 8 * _q8.blocks(n)
     if master is None and p.dtype != torch.float32:
         return (moments + 1) * 4 * n
     return moments * p.element_size() * n
@@ -227,7 +231,8 @@ class _DeviceShare:
         per_group = {}
         for gi, p in share:
             t = p
-            if self.fp32_master and p.dtype != torch.float32:
+            # q8 beside bf16 parameters: the master split, stepped as the parameter
+            if self.fp32_master and p.dtype != torch.float32 and not (self.q8 and p.dtype == torch.bfloat16):
                 t = p.detach().to(torch.float32).clone()
                 self.master[p] = t
             self.params.append(p)
@@ -303,10 +308,11 @@ class _DeviceShare:
                     p.copy_(t)
                 elif st.get("master") is not None:
                     p.copy_(st["master"].to(p.device, p.dtype).view(p.shape))
-            d = {k: _state_copy(t, k, v) for k, v in st.items() if k != "master"}
             if self.q8:
-                self.opt.set_moments(t, d)
+                # fp32 values, encoded by set_moments (not cast to a bf16 t's dtype)
+                self.opt.set_moments(t, {k: v for k, v in st.items() if k != "master"}, master=st.get("master"))
                 continue
+            d = {k: _state_copy(t, k, v) for k, v in st.items() if k != "master"}
             if torch.is_tensor(d.get("step")) and self.opt.defaults.get("fused"):
                 d["step"] = d["step"].to(device=t.device, dtype=torch.float32)   # fused keeps it there
             self.opt.state[t] = d

@@ -17,8 +17,9 @@ gpu_state_budget="auto" keeps the device peak within on-GPU AdamW's:
     torch's AdamW state would take for the offloaded parameters, and a later
     probe that measures the peak past that bound moves nothing more;
     max_device_bytes= as bytes and as a fraction of free memory caps it;
-    with the default fp32 master + q8 the share keeps q8 moments (6.03
-    bytes/parameter), with a bf16 master bf16 moments (4 bytes/parameter).
+    with the default fp32 master + q8 the share keeps q8 moments and the
+    master's low halves (4.03 bytes/parameter), with a bf16 master bf16
+    moments (4 bytes/parameter).
     test_torch_policy.py [--device cuda:0] [--cases a,b]
 Exit 0 ok, 1 fail, 77 skip without torch (1 when CI / AOQ_REQUIRE_TORCH
 is set)."""
@@ -224,15 +225,17 @@ def case_auto_cap():
     print("ok: auto, fp32 master on bf16 parameters: %d of %d tensors on the device, %d bytes of %d"
           % (len(moved), len(off), cost, bound))
     # the default, an fp32 master and q8 moments: the share keeps q8 moments
-    # too (6.03 bytes per parameter, no step-time copy): about two thirds fit
+    # too and splits the master (the bf16 parameter its high half): 4.03
+    # bytes per parameter, no step-time copy, against torch's 4: all but one
+    # tensor fit
     m = stack().to(torch.bfloat16)
     split, off, moved, _ = auto_run(m, torch.bfloat16)
     bound = torch_adamw_bytes(off)
     cost = sum(sh._share_bytes(p, "adamw", None, q8=True) for p in moved)
-    assert all(sh._share_bytes(p, "adamw", None, q8=True) == 6 * p.numel() + 8 * ((p.numel() + 255) // 256)
+    assert all(sh._share_bytes(p, "adamw", None, q8=True) == 4 * p.numel() + 8 * ((p.numel() + 255) // 256)
                and sh._share_step_bytes(p, None, q8=True) == 0 for p in off)
     assert cost <= bound and split["device_bytes"] == cost, (cost, bound, split)
-    assert len(off) // 2 <= len(moved) < len(off), (len(moved), len(off))
+    assert len(off) - 2 <= len(moved) < len(off), (len(moved), len(off))
     print("ok: auto, the default (fp32 master + q8): %d of %d tensors on the device with q8 moments, %d bytes of %d"
           % (len(moved), len(off), cost, bound))
     # a bf16 master: bf16 moments on the device, 4 bytes per parameter, as
