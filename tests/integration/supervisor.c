@@ -127,7 +127,12 @@ void sup_start(struct sup *s, const char *exe, const int *extra, const char *con
 	snprintf(env_fds, sizeof(env_fds), "LISTEN_FDS=%d", n);
 	snprintf(env_names, sizeof(env_names), "LISTEN_FDNAMES=%s", names);
 	snprintf(env_notify, sizeof(env_notify), "NOTIFY_SOCKET=%s", s->notify);
-	char *envp[] = { env_fds, env_names, env_notify, env_pid, "AOQ_KERNEL=scalar", NULL };
+	/* LD_LIBRARY_PATH passed on: a packed aoqd on a machine without its
+	 * shared libraries (tests/gpu/run-gpu-tests.sh pack) finds them there */
+	static char env_ld[4200];
+	const char *ld = getenv("LD_LIBRARY_PATH");
+	snprintf(env_ld, sizeof(env_ld), "LD_LIBRARY_PATH=%s", ld ? ld : "");
+	char *envp[] = { env_fds, env_names, env_notify, env_pid, "AOQ_KERNEL=scalar", ld ? env_ld : NULL, NULL };
 	char *argv[] = { (char *)exe, "--config", s->conf, NULL };
 	int logfd = open(s->log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
 	CHECK(logfd >= 0, "log: %s", strerror(errno));

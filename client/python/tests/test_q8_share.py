@@ -306,18 +306,42 @@ def case_kernel():
             assert d.max().item() <= 1 and frac < 1e-3, (what, n, d.max().item(), frac)
     # the C entry's checks
     master, grad, mc, vc, ms, vs = random_case(512, 3, DEV)
-    s = _lib.DeviceStep(master.device.index or 0, master.data_ptr(), 0, grad.data_ptr(), 0, master.data_ptr(),
+    s = _lib.DeviceStep(master.device.index or 0, master.data_ptr(), 0, grad.data_ptr(), 0, master.data_ptr(), None,
                         mc.data_ptr(), vc.data_ptr(), ms.data_ptr(), vs.data_ptr(), 512,
                         1e-3, 0.9, 0.999, 1e-8, 0.0, True, 1, 0, 1.0)
-    for field, bad in (("grad", None), ("param_dtype", 9), ("step", 0), ("beta1", 1.5), ("lr", float("nan"))):
+    for field, bad in (("grad", None), ("param_dtype", 9), ("step", 0), ("beta1", 1.5), ("lr", float("nan")),
+                       ("master_lo", mc.data_ptr())):     # two masters
         t = _lib.DeviceStep.from_buffer_copy(s)
         setattr(t, field, bad)
         r = lib.aoq_device_adam_q8(ctypes.byref(t), None)
         assert r == -errno.EINVAL, (field, r)
+    t = _lib.DeviceStep.from_buffer_copy(s)          # a split master beside an fp32 parameter
+    t.master, t.master_lo = None, mc.data_ptr()
+    assert lib.aoq_device_adam_q8(ctypes.byref(t), None) == -errno.EINVAL
+    t.master_lo = None                                 # no master
+    assert lib.aoq_device_adam_q8(ctypes.byref(t), None) == -errno.EINVAL
     t = _lib.DeviceStep.from_buffer_copy(s)
     t.size = 8
     assert lib.aoq_device_adam_q8(ctypes.byref(t), None) == -errno.EINVAL
-    print("ok: aoq_device_adam_q8 is the torch-operation step (3 dtype pairs) and refuses bad arguments")
+    # the split master (bf16 parameters): parameters and low halves as the
+    # torch step's, but where the two masters' last bits differ
+    for n in (70000, 4096 + 5):
+        master, grad, mc, vc, ms, vs = random_case(n, n + 1, DEV)
+        hi, lo = q8.split_master(master)
+        grad = grad.to(torch.bfloat16)
+        ref = [t.clone() for t in (hi, lo, mc, vc, ms, vs)]
+        hp = (1e-3, 0.9, 0.999, 1e-8, 0.1, True, 3, 99, 1.0)
+        assert q8._device_step(lib, hi, grad, None, mc, vc, ms, vs, hp, lo=lo)
+        q8.step_torch(ref[0], grad, None, *ref[2:], q8._Consts(*hp), lo=ref[1])
+        torch.cuda.synchronize()
+        a, b = q8.join_master(hi, lo), q8.join_master(ref[0], ref[1])
+        upd = (b - master).abs()
+        bad = (a - b).abs() > 1e-4 * upd + b.abs() * 2.0 ** -22
+        assert not bad.any(), (n, bad.sum().item())
+        assert torch.equal(hi, a.to(torch.bfloat16)), "the parameter is not its master's rounding"
+        assert (hi != ref[0]).float().mean().item() < 1e-3
+    print("ok: aoq_device_adam_q8 is the torch-operation step (3 dtype pairs, the split master) and refuses bad "
+          "arguments")
 
 
 def case_no_cuda():
