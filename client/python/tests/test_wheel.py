@@ -214,6 +214,9 @@ def main():
         for f in ("aoq/_native/libaoq.so", "aoq/_native/aoqd", "aoq/_native/aoqctl", "aoq/torch.py",
                   "aoq/__main__.py", "aoq.libs/libuv-", "aoq.libs/libprotobuf-c-", "aoq.libs/libjson-c-"):
             assert f in names, "%s is not in the wheel" % f
+        # every module of the package (client/python/meson.build lists them by hand)
+        for f in sorted(glob.glob(os.path.join(REPO, "client", "python", "aoq", "*.py"))):
+            assert "aoq/" + os.path.basename(f) in names, "aoq/%s is not in the wheel" % os.path.basename(f)
         import zipfile
         with zipfile.ZipFile(wheel) as z:
             meta = z.read([n for n in z.namelist() if n.endswith(".dist-info/METADATA")][0]).decode()
