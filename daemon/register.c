@@ -15,6 +15,7 @@
 
 #include "arena.h"
 #include "log.h"
+#include "populate.h"
 #include "register.h"
 #include "server.h"
 #include "session.h"
@@ -214,6 +215,8 @@ static void *build_run(void *arg)
 	s->build_alloc_failed = false;
 	if (b->alloc && (r = aoqd_state_alloc(&s->st, b->lock_memory, &s->srv->locked_bytes, &s->build_failed_len)) < 0)
 		s->build_alloc_failed = true;
+	else if (b->alloc)
+		aoqd_populate_start(s); /* its workers fault in while the arena is built */
 	if (r == 0)
 		r = aoqd_arena_build(&s->arena, &s->st, s->id, b->max_arena_bytes);
 	s->build_r = r;
@@ -304,6 +307,7 @@ int aoqd_register_finish(struct aoqd_session *s, uv_poll_cb on_doorbell, aoqd_ad
 		int lock = s->srv->cfg.lock_memory;
 		if ((r = aoqd_state_alloc(st, lock, &s->srv->locked_bytes, &failed_len)) < 0)
 			return alloc_failed(r, lock, failed_len, err);
+		aoqd_populate_start(s);
 	}
 	r = aoqd_arena_build(&s->arena, st, s->id, s->srv->cfg.max_arena_bytes);
 	return arena_made(s, on_doorbell, r, err);
@@ -404,6 +408,8 @@ int aoqd_register_hub(struct aoqd_session *hub, struct aoqd_session *s, bool res
 		                 "(lock_memory = yes; raise LimitMEMLOCK or give CAP_IPC_LOCK)", hub->arena.size);
 	if (r < 0)
 		return AOQD_FAIL(err, NO_MEMORY, "cannot create the replica group's arena: %s", strerror(-r));
+	if (!resumed)
+		aoqd_populate_start(hub); /* here: a failed group's state goes at once (replica.c) */
 	aoqd_info("session", "replica group %" PRIu64 " (uid %u job '%s', %u local ranks): %u tensors in %u groups, %"
 	          PRIu64 " bytes of state (%s), arena %" PRIu64 " bytes, masters shared %" PRIu64 " bytes", hub->id,
 	          (unsigned)hub->conn.uid, hub->conn.job, hub->rep->world, hub->st.ntensors, hub->st.ngroups,

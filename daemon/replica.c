@@ -13,6 +13,7 @@
 #include "dataplane.h"
 #include "lease.h"
 #include "log.h"
+#include "populate.h"
 #include "register.h"
 #include "replica.h"
 #include "server.h"
@@ -68,6 +69,7 @@ static void hub_detach(struct aoqd_session *h)
 	char gone[80];
 	snprintf(gone, sizeof(gone), "replica group %" PRIu64 " ended", h->id);
 	aoqd_snapshot_cancel(&h->st, gone);
+	aoqd_populate_stop(h); /* no member left to load or step */
 	for (struct aoqd_session **p = &h->srv->hubs; *p; p = &(*p)->next)
 		if (*p == h) {
 			*p = h->next;

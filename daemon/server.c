@@ -24,6 +24,7 @@
 #include "events.h"
 #include "held.h"
 #include "fdstore.h"
+#include "populate.h"
 #include "session.h"
 #include "snapshot.h"
 #include "wire.h"
@@ -512,6 +513,12 @@ void aoqd_server_stop(struct aoqd_server *srv)
 	if (srv->watchdog_on)
 		uv_close((uv_handle_t *)&srv->watchdog, NULL);
 #endif
+	/* populating states is no use now, and the fd store waits for the
+	 * pool to empty */
+	for (struct aoqd_session *s = srv->sessions; s; s = s->next)
+		aoqd_populate_stop(s);
+	for (struct aoqd_session *h = srv->hubs; h; h = h->next)
+		aoqd_populate_stop(h);
 	aoqd_fdstore_save(srv); /* a restart loses no step (fdstore.h) */
 	aoqd_sessions_close_all(srv);
 	aoqd_snapshotter_free(srv->snapshotter); /* finishes the snapshot being written */

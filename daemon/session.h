@@ -81,6 +81,7 @@ struct aoqd_session {
 	uint64_t id;
 	_Atomic int refs;       /* count | REFS_LEASING (session.c) */
 	_Atomic bool dead;      /* set on close: workers skip its chunks */
+	_Atomic bool populate_off; /* its state's populating stops (populate.h) */
 	enum aoqd_session_state state;
 
 	struct aoqd_account *account; /* the uid's (account.c) */

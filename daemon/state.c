@@ -160,9 +160,10 @@ static int lock_state(void *p, size_t len, int lock_memory, bool *locked)
 		return 0;
 	/* Locked as they are first written, not populated here: the loop
 	 * thread does not fault in (and the kernel zero) a whole model's
-	 * state at registration; the workers that load the parameters and
-	 * run the first step fault their own ranges, in parallel.  The limit
-	 * (RLIMIT_MEMLOCK) is checked here, for the whole length. */
+	 * state at registration; the workers do, in parallel, ahead of the
+	 * loads and the first step (populate.h), or else the loads and the
+	 * first step as they write.  The limit (RLIMIT_MEMLOCK) is checked
+	 * here, for the whole length. */
 	if (mlock2(p, len, MLOCK_ONFAULT) == 0) {
 		*locked = true;
 	} else if (lock_memory == 2) {

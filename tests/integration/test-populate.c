@@ -1,0 +1,199 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * A new session's state faulted in by aoqd's workers ahead of its use
+ * (daemon/populate.h), seen from outside:
+ * 1. bf16 master (the masters memfd) + q8 moments, tensors of 1, 4097 and
+ *    8 Mi + 13 elements: once aoqd logs the state faulted in, its RSS has
+ *    grown by the state's arrays, the moments too, which no load wrote;
+ *    the masters read back are the parameters loaded beside the chunks,
+ *    and a step trains;
+ * 2. fp32 master + q8 moments (private pages), the same;
+ * 3. 4100 tensors, a registration built off the loop (register.c): its
+ *    state is faulted in as well;
+ * 4. sessions closed right after their registration, while their chunks
+ *    run: aoqd goes on, a new session trains a step, nothing fails to
+ *    fault in, and aoqd stops at once with status 0.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "harness.h"
+
+#define DONE "bytes of state faulted in"
+
+static const struct aoq_group adamw = { .size = sizeof(struct aoq_group), .kind = AOQ_ADAMW, .lr = 1e-2,
+                                        .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01 };
+
+struct run {
+	struct aoq_client *c;
+	uint32_t n;
+	uint64_t *numel;
+	uint16_t **param, **grad; /* bf16 */
+};
+
+static int count(struct aoqt_daemon *d, const char *needle)
+{
+	char *log = aoqt_daemon_log(d);
+	CHECK(log, "cannot read the daemon's log");
+	int n = 0;
+	for (const char *p = log; (p = strstr(p, needle)); p++)
+		n++;
+	free(log);
+	return n;
+}
+
+/* Waits until the log holds `want` lines with needle (30 s at most). */
+static void wait_count(struct aoqt_daemon *d, const char *needle, int want)
+{
+	for (int i = 0; i < 300 && count(d, needle) < want; i++)
+		aoqt_wait_log_growth(d, aoqt_daemon_log_size(d), 100);
+	CHECK(count(d, needle) >= want, "%d lines with '%s' in aoqd's log, expected %d", count(d, needle), needle, want);
+}
+
+static void open_run(struct run *r, struct aoqt_daemon *d, const char *job, enum aoq_precision prec, uint32_t n,
+                     const uint64_t *numel)
+{
+	struct aoq_options o = AOQ_OPTIONS_INIT;
+	o.socket = d->socket;
+	o.job = job;
+	o.device = "cpu";
+	o.precision = prec;
+	CHECK_OK(aoq_connect(&r->c, &o));
+	CHECK_OK(aoq_add_group(r->c, &adamw));
+	r->n = n;
+	r->numel = aoqt_xmalloc(n * sizeof(uint64_t));
+	r->param = aoqt_xmalloc(n * sizeof(uint16_t *));
+	r->grad = aoqt_xmalloc(n * sizeof(uint16_t *));
+	for (uint32_t t = 0; t < n; t++) {
+		r->numel[t] = numel[t];
+		r->param[t] = aoqt_xmalloc(numel[t] * 2);
+		r->grad[t] = aoqt_xmalloc(numel[t] * 2);
+		struct aoqt_rng g = aoqt_rng_for(7, t, 0);
+		for (uint64_t i = 0; i < numel[t]; i++)
+			aoqt_store(r->param[t], i, AOQ_BF16, aoqt_uniform(&g));
+		char name[24];
+		snprintf(name, sizeof(name), "w%u", t);
+		struct aoq_tensor x = AOQ_TENSOR_INIT;
+		x.name = name;
+		x.numel = numel[t];
+		x.param_dtype = AOQ_BF16;
+		x.grad_dtype = AOQ_BF16;
+		x.param = r->param[t];
+		x.grad = r->grad[t];
+		CHECK(aoq_add_tensor(r->c, &x) == (int)t, "tensor index");
+	}
+	CHECK_OK(aoq_register(r->c));
+}
+
+static void close_run(struct run *r)
+{
+	aoq_close(r->c);
+	for (uint32_t t = 0; t < r->n; t++) {
+		free(r->param[t]);
+		free(r->grad[t]);
+	}
+	free(r->param);
+	free(r->grad);
+	free(r->numel);
+}
+
+/* The masters read back equal the parameters loaded; one step changes
+ * the largest tensor. */
+static void check_and_step(struct run *r, const char *what)
+{
+	uint32_t big = 0;
+	for (uint32_t t = 0; t < r->n; t++) {
+		if (r->numel[t] > r->numel[big])
+			big = t;
+		if (r->n > 8 && t % 97 != 0 && t != r->n - 1)
+			continue; /* many tensors: a sample */
+		uint16_t *m = aoqt_xmalloc(r->numel[t] * 2);
+		CHECK_OK(aoq_read_state(r->c, t, AOQ_MASTER, AOQ_BF16, 0, r->numel[t], m));
+		CHECK(memcmp(m, r->param[t], r->numel[t] * 2) == 0, "%s: tensor %u: the master read back is not the "
+		      "parameter loaded", what, t);
+		free(m);
+	}
+	uint16_t *before = aoqt_xmalloc(r->numel[big] * 2);
+	memcpy(before, r->param[big], r->numel[big] * 2);
+	for (uint32_t t = r->n; t-- > 0;) {
+		struct aoqt_rng g = aoqt_rng_for(8, t, 1);
+		for (uint64_t i = 0; i < r->numel[t]; i++)
+			aoqt_store(r->grad[t], i, AOQ_BF16, aoqt_uniform(&g) * 0.1);
+		CHECK_OK(aoq_push_grad(r->c, t, 0, NULL));
+		CHECK_OK(aoq_grad_copied(r->c, t));
+	}
+	CHECK_OK(aoq_step_end(r->c));
+	CHECK_OK(aoq_sync(r->c, NULL));
+	size_t moved = 0;
+	for (uint64_t i = 0; i < r->numel[big]; i++)
+		moved += before[i] != r->param[big][i];
+	CHECK(moved > r->numel[big] / 2, "%s: a step moved %zu of %llu parameters", what, moved,
+	      (unsigned long long)r->numel[big]);
+	free(before);
+}
+
+/* Registers, waits for the state faulted in, checks aoqd's RSS grew by
+ * `bytes_per_elem` per element, checks and trains. */
+static void populated(struct aoqt_daemon *d, const char *what, enum aoq_precision prec, double bytes_per_elem)
+{
+	static const uint64_t numel[3] = { 1, 4097, (8u << 20) + 13 };
+	int done = count(d, DONE);
+	uint64_t rss0 = aoqt_rss_bytes(d->pid);
+	struct run r;
+	open_run(&r, d, what, prec, 3, numel);
+	wait_count(d, DONE, done + 1);
+	uint64_t rss1 = aoqt_rss_bytes(d->pid), want = (uint64_t)(numel[2] * bytes_per_elem);
+	CHECK(rss0 && rss1 >= rss0 + want, "%s: aoqd's RSS grew by %lld bytes with the state faulted in, expected at "
+	      "least %llu", what, (long long)(rss1 - rss0), (unsigned long long)want);
+	check_and_step(&r, what);
+	close_run(&r);
+	printf("%s: ok (RSS +%.1f MiB)\n", what, (double)(rss1 - rss0) / (1 << 20));
+}
+
+int main(int argc, char **argv)
+{
+	aoqt_init("populate");
+	const char *exe = aoqt_aoqd_path(argc, argv);
+	struct aoqt_daemon d;
+	const char *args[] = { "--threads", "2", "--log-level", "debug", NULL };
+	CHECK_OK(aoqt_daemon_start(&d, exe, args));
+
+	/* bf16 master 2 bytes, q8 moments 1 + 1 */
+	populated(&d, "bf16-q8", AOQ_STATE_BF16_Q8, 4.0);
+	/* fp32 master 4 bytes, q8 moments 1 + 1 */
+	populated(&d, "q8", AOQ_STATE_Q8, 6.0);
+
+	/* off the loop (more tensors than one Register frame holds) */
+	uint32_t many = 4100;
+	uint64_t *numel = aoqt_xmalloc(many * sizeof(uint64_t));
+	for (uint32_t t = 0; t < many; t++)
+		numel[t] = 64 + t % 512;
+	int done = count(&d, DONE);
+	struct run r;
+	open_run(&r, &d, "many", AOQ_STATE_BF16_Q8, many, numel);
+	wait_count(&d, DONE, done + 1);
+	check_and_step(&r, "many");
+	close_run(&r);
+	free(numel);
+	printf("many: ok (%u tensors)\n", many);
+
+	/* closed while their chunks run */
+	static const uint64_t big[1] = { 32u << 20 };
+	for (int k = 0; k < 4; k++) {
+		char job[16];
+		snprintf(job, sizeof(job), "gone%d", k);
+		open_run(&r, &d, job, k % 2 ? AOQ_STATE_Q8 : AOQ_STATE_BF16_Q8, 1, big);
+		close_run(&r);
+	}
+	CHECK(aoqt_daemon_alive(&d), "aoqd died after sessions closed while their state was faulted in");
+	static const uint64_t small[2] = { 3, 70000 };
+	open_run(&r, &d, "after", AOQ_STATE_BF16_Q8, 2, small);
+	check_and_step(&r, "after");
+	close_run(&r);
+	CHECK(count(&d, "cannot fault in") == 0, "aoqd could not fault a state in");
+	printf("closed while faulting in: ok (%d states faulted in whole of %d)\n", count(&d, DONE), 8);
+	int st = aoqt_daemon_stop(&d, 10000, true);
+	CHECK(st == 0, "aoqd exited with %d", st);
+	printf("ok\n");
+	return 0;
+}
