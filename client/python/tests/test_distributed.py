@@ -112,6 +112,17 @@ def Offload(params, env, **kw):
                                       timeout=env.get("timeout", 60), **kw)
 
 
+class _Bf16(torch.nn.Module):
+    """A model in bf16 that takes and gives fp32."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.m = m.to(torch.bfloat16)
+
+    def forward(self, x):
+        return self.m(x.to(torch.bfloat16)).float()
+
+
 def ddp(model, env, **kw):
     from torch.nn.parallel import DistributedDataParallel as DDP
     dev = env["dev"]
@@ -166,7 +177,8 @@ def case_ddp_auto(rank, ws, env):
     share at the same probe, so the replicas stay bit-identical, equal to
     DDP + torch AdamW within assert_close (the share steps with torch's
     AdamW, aoqd the rest).  Ranks with different tensors (pipeline stages)
-    each split alone."""
+    each split alone.  bf16 parameters with a share in the default's q8
+    format stay bit-identical too (the same random bits on every rank)."""
     import torch.distributed as dist
     import aoq._share as sh
     dev = env["dev"]
@@ -196,6 +208,18 @@ def case_ddp_auto(rank, ws, env):
     same_across_ranks(m, "DDP + auto (%d ranks)" % ws)
     close_to(m, ref, "DDP + auto vs DDP + torch AdamW")
     assert o._auto_dist is not None, "the replicas did not agree on the split"
+    o.close()
+    # bf16 parameters at the default precision: the share keeps the state as
+    # aoqd does (q8 moments, the master split beside the parameter; aoq/_q8.py)
+    # and every replica draws the same random bits: still bit-identical
+    mb = ddp(_Bf16(make_model()), env)
+    first = [p for p in mb.parameters() if p.numel() >= 4096][0]
+    o = Offload(mb.named_parameters(), env, grad_edits=False,
+                gpu_state_budget=sh._share_bytes(first, "adamw", None, q8=True))
+    assert o.state_precision == "q8" and o._share is not None and o._share.q8 and o._share.params == [first]
+    train(mb, o, rank, dev, STEPS)
+    o.synchronize()
+    same_across_ranks(mb, "DDP + a q8 share, bf16 parameters (%d ranks)" % ws)
     o.close()
     # Ranks whose offloaded tensors differ (as pipeline stages' do) split alone, without a hang.
     torch.manual_seed(rank)
