@@ -17,6 +17,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <unistd.h>
+
 #include "harness.h"
 
 #define DONE "bytes of state faulted in"
@@ -132,13 +134,28 @@ static void check_and_step(struct run *r, const char *what)
 	free(before);
 }
 
+/* aoqd's RSS once it has stopped falling for half a second (5 s at most):
+ * a session closed just before frees its state after aoq_close returns,
+ * later on a loaded machine, and would hide what the next one faults in. */
+static uint64_t settled_rss(pid_t pid)
+{
+	uint64_t low = aoqt_rss_bytes(pid);
+	for (int i = 0, still = 0; i < 100 && still < 10; i++) {
+		usleep(50 * 1000);
+		uint64_t r = aoqt_rss_bytes(pid);
+		still = r < low ? 0 : still + 1;
+		low = r < low ? r : low;
+	}
+	return low;
+}
+
 /* Registers, waits for the state faulted in, checks aoqd's RSS grew by
  * `bytes_per_elem` per element, checks and trains. */
 static void populated(struct aoqt_daemon *d, const char *what, enum aoq_precision prec, double bytes_per_elem)
 {
 	static const uint64_t numel[3] = { 1, 4097, (8u << 20) + 13 };
 	int done = count(d, DONE);
-	uint64_t rss0 = aoqt_rss_bytes(d->pid);
+	uint64_t rss0 = settled_rss(d->pid);
 	struct run r;
 	open_run(&r, d, what, prec, 3, numel);
 	wait_count(d, DONE, done + 1);
