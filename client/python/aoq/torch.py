@@ -28,8 +28,8 @@ import torch
 
 from . import _lib
 from ._compat import routed
-from ._dist import (_Distributed, _dist_rank, _job_default, _local, _local_group, _replica_seed, _shard_seed,
-                    _shared_job_default)
+from ._dist import (_Distributed, _dist_rank, _is_dtensor, _job_default, _local, _local_group, _replica_seed,
+                    _shard_seed, _shared_job_default)
 from ._graph import _OPTIMIZERS
 from ._hooks import _PushPath, _Slot
 from ._kinds import (_AOQ_DTYPE, _DAEMON_CLASSES, _MASTER_DTYPES, _PRECISION, _STATE_KEYS,
@@ -235,8 +235,10 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
         self.state_precision = state_precision or self.master_dtype
         self._fp32_master = master is None
         # the GPU share keeps q8 moments where aoqd keeps an fp32 master and
-        # 8- or 4-bit moments (Adam/AdamW; _share_bytes)
-        self._share_q8 = master is None and state_precision in ("q8", "q4") and kind in ("adam", "adamw")
+        # 8- or 4-bit moments (Adam/AdamW; _share_bytes); FSDP2's shards
+        # (DTensors) keep torch's optimizer there, which steps DTensors
+        self._share_q8 = (master is None and state_precision in ("q8", "q4") and kind in ("adam", "adamw")
+                          and not any(_is_dtensor(p) for g in self.param_groups for p in g["params"]))
         self._max_device_bytes = max_device_bytes   # "auto": the cap (None: torch's optimizer's device peak)
         self._auto_bound = None         # "auto", default cap: the device peak on-GPU state would reach (bytes)
         self._auto_state = 0            # "auto", default cap: the bytes of that state (torch's optimizer's)
