@@ -610,6 +610,17 @@ def case_fsdp(rank, ws, env):
     dist.all_gather_object(seeds, o.state_dict()["aoq"]["seed"])
     assert len(set(seeds)) == ws and 0 not in seeds, "FSDP2 shards with one stochastic rounding seed: %s" % seeds
     o.close()
+    # bf16 shards at the default precision with a GPU share: torch's
+    # optimizer steps the share's DTensors (fp32 state), not the q8 share,
+    # whose state is per local tensor
+    m = fsdp_model(env, 4, True)
+    for p in m.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    big = [p for p in m.parameters() if p.numel() >= 1024]
+    o = Offload(m.named_parameters(), env, minimal_size=1024, gpu_state_budget=12 * big[0].numel())
+    assert o.state_precision == "q8" and not o._share_q8 and o._share is not None and not o._share.q8, \
+        (o.state_precision, o._share_q8)
+    o.close()
     # HSDP: the ranks of one shard (a Replicate mesh dimension apart) keep
     # one seed, those of different shards do not.
     from aoq._dist import _shard_seed
