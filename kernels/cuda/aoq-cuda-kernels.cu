@@ -111,16 +111,6 @@ struct Q8Codes {
 	float m_k, m_top, u_k, u_top; // aoq-convert.h's K and TOP
 };
 
-__device__ __forceinline__ uint32_t mix32(uint32_t x)
-{
-	x ^= x >> 16;
-	x *= 0x7feb352du;
-	x ^= x >> 15;
-	x *= 0x846ca68bu;
-	x ^= x >> 16;
-	return x;
-}
-
 template <typename T> __device__ __forceinline__ float load_f32(const T *p, size_t i) { return to_f32<T>(p[i]); }
 template <> __device__ __forceinline__ float load_f32<float>(const float *p, size_t i) { return p[i]; }
 template <typename T> __device__ __forceinline__ void store_f32(T *p, size_t i, float x) { p[i] = from_f32<T>(x); }
@@ -289,7 +279,7 @@ __global__ void __launch_bounds__(256) adam_q8_kernel(P *param, const G *__restr
 		}
 		float inv_m = q8_inv(q.m_top, mx_m), inv_u = q8_inv(q.u_top, mx_u);
 		for (int j = 0; j < kQ8PerLane; j++) {
-			uint32_t h = mix32((uint32_t)(i0 + j) ^ k.key);
+			uint32_t h = aoq_cuda_mix32((uint32_t)(i0 + j) ^ k.key);
 			uint32_t rm = ((h >> 8) & 0xffu) << (AOQK_Q8_M_SHIFT - 8) | 1u << (AOQK_Q8_M_SHIFT - 9);
 			uint32_t ru = (h & 0xffu) << (AOQK_Q8_U_SHIFT - 8) | 1u << (AOQK_Q8_U_SHIFT - 9);
 			uint32_t c = ((__float_as_uint(__fmaf_rn(fabsf(m[j]), inv_m, q.m_k)) + rm) >> AOQK_Q8_M_SHIFT) -

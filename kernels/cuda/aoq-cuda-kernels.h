@@ -85,9 +85,16 @@ struct aoq_cuda_adam_q8 {
 void aoq_cuda_adam_q8_consts(struct aoq_cuda_adam_q8 *k, double lr, double beta1, double beta2, double eps,
                              double weight_decay, int decoupled, uint64_t step, uint64_t seed, float grad_scale);
 
+/* Host and device (the kernel draws element i's bits with it) */
+#ifdef __CUDACC__
+#define AOQ_CUDA_HD __host__ __device__
+#else
+#define AOQ_CUDA_HD
+#endif
+
 /* The 32-bit mix of the random bits (Wellons' "lowbias32"), the step's key
  * and element i's bits: bits 0..7 round its v code, bits 8..15 its m code. */
-static inline uint32_t aoq_cuda_mix32(uint32_t x)
+static inline AOQ_CUDA_HD uint32_t aoq_cuda_mix32(uint32_t x)
 {
 	x ^= x >> 16;
 	x *= 0x7feb352du;

@@ -24,6 +24,7 @@ import struct
 
 import torch
 
+from . import _lib
 from ._dist import _local
 
 BLOCK = 256
@@ -248,19 +249,15 @@ _DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 def _device_step(lib, param, grad, master, mc, vc, ms, vs, hp, lo=None):
     """One step through libaoq's aoq_device_adam_q8 on the current stream
-    (master None: split, lo its low halves); raises AoqError where it
+    (master None: split, lo its low halves); True, or AoqError where it
     fails (ENOTSUP: a libaoq without CUDA)."""
-    from . import _lib
     s = _lib.DeviceStep(param.device.index or 0, param.data_ptr(), _DTYPE[param.dtype], grad.data_ptr(),
                         _DTYPE[grad.dtype], None if master is None else master.data_ptr(),
                         None if lo is None else lo.data_ptr(), mc.data_ptr(), vc.data_ptr(), ms.data_ptr(),
                         vs.data_ptr(), param.numel(), *hp)
     stream = torch.cuda.current_stream(param.device).cuda_stream
-    r = lib.aoq_device_adam_q8(ctypes.byref(s), ctypes.c_void_p(stream))
-    if r == 0:
-        return True
-    _lib.check(r, "aoq_device_adam_q8")
-    return False
+    _lib.check(lib.aoq_device_adam_q8(ctypes.byref(s), ctypes.c_void_p(stream)), "aoq_device_adam_q8")
+    return True
 
 
 class _Q8Adam(torch.optim.Optimizer):
@@ -355,12 +352,10 @@ class _Q8Adam(torch.optim.Optimizer):
     def _kernel_step(self, args, hp, lo):
         if self.use_kernel is False or args[0].device.type != "cuda":
             return False
-        from . import _lib
         try:
-            ok = _device_step(_lib.load(), *args, hp, lo=lo)
+            self.use_kernel = _device_step(_lib.load(), *args, hp, lo=lo)
         except _lib.AoqError as e:
             if e.errno != errno.ENOTSUP:    # a libaoq without CUDA; anything else is a failure
                 raise
-            ok = False
-        self.use_kernel = ok
-        return ok
+            self.use_kernel = False
+        return self.use_kernel

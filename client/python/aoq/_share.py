@@ -202,33 +202,33 @@ class _DeviceShare:
 
     def __init__(self, share, groups, optimizer_class, kwargs, kind, fp32_master, q8=False, seed=0):
         self.fp32_master = fp32_master
-        self.q8 = q8 and kind in ("adam", "adamw")
+        self.q8 = q8                # the caller's _share_q8: Adam/AdamW, fp32 master, q8 or q4 in aoqd
         self.seed = seed
         self.params = []
         self.master = {}
         self.param_of = {}       # q8: the tensor stepped (master) -> its parameter
         self.seed_of = {}        # q8: the tensor stepped -> its random bits' seed
-        self._index = {id(p): i for i, p in enumerate(p for g in groups for p in g["params"])}
         self.group_of = []
-        per_group = self._take(share)
+        per_group = self._take(share, groups)
         opt_groups = []
         for gi in sorted(per_group):
             opt_groups.append(self._group(groups, gi, per_group[gi]))
             self.group_of.append(gi)
-        kw = {k: v for k, v in kwargs.items()
-              if k not in ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov")}
-        dev = self.params[0].device
         if self.q8:
             self.opt = _q8._Q8Adam(opt_groups, self.param_of, self.seed_of, decoupled=kind == "adamw")
             return
+        kw = {k: v for k, v in kwargs.items()
+              if k not in ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov")}
+        dev = self.params[0].device
         if (dev.type == "cuda" and kind in ("adam", "adamw") and "fused" not in kw and "foreach" not in kw):
             kw["fused"] = True
         self.opt = optimizer_class(opt_groups, **kw)
 
-    def _take(self, share):
+    def _take(self, share, groups):
         """The tensors the device optimizer steps for share's (group,
         parameter) pairs, by group: the parameter, or its fp32 master."""
         per_group = {}
+        index = {id(p): i for i, p in enumerate(p for g in groups for p in g["params"])}
         for gi, p in share:
             t = p
             # q8 beside bf16 parameters: the master split, stepped as the parameter
@@ -239,7 +239,7 @@ class _DeviceShare:
             self.param_of[t] = p
             # the parameter's place in the optimizer mixed into the seed:
             # every tensor its own bits, every replica the same
-            self.seed_of[t] = _mix64(self.seed ^ _mix64(self._index.get(id(p), 0)))
+            self.seed_of[t] = _mix64(self.seed ^ _mix64(index[id(p)]))
             per_group.setdefault(gi, []).append(t)
         return per_group
 
@@ -251,7 +251,7 @@ class _DeviceShare:
 
     def add(self, share, groups):
         """More parameters (gpu_state_budget="auto" moves them in)."""
-        for gi, ts in sorted(self._take(share).items()):
+        for gi, ts in sorted(self._take(share, groups).items()):
             if gi in self.group_of:
                 self.opt.param_groups[self.group_of.index(gi)]["params"].extend(ts)
             else:
