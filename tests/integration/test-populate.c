@@ -151,7 +151,7 @@ static uint64_t rss_exact(pid_t pid)
 		if (sscanf(line, "Rss: %" SCNu64, &kb) == 1)
 			break;
 	fclose(f);
-	return kb * 1024;
+	return kb ? kb * 1024 : aoqt_rss_bytes(pid); /* no Rss line read (CI saw one): VmRSS */
 }
 
 /* aoqd's RSS once it has stopped falling for half a second (5 s at most):
@@ -163,6 +163,10 @@ static uint64_t settled_rss(pid_t pid)
 	for (int i = 0, still = 0; i < 100 && still < 10; i++) {
 		usleep(50 * 1000);
 		uint64_t r = rss_exact(pid);
+		if (!r)
+			continue; /* a failed read is not a fall */
+		if (!low)
+			low = r;
 		still = r < low ? 0 : still + 1;
 		low = r < low ? r : low;
 	}
