@@ -293,13 +293,6 @@ int aoq_register(struct aoq_client *c)
 	if ((r = c->ops->register_host(c->be, c->arena, c->arena_size)) < 0)
 		goto out;
 	c->registered = true;
-	if (c->masters && c->ops->register_host_ro) {
-		/* Unpinned, copies still work (slower): a warning, not an error. */
-		if (c->ops->register_host_ro(c->be, c->masters, c->masters_size) == 0)
-			c->masters_registered = true;
-		else
-			fprintf(stderr, "aoq: warning: %s; parameters are copied from pageable memory\n", aoq_last_error());
-	}
 	if (c->resumed) {
 		/* The daemon's state is the truth: parameters come from it. */
 		c->step = c->resumed_step + 1;
@@ -310,6 +303,19 @@ int aoq_register(struct aoq_client *c)
 		r = aoqc_load_initial(c, i);
 	if (r < 0)
 		goto out;
+	/* The masters are pinned once loaded: by then aoqd has written every
+	 * page, and pinning pages that exist runs at 23-28 GB/s on the H200
+	 * host, where pinning a new memfd's holes faults them in one by one
+	 * on this thread at 2-2.6 GB/s (tests/bench/pin_bench.py; RESULTS.md,
+	 * "Pinning the masters after the load").  The loads and resumed reads
+	 * go through the arena, never through this mapping. */
+	if (c->masters && c->ops->register_host_ro) {
+		/* Unpinned, copies still work (slower): a warning, not an error. */
+		if (c->ops->register_host_ro(c->be, c->masters, c->masters_size) == 0)
+			c->masters_registered = true;
+		else
+			fprintf(stderr, "aoq: warning: %s; parameters are copied from pageable memory\n", aoq_last_error());
+	}
 	c->wake_fd = eventfd(0, EFD_CLOEXEC);
 	if (c->wake_fd < 0) {
 		r = -errno;
