@@ -15,15 +15,6 @@
  * the gaps between them (the trainer's copy of the next piece, the round
  * trips), ahead of the loads since the masters go first in load order.
  *
- * The masters memfd (the parameters of tensors whose master is the
- * parameter: state.c) is filled by fallocate() on a thread of its own, not
- * faulted in through the mapping: shmem fallocate allocates 4 KiB pages at
- * about 10 GB/s on the H200 host, where faulting them in runs at 2.6 GB/s
- * a thread and 5.6 GB/s at most however many fault (tests/bench/RESULTS.md,
- * "Pinning and filling shared memory").  One thread, because fallocate
- * holds the file's lock: two at once are no faster, four are slower.  The
- * loads then meet pages that exist and only map them.
- *
  * Lifetime: the chunks hold the session (steps.ops, as the data plane's
  * jobs do), so its state stays mapped until the last one has run.  Nothing
  * remaps a state's arrays meanwhile: aoqd_state_add_undo() only meets a
@@ -32,10 +23,8 @@
  * which are not populated here (the first step's saves touch them).
  */
 #include <errno.h>
-#include <fcntl.h>
 #include <inttypes.h>
 #include <pthread.h>
-#include <signal.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -113,90 +102,12 @@ static int fault_in(uint8_t *p, size_t len)
 	return 0;
 }
 
-static bool session_stopped(struct aoqd_session *s)
-{
-	return atomic_load_explicit(&s->dead, memory_order_relaxed) ||
-	       atomic_load_explicit(&s->populate_off, memory_order_relaxed);
-}
-
 static bool stopped(struct populate *pop)
 {
-	return atomic_load_explicit(&pop->failed, memory_order_relaxed) || session_stopped(pop->s);
-}
-
-/* fallocate() per call: a few ms, so that a stop is seen soon. */
-#define FILL (64u << 20)
-
-struct fill {
-	struct aoqd_session *s; /* a reference */
-	int fd;                 /* the masters memfd (a dup) */
-	uint64_t size;
-};
-
-static void *fill_main(void *arg)
-{
-	struct fill *f = arg;
-	struct aoqd_session *s = f->s;
-	uint64_t t0 = aoqd_now_ns(), o = 0;
-	while (o < f->size && !session_stopped(s)) {
-		uint64_t n = f->size - o < FILL ? f->size - o : FILL;
-		if (fallocate(f->fd, FALLOC_FL_KEEP_SIZE, (off_t)o, (off_t)n) == 0) {
-			o += n;
-		} else if (errno != EINTR) {
-			static _Atomic bool warned;
-			if (!atomic_exchange(&warned, true))
-				aoqd_warn("session", "session %" PRIu64 ": cannot allocate its masters ahead of use (%s): their "
-				          "pages fault in as they are first written (logged once)", s->id, strerror(errno));
-			break;
-		}
-	}
-	if (o == f->size)
-		aoqd_debug("session", "session %" PRIu64 ": masters memfd (%" PRIu64 " bytes) allocated, %.1f ms", s->id,
-		           f->size, (double)(aoqd_now_ns() - t0) / 1e6);
-	close(f->fd);
-	free(f);
-	s->steps.ops->release(s);
-	return NULL;
-}
-
-/* Starts the thread that fills s's masters memfd; false when it cannot
- * (the masters are then faulted in on the pool with the rest). */
-static bool fill_start(struct aoqd_session *s)
-{
-	struct aoqd_state *st = &s->st;
-	if (!st->masters_size || atomic_load_explicit(&touch_only, memory_order_relaxed))
-		return false;
-	struct fill *f = malloc(sizeof(*f));
-	if (!f)
-		return false;
-	f->s = s;
-	f->size = st->masters_size;
-	f->fd = fcntl(st->masters_fd, F_DUPFD_CLOEXEC, 0);
-	if (f->fd < 0) {
-		free(f);
-		return false;
-	}
-	s->steps.ops->hold(s);
-	/* signals stay with the loop thread */
-	sigset_t all, old;
-	sigfillset(&all);
-	pthread_sigmask(SIG_SETMASK, &all, &old);
-	pthread_t t;
-	pthread_attr_t at;
-	int e = pthread_attr_init(&at);
-	if (e == 0) {
-		e = pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
-		if (e == 0)
-			e = pthread_create(&t, &at, fill_main, f);
-		pthread_attr_destroy(&at);
-	}
-	pthread_sigmask(SIG_SETMASK, &old, NULL);
-	if (e == 0)
-		return true;
-	close(f->fd);
-	free(f);
-	s->steps.ops->release(s);
-	return false;
+	struct aoqd_session *s = pop->s;
+	return atomic_load_explicit(&pop->failed, memory_order_relaxed) ||
+	       atomic_load_explicit(&s->dead, memory_order_relaxed) ||
+	       atomic_load_explicit(&s->populate_off, memory_order_relaxed);
 }
 
 static void chunk_run(struct aoqd_task *task, unsigned worker)
@@ -225,18 +136,14 @@ static void chunk_run(struct aoqd_task *task, unsigned worker)
 	s->steps.ops->release(s);
 }
 
-/* The page-aligned ranges of tensor x's mapping: pass 0 its master (none
- * when `filled`: a master in the masters memfd, which fill_main fills),
- * pass 1 the rest (moments, scales) up to its undo copy.  Adds the pieces
- * of at most CHUNK bytes to pc (when not NULL) and returns their number. */
-static uint64_t tensor_pieces(const struct aoqd_tensor *x, int pass, bool filled, struct piece *pc,
-                              uint64_t *bytes)
+/* The page-aligned ranges of tensor x's mapping: pass 0 its master, pass 1
+ * the rest (moments, scales) up to its undo copy.  Adds the pieces of at
+ * most CHUNK bytes to pc (when not NULL) and returns their number. */
+static uint64_t tensor_pieces(const struct aoqd_tensor *x, int pass, struct piece *pc, uint64_t *bytes)
 {
 	uint64_t master = aoqd_page_round(x->numel * aoqk_master_size(x->st.precision));
 	uint64_t end = aoqd_page_round(x->undo_off ? x->undo_off : x->state_len);
 	uint64_t b = pass == 0 ? 0 : master, e = pass == 0 ? master : end;
-	if (pass == 0 && filled && x->master_off != AOQ_NO_MASTER)
-		e = 0;
 	if (e > end)
 		e = end;
 	uint64_t n = 0;
@@ -256,11 +163,10 @@ void aoqd_populate_start(struct aoqd_session *s)
 	if (!pool || !st->ntensors)
 		return;
 	pthread_once(&probe_once, probe);
-	bool filled = fill_start(s);
 	uint64_t npieces = 0, bytes = 0;
 	for (int pass = 0; pass < 2; pass++)
 		for (uint32_t i = 0; i < st->ntensors; i++)
-			npieces += tensor_pieces(&st->tensors[i], pass, filled, NULL, &bytes);
+			npieces += tensor_pieces(&st->tensors[i], pass, NULL, &bytes);
 	if (!npieces || npieces > UINT32_MAX)
 		return;
 	struct piece *pieces = malloc(npieces * sizeof(*pieces));
@@ -270,7 +176,7 @@ void aoqd_populate_start(struct aoqd_session *s)
 	bytes = 0;
 	for (int pass = 0; pass < 2; pass++)
 		for (uint32_t i = 0; i < st->ntensors; i++)
-			k += tensor_pieces(&st->tensors[i], pass, filled, pieces + k, &bytes);
+			k += tensor_pieces(&st->tensors[i], pass, pieces + k, &bytes);
 	/* Chunks of consecutive pieces, up to CHUNK bytes each: a state of
 	 * many small tensors takes few tasks. */
 	uint32_t nchunks = 0;
