@@ -159,7 +159,31 @@ struct aoqk_state {
 	void *v;
 	float *m_scale;
 	float *v_scale;
+	/* AOQK_STATE_Q8 only, NULL otherwise: the fp32 master split in two
+	 * (kernels/README.md, "The split master"): master is then uint16_t[n],
+	 * the master rounded to nearest bf16 (the parameter), and master_lo
+	 * uint16_t[n] its low 16 bits, never exactly 0x8000.  The update is
+	 * AOQK_STATE_Q8's bit for bit: same moments, same random bits, the
+	 * same master but where its low half would be 0x8000 (it moves one
+	 * ulp toward the side it rounds to). */
+	void *master_lo;
 };
+
+/* The split master: the fp32 bits of a (hi, lo) pair, and back. */
+static inline uint32_t aoqk_split_join(uint16_t hi, uint16_t lo)
+{
+	return ((uint32_t)hi << 16) + lo - ((lo + 0x7fffu) & 0x10000u);
+}
+
+/* hi: b rounded to nearest even bf16 (a NaN stays a quiet NaN); lo: b's
+ * low half, 0x8000 (a tie) moved to 0x8001 or 0x7fff, the side hi took. */
+static inline void aoqk_split(uint32_t b, uint16_t *hi, uint16_t *lo)
+{
+	uint32_t odd = (b >> 16) & 1u, l = b & 0xffffu;
+	bool nan = (b & 0x7f800000u) == 0x7f800000u && (b & 0x7fffffu);
+	*hi = (uint16_t)(nan ? (b >> 16) | 0x40u : (b + 0x7fffu + odd) >> 16);
+	*lo = (uint16_t)(l == 0x8000u ? (odd ? 0x8001u : 0x7fffu) : l);
+}
 
 /* The chunk to update and where its data is. */
 struct aoqk_chunk {

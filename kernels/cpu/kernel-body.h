@@ -51,6 +51,7 @@ struct kptrs {
 	const void *grad;
 	float *acc;
 	void *master;
+	void *lo; /* the split master's low halves (aoqk_state.master_lo) */
 	void *m;
 	void *v;
 	void *param;
@@ -80,6 +81,28 @@ static AOQK_ALWAYS_INLINE void store_param(void *p, size_t j, vf x, vh xb, const
 		else
 			vh_storeu((uint16_t *)p + j, h);
 	}
+}
+
+/* The split master (aoq-kernel.h, aoqk_split_join and aoqk_split),
+ * lane-wise: the fp32 value of (hi, lo) ... */
+static AOQK_ALWAYS_INLINE vf split_join(vh hi, vh lo)
+{
+	vi h = vf_as_vi(vh_bf16_to_f(hi));
+	vi l = vi_srli(vf_as_vi(vh_bf16_to_f(lo)), 16);
+	return vi_as_vf(vi_sub(vi_add(h, l), vi_and(vi_add(l, vi_set1(0x7fffu)), vi_set1(0x10000u))));
+}
+
+/* ... and x's halves: *hi rounded to nearest even (a NaN quiet), *lo with
+ * a tie (0x8000) moved one ulp to the side *hi took; both below 2^16. */
+static AOQK_ALWAYS_INLINE void split_halves(vf x, vi *hi, vi *lo)
+{
+	vi b = vf_as_vi(x);
+	vi odd = vi_and(vi_srli(b, 16), vi_set1(1u));
+	*hi = vi_select_nan(x, vi_or(vi_srli(b, 16), vi_set1(0x40u)),
+	                    vi_srli(vi_add(vi_add(b, vi_set1(0x7fffu)), odd), 16));
+	vi l = vi_and(b, vi_set1(0xffffu));
+	vi tie = vi_srli(vi_sub(vi_xor(l, vi_set1(0x8000u)), vi_set1(1u)), 31); /* 1 where l == 0x8000 */
+	*lo = vi_sub(vi_add(l, vi_slli(vi_and(tie, odd), 1)), tie);
 }
 
 /* Stochastic rounding of x to bf16 with the hash of global index i0 + lane. */
@@ -239,7 +262,7 @@ static AOQK_ALWAYS_INLINE vi vstep(const struct kvec kc, const struct kptrs *p,
                                      const int pd, const int nt, int want_ss, vacc *ss,
                                      float *bm, float *bu, uint32_t *hb, vi *xs, unsigned slot,
                                      vf *sq, vf sm, vf su, vf nkm, vf nku, vf *mx_m, vf *mx_u,
-                                     const int fast, size_t cj, vtab tm, vtab tu)
+                                     const int fast, size_t cj, vtab tm, vtab tu, const int split)
 {
 	/* q8: the blocked path (q8 or q4), whose moments go through the
 	 * block buffers; q4 differs only in its codes (decoded here by table,
@@ -269,7 +292,9 @@ static AOQK_ALWAYS_INLINE vi vstep(const struct kvec kc, const struct kptrs *p,
 	else if (want_ss)
 		vacc_add_sq(ss, g);
 
-	if (bfm)
+	if (split)
+		pw = split_join(vh_loadu((const uint16_t *)p->master + j), vh_loadu((const uint16_t *)p->lo + j));
+	else if (bfm)
 		pw = vh_bf16_to_f(vh_loadu((const uint16_t *)p->master + j));
 	else
 		pw = vf_loadu((const float *)p->master + j);
@@ -369,6 +394,14 @@ static AOQK_ALWAYS_INLINE vi vstep(const struct kvec kc, const struct kptrs *p,
 		vh_storeu((uint16_t *)p->master + j, sh);
 		if (pd != PD_NONE)
 			store_param(p->param, j, vi_as_vf(vi_slli(s, 16)), sh, pd, 1, nt);
+	} else if (split) {
+		vi hi, lo;
+		split_halves(pw, &hi, &lo);
+		vh hh = vi_to_vh(hi);
+		vh_storeu((uint16_t *)p->master + j, hh);
+		vh_storeu((uint16_t *)p->lo + j, vi_to_vh(lo));
+		if (pd != PD_NONE)
+			store_param(p->param, j, pw, hh, pd, 1, nt);
 	} else {
 		vf_storeu((float *)p->master + j, pw);
 		if (pd != PD_NONE)
@@ -470,16 +503,23 @@ struct ksizes {
 
 static double scan_sumsq(const void *grad, enum aoqk_dtype gd, const float *acc, float scale, size_t n);
 
+/* The split master's table entries (chunk_sel): AOQK_STATE_Q8 with
+ * aoqk_state.master_lo. */
+#define PREC_SPLIT_Q8 7
+
 static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const struct aoqk_state *st,
                                          const struct aoqk_chunk *c, int want_ss, double *ssum,
-                                         const int prec, const int gd, const int pd, const int nt)
+                                         const int table_prec, const int gd, const int pd, const int nt)
 {
+	/* the split master: q8's update with the master in two halves */
+	const int split = table_prec == PREC_SPLIT_Q8;
+	const int prec = split ? AOQK_STATE_Q8 : table_prec;
 	/* q8 or q4 (vstep); q4's codes are half a byte each */
 	const int q8 = aoqk_precision_blocked(prec);
 	const int q4 = aoqk_precision_q4(prec);
 	const struct ksizes sz = {
 		.g = gd == AOQK_FP32 ? 4 : 2,
-		.master = aoqk_master_size(prec),
+		.master = split ? 2 : aoqk_master_size(prec),
 		.mom = aoqk_moment_size(prec),
 	};
 	const size_t psz = pd == PD_FP32 ? 4 : 2;
@@ -489,6 +529,7 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 		.grad = c->grad,
 		.acc = c->acc,
 		.master = (char *)st->master + b0 * sz.master,
+		.lo = split ? (char *)st->master_lo + b0 * 2 : NULL,
 		.m = (char *)st->m + (q4 ? b0 / 2 : b0 * sz.mom),
 		.v = (char *)st->v + (q4 ? b0 / 2 : b0 * sz.mom),
 		.param = c->param,
@@ -582,10 +623,10 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 					unsigned s0 = (unsigned)(t / W) % XS_N, s1 = (unsigned)(t / W + 1) % XS_N;
 					vi a = vstep(kc, &d, jb + t, b0 + jb + t, prec, gd, pd, nt, want_ss, &ss,
 					             bm + t, bu + t, hb + t, xs, s0, &sq[s0], sm, su, nkm, nku, &mx_m,
-					             &mx_u, 2, jb + t, q4m, q4u);
+					             &mx_u, 2, jb + t, q4m, q4u, split);
 					vi b = vstep(kc, &d, jb + t + W, b0 + jb + t + W, prec, gd, pd, nt, want_ss,
 					             &ss, bm + t + W, bu + t + W, hb + t + W, xs, s1, &sq[s1], sm,
-					             su, nkm, nku, &mx_m, &mx_u, 2, jb + t + W, q4m, q4u);
+					             su, nkm, nku, &mx_m, &mx_u, 2, jb + t + W, q4m, q4u, split);
 					vi h2 = vi_pack_hi16(a, b);
 					uint16_t *pm = (uint16_t *)d.master + jb + t;
 					vi_storeu((uint32_t *)(void *)pm, h2);
@@ -602,20 +643,20 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 			for (; t + W <= len; t += W)
 				vstep(kc, &d, jb + t, b0 + jb + t, prec, gd, pd, nt, want_ss, &ss, bm + t,
 				      bu + t, hb + t, xs, (t / W) % XS_N, &sq[(t / W) % XS_N], sm, su, nkm,
-				      nku, &mx_m, &mx_u, 1, jb + t, q4m, q4u);
+				      nku, &mx_m, &mx_u, 1, jb + t, q4m, q4u, split);
 			for (unsigned g = 0; g < XS_N; g++)
 				vacc_add(&ss, sq[g]);
 		} else {
 			for (; t + W <= len; t += W)
 				vstep(kc, &d, jb + t, b0 + jb + t, prec, gd, pd, nt, want_ss, &ss, bm + t,
 				      bu + t, hb + t, xs, (t / W) % XS_N, &sq[0], sm, su, nkm, nku, &mx_m,
-				      &mx_u, 0, jb + t, q4m, q4u);
+				      &mx_u, 0, jb + t, q4m, q4u, split);
 		}
 		if (t < len) {
 			size_t j = jb + t;
 			/* the tail: run the same step on zero-padded copies */
 			size_t r = len - t < W ? len - t : W;
-			_Alignas(64) unsigned char lg[W * 4], la[W * 4], lmst[W * 4], lm[W * 4],
+			_Alignas(64) unsigned char lg[W * 4], la[W * 4], lmst[W * 4], llo[W * 2], lm[W * 4],
 				lv[W * 4], lp[W * 4];
 			memset(lg, 0, sizeof(lg));
 			memset(la, 0, sizeof(la));
@@ -626,6 +667,9 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 			if (d.acc)
 				memcpy(la, d.acc + j, r * 4);
 			memcpy(lmst, (char *)d.master + j * sz.master, r * sz.master);
+			memset(llo, 0, sizeof(llo));
+			if (split)
+				memcpy(llo, (char *)d.lo + j * 2, r * 2);
 			memcpy(lm, (char *)d.m + j * sz.mom, r * sz.mom);
 			memcpy(lv, (char *)d.v + j * sz.mom, r * sz.mom);
 			/* q4: a copy of the codes of j's group, the nibbles past the
@@ -646,15 +690,18 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 				.grad = lg,
 				.acc = d.acc ? (float *)(void *)la : NULL,
 				.master = lmst,
+				.lo = llo,
 				.m = q4 ? (void *)lm4 : (void *)lm,
 				.v = q4 ? (void *)lv4 : (void *)lv,
 				.param = lp,
 			};
 			vstep(kc, &l, 0, b0 + j, prec, gd, pd, 0, want_ss, &ss, bm + t, bu + t,
-			      hb + t, xs, (t / W) % XS_N, &sq[0], sm, su, nkm, nku, &mx_m, &mx_u, 0, cj, q4m, q4u);
+			      hb + t, xs, (t / W) % XS_N, &sq[0], sm, su, nkm, nku, &mx_m, &mx_u, 0, cj, q4m, q4u, split);
 			if (d.acc)
 				memset(d.acc + j, 0, r * 4);
 			memcpy((char *)d.master + j * sz.master, lmst, r * sz.master);
+			if (split)
+				memcpy((char *)d.lo + j * 2, llo, r * 2);
 			if (!q8) {
 				memcpy((char *)d.m + j * sz.mom, lm, r * sz.mom);
 				memcpy((char *)d.v + j * sz.mom, lv, r * sz.mom);
@@ -854,7 +901,7 @@ typedef void chunk_fn(const struct aoqk_consts *k, const struct aoqk_state *st,
                       const struct aoqk_chunk *c, int want_ss, double *ssum);
 
 #define CHUNK_SEL(P, G, D) ((P) * 12 + (G) * 4 + (D))
-#define CHUNK_SELS 84
+#define CHUNK_SELS 96
 
 /* X(P, G, D, NT, ...) for every gradient dtype G and parameter dtype D of
  * precision P: D = PD_NONE only without non-temporal stores */
@@ -863,11 +910,11 @@ typedef void chunk_fn(const struct aoqk_consts *k, const struct aoqk_state *st,
 #define FOR_PD_NONE(X, P, G, NT, ...) FOR_PD(X, P, G, NT, __VA_ARGS__) X(P, G, 3, NT, __VA_ARGS__)
 #define FOR_G(F, X, P, NT, ...) F(X, P, 0, NT, __VA_ARGS__) F(X, P, 1, NT, __VA_ARGS__) \
 	F(X, P, 2, NT, __VA_ARGS__)
-/* precisions 0..6 are AOQK_STATE_FP32 .. AOQK_STATE_BF16_Q4 (literals:
- * they are pasted into names) */
+/* precisions 0..6 are AOQK_STATE_FP32 .. AOQK_STATE_BF16_Q4, 7 the split
+ * master (PREC_SPLIT_Q8) (literals: they are pasted into names) */
 #define FOR_ADAM_P(F, X, NT, ...) FOR_G(F, X, 0, NT, __VA_ARGS__) FOR_G(F, X, 1, NT, __VA_ARGS__) \
 	FOR_G(F, X, 2, NT, __VA_ARGS__) FOR_G(F, X, 3, NT, __VA_ARGS__) FOR_G(F, X, 4, NT, __VA_ARGS__) \
-	FOR_G(F, X, 5, NT, __VA_ARGS__) FOR_G(F, X, 6, NT, __VA_ARGS__)
+	FOR_G(F, X, 5, NT, __VA_ARGS__) FOR_G(F, X, 6, NT, __VA_ARGS__) FOR_G(F, X, 7, NT, __VA_ARGS__)
 /* SGD and Lion: no q8 (precisions 1 and 3) */
 #define FOR_SL_P(F, X, NT, ...) FOR_G(F, X, 0, NT, __VA_ARGS__) FOR_G(F, X, 2, NT, __VA_ARGS__) \
 	FOR_G(F, X, 4, NT, __VA_ARGS__)
@@ -895,7 +942,7 @@ static inline int chunk_sel(const struct aoqk_state *st, const struct aoqk_chunk
 	int pd = c->param ? (int)c->param_dtype : PD_NONE;
 
 	*nt_ok = pd != PD_NONE && (uintptr_t)c->param % (W * (pd == PD_FP32 ? 4 : 2)) == 0;
-	return CHUNK_SEL((int)st->precision, (int)c->grad_dtype, pd);
+	return CHUNK_SEL(st->master_lo ? PREC_SPLIT_Q8 : (int)st->precision, (int)c->grad_dtype, pd);
 }
 
 static AOQK_ALWAYS_INLINE int adam_common(const struct aoqk_hparams *hp, const struct aoqk_state *st,

@@ -204,6 +204,8 @@ static inline int aoqk_check(const struct aoqk_hparams *hp, const struct aoqk_st
 		return -EINVAL;
 	if ((unsigned)st->precision > AOQK_STATE_BF16_Q4)
 		return -EINVAL;
+	if (st->master_lo && st->precision != AOQK_STATE_Q8)
+		return -EINVAL;
 	if (!aoqk_dtype_ok(c->grad_dtype) || (c->param && !aoqk_dtype_ok(c->param_dtype)))
 		return -EINVAL;
 	if (hp->step == 0)
@@ -237,6 +239,8 @@ static inline int aoqk_check_sl(const struct aoqk_hparams *hp, const struct aoqk
 		return -EINVAL;
 	if (st->precision != AOQK_STATE_FP32 && st->precision != AOQK_STATE_BF16 &&
 	    st->precision != AOQK_STATE_BF16_ALL)
+		return -EINVAL;
+	if (st->master_lo)
 		return -EINVAL;
 	if (!aoqk_dtype_ok(c->grad_dtype) || (c->param && !aoqk_dtype_ok(c->param_dtype)))
 		return -EINVAL;
