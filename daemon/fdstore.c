@@ -82,11 +82,44 @@ static uint64_t now_ns(void)
 
 /* ---- parallel copies ---- */
 
+enum { COPY, JOIN, SPLIT };
+
 struct copy {
 	void *dst;
 	const void *src;
 	uint64_t n;
+	/* A split master (aoqk_state.master_lo) goes as the fp32 master it
+	 * is: JOIN writes the fp32 bytes (dst) from the high halves (src) and
+	 * the low ones (aux); SPLIT the other way, from src's fp32 bytes.  n
+	 * counts the fp32 bytes. */
+	int how;
+	void *aux;
 };
+
+/* Bytes [b, e) of copy c's fp32 side, for JOIN and SPLIT: a thread writes
+ * only its own bytes (JOIN), or the elements whose first byte is its own
+ * (SPLIT; reading the rest of the last one). */
+static void convert(const struct copy *c, uint64_t b, uint64_t e)
+{
+	if (c->how == JOIN) {
+		const uint16_t *hi = c->src, *lo = c->aux;
+		uint8_t *d = c->dst;
+		for (uint64_t o = b; o < e;) {
+			uint64_t el = o / 4, k = o % 4, n = 4 - k < e - o ? 4 - k : e - o;
+			uint32_t v = aoqk_split_join(hi[el], lo[el]);
+			memcpy(d + o, (const uint8_t *)&v + k, n);
+			o += n;
+		}
+		return;
+	}
+	const uint8_t *s = c->src;
+	uint16_t *hi = c->dst, *lo = c->aux;
+	for (uint64_t el = (b + 3) / 4; el * 4 < e; el++) {
+		uint32_t v;
+		memcpy(&v, s + el * 4, 4);
+		aoqk_split(v, &hi[el], &lo[el]);
+	}
+}
 
 struct copier {
 	const struct copy *c;
@@ -104,6 +137,10 @@ static void *copy_run(void *arg)
 		uint64_t b = cb > w->b ? cb : w->b, e = ce < w->e ? ce : w->e;
 		if (b >= e)
 			continue;
+		if (w->c[i].how != COPY) {
+			convert(&w->c[i], b - cb, e - cb);
+			continue;
+		}
 		uint8_t *d = (uint8_t *)w->c[i].dst + (b - cb);
 #ifdef MADV_POPULATE_WRITE
 		/* The destination's pages taken in one call per piece, by each
@@ -327,7 +364,7 @@ int aoqd_fdstore_encode(const struct aoqd_snap_key *key, const struct aoqd_state
 	}
 	if (total >= (2u << 20))
 		madvise(map, total, MADV_HUGEPAGE);
-	c[0] = (struct copy){ map, b.p, desc_len };
+	c[0] = (struct copy){ map, b.p, desc_len, COPY, NULL };
 	size_t nc = 1;
 	uint64_t pos = 0;
 	for (uint32_t i = 0; i < st->ntensors; i++) {
@@ -338,7 +375,9 @@ int aoqd_fdstore_encode(const struct aoqd_snap_key *key, const struct aoqd_state
 		size_t n = tensor_arrays(prec, t->numel, st->groups[t->group].moments, &pos, lens, ks);
 		for (size_t k = 0; k < n; k++) {
 			at = aoq_align_up(at, 64);
-			c[nc++] = (struct copy){ map + data_off + at, snap_arr_ptr(&t->st, ks[k]), lens[k] };
+			bool join = ks[k] == A_MASTER && t->st.master_lo;
+			c[nc++] = (struct copy){ map + data_off + at, snap_arr_ptr(&t->st, ks[k]), lens[k], join ? JOIN : COPY,
+			                         t->st.master_lo };
 			at += lens[k];
 		}
 	}
@@ -548,7 +587,9 @@ int aoqd_fdstore_decode(int fd, int lock_memory, _Atomic uint64_t *locked_total,
 		size_t n = tensor_arrays((enum aoqk_precision)prec, t->numel, st->groups[t->group].moments, &pos, lens, ks);
 		for (size_t k = 0; k < n; k++) {
 			at = aoq_align_up(at, 64);
-			c[nc++] = (struct copy){ (void *)snap_arr_ptr(&t->st, ks[k]), map + data_off + at, lens[k] };
+			bool split = ks[k] == A_MASTER && t->st.master_lo;
+			c[nc++] = (struct copy){ (void *)snap_arr_ptr(&t->st, ks[k]), map + data_off + at, lens[k],
+			                         split ? SPLIT : COPY, t->st.master_lo };
 			at += lens[k];
 		}
 	}

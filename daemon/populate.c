@@ -141,7 +141,7 @@ static void chunk_run(struct aoqd_task *task, unsigned worker)
  * most CHUNK bytes to pc (when not NULL) and returns their number. */
 static uint64_t tensor_pieces(const struct aoqd_tensor *x, int pass, struct piece *pc, uint64_t *bytes)
 {
-	uint64_t master = aoqd_page_round(x->numel * aoqk_master_size(x->st.precision));
+	uint64_t master = aoqd_page_round(x->numel * aoqd_tensor_master_size(x));
 	uint64_t end = aoqd_page_round(x->undo_off ? x->undo_off : x->state_len);
 	uint64_t b = pass == 0 ? 0 : master, e = pass == 0 ? master : end;
 	if (e > end)

@@ -142,7 +142,7 @@ static int charge_state(struct aoqd_session *s, struct aoqd_error *err)
 			return AOQD_FAIL(err, INVALID, "tensor %u: group %u of %u", i, st->tensors[i].group, st->ngroups);
 	uint64_t total = 0, mapped = 0;
 	for (uint32_t i = 0; i < st->ntensors; i++) {
-		uint64_t off[5];
+		uint64_t off[AOQD_STATE_ARRAYS];
 		uint64_t len = aoqd_state_tensor_len(st, &st->tensors[i], off);
 		/* the undo copy of a session that may be leased, on its own
 		 * pages (state.c, aoqd_state_alloc) */

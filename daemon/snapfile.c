@@ -576,23 +576,39 @@ int aoqd_snapfile_put(struct aoqd_snapfile *f, uint32_t i, const struct aoqk_sta
 		const void *p = snap_arr_ptr(a, k);
 		if (!p)
 			return AOQD_REFUSE(err, INTERNAL, "snapshot: tensor %u has no %s", i, snap_arr_suffix[k]);
+		/* a split master (aoqk_state.master_lo) goes out as the fp32
+		 * master it is, joined a piece at a time */
+		bool join = k == A_MASTER && a->master_lo;
+		uint32_t *joined = NULL;
+		uint64_t step = join ? 1u << 20 : f->chunk;
+		if (join && !(joined = malloc(step)))
+			return AOQD_REFUSE(err, NO_MEMORY, "snapshot: no memory to join a split master");
 		/* chunk by chunk: the checksum and the write of each in one
 		 * go (the chunk still in the cache for the write), paced by
 		 * f->before */
 		uint32_t crc = (uint32_t)crc32(0, Z_NULL, 0);
 		for (uint64_t at = 0; at < x->len;) {
-			uint64_t n = x->len - at < f->chunk ? x->len - at : f->chunk;
+			uint64_t n = x->len - at < step ? x->len - at : step;
 			if (f->before)
 				f->before(f->before_arg, n);
 			const uint8_t *q = (const uint8_t *)p + at;
+			if (join) {
+				const uint16_t *hi = (const uint16_t *)p + at / 4, *lo = (const uint16_t *)a->master_lo + at / 4;
+				for (uint64_t e = 0; e < n / 4; e++)
+					joined[e] = aoqk_split_join(hi[e], lo[e]);
+				q = (const uint8_t *)joined;
+			}
 			crc = snap_crc(crc, q, n);
 			int r = pwrite_all(f->fd, q, n, base + x->off + at);
 			if (r == 0)
 				r = write_behind(f, base + x->off + at, n);
-			if (r < 0)
+			if (r < 0) {
+				free(joined);
 				return AOQD_REFUSE(err, INTERNAL, "snapshot: writing %s: %s", f->tmp, strerror(-r));
+			}
 			at += n;
 		}
+		free(joined);
 		x->crc = crc;
 		x->written = true;
 	}

@@ -27,6 +27,8 @@
 /* ---- loading (hostile input) ---- */
 
 #define FAIL(...) do { snprintf(why, wlen, __VA_ARGS__); r = -EINVAL; goto out; } while (0)
+/* Bytes of an fp32 master read at a time into a split one. */
+#define SPLIT_PIECE (1u << 20)
 
 static const char *meta_str(json_object *meta, const char *k)
 {
@@ -134,6 +136,7 @@ int aoqd_snapshot_load(const char *path, int lock_memory, _Atomic uint64_t *lock
 	char *hdr = NULL;
 	json_object *root = NULL, *groups = NULL, *tens = NULL;
 	struct load_arr *la = NULL;
+	uint32_t *split_buf = NULL;
 	bool allocated = false;
 	memset(st, 0, sizeof(*st));
 	/* A regular file only: a symbolic link is not followed, and a FIFO
@@ -396,8 +399,24 @@ int aoqd_snapshot_load(const char *path, int lock_memory, _Atomic uint64_t *lock
 		st->state_bytes += st->tensors[i].state_len;
 	uint32_t crc = (uint32_t)crc32(0, Z_NULL, 0);
 	for (size_t k = 0; k < nla; k++) {
-		void *dst = (void *)snap_arr_ptr(&st->tensors[la[k].t].st, la[k].k);
+		const struct aoqk_state *as = &st->tensors[la[k].t].st;
+		void *dst = (void *)snap_arr_ptr(as, la[k].k);
 		uint64_t n = la[k].e - la[k].b;
+		if (la[k].k == A_MASTER && as->master_lo) {
+			/* an fp32 master into a split one, a piece at a time */
+			if (!split_buf && !(split_buf = malloc(SPLIT_PIECE)))
+				FAIL("%s: out of memory", path);
+			for (uint64_t at = 0; at < n; at += SPLIT_PIECE) {
+				uint64_t len = n - at < SPLIT_PIECE ? n - at : SPLIT_PIECE;
+				if (snap_pio(fd, split_buf, len, 8 + hlen + la[k].b + at, false) < 0)
+					FAIL("%s: cannot read the data", path);
+				crc = snap_crc(crc, split_buf, len);
+				uint16_t *hi = (uint16_t *)dst + at / 4, *lo = (uint16_t *)as->master_lo + at / 4;
+				for (uint64_t e = 0; e < len / 4; e++)
+					aoqk_split(split_buf[e], &hi[e], &lo[e]);
+			}
+			continue;
+		}
 		if (snap_pio(fd, dst, n, 8 + hlen + la[k].b, false) < 0)
 			FAIL("%s: cannot read the data", path);
 		crc = snap_crc(crc, dst, n);
@@ -416,6 +435,7 @@ out:
 	json_object_put(groups);
 	json_object_put(tens);
 	free(la);
+	free(split_buf);
 	free(hdr);
 	close(fd);
 	return r;

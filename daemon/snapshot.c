@@ -793,6 +793,7 @@ static void capture_write(struct aoqd_capture *c)
 		a.v = REBASE(t->st.v);
 		a.m_scale = REBASE(t->st.m_scale);
 		a.v_scale = REBASE(t->st.v_scale);
+		a.master_lo = REBASE(t->st.master_lo);
 #undef REBASE
 		r = aoqd_snapfile_put(c->file, i, &a, &err);
 		pace_idle(&pace);

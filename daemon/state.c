@@ -112,9 +112,10 @@ bool aoqd_dtype_valid(int d)
 	return d == AOQ__DTYPE__FP32 || d == AOQ__DTYPE__BF16 || d == AOQ__DTYPE__FP16;
 }
 
-uint64_t aoqd_state_len(enum aoqk_precision p, uint64_t n, unsigned moments, uint64_t off[5])
+uint64_t aoqd_state_len(enum aoqk_precision p, uint64_t n, unsigned moments, bool split,
+                        uint64_t off[AOQD_STATE_ARRAYS])
 {
-	uint64_t master = n * aoqk_master_size(p);
+	uint64_t master = n * (split ? 2 : aoqk_master_size(p));
 	uint64_t mom = aoqk_moment_bytes(p, n);
 	uint64_t scale = aoqk_scale_count(p, n) * 4;
 	uint64_t o = 0;
@@ -123,6 +124,7 @@ uint64_t aoqd_state_len(enum aoqk_precision p, uint64_t n, unsigned moments, uin
 	off[2] = o; o = aoq_align_up(o + (moments >= 2 ? mom : 0), 64);
 	off[3] = o; o = aoq_align_up(o + scale, 64);
 	off[4] = o; o = aoq_align_up(o + scale, 64);
+	off[5] = o; o = aoq_align_up(o + (split ? n * 2 : 0), 64);
 	return o;
 }
 
@@ -133,20 +135,28 @@ void aoqd_state_set_master_param(bool on)
 	master_param_on = on;
 }
 
-/* Whether x's master goes to the masters memfd (before the allocation). */
-static bool wants_master_param(const struct aoqd_state *st, const struct aoqd_tensor *x)
+bool aoqd_tensor_wants_split(const struct aoqd_state *st, const struct aoqd_tensor *x)
 {
-	return master_param_on && aoqk_master_size((enum aoqk_precision)st->precision) == 2 &&
-	       x->param_dtype == AOQK_BF16;
+	return master_param_on && st->precision == AOQ__STATE_PRECISION__STATE_Q8 && x->param_dtype == AOQK_BF16;
 }
 
-uint64_t aoqd_state_tensor_len(const struct aoqd_state *st, const struct aoqd_tensor *x, uint64_t off[5])
+/* Whether x's master goes to the masters memfd (before the allocation):
+ * a bf16 master, or the split master's high half. */
+static bool wants_master_param(const struct aoqd_state *st, const struct aoqd_tensor *x)
 {
-	uint64_t len = aoqd_state_len((enum aoqk_precision)st->precision, x->numel, st->groups[x->group].moments, off);
+	return (master_param_on && aoqk_master_size((enum aoqk_precision)st->precision) == 2 &&
+	        x->param_dtype == AOQK_BF16) || aoqd_tensor_wants_split(st, x);
+}
+
+uint64_t aoqd_state_tensor_len(const struct aoqd_state *st, const struct aoqd_tensor *x,
+                               uint64_t off[AOQD_STATE_ARRAYS])
+{
+	uint64_t len = aoqd_state_len((enum aoqk_precision)st->precision, x->numel, st->groups[x->group].moments,
+	                              aoqd_tensor_wants_split(st, x), off);
 	if (wants_master_param(st, x)) {
 		/* the master's pages are the memfd's: the rest starts on a page */
 		uint64_t d = aoqd_page_round(x->numel * 2) - off[1];
-		for (int k = 1; k < 5; k++)
+		for (int k = 1; k < AOQD_STATE_ARRAYS; k++)
 			off[k] += d;
 		len += d;
 	}
@@ -264,7 +274,7 @@ int aoqd_state_alloc(struct aoqd_state *st, int lock_memory, _Atomic uint64_t *l
 	}
 	for (uint32_t i = 0; i < st->ntensors; i++) {
 		struct aoqd_tensor *x = &st->tensors[i];
-		uint64_t off[5];
+		uint64_t off[AOQD_STATE_ARRAYS];
 		unsigned moments = st->groups[x->group].moments;
 		uint64_t len = aoqd_state_tensor_len(st, x, off);
 		/* the undo copy after it, on a page: a snapshot can move it out
@@ -301,6 +311,7 @@ int aoqd_state_alloc(struct aoqd_state *st, int lock_memory, _Atomic uint64_t *l
 		x->st.v = moments >= 2 ? p + off[2] : NULL; /* SGD and Lion: none */
 		x->st.m_scale = aoqk_precision_blocked(prec) ? (float *)(p + off[3]) : NULL;
 		x->st.v_scale = aoqk_precision_blocked(prec) ? (float *)(p + off[4]) : NULL;
+		x->st.master_lo = aoqd_tensor_wants_split(st, x) ? p + off[5] : NULL;
 	}
 	/* The daemon's mappings are made: nobody maps the masters writable
 	 * again, nor changes their size (the client's mapping is read-only). */
@@ -413,7 +424,19 @@ int aoqd_state_acc(struct aoqd_state *st, struct aoqd_tensor *t)
 void aoqd_state_io(struct aoqd_tensor *t, int what, bool load, float *buf, uint64_t e, size_t n)
 {
 	if (what == AOQ__STATE_KIND__MASTER || what == AOQ__STATE_KIND__PARAM) {
-		if (aoqk_precision_bf16_master(t->st.precision)) {
+		if (t->st.master_lo) {
+			uint16_t *hi = (uint16_t *)t->st.master + e, *lo = (uint16_t *)t->st.master_lo + e;
+			for (size_t i = 0; i < n; i++) {
+				uint32_t b;
+				if (load) {
+					memcpy(&b, &buf[i], 4);
+					aoqk_split(b, &hi[i], &lo[i]);
+				} else {
+					b = aoqk_split_join(hi[i], lo[i]);
+					memcpy(&buf[i], &b, 4);
+				}
+			}
+		} else if (aoqk_precision_bf16_master(t->st.precision)) {
 			if (load)
 				aoqd_from_f32((uint16_t *)t->st.master + e, AOQK_BF16, buf, n);
 			else
@@ -495,14 +518,15 @@ static void range_copy(const struct aoqd_tensor *t, uint64_t b, uint64_t n, uint
 		void *arr;
 		size_t el;
 		uint64_t b, n;
-	} part[5] = {
-		{ t->st.master, aoqk_master_size(p), b, n },
+	} part[6] = {
+		{ t->st.master, aoqd_tensor_master_size(t), b, n },
+		{ t->st.master_lo, 2, b, n },
 		{ t->st.m, q4 ? 1 : aoqk_moment_size(p), mb, mn },
 		{ t->st.v, q4 ? 1 : aoqk_moment_size(p), mb, mn },
 		{ t->st.m_scale, 4, b / blk, (b + n + blk - 1) / blk - b / blk },
 		{ t->st.v_scale, 4, b / blk, (b + n + blk - 1) / blk - b / blk },
 	};
-	for (int i = 0; i < 5; i++) {
+	for (int i = 0; i < 6; i++) {
 		if (!part[i].arr)
 			continue;
 		uint8_t *live = (uint8_t *)part[i].arr + part[i].b * part[i].el;
@@ -538,8 +562,8 @@ void aoqd_state_save(struct aoqd_tensor *t, uint64_t b, uint64_t n)
 static void rebase(struct aoqd_tensor *t, uint8_t *p)
 {
 	uint8_t *o = t->state_mem;
-	void **arr[3] = { &t->st.master, &t->st.m, &t->st.v };
-	for (int k = 0; k < 3; k++)
+	void **arr[4] = { &t->st.master, &t->st.m, &t->st.v, &t->st.master_lo };
+	for (int k = 0; k < 4; k++)
 		if (*arr[k])
 			*arr[k] = p + ((uint8_t *)*arr[k] - o);
 	if (t->st.m_scale)

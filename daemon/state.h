@@ -121,13 +121,29 @@ uint64_t aoqd_state_quota(const struct aoqd_state *st);
  * them already were, -ENOMEM. */
 int aoqd_tensor_mark_done(struct aoqd_tensor *t, uint64_t b, uint64_t n);
 
+/* A tensor's state arrays: master, m, v, m_scale, v_scale, master_lo. */
+#define AOQD_STATE_ARRAYS 6
+
 /* Bytes of one tensor's state arrays with `moments` moments (0: master
- * only, 1: m, 2: m and v); off[] receives master, m, v, m_scale, v_scale
- * offsets. */
-uint64_t aoqd_state_len(enum aoqk_precision p, uint64_t n, unsigned moments, uint64_t off[5]);
+ * only, 1: m, 2: m and v), the master split or not (aoqk_state.master_lo);
+ * off[] receives the arrays' offsets. */
+uint64_t aoqd_state_len(enum aoqk_precision p, uint64_t n, unsigned moments, bool split,
+                        uint64_t off[AOQD_STATE_ARRAYS]);
 /* The same for tensor x of st as aoqd_state_alloc lays it out: a master
  * that is the parameter takes whole pages. */
-uint64_t aoqd_state_tensor_len(const struct aoqd_state *st, const struct aoqd_tensor *x, uint64_t off[5]);
+uint64_t aoqd_state_tensor_len(const struct aoqd_state *st, const struct aoqd_tensor *x,
+                               uint64_t off[AOQD_STATE_ARRAYS]);
+/* Whether aoqd_state_alloc splits x's master (kernels/README.md, "The split
+ * master"): q8 state with a bf16 parameter, where masters are parameters
+ * (master_param).  The high half is then x's parameter in the masters
+ * memfd, and the low half a private array (st.master_lo).  Snapshots, the
+ * fd store and state transfers see the fp32 master. */
+bool aoqd_tensor_wants_split(const struct aoqd_state *st, const struct aoqd_tensor *x);
+/* Bytes per element of x's st.master array as allocated (2 when split). */
+static inline size_t aoqd_tensor_master_size(const struct aoqd_tensor *x)
+{
+	return x->st.master_lo ? 2 : aoqk_master_size(x->st.precision);
+}
 /* Whether aoqd_state_alloc makes masters the parameters where it can
  * (aoqd.conf master_param; on by default).  Process-wide. */
 void aoqd_state_set_master_param(bool on);

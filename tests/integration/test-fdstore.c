@@ -15,6 +15,10 @@
  *         a pipe), each refused and logged; no snapshot exists to read.
  *   kill: SIGKILL mid-step; nothing reaches the store and the restart
  *         falls back to the periodic snapshots, as without systemd.
+ *
+ * A third argument "q8" trains q8 state instead of fp32: the bf16 tensor's
+ * master is then split (kernels/README.md, "The split master"), stored as
+ * the fp32 master it is and split again on the way back.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -43,6 +47,7 @@
 #define KILL_AT 6 /* the step in progress when aoqd goes */
 static const uint64_t sizes[NT] = { 1000, 4097, 33, 70001 };
 static const enum aoq_dtype pdt[NT] = { AOQ_FP32, AOQ_FP32, AOQ_BF16, AOQ_FP32 };
+static enum aoq_precision precision = AOQ_STATE_FP32;
 
 static int count(const char *hay, const char *needle)
 {
@@ -74,6 +79,7 @@ static uint64_t trainer_open(struct trainer *t, const char *sock, const char *jo
 	o.job = job;
 	o.timeout_ms = 30000;
 	o.seed = 12345;
+	o.precision = precision;
 	CHECK_OK(aoq_connect(&t->c, &o));
 	for (uint32_t g = 0; g < 2; g++) {
 		struct aoq_group h = group(g, 1);
@@ -237,6 +243,8 @@ int main(int argc, char **argv)
 	const char *mode = argc > 2 ? argv[2] : "term";
 	bool term = strcmp(mode, "term") == 0;
 	CHECK(term || strcmp(mode, "kill") == 0, "mode '%s': term or kill", mode);
+	if (argc > 3 && strcmp(argv[3], "q8") == 0)
+		precision = AOQ_STATE_Q8;
 	signal(SIGPIPE, SIG_IGN);
 
 	struct sup s;

@@ -85,9 +85,19 @@ static void make_state(struct aoqd_state *st, int prec, uint32_t nt, bool dup_na
 		exit(1);
 	}
 	for (uint32_t i = 0; i < nt; i++) {
-		uint8_t *p = st->tensors[i].state_mem;
-		for (size_t k = 0; k < st->tensors[i].state_len; k++)
+		struct aoqd_tensor *t = &st->tensors[i];
+		uint8_t *p = t->state_mem;
+		for (size_t k = 0; k < t->state_len; k++)
 			p[k] = (uint8_t)rnd();
+		/* a split master (q8 with bf16 parameters) holds the split of
+		 * some fp32 value: random bits, a NaN as the one quiet NaN
+		 * (the split of a NaN's payload does not come back alike) */
+		for (size_t e = 0; t->st.master_lo && e < t->numel; e++) {
+			uint32_t b = (uint32_t)rnd();
+			if ((b & 0x7f800000u) == 0x7f800000u && (b & 0x7fffffu))
+				b = 0x7fc00000u;
+			aoqk_split(b, (uint16_t *)t->st.master + e, (uint16_t *)t->st.master_lo + e);
+		}
 	}
 }
 
@@ -96,7 +106,8 @@ static size_t arr_bytes(const struct aoqd_state *st, const struct aoqd_tensor *t
 	enum aoqk_precision p = (enum aoqk_precision)st->precision;
 	size_t blocks = aoqk_scale_count(p, t->numel);
 	switch (k) {
-	case 0: return t->numel * aoqk_master_size(p);
+	case 0: return t->numel * aoqd_tensor_master_size(t);
+	case 5: return t->st.master_lo ? t->numel * 2 : 0;
 	case 1: return t->st.m ? aoqk_moment_bytes(p, t->numel) : 0;
 	case 2: return t->st.v ? aoqk_moment_bytes(p, t->numel) : 0;
 	case 3: return t->st.m_scale && t->st.m ? blocks * 4 : 0;
@@ -106,7 +117,7 @@ static size_t arr_bytes(const struct aoqd_state *st, const struct aoqd_tensor *t
 
 static const void *arr(const struct aoqk_state *a, int k)
 {
-	const void *p[5] = { a->master, a->m, a->v, a->m_scale, a->v_scale };
+	const void *p[6] = { a->master, a->m, a->v, a->m_scale, a->v_scale, a->master_lo };
 	return p[k];
 }
 
@@ -135,7 +146,7 @@ static bool same_state(const struct aoqd_state *a, const struct aoqd_state *b, c
 			snprintf(why, len, "tensor %u's description differs", i);
 			return false;
 		}
-		for (int k = 0; k < 5; k++) {
+		for (int k = 0; k < 6; k++) {
 			size_t n = arr_bytes(a, x, k);
 			if (n != arr_bytes(b, y, k) || (n && memcmp(arr(&x->st, k), arr(&y->st, k), n))) {
 				snprintf(why, len, "tensor %u array %d differs", i, k);
