@@ -237,6 +237,7 @@ static enum aoqk_precision cur_prec;
 static enum aoqk_dtype cur_gd, cur_pd;
 static int cur_skip;
 static int cur_noparam; /* no parameter out: the bf16 master is the parameter (docs/decisions.md) */
+static int cur_split;   /* q8's master split, m16 its low halves (kernels/README.md, "The split master") */
 static struct aoqk_hparams cur_hp;
 static size_t cur_chunk;
 enum { OPT_ADAM, OPT_SGD, OPT_LION };
@@ -255,11 +256,12 @@ static void kernel_job(int tid)
 	struct aoqk_state st = {
 		.precision = cur_prec,
 		.n = N,
-		.master = aoqk_precision_bf16_master(cur_prec) ? (void *)master16 : (void *)master32,
+		.master = aoqk_precision_bf16_master(cur_prec) || cur_split ? (void *)master16 : (void *)master32,
 		.m = moment_ptr(cur_prec, m32, mq, m16),
 		.v = cur_opt != OPT_ADAM ? NULL : moment_ptr(cur_prec, v32, vq, v16),
 		.m_scale = ms,
 		.v_scale = vs,
+		.master_lo = cur_split ? (void *)m16 : NULL,
 	};
 	int (*fn)(const struct aoqk_hparams *, const struct aoqk_state *, const struct aoqk_chunk *,
 	          struct aoqk_report *) = cur_opt == OPT_SGD    ? cur_k->sgd
@@ -646,7 +648,7 @@ static void bench_resident(const struct aoqk_kernel *k, enum aoqk_precision p, d
 		t[i] = res_seconds / ((double)res_passes * (double)N);
 	}
 	qsort(t, (size_t)reps, sizeof(double), cmp_double);
-	snprintf(name, sizeof(name), "%s_%s_bf16_bf16", k->name, prec_name(p));
+	snprintf(name, sizeof(name), "%s_%s_bf16_bf16%s", k->name, prec_name(p), cur_split ? "_split" : "");
 	for (char *c = name; *c; c++)
 		if (*c == '-')
 			*c = '_';
@@ -862,6 +864,9 @@ int main(int argc, char **argv)
 				continue;
 			for (int p = 0; p <= AOQK_STATE_BF16_Q4; p++)
 				bench_resident(k, (enum aoqk_precision)p, ghz);
+			cur_split = cur_noparam = 1;
+			bench_resident(k, AOQK_STATE_Q8, ghz);
+			cur_split = cur_noparam = 0;
 		}
 		for (size_t i = 0; i < NDROPS; i++) {
 			const struct aoqk_kernel *x = stage_drops[i];
@@ -897,6 +902,11 @@ int main(int argc, char **argv)
 		for (int p = AOQK_STATE_BF16; p <= AOQK_STATE_BF16_Q4; p++)
 			if (aoqk_precision_bf16_master((enum aoqk_precision)p))
 				bench_kernel(k, (enum aoqk_precision)p, AOQK_BF16, AOQK_BF16, 0, CHUNK, "_noparam");
+		/* q8 with the master split, its high half the parameter: 2 B
+		 * less than q8 (the parameter is not written apart) */
+		cur_split = 1;
+		bench_kernel(k, AOQK_STATE_Q8, AOQK_BF16, AOQK_BF16, 0, CHUNK, "_split");
+		cur_split = 0;
 		cur_noparam = 0;
 		if (modes_only)
 			continue;
@@ -991,6 +1001,7 @@ again:
 	for (int p = AOQK_STATE_BF16; p <= AOQK_STATE_BF16_Q4; p++)
 		if (aoqk_precision_bf16_master((enum aoqk_precision)p))
 			mode_line(best, (enum aoqk_precision)p, "_noparam", "  (no param out)", triad, triad_end);
+	mode_line(best, AOQK_STATE_Q8, "_split", "  (split master)", triad, triad_end);
 	/* the q8 kernels against their own loads and stores without math */
 	for (int p = AOQK_STATE_Q8; p <= AOQK_STATE_BF16_Q8; p += 2) {
 		char kname[96], mname[64];
