@@ -169,20 +169,24 @@ struct aoqk_state {
 	void *master_lo;
 };
 
-/* The split master: the fp32 bits of a (hi, lo) pair, and back. */
+/* The split master: the fp32 bits of a (hi, lo) pair: hi's, plus lo as a
+ * signed 16-bit difference (b's low half; a pair rounded up has it
+ * negative), and back. */
 static inline uint32_t aoqk_split_join(uint16_t hi, uint16_t lo)
 {
-	return ((uint32_t)hi << 16) + lo - ((lo + 0x7fffu) & 0x10000u);
+	return ((uint32_t)hi << 16) + (uint32_t)(int32_t)(int16_t)lo;
 }
 
-/* hi: b rounded to nearest even bf16 (a NaN stays a quiet NaN); lo: b's
- * low half, 0x8000 (a tie) moved to 0x8001 or 0x7fff, the side hi took. */
+/* hi: b rounded to nearest even bf16 (a NaN stays a quiet NaN); lo: the
+ * difference b - hi, a tie (+-0x8000) moved to +-0x7fff, that is one ulp
+ * toward hi.  Otherwise lo is b's low half. */
 static inline void aoqk_split(uint32_t b, uint16_t *hi, uint16_t *lo)
 {
-	uint32_t odd = (b >> 16) & 1u, l = b & 0xffffu;
 	bool nan = (b & 0x7f800000u) == 0x7f800000u && (b & 0x7fffffu);
-	*hi = (uint16_t)(nan ? (b >> 16) | 0x40u : (b + 0x7fffu + odd) >> 16);
-	*lo = (uint16_t)(l == 0x8000u ? (odd ? 0x8001u : 0x7fffu) : l);
+	uint32_t top = (nan ? b | 0x400000u : b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
+	int32_t d = (int32_t)(b - top);
+	*hi = (uint16_t)(top >> 16);
+	*lo = (uint16_t)(d > 0x7fff ? 0x7fff : d < -0x7fff ? -0x7fff : d);
 }
 
 /* The chunk to update and where its data is. */

@@ -74,6 +74,7 @@ KI vi vi_loadu(const uint32_t *p) { return _mm256_loadu_si256((const __m256i *)(
 KI void vi_storeu(uint32_t *p, vi x) { _mm256_storeu_si256((__m256i *)(void *)p, x); }
 KI vi vi_max_s(vi a, vi b) { return _mm256_max_epi32(a, b); }
 KI vi vi_min_u(vi a, vi b) { return _mm256_min_epu32(a, b); }
+KI vi vi_min_s(vi a, vi b) { return _mm256_min_epi32(a, b); }
 KI vi vi_or(vi a, vi b) { return _mm256_or_si256(a, b); }
 KI vi vi_mullo(vi a, vi b) { return _mm256_mullo_epi32(a, b); }
 /* (a & m) | c,  (a & m) | (b & ~m),  a ^ (b & m) */
@@ -119,6 +120,13 @@ KI void vh_stream(uint16_t *p, vh x) { _mm_stream_si128((__m128i *)(void *)p, x)
 KI vh vi_to_vh(vi a)
 {
 	return _mm_packus_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+}
+KI vi vh_to_vi_s(vh h) { return _mm256_cvtepi16_epi32(h); }
+/* The low and the high 16 bits of each lane of w */
+KI void vi_halves(vi w, vh *lo, vh *hi)
+{
+	*lo = vi_to_vh(_mm256_and_si256(w, _mm256_set1_epi32(0xffff)));
+	*hi = vi_to_vh(_mm256_srli_epi32(w, 16));
 }
 KI vf vh_bf16_to_f(vh h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
 KI vf vh_f16_to_f(vh h) { return _mm256_cvtph_ps(h); }

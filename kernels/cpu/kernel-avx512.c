@@ -92,6 +92,7 @@ KI vi vi_loadu(const uint32_t *p) { return _mm512_loadu_si512((const void *)p); 
 KI void vi_storeu(uint32_t *p, vi x) { _mm512_storeu_si512((void *)p, x); }
 KI vi vi_max_s(vi a, vi b) { return _mm512_max_epi32(a, b); }
 KI vi vi_min_u(vi a, vi b) { return _mm512_min_epu32(a, b); }
+KI vi vi_min_s(vi a, vi b) { return _mm512_min_epi32(a, b); }
 KI vi vi_or(vi a, vi b) { return _mm512_or_si512(a, b); }
 KI vi vi_mullo(vi a, vi b) { return _mm512_mullo_epi32(a, b); }
 /* (a & m) | c,  (a & m) | (b & ~m),  a ^ (b & m): one vpternlogd each */
@@ -152,6 +153,16 @@ KI vh vh_loadu(const uint16_t *p) { return _mm256_loadu_si256((const __m256i *)(
 KI void vh_storeu(uint16_t *p, vh x) { _mm256_storeu_si256((__m256i *)(void *)p, x); }
 KI void vh_stream(uint16_t *p, vh x) { _mm256_stream_si256((__m256i *)(void *)p, x); }
 KI vh vi_to_vh(vi a) { return _mm512_cvtepi32_epi16(a); }
+KI vi vh_to_vi_s(vh h) { return _mm512_cvtepi16_epi32(h); }
+/* The low and the high 16 bits of each lane of w (one word permute) */
+KI void vi_halves(vi w, vh *lo, vh *hi)
+{
+	const vi idx = _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1, 30, 28, 26, 24, 22,
+	                                20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+	vi p = _mm512_permutexvar_epi16(idx, w);
+	*lo = _mm512_castsi512_si256(p);
+	*hi = _mm512_extracti64x4_epi64(p, 1);
+}
 #ifdef AOQK_AVX512BF16
 /* bf16 bytes 2k, 2k+1 to bytes 4k+2, 4k+3 of lane k, zeros below: one
  * vpermb (with VBMI) where the widening and the shift are two uops */

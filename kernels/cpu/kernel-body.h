@@ -87,22 +87,19 @@ static AOQK_ALWAYS_INLINE void store_param(void *p, size_t j, vf x, vh xb, const
  * lane-wise: the fp32 value of (hi, lo) ... */
 static AOQK_ALWAYS_INLINE vf split_join(vh hi, vh lo)
 {
-	vi h = vf_as_vi(vh_bf16_to_f(hi));
-	vi l = vi_srli(vf_as_vi(vh_bf16_to_f(lo)), 16);
-	return vi_as_vf(vi_sub(vi_add(h, l), vi_and(vi_add(l, vi_set1(0x7fffu)), vi_set1(0x10000u))));
+	return vi_as_vf(vi_add(vf_as_vi(vh_bf16_to_f(hi)), vh_to_vi_s(lo)));
 }
 
-/* ... and x's halves: *hi rounded to nearest even (a NaN quiet), *lo with
- * a tie (0x8000) moved one ulp to the side *hi took; both below 2^16. */
-static AOQK_ALWAYS_INLINE void split_halves(vf x, vi *hi, vi *lo)
+/* ... and x's halves: *hi the top of x rounded to nearest even (a NaN
+ * quiet), *lo the rest, x - *hi, a tie moved one ulp toward *hi. */
+static AOQK_ALWAYS_INLINE void split_halves(vf x, vh *hi, vh *lo)
 {
 	vi b = vf_as_vi(x);
 	vi odd = vi_and(vi_srli(b, 16), vi_set1(1u));
-	*hi = vi_select_nan(x, vi_or(vi_srli(b, 16), vi_set1(0x40u)),
-	                    vi_srli(vi_add(vi_add(b, vi_set1(0x7fffu)), odd), 16));
-	vi l = vi_and(b, vi_set1(0xffffu));
-	vi tie = vi_srli(vi_sub(vi_xor(l, vi_set1(0x8000u)), vi_set1(1u)), 31); /* 1 where l == 0x8000 */
-	*lo = vi_sub(vi_add(l, vi_slli(vi_and(tie, odd), 1)), tie);
+	vi top = vi_and(vi_add(vi_add(b, vi_set1(0x7fffu)), odd), vi_set1(0xffff0000u));
+	top = vi_select_nan(x, vi_and(vi_or(b, vi_set1(0x400000u)), vi_set1(0xffff0000u)), top);
+	vi d = vi_max_s(vi_min_s(vi_sub(b, top), vi_set1(0x7fffu)), vi_set1((uint32_t)-0x7fff));
+	vi_halves(vi_bitsel(vi_set1(0xffffu), d, top), lo, hi);
 }
 
 /* Stochastic rounding of x to bf16 with the hash of global index i0 + lane. */
@@ -395,11 +392,10 @@ static AOQK_ALWAYS_INLINE vi vstep(const struct kvec kc, const struct kptrs *p,
 		if (pd != PD_NONE)
 			store_param(p->param, j, vi_as_vf(vi_slli(s, 16)), sh, pd, 1, nt);
 	} else if (split) {
-		vi hi, lo;
-		split_halves(pw, &hi, &lo);
-		vh hh = vi_to_vh(hi);
+		vh hh, lo;
+		split_halves(pw, &hh, &lo);
 		vh_storeu((uint16_t *)p->master + j, hh);
-		vh_storeu((uint16_t *)p->lo + j, vi_to_vh(lo));
+		vh_storeu((uint16_t *)p->lo + j, lo);
 		if (pd != PD_NONE)
 			store_param(p->param, j, pw, hh, pd, 1, nt);
 	} else {

@@ -56,6 +56,7 @@ static AOQK_ALWAYS_INLINE vi vi_loadu(const uint32_t *p) { return *p; }
 static AOQK_ALWAYS_INLINE void vi_storeu(uint32_t *p, vi x) { *p = x; }
 static AOQK_ALWAYS_INLINE vi vi_max_s(vi a, vi b) { return (int32_t)a > (int32_t)b ? a : b; }
 static AOQK_ALWAYS_INLINE vi vi_min_u(vi a, vi b) { return a < b ? a : b; }
+static AOQK_ALWAYS_INLINE vi vi_min_s(vi a, vi b) { return (int32_t)a < (int32_t)b ? a : b; }
 static AOQK_ALWAYS_INLINE vi vi_or(vi a, vi b) { return a | b; }
 static AOQK_ALWAYS_INLINE vi vi_mullo(vi a, vi b) { return a * b; }
 static AOQK_ALWAYS_INLINE vi vi_andor(vi a, vi m, vi c) { return (a & m) | c; }
@@ -81,6 +82,12 @@ static AOQK_ALWAYS_INLINE vh vh_loadu(const uint16_t *p) { return *p; }
 static AOQK_ALWAYS_INLINE void vh_storeu(uint16_t *p, vh x) { *p = x; }
 static AOQK_ALWAYS_INLINE void vh_stream(uint16_t *p, vh x) { *p = x; }
 static AOQK_ALWAYS_INLINE vh vi_to_vh(vi a) { return (uint16_t)a; }
+static AOQK_ALWAYS_INLINE vi vh_to_vi_s(vh h) { return (vi)(int32_t)(int16_t)h; }
+static AOQK_ALWAYS_INLINE void vi_halves(vi w, vh *lo, vh *hi)
+{
+	*lo = (uint16_t)w;
+	*hi = (uint16_t)(w >> 16);
+}
 static AOQK_ALWAYS_INLINE vf vh_bf16_to_f(vh h) { return aoqk_bf16_to_f32(h); }
 static AOQK_ALWAYS_INLINE vf vh_f16_to_f(vh h) { return aoqk_f16_to_f32(h); }
 static AOQK_ALWAYS_INLINE vh vf_to_bf16(vf x) { return aoqk_f32_to_bf16(x); }
