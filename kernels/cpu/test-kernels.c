@@ -615,6 +615,14 @@ static double bf16_ulp(double x)
 	return ldexp(1, e - 8);
 }
 
+/* The bf16 ulp that bounds a stochastic rounding of any value within tol
+ * of x: [x - tol, x + tol] may reach into the next binade up, whose bf16
+ * neighbours are twice as far apart as x's. */
+static double bf16_ulp_near(double x, double tol)
+{
+	return bf16_ulp(fabs(x) + tol);
+}
+
 /* The parameter out: the new master cast with round to nearest even. */
 static int param_ok(const struct tcase *t, const struct tbuf *b, size_t i, double p_new,
                     const char *who)
@@ -678,7 +686,7 @@ static void check_case(const struct tcase *t, const struct tbuf *b0, const struc
 			tol += fabs(r.upd) * 2.25 * ldexp(1.0, -t->q8_approx);
 		if (bfm) {
 			double lo = r.p - tol, hi = r.p + tol;
-			double u = bf16_ulp(r.p);
+			double u = bf16_ulp_near(r.p, tol);
 			/* at the overflow edge, v = inf means no update */
 			int edge_ok = r.v_edge && fabs(p_new - p_dec) <= tol + bf16_ulp(p_dec);
 			if (!(p_new >= lo - u && p_new <= hi + u) && !edge_ok) {
@@ -698,14 +706,15 @@ static void check_case(const struct tcase *t, const struct tbuf *b0, const struc
 			double m = bmo ? bf16_val(((const uint16_t *)b->m)[i]) : ((const float *)b->m)[i];
 			double v = bmo ? bf16_val(((const uint16_t *)b->v)[i]) : ((const float *)b->v)[i];
 			double g2 = r.ge * r.ge;
-			double um = bmo ? bf16_ulp(r.m) : 0, uv = bmo ? bf16_ulp(r.v) : 0;
-			if (!(fabs(m - r.m) <= 2e-6 * (fabs(r.m) + fabs(r.m0) + fabs(r.ge)) + w1 * r.eg + 1e-44 + um)) {
+			double mt = 2e-6 * (fabs(r.m) + fabs(r.m0) + fabs(r.ge)) + w1 * r.eg + 1e-44;
+			double vt = 2e-6 * (r.v + g2 * w2) + 2 * w2 * fabs(r.ge) * r.eg + 1e-44;
+			double um = bmo ? bf16_ulp_near(r.m, mt) : 0, uv = bmo ? bf16_ulp_near(r.v, vt) : 0;
+			if (!(fabs(m - r.m) <= mt + um)) {
 				bad++;
 				CHECK(0, "%s: m[%zu]=%.9g ref %.9g", tag, i, m, r.m);
 			}
 			if (r.v_overflow ? !isinf(v)
-			                 : !(fabs(v - r.v) <= 2e-6 * (r.v + g2 * w2) +
-			                                          2 * w2 * fabs(r.ge) * r.eg + 1e-44 + uv) &&
+			                 : !(fabs(v - r.v) <= vt + uv) &&
 			                       !(r.v_edge && isinf(v))) {
 				bad++;
 				CHECK(0, "%s: v[%zu]=%.9g ref %.9g", tag, i, v, r.v);
@@ -890,7 +899,7 @@ static void check_case_sl(const struct tcase *t, const struct tbuf *b0, const st
 		                   : ((const float *)b->master)[i];
 		/* bf16 master: stochastically rounded, one of the two bf16
 		 * neighbours of the reference (within its bound) */
-		double u = bfm ? bf16_ulp(r.p) : 0, ua = bfm ? bf16_ulp(r.p_alt) : 0;
+		double u = bfm ? bf16_ulp_near(r.p, r.tol) : 0, ua = bfm ? bf16_ulp_near(r.p_alt, r.tol) : 0;
 		int ok = fabs(p_new - r.p) <= r.tol + u || (isinf(r.p) && p_new == r.p);
 		if (!ok && r.amb) /* Lion: c within its rounding of 0, any sign */
 			ok = fabs(p_new - r.p_alt) <= r.tol + ua ||
@@ -902,7 +911,7 @@ static void check_case_sl(const struct tcase *t, const struct tbuf *b0, const st
 		}
 		if (r.keep_m) {
 			double m = bfmom ? bf16_val(((const uint16_t *)b->m)[i]) : ((const float *)b->m)[i];
-			double um = bfmom ? bf16_ulp(r.m) : 0;
+			double um = bfmom ? bf16_ulp_near(r.m, r.mtol) : 0;
 			if (!(fabs(m - r.m) <= r.mtol + um)) {
 				bad++;
 				CHECK(0, "%s: m[%zu]=%.9g ref %.9g tol %.3g", tag, i, m, r.m, r.mtol);
