@@ -161,6 +161,7 @@ KI vtab vt_mul(vtab a, float s)
 {
 	return (vtab){ _mm256_mul_ps(a.lo, _mm256_set1_ps(s)), _mm256_mul_ps(a.hi, _mm256_set1_ps(s)) };
 }
+KI vtab vt_sq(vtab a) { return (vtab){ _mm256_mul_ps(a.lo, a.lo), _mm256_mul_ps(a.hi, a.hi) }; }
 KI vf vt_lookup(vtab t, vi idx)
 {
 	return _mm256_blendv_ps(_mm256_permutevar8x32_ps(t.lo, idx), _mm256_permutevar8x32_ps(t.hi, idx),

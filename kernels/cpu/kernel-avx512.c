@@ -225,6 +225,7 @@ KI void vb_store_codes2(uint8_t *a, uint8_t *b, vi x0, vi y0, vi x1, vi y1)
 typedef __m512 vtab;
 KI vtab vt_load(const float *t) { return _mm512_loadu_ps(t); }
 KI vtab vt_mul(vtab a, float s) { return _mm512_mul_ps(a, _mm512_set1_ps(s)); }
+KI vtab vt_sq(vtab a) { return _mm512_mul_ps(a, a); }
 KI vf vt_lookup(vtab t, vi idx) { return _mm512_permutexvar_ps(idx, t); }
 
 KI vacc vacc_zero(void) { return (vacc){ _mm512_setzero_pd(), _mm512_setzero_pd() }; }

@@ -187,6 +187,16 @@ static AOQK_ALWAYS_INLINE vf q8_u_decode(const uint8_t *p, vf su, vf nk, const i
 	return fmadec ? vf_fma(vi_as_vf(e), su, nk) : vf_mul(vf_sub(vi_as_vf(e), vf_set1(AOQK_Q8_U_K)), su);
 }
 
+/* q4: the codes of the W elements from cj (an index in the codes at p),
+ * each in the low 4 bits of its lane (vt_lookup reads no more): bytes
+ * aoqk_q4_byte(cj) on, low nibbles for the first 16 elements of a group,
+ * high nibbles for the rest. */
+static AOQK_ALWAYS_INLINE vi q4_idx(const void *p, size_t cj)
+{
+	vi c = vb_load_u8((const uint8_t *)p + aoqk_q4_byte(cj));
+	return cj & 16 ? vi_srli(c, 4) : c;
+}
+
 /* The per-call constants broadcast once, held in registers: a struct
  * passed by value into the always-inlined step, never through memory that
  * the state stores could alias. */
@@ -239,7 +249,7 @@ static AOQK_ALWAYS_INLINE vi vstep(const struct kvec kc, const struct kptrs *p,
                                      const int pd, const int nt, int want_ss, vacc *ss,
                                      float *bm, float *bu, uint32_t *hb, vi *xs, unsigned slot,
                                      vf *sq, vf sm, vf su, vf nkm, vf nku, vf *mx_m, vf *mx_u,
-                                     const int fast, size_t cj, vtab tm, vtab tu)
+                                     const int fast, size_t cj, const vi *q4c, vtab tm, vtab tv)
 {
 	/* q8: the blocked path (q8 or q4), whose moments go through the
 	 * block buffers; q4 differs only in its codes (decoded here by table,
@@ -283,18 +293,14 @@ static AOQK_ALWAYS_INLINE vi vstep(const struct kvec kc, const struct kptrs *p,
 		m = sm;
 		v = su;
 	} else if (q4) {
-		/* the codes of the W elements from cj: bytes aoqk_q4_byte(cj)
-		 * on, low nibbles for the first 16 of a group, high for the
-		 * rest; the tables hold the block's 16 values (run_chunk) */
-		vi cm = vb_load_u8((const uint8_t *)p->m + aoqk_q4_byte(cj));
-		vi cu = vb_load_u8((const uint8_t *)p->v + aoqk_q4_byte(cj));
-		if (cj & 16) {
-			cm = vi_srli(cm, 4);
-			cu = vi_srli(cu, 4);
-		}
+		/* the codes of the W elements from cj (q4_idx), or q4c's (the
+		 * pair loop loads a group's bytes once for both halves); the
+		 * tables hold the block's 16 values of m and of v * beta2
+		 * (run_chunk) */
+		vi cm = q4c ? q4c[0] : q4_idx(p->m, cj);
+		vi cu = q4c ? q4c[1] : q4_idx(p->v, cj);
 		m = vt_lookup(tm, cm);
-		u = vt_lookup(tu, cu); /* times sqrt(beta2), as q8's */
-		v = vf_mul(u, u);
+		v = vt_lookup(tv, cu);
 	} else if (q8) {
 		m = q8_m_decode((const uint8_t *)p->m + j, sm, nkm, fast);
 		/* su carries sqrt(beta2) (run_chunk): u = sqrt(v * beta2),
@@ -496,7 +502,9 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 	_Alignas(64) float bm[AOQK_Q8_BLOCK], bu[AOQK_Q8_BLOCK];
 	/* q4: the grids F(c) - K of m (signed) and sqrt(v), exact; per block
 	 * times its scale / TOP (one multiply per vector), the block's 16
-	 * values of m and of sqrt(v) * sqrt(beta2) */
+	 * values of m and of u = sqrt(v) * sqrt(beta2), and u * u: the
+	 * update looks up v * beta2 as q8 computes it, the square of the
+	 * decoded u, without the multiply per element */
 	_Alignas(64) float tabm[16], tabu[16];
 	for (unsigned q = 0; q < 8; q++) {
 		tabm[q] = aoqk_u2f((q + AOQK_Q4_M_C0) << AOQK_Q4_M_SHIFT) - AOQK_Q4_M_K;
@@ -505,7 +513,7 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 	for (unsigned q = 0; q < 16; q++)
 		tabu[q] = aoqk_u2f((q + AOQK_Q4_U_C0) << AOQK_Q4_U_SHIFT) - AOQK_Q4_U_K;
 	const vtab q4gm = vt_load(tabm), q4gu = vt_load(tabu);
-	vtab q4m = q4gm, q4u = q4gu;
+	vtab q4m = q4gm, q4v = q4gu;
 	_Alignas(64) uint32_t hb[AOQK_Q8_BLOCK];
 	uint32_t bc[4] = { 0, 0, 0, 0 }; /* plain C: the current state's B */
 	vi xs[XS_N];
@@ -563,7 +571,7 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 				/* (F(c) - K) * (scale / TOP): aoqk_q4_*_decode's
 				 * arithmetic ((-x) * s is -(x * s) exactly) */
 				q4m = vt_mul(q4gm, fm);
-				q4u = vt_mul(q4gu, fu);
+				q4v = vt_sq(vt_mul(q4gu, fu));
 			}
 			if (fast_blk) {
 				nkm = vf_set1(-AOQK_Q8_M_K * fm);
@@ -580,12 +588,24 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 			if (pair_ok) {
 				for (; t + 2 * W <= len; t += 2 * W) {
 					unsigned s0 = (unsigned)(t / W) % XS_N, s1 = (unsigned)(t / W + 1) % XS_N;
+					/* q4 with 16 lanes: the two vectors are the halves of a
+					 * group (t is a multiple of 32), whose codes are the
+					 * low and the high nibbles of the same 16 bytes */
+					const int q4g = q4 && 2 * W == AOQK_Q4_GROUP;
+					vi ca[2] = { vi_zero(), vi_zero() }, cb[2] = { vi_zero(), vi_zero() };
+					if (q4g) {
+						ca[0] = q4_idx(d.m, jb + t);
+						ca[1] = q4_idx(d.v, jb + t);
+						cb[0] = vi_srli(ca[0], 4);
+						cb[1] = vi_srli(ca[1], 4);
+					}
 					vi a = vstep(kc, &d, jb + t, b0 + jb + t, prec, gd, pd, nt, want_ss, &ss,
 					             bm + t, bu + t, hb + t, xs, s0, &sq[s0], sm, su, nkm, nku, &mx_m,
-					             &mx_u, 2, jb + t, q4m, q4u);
+					             &mx_u, 2, jb + t, q4g ? ca : NULL, q4m, q4v);
 					vi b = vstep(kc, &d, jb + t + W, b0 + jb + t + W, prec, gd, pd, nt, want_ss,
 					             &ss, bm + t + W, bu + t + W, hb + t + W, xs, s1, &sq[s1], sm,
-					             su, nkm, nku, &mx_m, &mx_u, 2, jb + t + W, q4m, q4u);
+					             su, nkm, nku, &mx_m, &mx_u, 2, jb + t + W, q4g ? cb : NULL, q4m,
+					             q4v);
 					vi h2 = vi_pack_hi16(a, b);
 					uint16_t *pm = (uint16_t *)d.master + jb + t;
 					vi_storeu((uint32_t *)(void *)pm, h2);
@@ -602,14 +622,14 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 			for (; t + W <= len; t += W)
 				vstep(kc, &d, jb + t, b0 + jb + t, prec, gd, pd, nt, want_ss, &ss, bm + t,
 				      bu + t, hb + t, xs, (t / W) % XS_N, &sq[(t / W) % XS_N], sm, su, nkm,
-				      nku, &mx_m, &mx_u, 1, jb + t, q4m, q4u);
+				      nku, &mx_m, &mx_u, 1, jb + t, NULL, q4m, q4v);
 			for (unsigned g = 0; g < XS_N; g++)
 				vacc_add(&ss, sq[g]);
 		} else {
 			for (; t + W <= len; t += W)
 				vstep(kc, &d, jb + t, b0 + jb + t, prec, gd, pd, nt, want_ss, &ss, bm + t,
 				      bu + t, hb + t, xs, (t / W) % XS_N, &sq[0], sm, su, nkm, nku, &mx_m,
-				      &mx_u, 0, jb + t, q4m, q4u);
+				      &mx_u, 0, jb + t, NULL, q4m, q4v);
 		}
 		if (t < len) {
 			size_t j = jb + t;
@@ -651,7 +671,7 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 				.param = lp,
 			};
 			vstep(kc, &l, 0, b0 + j, prec, gd, pd, 0, want_ss, &ss, bm + t, bu + t,
-			      hb + t, xs, (t / W) % XS_N, &sq[0], sm, su, nkm, nku, &mx_m, &mx_u, 0, cj, q4m, q4u);
+			      hb + t, xs, (t / W) % XS_N, &sq[0], sm, su, nkm, nku, &mx_m, &mx_u, 0, cj, NULL, q4m, q4v);
 			if (d.acc)
 				memset(d.acc + j, 0, r * 4);
 			memcpy((char *)d.master + j * sz.master, lmst, r * sz.master);

@@ -113,6 +113,12 @@ static AOQK_ALWAYS_INLINE vtab vt_mul(vtab a, float s)
 		a.t[i] *= s;
 	return a;
 }
+static AOQK_ALWAYS_INLINE vtab vt_sq(vtab a)
+{
+	for (unsigned i = 0; i < 16; i++)
+		a.t[i] *= a.t[i];
+	return a;
+}
 static AOQK_ALWAYS_INLINE vf vt_lookup(vtab t, vi idx) { return t.t[idx & 15u]; }
 
 static AOQK_ALWAYS_INLINE vacc vacc_zero(void) { return 0.0; }
