@@ -693,7 +693,8 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 	(aoqk_precision_bf16_master(prec) ? hb + ((e) & ~(size_t)3) \
 	 : (const uint32_t *)(const void *)&xs[((e) / W) % XS_N & ~3u])
 		if (q4) {
-			float mm = vf_hmax(mx_m), mu = vf_hmax(mx_u);
+			float mm, mu;
+			vf_hmax2(mx_m, mx_u, &mm, &mu);
 			st->m_scale[bidx] = mm;
 			st->v_scale[bidx] = mu;
 			vf im = vf_set1(aoqk_q8_inv(AOQK_Q4_M_TOP, mm)),
@@ -733,7 +734,8 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 				}
 #endif
 		} else if (q8) {
-			float mm = vf_hmax(mx_m), mu = vf_hmax(mx_u);
+			float mm, mu;
+			vf_hmax2(mx_m, mx_u, &mm, &mu);
 			st->m_scale[bidx] = mm;
 			st->v_scale[bidx] = mu;
 			vf im = vf_set1(aoqk_q8_inv(AOQK_Q8_M_TOP, mm)),
