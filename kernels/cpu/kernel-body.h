@@ -439,9 +439,11 @@ static AOQK_ALWAYS_INLINE void q8_encode(const float *bm, const float *bu, vi a,
  * "q4 moments"), so only A's bits are drawn: v's 8 random bits, bits 0..7
  * of A shifted to the top of the discarded ones, the rest at one half.
  * cmv: m's code in bits 28..30 and its sign in bit 31; cuv: v's code in
- * bits 0..3 (C0's bits above).  No clamp, for q8_codes' reason. */
+ * bits 0..3, or with hi (the elements of a group's high nibbles) in bits
+ * 4..7 where q4_merge wants it (C0's bits above, other bits below).  No
+ * clamp, for q8_codes' reason. */
 static AOQK_ALWAYS_INLINE void q4_codes(const float *bm, const float *bu, vi a, vf inv_m, vf inv_u,
-                                        vi *cmv, vi *cuv)
+                                        const int hi, vi *cmv, vi *cuv)
 {
 	vi rm = vi_set1(1u << (AOQK_Q4_M_SHIFT - 1));
 	vi ru = vi_andor(vi_slli(a, AOQK_Q4_U_SHIFT - 8), vi_set1(0xffu << (AOQK_Q4_U_SHIFT - 8)),
@@ -455,18 +457,29 @@ static AOQK_ALWAYS_INLINE void q4_codes(const float *bm, const float *bu, vi a, 
 
 	vf u = vf_loadu(bu);
 	vf y = vf_fma(u, inv_u, vf_set1(AOQK_Q4_U_K));
-	vi q = vi_srli(vi_add(vf_as_vi(y), ru), AOQK_Q4_U_SHIFT);
+	/* hi: 4 bits less shifted out, the same code 16 times over (the
+	 * max below commutes with the shift) */
+	const unsigned s = hi ? 4 : 0;
+	vi q = vi_srli(vi_add(vf_as_vi(y), ru), AOQK_Q4_U_SHIFT - s);
 	/* a non-zero v never becomes code 0 (q8_codes) */
-	*cuv = vi_max_s(q, vi_min_u(vf_as_vi(u), vi_set1(AOQK_Q4_U_C0 + 1)));
+	*cuv = vi_max_s(q, vi_min_u(vf_as_vi(u), vi_set1((AOQK_Q4_U_C0 + 1) << s)));
 }
 
-/* Stores the q4 codes of the W elements at l (c0, q0) and of the W at
- * l + 16 (c1, q1) of a group: m's nibbles in the top byte of each lane,
- * v's in the low byte, then vb_store_codes' W bytes each. */
+/* The codes of the W elements at l (c0, q0) and of the W at l + 16 (c1,
+ * q1, hi) of a group as bytes: m's in the top byte of each lane of *x,
+ * v's in the low byte of *y. */
+static AOQK_ALWAYS_INLINE void q4_merge(vi c0, vi q0, vi c1, vi q1, vi *x, vi *y)
+{
+	*x = vi_bitsel(vi_set1(0xf0000000u), c1, vi_srli(c0, 4));
+	*y = vi_bitsel(vi_set1(0xf0u), q1, q0);
+}
+
+/* Stores them: vb_store_codes' W bytes each. */
 static AOQK_ALWAYS_INLINE void q4_store(uint8_t *cm, uint8_t *cu, vi c0, vi q0, vi c1, vi q1)
 {
-	vb_store_codes(cm, cu, vi_bitsel(vi_set1(0xf0000000u), c1, vi_srli(c0, 4)),
-	               vi_bitsel(vi_set1(0xf0u), vi_slli(q1, 4), q0));
+	vi x, y;
+	q4_merge(c0, q0, c1, q1, &x, &y);
+	vb_store_codes(cm, cu, x, y);
 }
 
 /* Bytes of element type for the tail copies. */
@@ -714,7 +727,7 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 			 * then the nibbles paired */
 			_Alignas(64) uint32_t tc[AOQK_Q4_BLOCK], tq[AOQK_Q4_BLOCK];
 			for (size_t e = 0; e < lg && !AOQK_DROP_ENCODE; e++) {
-				q4_codes(bm + e, bu + e, Q8_A(e), im, iu, &tc[e], &tq[e]);
+				q4_codes(bm + e, bu + e, Q8_A(e), im, iu, (e & 16) != 0, &tc[e], &tq[e]);
 			}
 			for (size_t e = 0; e < lg && !AOQK_DROP_ENCODE; e += AOQK_Q4_GROUP)
 				for (size_t l = 0; l < AOQK_Q4_GROUP / 2; l++)
@@ -724,12 +737,27 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 			/* the vectors at l and l + 16 of a group together: each
 			 * AES slot is still stepped in the order of its elements
 			 * (slot (l / W) % XS_N is both's, l's first) */
-			for (size_t e = 0; e < lg && !AOQK_DROP_ENCODE; e += AOQK_Q4_GROUP)
+			size_t e = 0;
+#if defined(KHAS_CODES2) && 2 * W == AOQK_Q4_GROUP
+			/* two groups at a time, their bytes stored together
+			 * (vb_store_codes2) */
+			for (; e + 2 * AOQK_Q4_GROUP <= lg && !AOQK_DROP_ENCODE; e += 2 * AOQK_Q4_GROUP) {
+				vi c0, q0, c1, q1, c2, q2, c3, q3, x0, y0, x1, y1;
+				q4_codes(bm + e, bu + e, Q8_A(e), im, iu, 0, &c0, &q0);
+				q4_codes(bm + e + 16, bu + e + 16, Q8_A(e + 16), im, iu, 1, &c1, &q1);
+				q4_codes(bm + e + 32, bu + e + 32, Q8_A(e + 32), im, iu, 0, &c2, &q2);
+				q4_codes(bm + e + 48, bu + e + 48, Q8_A(e + 48), im, iu, 1, &c3, &q3);
+				q4_merge(c0, q0, c1, q1, &x0, &y0);
+				q4_merge(c2, q2, c3, q3, &x1, &y1);
+				vb_store_codes2(cm + e / 2, cu + e / 2, x0, y0, x1, y1);
+			}
+#endif
+			for (; e < lg && !AOQK_DROP_ENCODE; e += AOQK_Q4_GROUP)
 				for (size_t l = 0; l < AOQK_Q4_GROUP / 2; l += W) {
 					size_t lo = e + l, hi = e + l + 16;
 					vi c0, q0, c1, q1;
-					q4_codes(bm + lo, bu + lo, Q8_A(lo), im, iu, &c0, &q0);
-					q4_codes(bm + hi, bu + hi, Q8_A(hi), im, iu, &c1, &q1);
+					q4_codes(bm + lo, bu + lo, Q8_A(lo), im, iu, 0, &c0, &q0);
+					q4_codes(bm + hi, bu + hi, Q8_A(hi), im, iu, 1, &c1, &q1);
 					q4_store(cm + e / 2 + l, cu + e / 2 + l, c0, q0, c1, q1);
 				}
 #endif
