@@ -240,7 +240,7 @@ static AOQK_ALWAYS_INLINE struct kvec kvec_make(const struct aoqk_consts *k)
 
 /* One vector of the update, elements [j, j + W) of the pointers in p.
  * q8: the new m and sqrt(v) go to bm/bu (block buffers), the maxima to
- * mx_m/mx_u; the codes are written by q8_encode once the block is done.
+ * mx_m/mx_u; the codes are written by encode_block (run_chunk).
  * fast = 2 (bf16 master, run_chunk's pair loop): the master is neither
  * rounded nor stored; vstep returns bits(p) + r, whose top halves the
  * caller stores for two vectors at once. */
@@ -482,9 +482,125 @@ static AOQK_ALWAYS_INLINE void q4_store(uint8_t *cm, uint8_t *cu, vi c0, vi q0, 
 	vb_store_codes(cm, cu, x, y);
 }
 
+/* Encode a block of len elements from the buffers bm, bu (and hb: A with
+ * a bf16 master) into its codes at cm, cu, with the factors im, iu =
+ * TOP / the block's scales; e0 is the block's first element in the
+ * tensor.  With an fp32 master the random words A are drawn here (xs);
+ * q4 pads the buffers to whole groups. */
+static AOQK_ALWAYS_INLINE void encode_block(const int prec, uint8_t *cm, uint8_t *cu, size_t len, float *bm,
+                                            float *bu, uint32_t *hb, vi *xs, uint32_t *bc, uint32_t srkey,
+                                            uint64_t e0, vf im, vf iu)
+{
+	const int q4 = aoqk_precision_q4(prec);
+
+	if (!aoqk_precision_bf16_master(prec))
+		for (unsigned g = 0; g < XS_N; g++)
+			xs[g] = sr_hash(srkey, e0 + g * W);
+	/* the random bits: A is the update's with a bf16 master (it
+	 * rounded the master with its top half), else steps here; B is
+	 * computed here */
+#define Q8_A(e) \
+	(aoqk_precision_bf16_master(prec) ? vi_loadu(hb + (e)) \
+	 : AOQK_DROP_HASH ? vi_zero() : rng_step(xs, ((e) / W) % XS_N))
+	/* plain C: the four words of the element's AES state */
+#define Q8_LANE(e) \
+	(aoqk_precision_bf16_master(prec) ? hb + ((e) & ~(size_t)3) \
+	 : (const uint32_t *)(const void *)&xs[((e) / W) % XS_N & ~3u])
+	if (q4) {
+		/* whole groups: the last one's elements past the end
+		 * encode zeros (code 0, whatever the random bits) */
+		size_t lg = (len + AOQK_Q4_GROUP - 1) / AOQK_Q4_GROUP * AOQK_Q4_GROUP;
+		for (size_t e = len; e < lg; e++) {
+			bm[e] = 0.0f;
+			bu[e] = 0.0f;
+			hb[e] = 0;
+		}
+#if W == 1
+		/* the AES states' words in element order (rng_step),
+		 * then the nibbles paired */
+		_Alignas(64) uint32_t tc[AOQK_Q4_BLOCK], tq[AOQK_Q4_BLOCK];
+		for (size_t e = 0; e < lg && !AOQK_DROP_ENCODE; e++) {
+			q4_codes(bm + e, bu + e, Q8_A(e), im, iu, (e & 16) != 0, &tc[e], &tq[e]);
+		}
+		for (size_t e = 0; e < lg && !AOQK_DROP_ENCODE; e += AOQK_Q4_GROUP)
+			for (size_t l = 0; l < AOQK_Q4_GROUP / 2; l++)
+				q4_store(cm + e / 2 + l, cu + e / 2 + l, tc[e + l], tq[e + l], tc[e + l + 16],
+				         tq[e + l + 16]);
+#else
+		/* the vectors at l and l + 16 of a group together: each
+		 * AES slot is still stepped in the order of its elements
+		 * (slot (l / W) % XS_N is both's, l's first) */
+		size_t e = 0;
+#if defined(KHAS_CODES2) && 2 * W == AOQK_Q4_GROUP
+		/* two groups at a time, their bytes stored together
+		 * (vb_store_codes2) */
+		for (; e + 2 * AOQK_Q4_GROUP <= lg && !AOQK_DROP_ENCODE; e += 2 * AOQK_Q4_GROUP) {
+			vi c0, q0, c1, q1, c2, q2, c3, q3, x0, y0, x1, y1;
+			q4_codes(bm + e, bu + e, Q8_A(e), im, iu, 0, &c0, &q0);
+			q4_codes(bm + e + 16, bu + e + 16, Q8_A(e + 16), im, iu, 1, &c1, &q1);
+			q4_codes(bm + e + 32, bu + e + 32, Q8_A(e + 32), im, iu, 0, &c2, &q2);
+			q4_codes(bm + e + 48, bu + e + 48, Q8_A(e + 48), im, iu, 1, &c3, &q3);
+			q4_merge(c0, q0, c1, q1, &x0, &y0);
+			q4_merge(c2, q2, c3, q3, &x1, &y1);
+			vb_store_codes2(cm + e / 2, cu + e / 2, x0, y0, x1, y1);
+		}
+#endif
+		for (; e < lg && !AOQK_DROP_ENCODE; e += AOQK_Q4_GROUP)
+			for (size_t l = 0; l < AOQK_Q4_GROUP / 2; l += W) {
+				size_t lo = e + l, hi = e + l + 16;
+				vi c0, q0, c1, q1;
+				q4_codes(bm + lo, bu + lo, Q8_A(lo), im, iu, 0, &c0, &q0);
+				q4_codes(bm + hi, bu + hi, Q8_A(hi), im, iu, 1, &c1, &q1);
+				q4_store(cm + e / 2 + l, cu + e / 2 + l, c0, q0, c1, q1);
+			}
+#endif
+	} else {
+		size_t e = 0;
+#ifdef KHAS_CODES2
+		/* two vectors at a time, their codes packed together
+		 * (vb_store_codes2) */
+		for (; e + 2 * W <= len && !AOQK_DROP_ENCODE; e += 2 * W) {
+			vi a0 = Q8_A(e);
+			vi a1 = Q8_A(e + W);
+			vi c0, q0, c1, q1;
+			q8_codes(bm + e, bu + e, a0, rng_second(a0, Q8_LANE(e), (unsigned)(e % 4), bc), im, iu,
+			         &c0, &q0);
+			q8_codes(bm + e + W, bu + e + W, a1,
+			         rng_second(a1, Q8_LANE(e + W), (unsigned)((e + W) % 4), bc), im, iu, &c1, &q1);
+			vb_store_codes2(cm + e, cu + e, c0, q0, c1, q1);
+		}
+#endif
+		for (; e + W <= len && !AOQK_DROP_ENCODE; e += W) {
+			vi a = Q8_A(e);
+			q8_encode(bm + e, bu + e, a, rng_second(a, Q8_LANE(e), (unsigned)(e % 4), bc),
+			          cm + e, cu + e, im, iu);
+		}
+		if (e < len && !AOQK_DROP_ENCODE) {
+			_Alignas(64) uint8_t tm[W];
+			_Alignas(64) uint8_t tu[W];
+			/* lanes past len hold zeros from the padded step */
+			size_t rem = len - e < W ? len - e : W;
+			vi a = Q8_A(e);
+			q8_encode(bm + e, bu + e, a, rng_second(a, Q8_LANE(e), (unsigned)(e % 4), bc), tm,
+			          tu, im, iu);
+			memcpy(cm + e, tm, rem);
+			memcpy(cu + e, tu, rem);
+		}
+	}
+#undef Q8_A
+#undef Q8_LANE
+}
+
 /* Bytes of element type for the tail copies. */
 struct ksizes {
 	size_t g, master, mom;
+};
+
+/* A q8 or q4 block updated and not yet encoded: its first element in the
+ * chunk, its length and its encode factors (TOP / its scales). */
+struct kblock {
+	size_t j, len;
+	float im, iu;
 };
 
 static double scan_sumsq(const void *grad, enum aoqk_dtype gd, const float *acc, float scale, size_t n);
@@ -512,7 +628,12 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 		.v = (char *)st->v + (q4 ? b0 / 2 : b0 * sz.mom),
 		.param = c->param,
 	};
-	_Alignas(64) float bm[AOQK_Q8_BLOCK], bu[AOQK_Q8_BLOCK];
+	/* q8, q4: the update of a block writes its new m, sqrt(v) (and A with
+	 * a bf16 master) to one half of these, in turn, and the block is
+	 * encoded after the next block's update: its encode waits on a chain
+	 * of dependent operations (the maxima, their inverses), which runs
+	 * beside that update */
+	_Alignas(64) float bm[2 * AOQK_Q8_BLOCK], bu[2 * AOQK_Q8_BLOCK];
 	/* q4: the grids F(c) - K of m (signed) and sqrt(v), exact; per block
 	 * times its scale / TOP (one multiply per vector), the block's 16
 	 * values of m and of u = sqrt(v) * sqrt(beta2), and u * u: the
@@ -527,7 +648,9 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 		tabu[q] = aoqk_u2f((q + AOQK_Q4_U_C0) << AOQK_Q4_U_SHIFT) - AOQK_Q4_U_K;
 	const vtab q4gm = vt_load(tabm), q4gu = vt_load(tabu);
 	vtab q4m = q4gm, q4v = q4gu;
-	_Alignas(64) uint32_t hb[AOQK_Q8_BLOCK];
+	_Alignas(64) uint32_t hb[2 * AOQK_Q8_BLOCK];
+	struct kblock prev = { 0, 0, 0.0f, 0.0f };
+	int pend = 0;
 	uint32_t bc[4] = { 0, 0, 0, 0 }; /* plain C: the current state's B */
 	vi xs[XS_N];
 	vf sq[XS_N];
@@ -560,6 +683,9 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 	for (size_t jb = 0; jb < n; jb += blk) {
 		size_t len = n - jb < blk ? n - jb : blk;
 		size_t bidx = q8 ? (b0 + jb) / blk : 0;
+		const size_t hoff = jb / blk % 2 * AOQK_Q8_BLOCK;
+		float *bmh = bm + hoff, *buh = bu + hoff;
+		uint32_t *hbh = hb + hoff;
 		vf sm = vf_zero(), su = vf_zero(), mx_m = vf_zero(), mx_u = vf_zero();
 		vf nkm = vf_zero(), nku = vf_zero();
 		/* the fast loops decode with an FMA, which needs the block's
@@ -569,8 +695,10 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 		int fast_blk = 0;
 
 		if (q8) {
-			for (unsigned g = 0; g < XS_N; g++)
-				xs[g] = sr_hash(kc.srkey, b0 + jb + g * W);
+			/* with an fp32 master encode_block draws A */
+			if (aoqk_precision_bf16_master(prec))
+				for (unsigned g = 0; g < XS_N; g++)
+					xs[g] = sr_hash(kc.srkey, b0 + jb + g * W);
 			/* fu: sqrt(v)'s decode times sqrt(beta2) (vstep) */
 			float fm = st->m_scale[bidx] / (q4 ? AOQK_Q4_M_TOP : AOQK_Q8_M_TOP),
 			      fu = st->v_scale[bidx] / (q4 ? AOQK_Q4_U_TOP : AOQK_Q8_U_TOP) * k->sb2;
@@ -613,10 +741,10 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 						cb[1] = vi_srli(ca[1], 4);
 					}
 					vi a = vstep(kc, &d, jb + t, b0 + jb + t, prec, gd, pd, nt, want_ss, &ss,
-					             bm + t, bu + t, hb + t, xs, s0, &sq[s0], sm, su, nkm, nku, &mx_m,
+					             bmh + t, buh + t, hbh + t, xs, s0, &sq[s0], sm, su, nkm, nku, &mx_m,
 					             &mx_u, 2, jb + t, q4g ? ca : NULL, q4m, q4v);
 					vi b = vstep(kc, &d, jb + t + W, b0 + jb + t + W, prec, gd, pd, nt, want_ss,
-					             &ss, bm + t + W, bu + t + W, hb + t + W, xs, s1, &sq[s1], sm,
+					             &ss, bmh + t + W, buh + t + W, hbh + t + W, xs, s1, &sq[s1], sm,
 					             su, nkm, nku, &mx_m, &mx_u, 2, jb + t + W, q4g ? cb : NULL, q4m,
 					             q4v);
 					vi h2 = vi_pack_hi16(a, b);
@@ -633,15 +761,15 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 			}
 #endif
 			for (; t + W <= len; t += W)
-				vstep(kc, &d, jb + t, b0 + jb + t, prec, gd, pd, nt, want_ss, &ss, bm + t,
-				      bu + t, hb + t, xs, (t / W) % XS_N, &sq[(t / W) % XS_N], sm, su, nkm,
+				vstep(kc, &d, jb + t, b0 + jb + t, prec, gd, pd, nt, want_ss, &ss, bmh + t,
+				      buh + t, hbh + t, xs, (t / W) % XS_N, &sq[(t / W) % XS_N], sm, su, nkm,
 				      nku, &mx_m, &mx_u, 1, jb + t, NULL, q4m, q4v);
 			for (unsigned g = 0; g < XS_N; g++)
 				vacc_add(&ss, sq[g]);
 		} else {
 			for (; t + W <= len; t += W)
-				vstep(kc, &d, jb + t, b0 + jb + t, prec, gd, pd, nt, want_ss, &ss, bm + t,
-				      bu + t, hb + t, xs, (t / W) % XS_N, &sq[0], sm, su, nkm, nku, &mx_m,
+				vstep(kc, &d, jb + t, b0 + jb + t, prec, gd, pd, nt, want_ss, &ss, bmh + t,
+				      buh + t, hbh + t, xs, (t / W) % XS_N, &sq[0], sm, su, nkm, nku, &mx_m,
 				      &mx_u, 0, jb + t, NULL, q4m, q4v);
 		}
 		if (t < len) {
@@ -683,8 +811,8 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 				.v = q4 ? (void *)lv4 : (void *)lv,
 				.param = lp,
 			};
-			vstep(kc, &l, 0, b0 + j, prec, gd, pd, 0, want_ss, &ss, bm + t, bu + t,
-			      hb + t, xs, (t / W) % XS_N, &sq[0], sm, su, nkm, nku, &mx_m, &mx_u, 0, cj, NULL, q4m, q4v);
+			vstep(kc, &l, 0, b0 + j, prec, gd, pd, 0, want_ss, &ss, bmh + t, buh + t,
+			      hbh + t, xs, (t / W) % XS_N, &sq[0], sm, su, nkm, nku, &mx_m, &mx_u, 0, cj, NULL, q4m, q4v);
 			if (d.acc)
 				memset(d.acc + j, 0, r * 4);
 			memcpy((char *)d.master + j * sz.master, lmst, r * sz.master);
@@ -695,115 +823,26 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 			if (pd != PD_NONE)
 				memcpy((char *)d.param + j * psz, lp, r * psz);
 		}
-		/* the random bits: A is the update's with a bf16 master (it
-		 * rounded the master with its top half), else steps here; B is
-		 * computed here */
-#define Q8_A(e) \
-	(aoqk_precision_bf16_master(prec) ? vi_loadu(hb + (e)) \
-	 : AOQK_DROP_HASH ? vi_zero() : rng_step(xs, ((e) / W) % XS_N))
-		/* plain C: the four words of the element's AES state */
-#define Q8_LANE(e) \
-	(aoqk_precision_bf16_master(prec) ? hb + ((e) & ~(size_t)3) \
-	 : (const uint32_t *)(const void *)&xs[((e) / W) % XS_N & ~3u])
-		if (q4) {
+		if (q8) {
+			struct kblock cur = { jb, len, 0.0f, 0.0f };
 			float mm, mu;
 			vf_hmax2(mx_m, mx_u, &mm, &mu);
 			st->m_scale[bidx] = mm;
 			st->v_scale[bidx] = mu;
-			vf im = vf_set1(aoqk_q8_inv(AOQK_Q4_M_TOP, mm)),
-			   iu = vf_set1(aoqk_q8_inv(AOQK_Q4_U_TOP, mu));
-			uint8_t *cm = (uint8_t *)d.m + jb / 2;
-			uint8_t *cu = (uint8_t *)d.v + jb / 2;
-			/* whole groups: the last one's elements past the end
-			 * encode zeros (code 0, whatever the random bits) */
-			size_t lg = (len + AOQK_Q4_GROUP - 1) / AOQK_Q4_GROUP * AOQK_Q4_GROUP;
-			for (size_t e = len; e < lg; e++) {
-				bm[e] = 0.0f;
-				bu[e] = 0.0f;
-				hb[e] = 0;
+			cur.im = aoqk_q8_inv(q4 ? AOQK_Q4_M_TOP : AOQK_Q8_M_TOP, mm);
+			cur.iu = aoqk_q8_inv(q4 ? AOQK_Q4_U_TOP : AOQK_Q8_U_TOP, mu);
+			/* the block before this one, then (the chunk's last
+			 * block) this one */
+			for (int i = !pend; i < 1 + (jb + blk >= n); i++) {
+				const struct kblock *e = i ? &cur : &prev;
+				const size_t eo = e->j / blk % 2 * AOQK_Q8_BLOCK;
+				encode_block(prec, (uint8_t *)d.m + (q4 ? e->j / 2 : e->j),
+				             (uint8_t *)d.v + (q4 ? e->j / 2 : e->j), e->len, bm + eo, bu + eo,
+				             hb + eo, xs, bc, kc.srkey, b0 + e->j, vf_set1(e->im), vf_set1(e->iu));
 			}
-#if W == 1
-			/* the AES states' words in element order (rng_step),
-			 * then the nibbles paired */
-			_Alignas(64) uint32_t tc[AOQK_Q4_BLOCK], tq[AOQK_Q4_BLOCK];
-			for (size_t e = 0; e < lg && !AOQK_DROP_ENCODE; e++) {
-				q4_codes(bm + e, bu + e, Q8_A(e), im, iu, (e & 16) != 0, &tc[e], &tq[e]);
-			}
-			for (size_t e = 0; e < lg && !AOQK_DROP_ENCODE; e += AOQK_Q4_GROUP)
-				for (size_t l = 0; l < AOQK_Q4_GROUP / 2; l++)
-					q4_store(cm + e / 2 + l, cu + e / 2 + l, tc[e + l], tq[e + l], tc[e + l + 16],
-					         tq[e + l + 16]);
-#else
-			/* the vectors at l and l + 16 of a group together: each
-			 * AES slot is still stepped in the order of its elements
-			 * (slot (l / W) % XS_N is both's, l's first) */
-			size_t e = 0;
-#if defined(KHAS_CODES2) && 2 * W == AOQK_Q4_GROUP
-			/* two groups at a time, their bytes stored together
-			 * (vb_store_codes2) */
-			for (; e + 2 * AOQK_Q4_GROUP <= lg && !AOQK_DROP_ENCODE; e += 2 * AOQK_Q4_GROUP) {
-				vi c0, q0, c1, q1, c2, q2, c3, q3, x0, y0, x1, y1;
-				q4_codes(bm + e, bu + e, Q8_A(e), im, iu, 0, &c0, &q0);
-				q4_codes(bm + e + 16, bu + e + 16, Q8_A(e + 16), im, iu, 1, &c1, &q1);
-				q4_codes(bm + e + 32, bu + e + 32, Q8_A(e + 32), im, iu, 0, &c2, &q2);
-				q4_codes(bm + e + 48, bu + e + 48, Q8_A(e + 48), im, iu, 1, &c3, &q3);
-				q4_merge(c0, q0, c1, q1, &x0, &y0);
-				q4_merge(c2, q2, c3, q3, &x1, &y1);
-				vb_store_codes2(cm + e / 2, cu + e / 2, x0, y0, x1, y1);
-			}
-#endif
-			for (; e < lg && !AOQK_DROP_ENCODE; e += AOQK_Q4_GROUP)
-				for (size_t l = 0; l < AOQK_Q4_GROUP / 2; l += W) {
-					size_t lo = e + l, hi = e + l + 16;
-					vi c0, q0, c1, q1;
-					q4_codes(bm + lo, bu + lo, Q8_A(lo), im, iu, 0, &c0, &q0);
-					q4_codes(bm + hi, bu + hi, Q8_A(hi), im, iu, 1, &c1, &q1);
-					q4_store(cm + e / 2 + l, cu + e / 2 + l, c0, q0, c1, q1);
-				}
-#endif
-		} else if (q8) {
-			float mm, mu;
-			vf_hmax2(mx_m, mx_u, &mm, &mu);
-			st->m_scale[bidx] = mm;
-			st->v_scale[bidx] = mu;
-			vf im = vf_set1(aoqk_q8_inv(AOQK_Q8_M_TOP, mm)),
-			   iu = vf_set1(aoqk_q8_inv(AOQK_Q8_U_TOP, mu));
-			uint8_t *cm = (uint8_t *)d.m + jb;
-			uint8_t *cu = (uint8_t *)d.v + jb;
-			size_t e = 0;
-#ifdef KHAS_CODES2
-			/* two vectors at a time, their codes packed together
-			 * (vb_store_codes2) */
-			for (; e + 2 * W <= len && !AOQK_DROP_ENCODE; e += 2 * W) {
-				vi a0 = Q8_A(e);
-				vi a1 = Q8_A(e + W);
-				vi c0, q0, c1, q1;
-				q8_codes(bm + e, bu + e, a0, rng_second(a0, Q8_LANE(e), (unsigned)(e % 4), bc), im, iu,
-				         &c0, &q0);
-				q8_codes(bm + e + W, bu + e + W, a1,
-				         rng_second(a1, Q8_LANE(e + W), (unsigned)((e + W) % 4), bc), im, iu, &c1, &q1);
-				vb_store_codes2(cm + e, cu + e, c0, q0, c1, q1);
-			}
-#endif
-			for (; e + W <= len && !AOQK_DROP_ENCODE; e += W) {
-				vi a = Q8_A(e);
-				q8_encode(bm + e, bu + e, a, rng_second(a, Q8_LANE(e), (unsigned)(e % 4), bc),
-				          cm + e, cu + e, im, iu);
-			}
-			if (e < len && !AOQK_DROP_ENCODE) {
-				_Alignas(64) uint8_t tm[W];
-				_Alignas(64) uint8_t tu[W];
-				/* lanes past len hold zeros from the padded step */
-				size_t rem = len - e < W ? len - e : W;
-				vi a = Q8_A(e);
-				q8_encode(bm + e, bu + e, a, rng_second(a, Q8_LANE(e), (unsigned)(e % 4), bc), tm,
-				          tu, im, iu);
-				memcpy(cm + e, tm, rem);
-				memcpy(cu + e, tu, rem);
-			}
+			prev = cur;
+			pend = 1;
 		}
-#undef Q8_A
-#undef Q8_LANE
 	}
 	if (want_ss) {
 		*ssum = vacc_sum(ss);
