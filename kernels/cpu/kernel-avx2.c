@@ -52,12 +52,15 @@ KI vf vf_sign(vf a)
 	return _mm256_blendv_ps(a, vf_copysign(_mm256_set1_ps(1.0f), a),
 	                        _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_NEQ_OQ));
 }
-KI float vf_hmax(vf a)
+/* The maxima of the lanes of a and of b (a block's two scales), in one
+ * reduction (the order does not matter: no lane is NaN or -0) */
+KI void vf_hmax2(vf a, vf b, float *ma, float *mb)
 {
-	__m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-	m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-	m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-	return _mm_cvtss_f32(m);
+	__m256 t = _mm256_max_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+	t = _mm256_max_ps(t, _mm256_permute_ps(t, 0x4e));
+	t = _mm256_max_ps(t, _mm256_permute_ps(t, 0xb1));
+	*ma = _mm256_cvtss_f32(t);
+	*mb = _mm_cvtss_f32(_mm256_extractf128_ps(t, 1));
 }
 
 KI vi vi_set1(uint32_t x) { return _mm256_set1_epi32((int)x); }
@@ -169,6 +172,7 @@ KI vtab vt_mul(vtab a, float s)
 {
 	return (vtab){ _mm256_mul_ps(a.lo, _mm256_set1_ps(s)), _mm256_mul_ps(a.hi, _mm256_set1_ps(s)) };
 }
+KI vtab vt_sq(vtab a) { return (vtab){ _mm256_mul_ps(a.lo, a.lo), _mm256_mul_ps(a.hi, a.hi) }; }
 KI vf vt_lookup(vtab t, vi idx)
 {
 	return _mm256_blendv_ps(_mm256_permutevar8x32_ps(t.lo, idx), _mm256_permutevar8x32_ps(t.hi, idx),

@@ -69,7 +69,19 @@ KI vf vf_copysign(vf x, vf s)
 	return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(x), _mm512_castps_si512(s),
 	                                                     _mm512_set1_epi32((int)0x80000000u), 0xf8));
 }
-KI float vf_hmax(vf a) { return _mm512_reduce_max_ps(a); }
+/* The maxima of the lanes of a and of b (a block's two scales), in one
+ * reduction: the 128-bit lanes of both halved into one vector, then
+ * within the lanes.  The order of a max reduction does not matter for the
+ * blocks' maxima (no lane is NaN or -0). */
+KI void vf_hmax2(vf a, vf b, float *ma, float *mb)
+{
+	vf t = _mm512_max_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xee));
+	t = _mm512_max_ps(t, _mm512_shuffle_f32x4(t, t, 0xb1));
+	t = _mm512_max_ps(t, _mm512_permute_ps(t, 0x4e));
+	t = _mm512_max_ps(t, _mm512_permute_ps(t, 0xb1));
+	*ma = _mm512_cvtss_f32(t);
+	*mb = _mm_cvtss_f32(_mm512_extractf32x4_ps(t, 2));
+}
 /* +-1 for non-zero a, a itself for +-0 and NaN (Lion's sign) */
 KI vf vf_sign(vf a)
 {
@@ -236,6 +248,7 @@ KI void vb_store_codes2(uint8_t *a, uint8_t *b, vi x0, vi y0, vi x1, vi y1)
 typedef __m512 vtab;
 KI vtab vt_load(const float *t) { return _mm512_loadu_ps(t); }
 KI vtab vt_mul(vtab a, float s) { return _mm512_mul_ps(a, _mm512_set1_ps(s)); }
+KI vtab vt_sq(vtab a) { return _mm512_mul_ps(a, a); }
 KI vf vt_lookup(vtab t, vi idx) { return _mm512_permutexvar_ps(idx, t); }
 
 KI vacc vacc_zero(void) { return (vacc){ _mm512_setzero_pd(), _mm512_setzero_pd() }; }

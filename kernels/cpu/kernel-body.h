@@ -207,6 +207,16 @@ static AOQK_ALWAYS_INLINE vf q8_u_decode(const uint8_t *p, vf su, vf nk, const i
 	return fmadec ? vf_fma(vi_as_vf(e), su, nk) : vf_mul(vf_sub(vi_as_vf(e), vf_set1(AOQK_Q8_U_K)), su);
 }
 
+/* q4: the codes of the W elements from cj (an index in the codes at p),
+ * each in the low 4 bits of its lane (vt_lookup reads no more): bytes
+ * aoqk_q4_byte(cj) on, low nibbles for the first 16 elements of a group,
+ * high nibbles for the rest. */
+static AOQK_ALWAYS_INLINE vi q4_idx(const void *p, size_t cj)
+{
+	vi c = vb_load_u8((const uint8_t *)p + aoqk_q4_byte(cj));
+	return cj & 16 ? vi_srli(c, 4) : c;
+}
+
 /* The per-call constants broadcast once, held in registers: a struct
  * passed by value into the always-inlined step, never through memory that
  * the state stores could alias. */
@@ -250,7 +260,7 @@ static AOQK_ALWAYS_INLINE struct kvec kvec_make(const struct aoqk_consts *k)
 
 /* One vector of the update, elements [j, j + W) of the pointers in p.
  * q8: the new m and sqrt(v) go to bm/bu (block buffers), the maxima to
- * mx_m/mx_u; the codes are written by q8_encode once the block is done.
+ * mx_m/mx_u; the codes are written by encode_block (run_chunk).
  * fast = 2 (bf16 master, run_chunk's pair loop): the master is neither
  * rounded nor stored; vstep returns bits(p) + r, whose top halves the
  * caller stores for two vectors at once. */
@@ -259,7 +269,8 @@ static AOQK_ALWAYS_INLINE vi vstep(const struct kvec kc, const struct kptrs *p,
                                      const int pd, const int nt, int want_ss, vacc *ss,
                                      float *bm, float *bu, uint32_t *hb, vi *xs, unsigned slot,
                                      vf *sq, vf sm, vf su, vf nkm, vf nku, vf *mx_m, vf *mx_u,
-                                     const int fast, size_t cj, vtab tm, vtab tu, const int split)
+                                     const int fast, size_t cj, const vi *q4c, vtab tm, vtab tv,
+                                     const int split)
 {
 	/* q8: the blocked path (q8 or q4), whose moments go through the
 	 * block buffers; q4 differs only in its codes (decoded here by table,
@@ -305,18 +316,14 @@ static AOQK_ALWAYS_INLINE vi vstep(const struct kvec kc, const struct kptrs *p,
 		m = sm;
 		v = su;
 	} else if (q4) {
-		/* the codes of the W elements from cj: bytes aoqk_q4_byte(cj)
-		 * on, low nibbles for the first 16 of a group, high for the
-		 * rest; the tables hold the block's 16 values (run_chunk) */
-		vi cm = vb_load_u8((const uint8_t *)p->m + aoqk_q4_byte(cj));
-		vi cu = vb_load_u8((const uint8_t *)p->v + aoqk_q4_byte(cj));
-		if (cj & 16) {
-			cm = vi_srli(cm, 4);
-			cu = vi_srli(cu, 4);
-		}
+		/* the codes of the W elements from cj (q4_idx), or q4c's (the
+		 * pair loop loads a group's bytes once for both halves); the
+		 * tables hold the block's 16 values of m and of v * beta2
+		 * (run_chunk) */
+		vi cm = q4c ? q4c[0] : q4_idx(p->m, cj);
+		vi cu = q4c ? q4c[1] : q4_idx(p->v, cj);
 		m = vt_lookup(tm, cm);
-		u = vt_lookup(tu, cu); /* times sqrt(beta2), as q8's */
-		v = vf_mul(u, u);
+		v = vt_lookup(tv, cu);
 	} else if (q8) {
 		m = q8_m_decode((const uint8_t *)p->m + j, sm, nkm, fast);
 		/* su carries sqrt(beta2) (run_chunk): u = sqrt(v * beta2),
@@ -462,9 +469,11 @@ static AOQK_ALWAYS_INLINE void q8_encode(const float *bm, const float *bu, vi a,
  * "q4 moments"), so only A's bits are drawn: v's 8 random bits, bits 0..7
  * of A shifted to the top of the discarded ones, the rest at one half.
  * cmv: m's code in bits 28..30 and its sign in bit 31; cuv: v's code in
- * bits 0..3 (C0's bits above).  No clamp, for q8_codes' reason. */
+ * bits 0..3, or with hi (the elements of a group's high nibbles) in bits
+ * 4..7 where q4_merge wants it (C0's bits above, other bits below).  No
+ * clamp, for q8_codes' reason. */
 static AOQK_ALWAYS_INLINE void q4_codes(const float *bm, const float *bu, vi a, vf inv_m, vf inv_u,
-                                        vi *cmv, vi *cuv)
+                                        const int hi, vi *cmv, vi *cuv)
 {
 	vi rm = vi_set1(1u << (AOQK_Q4_M_SHIFT - 1));
 	vi ru = vi_andor(vi_slli(a, AOQK_Q4_U_SHIFT - 8), vi_set1(0xffu << (AOQK_Q4_U_SHIFT - 8)),
@@ -478,23 +487,150 @@ static AOQK_ALWAYS_INLINE void q4_codes(const float *bm, const float *bu, vi a, 
 
 	vf u = vf_loadu(bu);
 	vf y = vf_fma(u, inv_u, vf_set1(AOQK_Q4_U_K));
-	vi q = vi_srli(vi_add(vf_as_vi(y), ru), AOQK_Q4_U_SHIFT);
+	/* hi: 4 bits less shifted out, the same code 16 times over (the
+	 * max below commutes with the shift) */
+	const unsigned s = hi ? 4 : 0;
+	vi q = vi_srli(vi_add(vf_as_vi(y), ru), AOQK_Q4_U_SHIFT - s);
 	/* a non-zero v never becomes code 0 (q8_codes) */
-	*cuv = vi_max_s(q, vi_min_u(vf_as_vi(u), vi_set1(AOQK_Q4_U_C0 + 1)));
+	*cuv = vi_max_s(q, vi_min_u(vf_as_vi(u), vi_set1((AOQK_Q4_U_C0 + 1) << s)));
 }
 
-/* Stores the q4 codes of the W elements at l (c0, q0) and of the W at
- * l + 16 (c1, q1) of a group: m's nibbles in the top byte of each lane,
- * v's in the low byte, then vb_store_codes' W bytes each. */
+/* The codes of the W elements at l (c0, q0) and of the W at l + 16 (c1,
+ * q1, hi) of a group as bytes: m's in the top byte of each lane of *x,
+ * v's in the low byte of *y. */
+static AOQK_ALWAYS_INLINE void q4_merge(vi c0, vi q0, vi c1, vi q1, vi *x, vi *y)
+{
+	*x = vi_bitsel(vi_set1(0xf0000000u), c1, vi_srli(c0, 4));
+	*y = vi_bitsel(vi_set1(0xf0u), q1, q0);
+}
+
+/* Stores them: vb_store_codes' W bytes each. */
 static AOQK_ALWAYS_INLINE void q4_store(uint8_t *cm, uint8_t *cu, vi c0, vi q0, vi c1, vi q1)
 {
-	vb_store_codes(cm, cu, vi_bitsel(vi_set1(0xf0000000u), c1, vi_srli(c0, 4)),
-	               vi_bitsel(vi_set1(0xf0u), vi_slli(q1, 4), q0));
+	vi x, y;
+	q4_merge(c0, q0, c1, q1, &x, &y);
+	vb_store_codes(cm, cu, x, y);
+}
+
+/* Encode a block of len elements from the buffers bm, bu (and hb: A with
+ * a bf16 master) into its codes at cm, cu, with the factors im, iu =
+ * TOP / the block's scales; e0 is the block's first element in the
+ * tensor.  With an fp32 master the random words A are drawn here (xs);
+ * q4 pads the buffers to whole groups. */
+static AOQK_ALWAYS_INLINE void encode_block(const int prec, uint8_t *cm, uint8_t *cu, size_t len, float *bm,
+                                            float *bu, uint32_t *hb, vi *xs, uint32_t *bc, uint32_t srkey,
+                                            uint64_t e0, vf im, vf iu)
+{
+	const int q4 = aoqk_precision_q4(prec);
+
+	if (!aoqk_precision_bf16_master(prec))
+		for (unsigned g = 0; g < XS_N; g++)
+			xs[g] = sr_hash(srkey, e0 + g * W);
+	/* the random bits: A is the update's with a bf16 master (it
+	 * rounded the master with its top half), else steps here; B is
+	 * computed here */
+#define Q8_A(e) \
+	(aoqk_precision_bf16_master(prec) ? vi_loadu(hb + (e)) \
+	 : AOQK_DROP_HASH ? vi_zero() : rng_step(xs, ((e) / W) % XS_N))
+	/* plain C: the four words of the element's AES state */
+#define Q8_LANE(e) \
+	(aoqk_precision_bf16_master(prec) ? hb + ((e) & ~(size_t)3) \
+	 : (const uint32_t *)(const void *)&xs[((e) / W) % XS_N & ~3u])
+	if (q4) {
+		/* whole groups: the last one's elements past the end
+		 * encode zeros (code 0, whatever the random bits) */
+		size_t lg = (len + AOQK_Q4_GROUP - 1) / AOQK_Q4_GROUP * AOQK_Q4_GROUP;
+		for (size_t e = len; e < lg; e++) {
+			bm[e] = 0.0f;
+			bu[e] = 0.0f;
+			hb[e] = 0;
+		}
+#if W == 1
+		/* the AES states' words in element order (rng_step),
+		 * then the nibbles paired */
+		_Alignas(64) uint32_t tc[AOQK_Q4_BLOCK], tq[AOQK_Q4_BLOCK];
+		for (size_t e = 0; e < lg && !AOQK_DROP_ENCODE; e++) {
+			q4_codes(bm + e, bu + e, Q8_A(e), im, iu, (e & 16) != 0, &tc[e], &tq[e]);
+		}
+		for (size_t e = 0; e < lg && !AOQK_DROP_ENCODE; e += AOQK_Q4_GROUP)
+			for (size_t l = 0; l < AOQK_Q4_GROUP / 2; l++)
+				q4_store(cm + e / 2 + l, cu + e / 2 + l, tc[e + l], tq[e + l], tc[e + l + 16],
+				         tq[e + l + 16]);
+#else
+		/* the vectors at l and l + 16 of a group together: each
+		 * AES slot is still stepped in the order of its elements
+		 * (slot (l / W) % XS_N is both's, l's first) */
+		size_t e = 0;
+#if defined(KHAS_CODES2) && 2 * W == AOQK_Q4_GROUP
+		/* two groups at a time, their bytes stored together
+		 * (vb_store_codes2) */
+		for (; e + 2 * AOQK_Q4_GROUP <= lg && !AOQK_DROP_ENCODE; e += 2 * AOQK_Q4_GROUP) {
+			vi c0, q0, c1, q1, c2, q2, c3, q3, x0, y0, x1, y1;
+			q4_codes(bm + e, bu + e, Q8_A(e), im, iu, 0, &c0, &q0);
+			q4_codes(bm + e + 16, bu + e + 16, Q8_A(e + 16), im, iu, 1, &c1, &q1);
+			q4_codes(bm + e + 32, bu + e + 32, Q8_A(e + 32), im, iu, 0, &c2, &q2);
+			q4_codes(bm + e + 48, bu + e + 48, Q8_A(e + 48), im, iu, 1, &c3, &q3);
+			q4_merge(c0, q0, c1, q1, &x0, &y0);
+			q4_merge(c2, q2, c3, q3, &x1, &y1);
+			vb_store_codes2(cm + e / 2, cu + e / 2, x0, y0, x1, y1);
+		}
+#endif
+		for (; e < lg && !AOQK_DROP_ENCODE; e += AOQK_Q4_GROUP)
+			for (size_t l = 0; l < AOQK_Q4_GROUP / 2; l += W) {
+				size_t lo = e + l, hi = e + l + 16;
+				vi c0, q0, c1, q1;
+				q4_codes(bm + lo, bu + lo, Q8_A(lo), im, iu, 0, &c0, &q0);
+				q4_codes(bm + hi, bu + hi, Q8_A(hi), im, iu, 1, &c1, &q1);
+				q4_store(cm + e / 2 + l, cu + e / 2 + l, c0, q0, c1, q1);
+			}
+#endif
+	} else {
+		size_t e = 0;
+#ifdef KHAS_CODES2
+		/* two vectors at a time, their codes packed together
+		 * (vb_store_codes2) */
+		for (; e + 2 * W <= len && !AOQK_DROP_ENCODE; e += 2 * W) {
+			vi a0 = Q8_A(e);
+			vi a1 = Q8_A(e + W);
+			vi c0, q0, c1, q1;
+			q8_codes(bm + e, bu + e, a0, rng_second(a0, Q8_LANE(e), (unsigned)(e % 4), bc), im, iu,
+			         &c0, &q0);
+			q8_codes(bm + e + W, bu + e + W, a1,
+			         rng_second(a1, Q8_LANE(e + W), (unsigned)((e + W) % 4), bc), im, iu, &c1, &q1);
+			vb_store_codes2(cm + e, cu + e, c0, q0, c1, q1);
+		}
+#endif
+		for (; e + W <= len && !AOQK_DROP_ENCODE; e += W) {
+			vi a = Q8_A(e);
+			q8_encode(bm + e, bu + e, a, rng_second(a, Q8_LANE(e), (unsigned)(e % 4), bc),
+			          cm + e, cu + e, im, iu);
+		}
+		if (e < len && !AOQK_DROP_ENCODE) {
+			_Alignas(64) uint8_t tm[W];
+			_Alignas(64) uint8_t tu[W];
+			/* lanes past len hold zeros from the padded step */
+			size_t rem = len - e < W ? len - e : W;
+			vi a = Q8_A(e);
+			q8_encode(bm + e, bu + e, a, rng_second(a, Q8_LANE(e), (unsigned)(e % 4), bc), tm,
+			          tu, im, iu);
+			memcpy(cm + e, tm, rem);
+			memcpy(cu + e, tu, rem);
+		}
+	}
+#undef Q8_A
+#undef Q8_LANE
 }
 
 /* Bytes of element type for the tail copies. */
 struct ksizes {
 	size_t g, master, mom;
+};
+
+/* A q8 or q4 block updated and not yet encoded: its first element in the
+ * chunk, its length and its encode factors (TOP / its scales). */
+struct kblock {
+	size_t j, len;
+	float im, iu;
 };
 
 static double scan_sumsq(const void *grad, enum aoqk_dtype gd, const float *acc, float scale, size_t n);
@@ -530,10 +666,17 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 		.v = (char *)st->v + (q4 ? b0 / 2 : b0 * sz.mom),
 		.param = c->param,
 	};
-	_Alignas(64) float bm[AOQK_Q8_BLOCK], bu[AOQK_Q8_BLOCK];
+	/* q8, q4: the update of a block writes its new m, sqrt(v) (and A with
+	 * a bf16 master) to one half of these, in turn, and the block is
+	 * encoded after the next block's update: its encode waits on a chain
+	 * of dependent operations (the maxima, their inverses), which runs
+	 * beside that update */
+	_Alignas(64) float bm[2 * AOQK_Q8_BLOCK], bu[2 * AOQK_Q8_BLOCK];
 	/* q4: the grids F(c) - K of m (signed) and sqrt(v), exact; per block
 	 * times its scale / TOP (one multiply per vector), the block's 16
-	 * values of m and of sqrt(v) * sqrt(beta2) */
+	 * values of m and of u = sqrt(v) * sqrt(beta2), and u * u: the
+	 * update looks up v * beta2 as q8 computes it, the square of the
+	 * decoded u, without the multiply per element */
 	_Alignas(64) float tabm[16], tabu[16];
 	for (unsigned q = 0; q < 8; q++) {
 		tabm[q] = aoqk_u2f((q + AOQK_Q4_M_C0) << AOQK_Q4_M_SHIFT) - AOQK_Q4_M_K;
@@ -542,8 +685,10 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 	for (unsigned q = 0; q < 16; q++)
 		tabu[q] = aoqk_u2f((q + AOQK_Q4_U_C0) << AOQK_Q4_U_SHIFT) - AOQK_Q4_U_K;
 	const vtab q4gm = vt_load(tabm), q4gu = vt_load(tabu);
-	vtab q4m = q4gm, q4u = q4gu;
-	_Alignas(64) uint32_t hb[AOQK_Q8_BLOCK];
+	vtab q4m = q4gm, q4v = q4gu;
+	_Alignas(64) uint32_t hb[2 * AOQK_Q8_BLOCK];
+	struct kblock prev = { 0, 0, 0.0f, 0.0f };
+	int pend = 0;
 	uint32_t bc[4] = { 0, 0, 0, 0 }; /* plain C: the current state's B */
 	vi xs[XS_N];
 	vf sq[XS_N];
@@ -576,6 +721,9 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 	for (size_t jb = 0; jb < n; jb += blk) {
 		size_t len = n - jb < blk ? n - jb : blk;
 		size_t bidx = q8 ? (b0 + jb) / blk : 0;
+		const size_t hoff = jb / blk % 2 * AOQK_Q8_BLOCK;
+		float *bmh = bm + hoff, *buh = bu + hoff;
+		uint32_t *hbh = hb + hoff;
 		vf sm = vf_zero(), su = vf_zero(), mx_m = vf_zero(), mx_u = vf_zero();
 		vf nkm = vf_zero(), nku = vf_zero();
 		/* the fast loops decode with an FMA, which needs the block's
@@ -585,8 +733,10 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 		int fast_blk = 0;
 
 		if (q8) {
-			for (unsigned g = 0; g < XS_N; g++)
-				xs[g] = sr_hash(kc.srkey, b0 + jb + g * W);
+			/* with an fp32 master encode_block draws A */
+			if (aoqk_precision_bf16_master(prec))
+				for (unsigned g = 0; g < XS_N; g++)
+					xs[g] = sr_hash(kc.srkey, b0 + jb + g * W);
 			/* fu: sqrt(v)'s decode times sqrt(beta2) (vstep) */
 			float fm = st->m_scale[bidx] / (q4 ? AOQK_Q4_M_TOP : AOQK_Q8_M_TOP),
 			      fu = st->v_scale[bidx] / (q4 ? AOQK_Q4_U_TOP : AOQK_Q8_U_TOP) * k->sb2;
@@ -600,7 +750,7 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 				/* (F(c) - K) * (scale / TOP): aoqk_q4_*_decode's
 				 * arithmetic ((-x) * s is -(x * s) exactly) */
 				q4m = vt_mul(q4gm, fm);
-				q4u = vt_mul(q4gu, fu);
+				q4v = vt_sq(vt_mul(q4gu, fu));
 			}
 			if (fast_blk) {
 				nkm = vf_set1(-AOQK_Q8_M_K * fm);
@@ -617,12 +767,24 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 			if (pair_ok) {
 				for (; t + 2 * W <= len; t += 2 * W) {
 					unsigned s0 = (unsigned)(t / W) % XS_N, s1 = (unsigned)(t / W + 1) % XS_N;
+					/* q4 with 16 lanes: the two vectors are the halves of a
+					 * group (t is a multiple of 32), whose codes are the
+					 * low and the high nibbles of the same 16 bytes */
+					const int q4g = q4 && 2 * W == AOQK_Q4_GROUP;
+					vi ca[2] = { vi_zero(), vi_zero() }, cb[2] = { vi_zero(), vi_zero() };
+					if (q4g) {
+						ca[0] = q4_idx(d.m, jb + t);
+						ca[1] = q4_idx(d.v, jb + t);
+						cb[0] = vi_srli(ca[0], 4);
+						cb[1] = vi_srli(ca[1], 4);
+					}
 					vi a = vstep(kc, &d, jb + t, b0 + jb + t, prec, gd, pd, nt, want_ss, &ss,
-					             bm + t, bu + t, hb + t, xs, s0, &sq[s0], sm, su, nkm, nku, &mx_m,
-					             &mx_u, 2, jb + t, q4m, q4u, split);
+					             bmh + t, buh + t, hbh + t, xs, s0, &sq[s0], sm, su, nkm, nku, &mx_m,
+					             &mx_u, 2, jb + t, q4g ? ca : NULL, q4m, q4v, split);
 					vi b = vstep(kc, &d, jb + t + W, b0 + jb + t + W, prec, gd, pd, nt, want_ss,
-					             &ss, bm + t + W, bu + t + W, hb + t + W, xs, s1, &sq[s1], sm,
-					             su, nkm, nku, &mx_m, &mx_u, 2, jb + t + W, q4m, q4u, split);
+					             &ss, bmh + t + W, buh + t + W, hbh + t + W, xs, s1, &sq[s1], sm,
+					             su, nkm, nku, &mx_m, &mx_u, 2, jb + t + W, q4g ? cb : NULL, q4m,
+					             q4v, split);
 					vi h2 = vi_pack_hi16(a, b);
 					uint16_t *pm = (uint16_t *)d.master + jb + t;
 					vi_storeu((uint32_t *)(void *)pm, h2);
@@ -637,16 +799,16 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 			}
 #endif
 			for (; t + W <= len; t += W)
-				vstep(kc, &d, jb + t, b0 + jb + t, prec, gd, pd, nt, want_ss, &ss, bm + t,
-				      bu + t, hb + t, xs, (t / W) % XS_N, &sq[(t / W) % XS_N], sm, su, nkm,
-				      nku, &mx_m, &mx_u, 1, jb + t, q4m, q4u, split);
+				vstep(kc, &d, jb + t, b0 + jb + t, prec, gd, pd, nt, want_ss, &ss, bmh + t,
+				      buh + t, hbh + t, xs, (t / W) % XS_N, &sq[(t / W) % XS_N], sm, su, nkm,
+				      nku, &mx_m, &mx_u, 1, jb + t, NULL, q4m, q4v, split);
 			for (unsigned g = 0; g < XS_N; g++)
 				vacc_add(&ss, sq[g]);
 		} else {
 			for (; t + W <= len; t += W)
-				vstep(kc, &d, jb + t, b0 + jb + t, prec, gd, pd, nt, want_ss, &ss, bm + t,
-				      bu + t, hb + t, xs, (t / W) % XS_N, &sq[0], sm, su, nkm, nku, &mx_m,
-				      &mx_u, 0, jb + t, q4m, q4u, split);
+				vstep(kc, &d, jb + t, b0 + jb + t, prec, gd, pd, nt, want_ss, &ss, bmh + t,
+				      buh + t, hbh + t, xs, (t / W) % XS_N, &sq[0], sm, su, nkm, nku, &mx_m,
+				      &mx_u, 0, jb + t, NULL, q4m, q4v, split);
 		}
 		if (t < len) {
 			size_t j = jb + t;
@@ -691,8 +853,8 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 				.v = q4 ? (void *)lv4 : (void *)lv,
 				.param = lp,
 			};
-			vstep(kc, &l, 0, b0 + j, prec, gd, pd, 0, want_ss, &ss, bm + t, bu + t,
-			      hb + t, xs, (t / W) % XS_N, &sq[0], sm, su, nkm, nku, &mx_m, &mx_u, 0, cj, q4m, q4u, split);
+			vstep(kc, &l, 0, b0 + j, prec, gd, pd, 0, want_ss, &ss, bmh + t, buh + t,
+			      hbh + t, xs, (t / W) % XS_N, &sq[0], sm, su, nkm, nku, &mx_m, &mx_u, 0, cj, NULL, q4m, q4v, split);
 			if (d.acc)
 				memset(d.acc + j, 0, r * 4);
 			memcpy((char *)d.master + j * sz.master, lmst, r * sz.master);
@@ -705,98 +867,26 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 			if (pd != PD_NONE)
 				memcpy((char *)d.param + j * psz, lp, r * psz);
 		}
-		/* the random bits: A is the update's with a bf16 master (it
-		 * rounded the master with its top half), else steps here; B is
-		 * computed here */
-#define Q8_A(e) \
-	(aoqk_precision_bf16_master(prec) ? vi_loadu(hb + (e)) \
-	 : AOQK_DROP_HASH ? vi_zero() : rng_step(xs, ((e) / W) % XS_N))
-		/* plain C: the four words of the element's AES state */
-#define Q8_LANE(e) \
-	(aoqk_precision_bf16_master(prec) ? hb + ((e) & ~(size_t)3) \
-	 : (const uint32_t *)(const void *)&xs[((e) / W) % XS_N & ~3u])
-		if (q4) {
-			float mm = vf_hmax(mx_m), mu = vf_hmax(mx_u);
+		if (q8) {
+			struct kblock cur = { jb, len, 0.0f, 0.0f };
+			float mm, mu;
+			vf_hmax2(mx_m, mx_u, &mm, &mu);
 			st->m_scale[bidx] = mm;
 			st->v_scale[bidx] = mu;
-			vf im = vf_set1(aoqk_q8_inv(AOQK_Q4_M_TOP, mm)),
-			   iu = vf_set1(aoqk_q8_inv(AOQK_Q4_U_TOP, mu));
-			uint8_t *cm = (uint8_t *)d.m + jb / 2;
-			uint8_t *cu = (uint8_t *)d.v + jb / 2;
-			/* whole groups: the last one's elements past the end
-			 * encode zeros (code 0, whatever the random bits) */
-			size_t lg = (len + AOQK_Q4_GROUP - 1) / AOQK_Q4_GROUP * AOQK_Q4_GROUP;
-			for (size_t e = len; e < lg; e++) {
-				bm[e] = 0.0f;
-				bu[e] = 0.0f;
-				hb[e] = 0;
+			cur.im = aoqk_q8_inv(q4 ? AOQK_Q4_M_TOP : AOQK_Q8_M_TOP, mm);
+			cur.iu = aoqk_q8_inv(q4 ? AOQK_Q4_U_TOP : AOQK_Q8_U_TOP, mu);
+			/* the block before this one, then (the chunk's last
+			 * block) this one */
+			for (int i = !pend; i < 1 + (jb + blk >= n); i++) {
+				const struct kblock *e = i ? &cur : &prev;
+				const size_t eo = e->j / blk % 2 * AOQK_Q8_BLOCK;
+				encode_block(prec, (uint8_t *)d.m + (q4 ? e->j / 2 : e->j),
+				             (uint8_t *)d.v + (q4 ? e->j / 2 : e->j), e->len, bm + eo, bu + eo,
+				             hb + eo, xs, bc, kc.srkey, b0 + e->j, vf_set1(e->im), vf_set1(e->iu));
 			}
-#if W == 1
-			/* the AES states' words in element order (rng_step),
-			 * then the nibbles paired */
-			_Alignas(64) uint32_t tc[AOQK_Q4_BLOCK], tq[AOQK_Q4_BLOCK];
-			for (size_t e = 0; e < lg && !AOQK_DROP_ENCODE; e++) {
-				q4_codes(bm + e, bu + e, Q8_A(e), im, iu, &tc[e], &tq[e]);
-			}
-			for (size_t e = 0; e < lg && !AOQK_DROP_ENCODE; e += AOQK_Q4_GROUP)
-				for (size_t l = 0; l < AOQK_Q4_GROUP / 2; l++)
-					q4_store(cm + e / 2 + l, cu + e / 2 + l, tc[e + l], tq[e + l], tc[e + l + 16],
-					         tq[e + l + 16]);
-#else
-			/* the vectors at l and l + 16 of a group together: each
-			 * AES slot is still stepped in the order of its elements
-			 * (slot (l / W) % XS_N is both's, l's first) */
-			for (size_t e = 0; e < lg && !AOQK_DROP_ENCODE; e += AOQK_Q4_GROUP)
-				for (size_t l = 0; l < AOQK_Q4_GROUP / 2; l += W) {
-					size_t lo = e + l, hi = e + l + 16;
-					vi c0, q0, c1, q1;
-					q4_codes(bm + lo, bu + lo, Q8_A(lo), im, iu, &c0, &q0);
-					q4_codes(bm + hi, bu + hi, Q8_A(hi), im, iu, &c1, &q1);
-					q4_store(cm + e / 2 + l, cu + e / 2 + l, c0, q0, c1, q1);
-				}
-#endif
-		} else if (q8) {
-			float mm = vf_hmax(mx_m), mu = vf_hmax(mx_u);
-			st->m_scale[bidx] = mm;
-			st->v_scale[bidx] = mu;
-			vf im = vf_set1(aoqk_q8_inv(AOQK_Q8_M_TOP, mm)),
-			   iu = vf_set1(aoqk_q8_inv(AOQK_Q8_U_TOP, mu));
-			uint8_t *cm = (uint8_t *)d.m + jb;
-			uint8_t *cu = (uint8_t *)d.v + jb;
-			size_t e = 0;
-#ifdef KHAS_CODES2
-			/* two vectors at a time, their codes packed together
-			 * (vb_store_codes2) */
-			for (; e + 2 * W <= len && !AOQK_DROP_ENCODE; e += 2 * W) {
-				vi a0 = Q8_A(e);
-				vi a1 = Q8_A(e + W);
-				vi c0, q0, c1, q1;
-				q8_codes(bm + e, bu + e, a0, rng_second(a0, Q8_LANE(e), (unsigned)(e % 4), bc), im, iu,
-				         &c0, &q0);
-				q8_codes(bm + e + W, bu + e + W, a1,
-				         rng_second(a1, Q8_LANE(e + W), (unsigned)((e + W) % 4), bc), im, iu, &c1, &q1);
-				vb_store_codes2(cm + e, cu + e, c0, q0, c1, q1);
-			}
-#endif
-			for (; e + W <= len && !AOQK_DROP_ENCODE; e += W) {
-				vi a = Q8_A(e);
-				q8_encode(bm + e, bu + e, a, rng_second(a, Q8_LANE(e), (unsigned)(e % 4), bc),
-				          cm + e, cu + e, im, iu);
-			}
-			if (e < len && !AOQK_DROP_ENCODE) {
-				_Alignas(64) uint8_t tm[W];
-				_Alignas(64) uint8_t tu[W];
-				/* lanes past len hold zeros from the padded step */
-				size_t rem = len - e < W ? len - e : W;
-				vi a = Q8_A(e);
-				q8_encode(bm + e, bu + e, a, rng_second(a, Q8_LANE(e), (unsigned)(e % 4), bc), tm,
-				          tu, im, iu);
-				memcpy(cm + e, tm, rem);
-				memcpy(cu + e, tu, rem);
-			}
+			prev = cur;
+			pend = 1;
 		}
-#undef Q8_A
-#undef Q8_LANE
 	}
 	if (want_ss) {
 		*ssum = vacc_sum(ss);

@@ -41,7 +41,11 @@ static AOQK_ALWAYS_INLINE vf vf_copysign(vf x, vf s)
 {
 	return aoqk_u2f(aoqk_f2u(x) | (aoqk_f2u(s) & 0x80000000u));
 }
-static AOQK_ALWAYS_INLINE float vf_hmax(vf a) { return a; }
+static AOQK_ALWAYS_INLINE void vf_hmax2(vf a, vf b, float *ma, float *mb)
+{
+	*ma = a;
+	*mb = b;
+}
 /* +-1 for non-zero a, a itself for +-0 and NaN (Lion's sign) */
 static AOQK_ALWAYS_INLINE vf vf_sign(vf a) { return a > 0.0f ? 1.0f : a < 0.0f ? -1.0f : a; }
 
@@ -118,6 +122,12 @@ static AOQK_ALWAYS_INLINE vtab vt_mul(vtab a, float s)
 {
 	for (unsigned i = 0; i < 16; i++)
 		a.t[i] *= s;
+	return a;
+}
+static AOQK_ALWAYS_INLINE vtab vt_sq(vtab a)
+{
+	for (unsigned i = 0; i < 16; i++)
+		a.t[i] *= a.t[i];
 	return a;
 }
 static AOQK_ALWAYS_INLINE vf vt_lookup(vtab t, vi idx) { return t.t[idx & 15u]; }
