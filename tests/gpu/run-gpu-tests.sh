@@ -89,6 +89,9 @@ step kernels "$T" 60 0 "$bin/test-cuda" kernels "$aoqd"
 step correct "$T" 120 0 "$bin/test-cuda" correct "$aoqd"
 step timeline "$T" 60 0 "$bin/test-cuda" timeline "$aoqd"
 step race "$T" 150 0 "$bin/test-cuda" race "$aoqd"
+step race-bf16 "$T" 150 0 env AOQT_RACE_BF16=1 "$bin/test-cuda" race "$aoqd"
+step race-q8 "$T" 150 0 env AOQT_RACE_Q8=1 "$bin/test-cuda" race "$aoqd"
+step race-q8-delayed "$T" 150 0 env AOQT_RACE_Q8=1 AOQT_RACE_DELAYED=1 "$bin/test-cuda" race "$aoqd"
 # shellcheck disable=SC2086
 step bench "$B" 240 0 "$bin/bench-cuda" --aoqd "$aoqd" ${AOQ_BENCH_ARGS:-}
 
@@ -97,6 +100,7 @@ csargs=(--target-processes application-only --error-exitcode 99 --print-limit 20
 step memcheck-kernels "$S" 120 0 "$cs" --tool memcheck "${csargs[@]}" "$bin/test-cuda" kernels "$aoqd" small
 step memcheck-correct "$S" 120 0 "$cs" --tool memcheck "${csargs[@]}" "$bin/test-cuda" correct "$aoqd" small
 step memcheck-race "$S" 120 0 "$cs" --tool memcheck "${csargs[@]}" "$bin/test-cuda" race "$aoqd" small
+step memcheck-race-q8 "$S" 120 0 env AOQT_RACE_Q8=1 "$cs" --tool memcheck "${csargs[@]}" "$bin/test-cuda" race "$aoqd" small
 step racecheck-race "$S" 120 0 "$cs" --tool racecheck "${csargs[@]}" "$bin/test-cuda" race "$aoqd" small
 step racecheck-kernels "$S" 120 0 "$cs" --tool racecheck "${csargs[@]}" "$bin/test-cuda" kernels "$aoqd" small
 

@@ -394,6 +394,11 @@ static void race_open(struct race_side *r, const char *sock, bool gpu, cudaStrea
 		 * daemon's masters memfd (pinned read-only) */
 		o.precision = AOQ_STATE_BF16;
 		o.seed = 0x5eed;
+	} else if (getenv("AOQT_RACE_Q8")) {
+		/* q8 state: the bf16 tensors' fp32 masters are split, their
+		 * high halves the parameters in the masters memfd */
+		o.precision = AOQ_STATE_Q8;
+		o.seed = 0x5eed;
 	}
 	o.delayed_update = getenv("AOQT_RACE_DELAYED") != NULL;
 	o.cuda_stream = gpu ? s : NULL;

@@ -91,12 +91,20 @@ static void make_state(struct aoqd_state *st, int prec, uint32_t nt)
 		struct aoqd_tensor *t = &st->tensors[i];
 		void *arr[5] = { t->st.master, t->st.m, t->st.v, t->st.m_scale, t->st.v_scale };
 		enum aoqk_precision p = (enum aoqk_precision)prec;
-		size_t len[5] = { t->numel * aoqk_master_size(p), aoqk_moment_bytes(p, t->numel),
+		size_t len[5] = { t->numel * aoqd_tensor_master_size(t), aoqk_moment_bytes(p, t->numel),
 		                  aoqk_moment_bytes(p, t->numel), aoqk_scale_count(p, t->numel) * 4,
 		                  aoqk_scale_count(p, t->numel) * 4 };
 		for (int k = 0; k < 5; k++)
 			for (size_t b = 0; arr[k] && b < len[k]; b++)
 				((uint8_t *)arr[k])[b] = (uint8_t)rnd();
+		/* a split master (q8 with bf16 parameters) holds the split of
+		 * some fp32 value: random bits, a NaN as the one quiet NaN */
+		for (size_t e = 0; t->st.master_lo && e < t->numel; e++) {
+			uint32_t b = (uint32_t)rnd();
+			if ((b & 0x7f800000u) == 0x7f800000u && (b & 0x7fffffu))
+				b = 0x7fc00000u;
+			aoqk_split(b, (uint16_t *)t->st.master + e, (uint16_t *)t->st.master_lo + e);
+		}
 	}
 }
 
@@ -131,6 +139,15 @@ static bool same_state(const struct aoqd_state *a, const struct aoqd_state *b, c
 			unsigned es;
 			if (!snap_arr_info(p, x->numel, a->groups[x->group].moments, k, &dt, &elems, &es))
 				continue;
+			if (k == A_MASTER && x->st.master_lo) {
+				/* split: the stored fp32 master comes back as the same halves */
+				if (!y->st.master_lo || memcmp(x->st.master, y->st.master, x->numel * 2) ||
+				    memcmp(x->st.master_lo, y->st.master_lo, x->numel * 2)) {
+					snprintf(why, len, "tensor %u's split master differs", i);
+					return false;
+				}
+				continue;
+			}
 			if (memcmp(snap_arr_ptr(&x->st, k), snap_arr_ptr(&y->st, k), elems * es)) {
 				snprintf(why, len, "tensor %u array %d differs", i, k);
 				return false;
