@@ -70,6 +70,18 @@ def run_threads(fn, parts):
     return dt
 
 
+def h2d_gbs(host):
+    """GB/s of three copies of the host tensor to the device, after one."""
+    dev = torch.empty(host.numel(), dtype=torch.uint8, device="cuda")
+    dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    return 3 * host.numel() / 1e9 / (time.perf_counter() - t0)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gib", type=float, default=16)
@@ -146,14 +158,7 @@ def main():
             if t == threads[-1]:
                 # a copy out of one slice, at pinned speed?
                 host = torch.frombuffer(mm, dtype=torch.uint8, count=parts[0][1])
-                dev = torch.empty(parts[0][1], dtype=torch.uint8, device="cuda")
-                dev.copy_(host, non_blocking=True)
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(3):
-                    dev.copy_(host, non_blocking=True)
-                torch.cuda.synchronize()
-                print("  H2D from a slice: %.2f GB/s" % (3 * parts[0][1] / 1e9 / (time.perf_counter() - t0)))
+                print("  H2D from a slice: %.2f GB/s" % h2d_gbs(host))
                 del host
             t0 = time.perf_counter()
             run_threads(unpin, parts)
@@ -169,16 +174,8 @@ def main():
         del base
         mm.close()
 
-    n = 1 << 30
-    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
-    dev.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(3):
-        dev.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    print("ceiling: H2D from cudaHostAlloc memory %.2f GB/s" % (3 * n / 1e9 / (time.perf_counter() - t0)))
+    host = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+    print("ceiling: H2D from cudaHostAlloc memory %.2f GB/s" % h2d_gbs(host))
 
 
 if __name__ == "__main__":
