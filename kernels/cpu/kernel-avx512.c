@@ -107,9 +107,11 @@ KI vi vi_min_u(vi a, vi b) { return _mm512_min_epu32(a, b); }
 KI vi vi_min_s(vi a, vi b) { return _mm512_min_epi32(a, b); }
 KI vi vi_or(vi a, vi b) { return _mm512_or_si512(a, b); }
 KI vi vi_mullo(vi a, vi b) { return _mm512_mullo_epi32(a, b); }
-/* (a & m) | c,  (a & m) | (b & ~m),  a ^ (b & m): one vpternlogd each */
+/* (a & m) | c,  (a & m) | (b & ~m),  a ^ (b & m): one vpternlogd each.
+ * Its first operand is also its destination: the bit-select's is a, not
+ * the mask (a constant, which would be copied first each time). */
 KI vi vi_andor(vi a, vi m, vi c) { return _mm512_ternarylogic_epi32(a, m, c, 0xea); }
-KI vi vi_bitsel(vi m, vi a, vi b) { return _mm512_ternarylogic_epi32(m, a, b, 0xca); }
+KI vi vi_bitsel(vi m, vi a, vi b) { return _mm512_ternarylogic_epi32(a, m, b, 0xe2); }
 KI vi vi_xorand(vi a, vi b, vi m) { return _mm512_ternarylogic_epi32(a, b, m, 0x78); }
 /* isnan(x) ? b | 0x400000 (the quiet bit) : b + r, lane-wise */
 KI vi vi_add_or_quiet(vf x, vi b, vi r)
