@@ -144,6 +144,14 @@ KI vi vi_select_nan(vf x, vi if_nan, vi other)
 {
 	return _mm512_mask_mov_epi32(other, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), if_nan);
 }
+/* 1 where no lane of x is NaN and no lane's low 16 bits are 0x8000 (the
+ * split master's plain case): two compares, one mask test */
+KI int vf_split_plain(vf x)
+{
+	__mmask16 n = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+	__mmask32 t = _mm512_mask_cmpeq_epi16_mask(0x55555555u, _mm512_castps_si512(x), _mm512_set1_epi16((short)0x8000));
+	return (n | t) == 0;
+}
 
 /* The top 16 bits of each lane of a, then of b: 32 bf16 in element order
  * (one two-table permute: bytes with VBMI, words without) */
