@@ -108,6 +108,15 @@ KI vi vi_select_nan(vf x, vi if_nan, vi other)
 {
 	return _mm256_blendv_epi8(other, if_nan, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
 }
+/* 1 where no lane of x is NaN and no lane's low 16 bits are 0x8000 (the
+ * split master's plain case) */
+KI int vf_split_plain(vf x)
+{
+	__m256i l = _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0xffff));
+	__m256i t = _mm256_cmpeq_epi32(l, _mm256_set1_epi32(0x8000));
+	__m256i n = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+	return _mm256_testz_si256(_mm256_or_si256(t, n), _mm256_set1_epi32(-1));
+}
 
 /* The top 16 bits of each lane of a, then of b: 16 bf16 in element order */
 KI vi vi_pack_hi16(vi a, vi b)

@@ -107,9 +107,11 @@ KI vi vi_min_u(vi a, vi b) { return _mm512_min_epu32(a, b); }
 KI vi vi_min_s(vi a, vi b) { return _mm512_min_epi32(a, b); }
 KI vi vi_or(vi a, vi b) { return _mm512_or_si512(a, b); }
 KI vi vi_mullo(vi a, vi b) { return _mm512_mullo_epi32(a, b); }
-/* (a & m) | c,  (a & m) | (b & ~m),  a ^ (b & m): one vpternlogd each */
+/* (a & m) | c,  (a & m) | (b & ~m),  a ^ (b & m): one vpternlogd each.
+ * Its first operand is also its destination: the bit-select's is a, not
+ * the mask (a constant, which would be copied first each time). */
 KI vi vi_andor(vi a, vi m, vi c) { return _mm512_ternarylogic_epi32(a, m, c, 0xea); }
-KI vi vi_bitsel(vi m, vi a, vi b) { return _mm512_ternarylogic_epi32(m, a, b, 0xca); }
+KI vi vi_bitsel(vi m, vi a, vi b) { return _mm512_ternarylogic_epi32(a, m, b, 0xe2); }
 KI vi vi_xorand(vi a, vi b, vi m) { return _mm512_ternarylogic_epi32(a, b, m, 0x78); }
 /* isnan(x) ? b | 0x400000 (the quiet bit) : b + r, lane-wise */
 KI vi vi_add_or_quiet(vf x, vi b, vi r)
@@ -141,6 +143,14 @@ KI vi vf_to_vi_trunc(vf a) { return _mm512_cvttps_epi32(a); }
 KI vi vi_select_nan(vf x, vi if_nan, vi other)
 {
 	return _mm512_mask_mov_epi32(other, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), if_nan);
+}
+/* 1 where no lane of x is NaN and no lane's low 16 bits are 0x8000 (the
+ * split master's plain case): two compares, one mask test */
+KI int vf_split_plain(vf x)
+{
+	__mmask16 n = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+	__mmask32 t = _mm512_mask_cmpeq_epi16_mask(0x55555555u, _mm512_castps_si512(x), _mm512_set1_epi16((short)0x8000));
+	return (n | t) == 0;
 }
 
 /* The top 16 bits of each lane of a, then of b: 32 bf16 in element order

@@ -91,12 +91,22 @@ static AOQK_ALWAYS_INLINE vf split_join(vh hi, vh lo)
 }
 
 /* ... and x's halves: *hi the top of x rounded to nearest even (a NaN
- * quiet), *lo the rest, x - *hi, a tie moved one ulp toward *hi. */
+ * quiet), *lo the rest, x - *hi, a tie moved one ulp toward *hi.  Where
+ * no lane is NaN or a tie (vf_split_plain: all but about one vector in
+ * 4096), x - *hi is x's low 16 bits themselves: *hi only carries into the
+ * top half (rounding up takes 2^16 from the difference, which its low 16
+ * bits do not see), so the pair is the rounding sum's top half and x's
+ * low half, one bit-select. */
 static AOQK_ALWAYS_INLINE void split_halves(vf x, vh *hi, vh *lo)
 {
 	vi b = vf_as_vi(x);
 	vi odd = vi_and(vi_srli(b, 16), vi_set1(1u));
-	vi top = vi_and(vi_add(vi_add(b, vi_set1(0x7fffu)), odd), vi_set1(0xffff0000u));
+	vi sum = vi_add(vi_add(b, vi_set1(0x7fffu)), odd);
+	if (vf_split_plain(x)) {
+		vi_halves(vi_bitsel(vi_set1(0xffff0000u), sum, b), lo, hi);
+		return;
+	}
+	vi top = vi_and(sum, vi_set1(0xffff0000u));
 	top = vi_select_nan(x, vi_and(vi_or(b, vi_set1(0x400000u)), vi_set1(0xffff0000u)), top);
 	vi d = vi_max_s(vi_min_s(vi_sub(b, top), vi_set1(0x7fffu)), vi_set1((uint32_t)-0x7fff));
 	vi_halves(vi_bitsel(vi_set1(0xffffu), d, top), lo, hi);

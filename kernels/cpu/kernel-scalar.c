@@ -80,6 +80,12 @@ static AOQK_ALWAYS_INLINE vi vi_select_nan(vf x, vi if_nan, vi other)
 {
 	return x != x ? if_nan : other;
 }
+/* 1 where x is not NaN and its low 16 bits are not 0x8000 (the split
+ * master's plain case) */
+static AOQK_ALWAYS_INLINE int vf_split_plain(vf x)
+{
+	return x == x && (aoqk_f2u(x) & 0xffffu) != 0x8000u;
+}
 
 static AOQK_ALWAYS_INLINE vh vh_zero(void) { return 0; }
 static AOQK_ALWAYS_INLINE vh vh_loadu(const uint16_t *p) { return *p; }
