@@ -113,3 +113,20 @@ void aoqd_q4_encode(void *codes, float *scales, const float *src, bool second, u
 		for (uint64_t e = numel; e % AOQK_Q4_GROUP; e++)
 			aoqk_q4_put(codes, e, 0);
 }
+
+void aoqd_split_join(void *dst, const uint16_t *hi, const uint16_t *lo, size_t n)
+{
+	for (size_t i = 0; i < n; i++) {
+		uint32_t b = aoqk_split_join(hi[i], lo[i]);
+		memcpy((uint8_t *)dst + 4 * i, &b, 4);
+	}
+}
+
+void aoqd_split(uint16_t *hi, uint16_t *lo, const void *src, size_t n)
+{
+	for (size_t i = 0; i < n; i++) {
+		uint32_t b;
+		memcpy(&b, (const uint8_t *)src + 4 * i, 4);
+		aoqk_split(b, &hi[i], &lo[i]);
+	}
+}

@@ -16,6 +16,11 @@ void aoqd_to_f32(float *dst, const void *src, enum aoqk_dtype t, size_t n);
 /* dst[i] = src[i] rounded to t */
 void aoqd_from_f32(void *dst, enum aoqk_dtype t, const float *src, size_t n);
 
+/* A split master (aoqk_state.master_lo): n fp32 values (bit patterns, any
+ * alignment) from their halves, and back (aoqk_split_join, aoqk_split). */
+void aoqd_split_join(void *dst, const uint16_t *hi, const uint16_t *lo, size_t n);
+void aoqd_split(uint16_t *hi, uint16_t *lo, const void *src, size_t n);
+
 /* q8 moments (kernels/README.md): `second` selects v (unsigned codes of
  * sqrt(v)) instead of m.  first is the element index of dst[0]/src[0]. */
 void aoqd_q8_decode(float *dst, const void *codes, const float *scales, bool second, uint64_t first, size_t n);

@@ -46,6 +46,7 @@
 
 #include "aoq-arena.h"
 #include "aoq-config.h"
+#include "convert.h"
 #include "fdstore.h"
 #include "lease.h"
 #include "log.h"
@@ -112,13 +113,10 @@ static void convert(const struct copy *c, uint64_t b, uint64_t e)
 		}
 		return;
 	}
-	const uint8_t *s = c->src;
-	uint16_t *hi = c->dst, *lo = c->aux;
-	for (uint64_t el = (b + 3) / 4; el * 4 < e; el++) {
-		uint32_t v;
-		memcpy(&v, s + el * 4, 4);
-		aoqk_split(v, &hi[el], &lo[el]);
-	}
+	uint64_t first = (b + 3) / 4, end = (e + 3) / 4;
+	if (first < end)
+		aoqd_split((uint16_t *)c->dst + first, (uint16_t *)c->aux + first, (const uint8_t *)c->src + 4 * first,
+		           end - first);
 }
 
 struct copier {

@@ -29,6 +29,7 @@
 
 #include "aoq-arena.h"
 #include "aoq-config.h"
+#include "convert.h"
 #include "log.h"
 #include "snapfile.h"
 #include "snapshot.h"
@@ -593,9 +594,8 @@ int aoqd_snapfile_put(struct aoqd_snapfile *f, uint32_t i, const struct aoqk_sta
 				f->before(f->before_arg, n);
 			const uint8_t *q = (const uint8_t *)p + at;
 			if (join) {
-				const uint16_t *hi = (const uint16_t *)p + at / 4, *lo = (const uint16_t *)a->master_lo + at / 4;
-				for (uint64_t e = 0; e < n / 4; e++)
-					joined[e] = aoqk_split_join(hi[e], lo[e]);
+				aoqd_split_join(joined, (const uint16_t *)p + at / 4, (const uint16_t *)a->master_lo + at / 4,
+				                n / 4);
 				q = (const uint8_t *)joined;
 			}
 			crc = snap_crc(crc, q, n);

@@ -19,6 +19,7 @@
 
 #include "aoq-arena.h"
 #include "aoq-config.h"
+#include "convert.h"
 #include "fdstore.h"
 #include "log.h"
 #include "snapfile.h"
@@ -411,9 +412,7 @@ int aoqd_snapshot_load(const char *path, int lock_memory, _Atomic uint64_t *lock
 				if (snap_pio(fd, split_buf, len, 8 + hlen + la[k].b + at, false) < 0)
 					FAIL("%s: cannot read the data", path);
 				crc = snap_crc(crc, split_buf, len);
-				uint16_t *hi = (uint16_t *)dst + at / 4, *lo = (uint16_t *)as->master_lo + at / 4;
-				for (uint64_t e = 0; e < len / 4; e++)
-					aoqk_split(split_buf[e], &hi[e], &lo[e]);
+				aoqd_split((uint16_t *)dst + at / 4, (uint16_t *)as->master_lo + at / 4, split_buf, len / 4);
 			}
 			continue;
 		}

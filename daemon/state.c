@@ -144,8 +144,9 @@ bool aoqd_tensor_wants_split(const struct aoqd_state *st, const struct aoqd_tens
  * a bf16 master, or the split master's high half. */
 static bool wants_master_param(const struct aoqd_state *st, const struct aoqd_tensor *x)
 {
-	return (master_param_on && aoqk_master_size((enum aoqk_precision)st->precision) == 2 &&
-	        x->param_dtype == AOQK_BF16) || aoqd_tensor_wants_split(st, x);
+	return master_param_on && x->param_dtype == AOQK_BF16 &&
+	       (aoqk_master_size((enum aoqk_precision)st->precision) == 2 ||
+	        st->precision == AOQ__STATE_PRECISION__STATE_Q8);
 }
 
 uint64_t aoqd_state_tensor_len(const struct aoqd_state *st, const struct aoqd_tensor *x,
@@ -426,16 +427,10 @@ void aoqd_state_io(struct aoqd_tensor *t, int what, bool load, float *buf, uint6
 	if (what == AOQ__STATE_KIND__MASTER || what == AOQ__STATE_KIND__PARAM) {
 		if (t->st.master_lo) {
 			uint16_t *hi = (uint16_t *)t->st.master + e, *lo = (uint16_t *)t->st.master_lo + e;
-			for (size_t i = 0; i < n; i++) {
-				uint32_t b;
-				if (load) {
-					memcpy(&b, &buf[i], 4);
-					aoqk_split(b, &hi[i], &lo[i]);
-				} else {
-					b = aoqk_split_join(hi[i], lo[i]);
-					memcpy(&buf[i], &b, 4);
-				}
-			}
+			if (load)
+				aoqd_split(hi, lo, buf, n);
+			else
+				aoqd_split_join(buf, hi, lo, n);
 		} else if (aoqk_precision_bf16_master(t->st.precision)) {
 			if (load)
 				aoqd_from_f32((uint16_t *)t->st.master + e, AOQK_BF16, buf, n);
@@ -518,7 +513,7 @@ static void range_copy(const struct aoqd_tensor *t, uint64_t b, uint64_t n, uint
 		void *arr;
 		size_t el;
 		uint64_t b, n;
-	} part[6] = {
+	} part[AOQD_STATE_ARRAYS] = {
 		{ t->st.master, aoqd_tensor_master_size(t), b, n },
 		{ t->st.master_lo, 2, b, n },
 		{ t->st.m, q4 ? 1 : aoqk_moment_size(p), mb, mn },
@@ -526,7 +521,7 @@ static void range_copy(const struct aoqd_tensor *t, uint64_t b, uint64_t n, uint
 		{ t->st.m_scale, 4, b / blk, (b + n + blk - 1) / blk - b / blk },
 		{ t->st.v_scale, 4, b / blk, (b + n + blk - 1) / blk - b / blk },
 	};
-	for (int i = 0; i < 6; i++) {
+	for (int i = 0; i < AOQD_STATE_ARRAYS; i++) {
 		if (!part[i].arr)
 			continue;
 		uint8_t *live = (uint8_t *)part[i].arr + part[i].b * part[i].el;
