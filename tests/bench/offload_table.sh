@@ -11,7 +11,8 @@
 # 0.94: GPT d_model 2048, 16 layers, 16 heads, batch 8 x 2048 (0.94 B parameters).
 # 3.48: d_model 4096, 16 layers, 32 heads, batch 4 x 2048, built on the device.
 # Both bf16, AdamW lr 3e-4, weight decay 0.1 (so aoq-default, the import swap with no
-# aoq argument, is the fp32 master with q8 moments; aoq-fp32 the fp32 master and fp32
+# aoq argument, is the fp32 master with q8 moments and the default share, aoq-default-off
+# the same with everything offloaded; aoq-fp32 the fp32 master and fp32
 # moments; aoq-bf16-q8 the bf16 master with q8 moments).  Each size is meant to fit in
 # about 5 minutes of one H200 machine (16 cores): 8 warm-up steps (the
 # -auto modes probe at steps 3, 5 and 7) and 8 (0.94) or 4 (3.48) timed ones.
@@ -34,12 +35,12 @@ case $size in
 0.94)
 	shape=(--d-model 2048 --layers 16 --heads 16 --batch 8 --seq 2048)
 	steps=${STEPS:-8}
-	modes=${MODES:-gpu-adamw,torchao,deepspeed,aoq-default,aoq-fp32,aoq-bf16-q8,aoq-bf16master,aoq-bf16-q4,aoq-delayed-bf16-q4,aoq-default-auto,aoq-fp32-auto,aoq-delayed-bf16-q8-auto,aoq-delayed-bf16-q4-auto}
+	modes=${MODES:-gpu-adamw,torchao,deepspeed,aoq-default,aoq-default-off,aoq-fp32,aoq-bf16-q8,aoq-bf16master,aoq-bf16-q4,aoq-delayed-bf16-q4,aoq-default-auto,aoq-fp32-auto,aoq-delayed-bf16-q8-auto,aoq-delayed-bf16-q4-auto}
 	;;
 3.48)
 	shape=(--d-model 4096 --layers 16 --heads 32 --batch 4 --seq 2048 --init-on-device)
 	steps=${STEPS:-4}
-	modes=${MODES:-gpu-adamw,torchao,deepspeed,aoq-default,aoq-fp32,aoq-bf16-q8,aoq-delayed-bf16-q4,aoq-default-auto,aoq-fp32-auto,aoq-delayed-bf16-q8-auto}
+	modes=${MODES:-gpu-adamw,torchao,deepspeed,aoq-default,aoq-default-off,aoq-fp32,aoq-bf16-q8,aoq-delayed-bf16-q4,aoq-default-auto,aoq-fp32-auto,aoq-delayed-bf16-q8-auto}
 	;;
 *)
 	echo "offload_table.sh: size 0.94 or 3.48, not $size" >&2; exit 2 ;;

@@ -19,7 +19,8 @@ master with 8- or 4-bit moments; gpu-adamw-sr: the bf16 master's numerics done b
 torchao is torchao's CPUOffloadOptimizer (fused CPU AdamW), deepspeed DeepSpeed ZeRO-2 with
 offload_optimizer to the CPU (pinned), a process group of one; either prints a row saying why
 when it does not import here.  An aoq mode ending in -auto adds gpu_state_budget="auto"
-(with --max-device, max_device_bytes=).  The last table: s/step, the ratio to gpu-adamw,
+(with --max-device, max_device_bytes=), one ending in -off gpu_state_budget=0 (everything
+offloaded; without either, aoq's default share, docs/python.md "The default share").  The last table: s/step, the ratio to gpu-adamw,
 the device peaks over the whole run (max_memory_allocated and max_memory_reserved), the
 final loss and the mean loss of the last --loss-tail steps against --loss-ref's.  The
 default against the fp32 master over a long run (the loss curve's tail):
@@ -74,7 +75,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 MODES = ["gpu-adamw", "gpu-adamw-master", "gpu-adamw-sr", "aoq-default", "aoq-fp32", "aoq-q8", "aoq-bf16", "aoq-bf16master", "aoq-delayed",
          "aoq-delayed-q8", "aoq-bf16-q8", "aoq-delayed-bf16-q8", "aoq-bf16-q4", "aoq-delayed-bf16-q4", "torchao",
          "deepspeed"]
-VARIANTS = ("swap", "attach", "compile", "rcompile", "auto")
+VARIANTS = ("swap", "attach", "compile", "rcompile", "auto", "off")
 DROPIN = ["gpu-adamw", "gpu-adamw-compile", "gpu-adamw-rcompile", "aoq-fp32-swap", "aoq-fp32-attach",
           "aoq-fp32-compile", "aoq-fp32-rcompile", "aoq-q8-swap", "aoq-q8-attach", "aoq-q8-compile",
           "aoq-q8-rcompile"]
@@ -98,7 +99,7 @@ def variant_flags(mode, args):
     of the whole model) or "regional" (each block compiled on its own,
     torch's regional compilation: the waits run between the blocks)."""
     base, v = parse_mode(mode)
-    if v is None or v == "auto":
+    if v is None or v in ("auto", "off"):
         return args.attach and not args.compile, "model" if args.compile else False
     return v == "attach", {"compile": "model", "rcompile": "regional"}.get(v, False)
 
@@ -342,8 +343,9 @@ def make_optimizer(mode, model, args, socket):
         fused = torch.device(args.device).type == "cuda"
         return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=fused)
     from aoq.torch import OffloadOptimizer
-    budget = "auto" if auto else args.gpu_state_budget
-    budget = budget if budget == "auto" else int(float(budget) * 2 ** 30)
+    # None: the default share (aoq's default); -off: 0, everything offloaded
+    budget = "auto" if auto else 0 if variant == "off" else args.gpu_state_budget
+    budget = budget if budget in ("auto", None) else int(float(budget) * 2 ** 30)
     if mode == "aoq-default":
         # the import swap and nothing else: no aoq argument (the daemon's
         # socket from $AOQ_SOCKET), no attach() unless -attach; -auto adds
@@ -353,7 +355,7 @@ def make_optimizer(mode, model, args, socket):
         kw = dict(lr=args.lr, weight_decay=0.1)
         if args.offload_gradients:
             kw["offload_gradients"] = True
-        if budget:
+        if budget is not None:
             kw["gpu_state_budget"] = budget
         if budget == "auto" and args.max_device is not None:
             kw["max_device_bytes"] = args.max_device if args.max_device <= 1 else int(args.max_device * 2 ** 30)
@@ -381,7 +383,7 @@ def make_optimizer(mode, model, args, socket):
         kw["staging_window"] = int(args.staging_window * 2 ** 30)
     if mode.startswith("aoq-delayed"):
         kw["delayed_update"] = True
-    if budget:
+    if budget is not None:
         kw["gpu_state_budget"] = budget
     if budget == "auto" and args.max_device is not None:
         kw["max_device_bytes"] = args.max_device if args.max_device <= 1 else int(args.max_device * 2 ** 30)
@@ -753,8 +755,9 @@ def main():
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--offload-gradients", action="store_true")
     ap.add_argument("--lease", action="store_true", help="aoq modes: lease the session (undo copy of the state)")
-    ap.add_argument("--gpu-state-budget", default="0", metavar="GIB|auto",
-                    help="aoq modes: GiB of optimizer state kept on the device, or auto (gpu_state_budget=)")
+    ap.add_argument("--gpu-state-budget", default=None, metavar="GIB|auto",
+                    help="aoq modes: GiB of optimizer state kept on the device, or auto (gpu_state_budget=; "
+                         "default: aoq's own default, the default share)")
     ap.add_argument("--attach", action="store_true", default=True, help="per-module waits (default)")
     ap.add_argument("--no-attach", dest="attach", action="store_false")
     ap.add_argument("--staging-window", type=float, default=None, metavar="GIB",

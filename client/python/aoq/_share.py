@@ -31,6 +31,10 @@ def _state_copy(p, key, v):
     return v.to(device=p.device, copy=True)
 
 
+# The default share (gpu_state_budget=None): "auto" within this fraction of
+# the device peak its first probe measures with everything offloaded (bf16
+# parameters, an fp32 master and q8 or q4 moments; docs/decisions.md)
+DEFAULT_SHARE = 0.015
 _AUTO_PROBE_STEP = 3      # "auto" measures the third step: the first learns the pushes, the second streams
 _AUTO_ROUNDS = 3          # "auto" probes at most this often, two steps apart (the step after a move settles)
 _AUTO_MIN_LATE = 0.01     # ...and again only while more than this share of the offloaded parameters was late
@@ -82,6 +86,14 @@ def _dist_group(numels):
     h = hash(tuple(numels)) & ((1 << 52) - 1)      # ints hash alike in every process
     hi, neg_lo = _agree(dist, h, -h)
     return dist if hi == -neg_lo else None
+
+
+def _dist_many():
+    """True when a torch.distributed default group of 2+ ranks is up: the
+    default share (DEFAULT_SHARE) is off there, as its split would need
+    collectives the user did not ask for."""
+    dist = getattr(torch, "distributed", None)
+    return bool(dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
 
 def _agree(dist, *values):
@@ -351,6 +363,12 @@ class _AutoSplit:
         probes again (_auto_again), at most _AUTO_ROUNDS probes in all."""
         log, self._push_log = self._push_log, None
         self._probe_fwd_armed = False
+        if self._auto_frac is not None and _dist_many():
+            # the default share, with a process group started after the
+            # optimizer: off (no collectives unasked)
+            self._auto, self._auto_probe = False, None
+            self.synchronize()
+            return
         pushed = set(log)
         order = [s for s in log if not s.moved] + [s for s in self._slots if s not in pushed]
         if self.device.type == "cuda":
@@ -410,6 +428,7 @@ class _AutoSplit:
             self.auto_split["device_params"], self.auto_split["device_bytes"] / 2 ** 30,
             "no device cap" if cap == float("inf") else "%.2f GiB (device peak %.2f GiB%s)" % (
                 cap / 2 ** 30, (peak or 0) / 2 ** 30, "" if self._auto_bound is None else
+                ", the default share's bound %.2f GiB" % (self._auto_bound / 2 ** 30) if self._auto_frac else
                 ", on-GPU state's %.2f GiB" % (self._auto_bound / 2 ** 30)),
             "; probing again at step %d" % self._auto_probe if again else "")
 
@@ -428,10 +447,11 @@ class _AutoSplit:
         moved (counted) and the bound less the largest peak measured so far
         (what moved measured), so the share takes no more than offloading
         freed, and a share that measures larger than counted stops the
-        moves."""
+        moves.  The default share (gpu_state_budget=None) is the same with
+        DEFAULT_SHARE of the first probe's peak in place of torch's state."""
         mem = _device_memory(self.device)
         if mem is None:
-            return float("inf"), None
+            return 0 if self._auto_frac else float("inf"), None
         peak, free = mem
         self._auto_peak = max(self._auto_peak, peak)
         room = max(0, free - max(2 << 30, free // 10))
@@ -442,6 +462,11 @@ class _AutoSplit:
             return max(0, int(lim * self._auto_free0) - self._auto_cost), peak
         if lim is not None:
             return min(room, max(0, lim - self._auto_cost)), peak
+        if self._auto_bound is None and self._auto_frac is not None:
+            # the default share: a fraction of the peak with everything
+            # offloaded (this first probe's), the share measured as it grows
+            self._auto_state = int(self._auto_frac * peak)
+            self._auto_bound = peak + self._auto_state
         if self._auto_bound is None:
             state = _torch_state_bytes([s.x for s in self._slots], self._kind, [
                 bool(self.param_groups[s.group].get("momentum", 0)) for s in self._slots])

@@ -34,11 +34,12 @@ from ._graph import _OPTIMIZERS
 from ._hooks import _PushPath, _Slot
 from ._kinds import (_AOQ_DTYPE, _DAEMON_CLASSES, _MASTER_DTYPES, _PRECISION, _STATE_KEYS,
                      _STATE_PRECISIONS, Lion, _check_hp, _default_policy, _number, _parse_params)
-from ._share import _AUTO_PROBE_STEP, _AutoSplit, _DeviceShare, _share_bytes
+from . import _share
+from ._share import _AUTO_PROBE_STEP, DEFAULT_SHARE, _AutoSplit, _DeviceShare, _share_bytes
 from ._state import _HostFallback, _StateDict
 from .client import Client
 
-__all__ = ["OffloadOptimizer", "Lion", "staging_window_for", "STAGING_BUDGET"]
+__all__ = ["OffloadOptimizer", "Lion", "staging_window_for", "STAGING_BUDGET", "DEFAULT_SHARE"]
 
 # The staging window's default (docs/python.md, "Staging window"): a model
 # whose gradients and parameters fit in this many bytes gets a slot per
@@ -99,7 +100,12 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
     the device (partial offload): the first parameters in order (the last
     gradients of backward) whose state fits are stepped there by
     optimizer_class (fused on CUDA), on an fp32 master where aoq's would be
-    one; 0 (default): everything in aoqd; "auto": measured at the probe
+    one; 0: everything in aoqd; None (default): the default share, "auto"
+    within DEFAULT_SHARE (1.5 %) of the device peak measured with
+    everything offloaded, where the device keeps the state in aoqd's own
+    format (a CUDA device, an fp32 master with q8 or q4 moments, Adam or
+    AdamW, not shared=), else 0 (docs/python.md, "The default share");
+    "auto": measured at the probe
     steps, within max_device_bytes= (bytes, or a fraction in (0, 1] of the
     device's free memory) or by default within the device peak of the same
     model with torch's optimizer on the device (_AutoSplit._auto_cap).  Not
@@ -125,7 +131,7 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
     def __init__(self, params, optimizer_class=torch.optim.AdamW, *, offload_gradients=False, minimal_size=4096,
                  device=None, socket=None, state_precision=None, master_dtype=None, max_grad_norm=None,
                  delayed_update=False, skip_nonfinite=False, grad_accumulation_steps=None, copy_mode=None,
-                 seed=0, job=None, rank=None, model=None, grad_edits=None, gpu_state_budget=0, lease=None,
+                 seed=0, job=None, rank=None, model=None, grad_edits=None, gpu_state_budget=None, lease=None,
                  staging_window=None, timeout=None, graph_push=True, shared=False, max_device_bytes=None,
                  **kwargs):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
@@ -144,10 +150,10 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
             raise ValueError("unknown copy_mode %r; allowed: None, 'native', 'framework'" % (copy_mode,))
         if grad_edits not in (None, True, False):
             raise ValueError("grad_edits must be None (detect), True or False, got %r" % (grad_edits,))
-        if gpu_state_budget != "auto" and (isinstance(gpu_state_budget, bool) or not isinstance(gpu_state_budget, int)
-                                           or gpu_state_budget < 0):
-            raise ValueError("gpu_state_budget must be a number of bytes >= 0 (0: everything in aoqd) or 'auto', "
-                             "got %r" % (gpu_state_budget,))
+        if gpu_state_budget not in (None, "auto") and (isinstance(gpu_state_budget, bool)
+                                                       or not isinstance(gpu_state_budget, int) or gpu_state_budget < 0):
+            raise ValueError("gpu_state_budget must be None (the default share), a number of bytes >= 0 (0: "
+                             "everything in aoqd) or 'auto', got %r" % (gpu_state_budget,))
         if max_device_bytes is not None:
             if gpu_state_budget != "auto":
                 raise ValueError("max_device_bytes caps gpu_state_budget='auto' (got gpu_state_budget=%r)"
@@ -252,7 +258,8 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
         self._auto_dist = False         # "auto": torch.distributed when the replicas agree on splits (_dist_group)
         self._probe_fwd_armed = False   # "auto": mark the next forward's start (the probe step's)
         self._probe_fwd = self._probe_fwd_last = None   # "auto": marks of the probe step's forward
-        share_left = 0 if offload_all or gpu_state_budget == "auto" else gpu_state_budget
+        self._auto_frac = None          # the default share: its cap, a fraction of the offloaded device peak
+        share_left = 0 if offload_all or gpu_state_budget in (None, "auto") else gpu_state_budget
         share = []                                 # (group, parameter)
         for gi, g in enumerate(self.param_groups):
             sg = {k: v for k, v in g.items() if k != "params"}
@@ -326,6 +333,13 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
                      delayed_update=delayed_update, seed=seed, lease=lease, window=self.staging_window,
                      timeout=timeout, local_world=local_world, local_rank=local_rank)
         self.local_world, self.local_rank = local_world, local_rank
+        if (gpu_state_budget is None and self._share_q8 and not offload_all and local_world <= 1
+                and _share._device_memory(tdev) is not None and not _share._dist_many()):
+            # the default share (docs/decisions.md): "auto" within
+            # DEFAULT_SHARE of the device peak measured with everything
+            # offloaded, where the device keeps the state as aoqd does;
+            # not under torch.distributed (its split takes collectives)
+            self._auto, self._auto_frac = True, DEFAULT_SHARE
         self.job = job
         self._client = None
         self.resumed_step = None   # the last completed step when this resumed a leased session

@@ -17,6 +17,10 @@ gpu_state_budget="auto" keeps the device peak within on-GPU AdamW's:
     torch's AdamW state would take for the offloaded parameters, and a later
     probe that measures the peak past that bound moves nothing more;
     max_device_bytes= as bytes and as a fraction of free memory caps it;
+  * the default share (no gpu_state_budget, fake device): "auto" within
+    DEFAULT_SHARE of the first probe's peak with bf16 parameters and the
+    default fp32 master + q8; nothing on the device with
+    gpu_state_budget=0, fp32 parameters, a bf16 master, or a process group;
     with the default fp32 master + q8 the share keeps q8 moments and the
     master's low halves (4.03 bytes/parameter), with a bf16 master bf16
     moments (4 bytes/parameter).
@@ -190,10 +194,11 @@ def stack(n=12, d=64):
     return torch.nn.Sequential(torch.nn.Linear(32, d), *layers, torch.nn.Linear(d, 128)).to(DEV)
 
 
-def auto_run(model, dtype=None, steps=9, fake=None, **kw):
+def auto_run(model, dtype=None, steps=9, fake=None, budget="auto", **kw):
     with (fake or FakeDevice()) as fake:
-        opt = OffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, socket=SOCKET,
-                               gpu_state_budget="auto", **kw)
+        if budget != "default":
+            kw["gpu_state_budget"] = budget
+        opt = OffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, socket=SOCKET, **kw)
         fake.opt = opt
         offloaded = [s.p for s in opt._slots]
         loop(model, opt, steps, dtype)
@@ -285,6 +290,66 @@ def case_auto_cap():
     print("ok: auto's device cap (on-GPU AdamW's peak by default, max_device_bytes bytes and fraction)")
 
 
+def case_default_share():
+    """The default share (gpu_state_budget=None) with a fake device: "auto"
+    within DEFAULT_SHARE of the peak the first probe measures, only where
+    the device keeps the default's format (bf16 parameters, fp32 master +
+    q8), never under a process group of 2+ ranks."""
+    # the tensors pushed last: the first 64 x 64 layers
+    one = sh._share_bytes(stack()[1].weight.to(torch.bfloat16), "adamw", None, q8=True)
+    # a peak whose 1.5 % holds three and a half of their states
+    base = int(3.5 * one / aoq.torch.DEFAULT_SHARE)
+    m = stack().to(torch.bfloat16)
+    split, off, moved, fake = auto_run(m, torch.bfloat16, fake=FakeDevice(base=base), budget="default")
+    cap = int(aoq.torch.DEFAULT_SHARE * base)
+    assert split["peak_bound_bytes"] == base + cap, (split, base, cap)
+    assert moved and split["device_bytes"] <= cap, (split, cap)
+    assert len(moved) == 3, (len(moved), fake.rounds)
+    assert fake.rounds[0][0] == cap, fake.rounds
+    print("ok: the default share: %d of %d tensors (%d bytes) on the device within %d (1.5%% of the peak %d)"
+          % (len(moved), len(off), split["device_bytes"], cap, base))
+    # off: gpu_state_budget=0, fp32 parameters (fp32 state, which the share
+    # would step with torch's AdamW), a bf16 master, a process group of 2+
+    # ranks (at construction, or started before the probe)
+    for what, dtype, kw in (("gpu_state_budget=0", torch.bfloat16, dict(budget=0)),
+                            ("fp32 parameters", torch.float32, dict(budget="default")),
+                            ("a bf16 master", torch.bfloat16, dict(budget="default", master_dtype="bf16"))):
+        m = stack().to(dtype)
+        with FakeDevice(base=base) as fake:
+            opt = OffloadOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-3, socket=SOCKET,
+                                   **({} if kw["budget"] == "default" else {"gpu_state_budget": kw["budget"]}),
+                                   **{k: v for k, v in kw.items() if k != "budget"})
+            fake.opt = opt
+            loop(m, opt, 9, dtype)
+            opt.synchronize()
+            assert opt.auto_split is None and opt._share is None and not fake.rounds, (what, opt.auto_split)
+            opt.close()
+    many = sh._dist_many
+    try:
+        sh._dist_many = lambda: True
+        m = stack().to(torch.bfloat16)
+        with FakeDevice(base=base) as fake:
+            opt = OffloadOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-3, socket=SOCKET)
+            fake.opt = opt
+            loop(m, opt, 9, torch.bfloat16)
+            assert opt.auto_split is None and opt._share is None, opt.auto_split
+            opt.close()
+        sh._dist_many = many
+        m = stack().to(torch.bfloat16)
+        with FakeDevice(base=base) as fake:
+            opt = OffloadOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-3, socket=SOCKET)
+            assert opt._auto, "the default share is off with a fake CUDA device"
+            sh._dist_many = lambda: True          # a process group started after the optimizer
+            fake.opt = opt
+            loop(m, opt, 9, torch.bfloat16)
+            assert opt.auto_split is None and opt._share is None and not opt._auto, opt.auto_split
+            opt.close()
+    finally:
+        sh._dist_many = many
+    print("ok: the default share is off with gpu_state_budget=0, fp32 parameters, a bf16 master and under "
+          "torch.distributed")
+
+
 def quadratic(noise, seed, n=8192, steps=2000, lr=0.05, **kw):
     """The kernels' convergence problem (kernels/cpu/test-kernels.c,
     quad_run) through OffloadOptimizer with bf16 parameters: n parameters
@@ -340,7 +405,8 @@ def quadratic_start(seed, n=8192):
     return float(0.5 * (h * (x - xs) ** 2).sum())
 
 
-CASES = {"fp32": case_fp32, "bf16": case_bf16, "auto-cap": case_auto_cap, "convergence": case_convergence}
+CASES = {"fp32": case_fp32, "bf16": case_bf16, "auto-cap": case_auto_cap, "default-share": case_default_share,
+         "convergence": case_convergence}
 
 
 def main():
