@@ -321,9 +321,13 @@ def regional_compile():
         # (torch 2.11 compiles no frame for block.compile() without hooks, one with ours: at most one)
         assert c2.frame_count <= max(c1.frame_count, 1), ("recompiles with aoq's in-graph waits and pushes",
                                                           in_place, c2.frame_count, c1.frame_count)
-        if in_place and c1.frame_count:
-            # the hooks ran in the compiled frames: every block's weight pushed from the compiled backward
-            assert pushed[-1] >= n, ("gradients not pushed from the compiled blocks' backward", pushed)
+        if in_place:
+            # block.compile() keeps the block (no OptimizedModule to trust);
+            # where torch compiled a frame, the hooks ran in it: every block's
+            # weight pushed from the compiled backward (torch 2.11 on CUDA
+            # compiles none without hooks, and then there is nothing to check)
+            if c1.frame_count:
+                assert pushed[-1] >= n, ("gradients not pushed from the compiled blocks' backward", pushed)
         else:
             assert all(m2[i] in opt._graph_waits for i in range(1, n + 1)), "compiled blocks not trusted"
         opt.close()
