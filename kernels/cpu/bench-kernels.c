@@ -26,6 +26,10 @@
  * state, bf16 in and out; their names start with the variant, then "sgd_"
  * or "lion_".
  *
+ * --shmem: every buffer in a memfd mapped MAP_SHARED (shmem pages, as
+ * aoqd's state when it lives in a memfd for the fd store) instead of
+ * private anonymous memory with transparent huge pages.
+ *
  * GB/s counts the bytes the job must move (kernels/README.md: 28 B/param for fp32
  * state with bf16 grad and param), not what the hardware moved (e.g. the
  * read-for-ownership of plain stores).  The last lines are
@@ -159,9 +163,22 @@ static uint16_t *master16, *m16, *v16;
 static int8_t *mq;
 static uint8_t *vq;
 
+static bool use_shmem; /* --shmem */
+
 static void *big(size_t bytes)
 {
-	void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	void *p;
+	if (use_shmem) {
+		int fd = memfd_create("bench-kernels", MFD_CLOEXEC);
+		if (fd < 0 || ftruncate(fd, (off_t)bytes) < 0) {
+			fprintf(stderr, "memfd %zu: %s\n", bytes, strerror(errno));
+			exit(1);
+		}
+		p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+		close(fd);
+	} else {
+		p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	}
 	if (p == MAP_FAILED) {
 		fprintf(stderr, "mmap %zu: %s\n", bytes, strerror(errno));
 		exit(1);
@@ -695,6 +712,7 @@ static const char bench_usage[] =
 	"             (-k, default: the best) and the MODE lines\n"
 	"  --resident[=N]  compute only: one thread, one N-element tensor (default 65536)\n"
 	"             updated over and over in cache; per precision G params/s, ns and cycles\n"
+	"  --shmem    buffers in a memfd (shmem pages, MAP_SHARED), not anonymous memory\n"
 	"  -h, --help this text\n";
 
 /* A decimal or 0x number in [lo, hi]; otherwise names the option and fails. */
@@ -764,6 +782,7 @@ int main(int argc, char **argv)
 		{ "help", no_argument, NULL, 'h' },
 		{ "resident", optional_argument, NULL, 'R' },
 		{ "modes", no_argument, NULL, 'M' },
+		{ "shmem", no_argument, NULL, 'S' },
 		{ NULL, 0, NULL, 0 },
 	};
 	unsigned long long v;
@@ -794,6 +813,9 @@ int main(int argc, char **argv)
 			break;
 		case 'M':
 			modes_only = true;
+			break;
+		case 'S':
+			use_shmem = true;
 			break;
 		case 'R':
 			resident = true;
