@@ -10,6 +10,7 @@ OffloadOptimizer's methods that time the probe step, cap the move by the
 device's measured memory (_auto_cap, _device_memory) and move the state."""
 import logging
 import time
+import warnings
 
 import torch
 
@@ -407,6 +408,14 @@ class _AutoSplit:
         self._auto_cost += sum(_share_bytes(s.p, self._kind, master, q8) + _share_step_bytes(s.p, master, q8)
                                for s in moved)
         if moved:
+            if self._leased and not self._auto_lease_warned:
+                # aoqd keeps the moved tensors registered with their state
+                # as of now: a resume from the lease would take it
+                self._auto_lease_warned = True
+                warnings.warn("aoq: gpu_state_budget='auto' moved optimizer state to the device in a leased session: "
+                              "a resume from aoqd's lease gets the moved parameters and their state as of step %d; "
+                              "the trainer's own checkpoint must hold them (docs/python.md, \"The default share\")"
+                              % self._nstep)
             self._move_to_share(moved)
         prev = self.auto_split or {}
         rounds = prev.get("rounds", 0) + 1

@@ -251,6 +251,7 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
         self._auto_peak = 0             # "auto": the largest device peak a probe measured
         self._auto_free0 = None         # "auto", a fraction as cap: the free device memory at the first probe
         self._auto_cost = 0             # "auto": device bytes of the moved state and its step-time copies
+        self._auto_lease_warned = False  # "auto" in a leased session: its move warned once
         self._nstep = 0
         self._push_log = None           # "auto": the slots in the order of their final push, on the probe step
         self.auto_split = None          # "auto": what the last probe measured, what all moved (a dict)
@@ -333,12 +334,15 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
                      delayed_update=delayed_update, seed=seed, lease=lease, window=self.staging_window,
                      timeout=timeout, local_world=local_world, local_rank=local_rank)
         self.local_world, self.local_rank = local_world, local_rank
+        self._leased = lease != 0       # a lease may keep aoqd's state for a resume
         if (gpu_state_budget is None and self._share_q8 and not offload_all and local_world <= 1
-                and _share._device_memory(tdev) is not None and not _share._dist_many()):
+                and not self._leased and _share._device_memory(tdev) is not None and not _share._dist_many()):
             # the default share (docs/decisions.md): "auto" within
             # DEFAULT_SHARE of the device peak measured with everything
             # offloaded, where the device keeps the state as aoqd does;
-            # not under torch.distributed (its split takes collectives)
+            # not under torch.distributed (its split takes collectives),
+            # not with a lease (a resume would find the moved tensors'
+            # state in aoqd as it was at the move)
             self._auto, self._auto_frac = True, DEFAULT_SHARE
         self.job = job
         self._client = None

@@ -20,7 +20,8 @@ gpu_state_budget="auto" keeps the device peak within on-GPU AdamW's:
   * the default share (no gpu_state_budget, fake device): "auto" within
     DEFAULT_SHARE of the first probe's peak with bf16 parameters and the
     default fp32 master + q8; nothing on the device with
-    gpu_state_budget=0, fp32 parameters, a bf16 master, or a process group;
+    gpu_state_budget=0, fp32 parameters, a bf16 master, a lease, or a
+    process group ("auto" with a lease warns at its move);
     with the default fp32 master + q8 the share keeps q8 moments and the
     master's low halves (4.03 bytes/parameter), with a bf16 master bf16
     moments (4 bytes/parameter).
@@ -31,6 +32,7 @@ import argparse
 import os
 import sys
 import traceback
+import warnings
 
 from testenv import require_torch  # sets sys.path: this folder and the package
 
@@ -313,7 +315,8 @@ def case_default_share():
     # ranks (at construction, or started before the probe)
     for what, dtype, kw in (("gpu_state_budget=0", torch.bfloat16, dict(budget=0)),
                             ("fp32 parameters", torch.float32, dict(budget="default")),
-                            ("a bf16 master", torch.bfloat16, dict(budget="default", master_dtype="bf16"))):
+                            ("a bf16 master", torch.bfloat16, dict(budget="default", master_dtype="bf16")),
+                            ("a lease", torch.bfloat16, dict(budget="default", job="policy-lease", lease=30))):
         m = stack().to(dtype)
         with FakeDevice(base=base) as fake:
             opt = OffloadOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-3, socket=SOCKET,
@@ -346,8 +349,16 @@ def case_default_share():
             opt.close()
     finally:
         sh._dist_many = many
-    print("ok: the default share is off with gpu_state_budget=0, fp32 parameters, a bf16 master and under "
-          "torch.distributed")
+    # "auto" in a leased session warns at its move (a resume would find the
+    # moved tensors' state in aoqd as of the move)
+    m = stack().to(torch.bfloat16)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        split, off, moved, _ = auto_run(m, torch.bfloat16, job="policy-lease-auto", lease=30)
+    said = [str(w.message) for w in got if "leased session" in str(w.message)]
+    assert moved and len(said) == 1 and "as of step 3" in said[0], (len(moved), said)
+    print("ok: the default share is off with gpu_state_budget=0, fp32 parameters, a bf16 master, a lease and "
+          "under torch.distributed; \"auto\" with a lease warns once at its move")
 
 
 def quadratic(noise, seed, n=8192, steps=2000, lr=0.05, **kw):
