@@ -215,7 +215,7 @@ static void *build_run(void *arg)
 	s->build_alloc_failed = false;
 	if (b->alloc && (r = aoqd_state_alloc(&s->st, b->lock_memory, &s->srv->locked_bytes, &s->build_failed_len)) < 0)
 		s->build_alloc_failed = true;
-	else if (b->alloc)
+	else if (b->alloc || s->st.memfd)
 		aoqd_populate_start(s); /* its workers fault in while the arena is built */
 	if (r == 0)
 		r = aoqd_arena_build(&s->arena, &s->st, s->id, b->max_arena_bytes);
@@ -308,6 +308,8 @@ int aoqd_register_finish(struct aoqd_session *s, uv_poll_cb on_doorbell, aoqd_ad
 		if ((r = aoqd_state_alloc(st, lock, &s->srv->locked_bytes, &failed_len)) < 0)
 			return alloc_failed(r, lock, failed_len, err);
 		aoqd_populate_start(s);
+	} else if (st->memfd) {
+		aoqd_populate_start(s); /* a resumed state's undo room (populate.c) */
 	}
 	r = aoqd_arena_build(&s->arena, st, s->id, s->srv->cfg.max_arena_bytes);
 	return arena_made(s, on_doorbell, r, err);

@@ -41,6 +41,11 @@ struct aoqd_tensor {
 	size_t map_len;
 	size_t undo_off;       /* 0: no undo copy */
 	bool locked;           /* the mapping is locked (mlock) */
+	/* The state in the session's memfd (aoqd_state_set_memfd): this
+	 * tensor's slot, its arrays then its undo room, starts at mem_off in
+	 * st->mem_fd; map_len covers the slot. */
+	bool in_memfd;
+	uint64_t mem_off;
 	float *acc;            /* fp32 micro-batch accumulator, allocated on first use */
 	uint64_t acc_step;     /* step whose micro-batches acc holds */
 	uint64_t steps;        /* updates applied (bias correction) */
@@ -74,6 +79,17 @@ struct aoqd_state {
 	int masters_fd;
 	uint64_t masters_size;
 	int masters_wd; /* its watch (held.h): charged until no client holds it */
+	/* The state in one memfd (docs/design.md, "The fd store"): mem_fd
+	 * (valid when `memfd`) holds a header page, then every tensor's slot
+	 * (AOQD_STATE_MEMFD_DATA on), then room for the fd store's
+	 * descriptor.  store_name: its name in systemd's fd store ("" when
+	 * not stored); store_kept: a stop wrote it for the next aoqd, so
+	 * freeing the state leaves it in the store. */
+	bool memfd;
+	bool store_kept;
+	int mem_fd;
+	uint64_t mem_data_len;
+	char store_name[40];
 	uint32_t ngroups, ntensors;
 	uint32_t cap_groups, cap_tensors;
 	struct aoqd_group *groups;
@@ -147,6 +163,7 @@ static inline size_t aoqd_tensor_master_size(const struct aoqd_tensor *x)
 /* Whether aoqd_state_alloc makes masters the parameters where it can
  * (aoqd.conf master_param; on by default).  Process-wide. */
 void aoqd_state_set_master_param(bool on);
+bool aoqd_state_master_param(void);
 /* Whether x's parameter is its master for a client of st (aoq-arena.h):
  * a bf16 master in the masters memfd (with the delayed update too: the
  * client copies the master before it pushes the next gradient; docs/decisions.md,
@@ -155,6 +172,29 @@ static inline bool aoqd_tensor_master_param(const struct aoqd_state *st, const s
 {
 	return st->masters_size && x->master_off != UINT64_MAX;
 }
+/* Where states are mapped: in one memfd per session, stored in systemd's
+ * fd store under `aoq-state-<n>` (on: aoqd runs under systemd with the fd
+ * store and a lease), or in private anonymous mappings (off: transparent
+ * huge pages; docs/design.md, "The fd store").  Process-wide; states
+ * already mapped keep theirs. */
+void aoqd_state_set_memfd(bool on);
+/* The names given to stored states start above n (the names of states a
+ * restart found in the store). */
+void aoqd_state_store_names_above(uint64_t n);
+/* The header page before the tensors' slots in a state's memfd. */
+#define AOQD_STATE_MEMFD_DATA 4096u
+/* The bytes of st's memfd slots (every tensor's arrays and undo room,
+ * each on pages of its own), with each tensor's offset from
+ * AOQD_STATE_MEMFD_DATA in off[] (NULL: not wanted); UINT64_MAX when the
+ * sum overflows.  The tables (groups, tensors) must be valid. */
+uint64_t aoqd_state_memfd_layout(const struct aoqd_state *st, uint64_t *off);
+/* Maps st's tensors in place from fd, a memfd of this layout that a
+ * stopping aoqd wrote (fdstore.c validated it), with the undo copy kept:
+ * no array is copied but a master that is a parameter, which goes into
+ * the new masters memfd.  st keeps a duplicate of fd (closed with it),
+ * named `name` in the fd store.  0 or -errno as aoqd_state_alloc. */
+int aoqd_state_adopt(struct aoqd_state *st, int fd, const char *name, int lock_memory, _Atomic uint64_t *locked_total,
+                     uint64_t *failed_len);
 /* Maps every tensor's state.  lock_memory: 0 no, 1 try, 2 required;
  * locked bytes are added to *locked_total.  0, or -errno with *failed_len
  * the size that could not be had. */

@@ -1,10 +1,14 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * The fd store's stored form (daemon/fdstore.c) without a daemon:
- *  - encode -> decode round trip, byte for byte, of random states in every
- *    precision (groups AdamW, SGD without momentum, Lion; odd sizes);
- *  - the memfd is sealed; an unsealed, cut, grown or retyped one is refused
- *    with a message naming what is wrong;
+ *  - states allocated in memfds (aoqd_state_set_memfd), their descriptor
+ *    written, then taken back in place: every array of the taken state is
+ *    the written one's, byte for byte, and is the same memory (a write to
+ *    one shows in the other: no copy), in every precision (groups AdamW,
+ *    SGD without momentum, Lion; odd sizes; masters that are parameters);
+ *  - a memfd is taken once (its header cleared); an unsealed, write-sealed,
+ *    cut, grown, header-less or retyped one is refused with a message
+ *    naming what is wrong;
  *  - random mutations of the descriptor with its checksum recomputed (so
  *    that the field checks, not the CRC, must catch them) and of the
  *    header never crash the decoder (run under ASan/UBSan by
@@ -175,15 +179,23 @@ static int memfd_of(const uint8_t *d, size_t n, bool unsealed)
 	if (fd < 0 || ftruncate(fd, (off_t)n) < 0 || pwrite(fd, d, n, 0) != (ssize_t)n)
 		exit(1);
 	if (!unsealed)
-		fcntl(fd, F_ADD_SEALS, F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL);
+		fcntl(fd, F_ADD_SEALS, F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL);
 	return fd;
+}
+
+static uint64_t desc_off(const uint8_t *d)
+{
+	uint64_t o;
+	memcpy(&o, d + 32, 8);
+	return o;
 }
 
 static void fix_crc(uint8_t *d)
 {
-	uint64_t desc;
-	memcpy(&desc, d + 16, 8);
-	uint32_t c = (uint32_t)crc32(crc32(0, Z_NULL, 0), d + 16, (uInt)(desc - 16));
+	uint64_t off = desc_off(d), len;
+	memcpy(&len, d + 40, 8);
+	uint32_t c = (uint32_t)crc32(crc32(0, Z_NULL, 0), d + 16, 48);
+	c = (uint32_t)crc32(c, d + off, (uInt)len);
 	memcpy(d + 12, &c, 4);
 }
 
@@ -194,7 +206,7 @@ static void expect_refused(const char *what, const uint8_t *d, size_t n, bool un
 	struct aoqd_snap_key key;
 	struct aoqd_state st;
 	char why[512] = "";
-	int r = aoqd_fdstore_decode(fd, 0, &locked, 2, &key, &st, why, sizeof(why));
+	int r = aoqd_fdstore_decode(fd, "aoq-state-9", 0, &locked, 2, &key, &st, why, sizeof(why));
 	EXPECT(r < 0 && strstr(why, want), "%s: r %d, why '%s' (want '%s')", what, r, why, want);
 	if (r == 0)
 		aoqd_state_free(&st, &locked);
@@ -205,32 +217,51 @@ int main(void)
 {
 	rs = (uint64_t)getpid() * 0x100000001b3ull ^ (uint64_t)time(NULL);
 	printf("seed %" PRIu64 "\n", rs);
+	aoqd_state_set_memfd(true);
 	uint8_t *keep = NULL;
 	size_t keep_n = 0;
 	for (int prec = 0; prec < SNAP_NPREC; prec++) {
 		struct aoqd_state st;
 		make_state(&st, prec, 1 + (uint32_t)(rnd() % 9));
+		EXPECT(st.memfd, "precision %d: state not in a memfd", prec);
 		struct aoqd_snap_key key = { .uid = 1000, .rank = 3 };
 		snprintf(key.job, sizeof(key.job), "job-%d", prec);
-		int fd = aoqd_fdstore_encode(&key, &st, 1 + (unsigned)(rnd() % 4));
-		EXPECT(fd >= 0, "encode precision %d: %s", prec, strerror(-fd));
-		if (fd < 0)
+		int r = aoqd_fdstore_write(&key, &st);
+		EXPECT(r == 0, "write precision %d: %s", prec, strerror(-r));
+		if (r < 0)
 			continue;
+		int fd = dup(st.mem_fd);
 		int seals = fcntl(fd, F_GET_SEALS);
-		EXPECT(seals >= 0 && (seals & (F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL)) ==
-		       (F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL), "seals %#x", seals);
+		int need = F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL;
+		EXPECT(seals >= 0 && (seals & need) == need && !(seals & F_SEAL_WRITE), "seals %#x", seals);
+		if (prec == 0)
+			keep = read_all(fd, &keep_n);
 		struct aoqd_snap_key k2;
 		struct aoqd_state back;
 		char why[512] = "";
-		int r = aoqd_fdstore_decode(fd, 0, &locked, 3, &k2, &back, why, sizeof(why));
+		r = aoqd_fdstore_decode(fd, "aoq-state-1", 0, &locked, 3, &k2, &back, why, sizeof(why));
 		EXPECT(r == 0, "decode precision %d: %s", prec, why);
 		if (r == 0) {
 			EXPECT(k2.uid == 1000 && k2.rank == 3 && strcmp(k2.job, key.job) == 0, "key differs");
 			EXPECT(same_state(&st, &back, why, sizeof(why)), "precision %d: %s", prec, why);
+			EXPECT(back.memfd && back.undo && strcmp(back.store_name, "aoq-state-1") == 0,
+			       "taken state not in its memfd with its undo copy");
+			/* in place: the taken state's m is the written state's */
+			for (uint32_t i = 0; i < st.ntensors; i++) {
+				struct aoqd_tensor *x = &st.tensors[i], *y = &back.tensors[i];
+				if (!x->st.m)
+					continue;
+				uint8_t *mx = x->st.m, *my = y->st.m;
+				mx[0] ^= 0x5a;
+				EXPECT(my[0] == mx[0] && x->st.m != y->st.m, "tensor %u: the taken state is a copy", i);
+			}
+			/* taken once: its header is gone */
+			struct aoqd_state again;
+			r = aoqd_fdstore_decode(fd, "aoq-state-1", 0, &locked, 3, &k2, &again, why, sizeof(why));
+			EXPECT(r < 0 && strstr(why, "no stored-form header"), "taken twice: r %d, why '%s'", r, why);
+			back.store_kept = true;
 			aoqd_state_free(&back, &locked);
 		}
-		if (prec == 0)
-			keep = read_all(fd, &keep_n);
 		close(fd);
 		aoqd_state_free(&st, &locked);
 	}
@@ -239,46 +270,70 @@ int main(void)
 
 	/* Damaged copies, each refused with its reason. */
 	uint8_t *d = malloc(keep_n + 8192);
+	uint64_t doff = desc_off(keep), desc;
+	memcpy(&desc, keep + 40, 8);
 	memcpy(d, keep, keep_n);
 	expect_refused("unsealed", d, keep_n, true, "not sealed");
-	expect_refused("cut short", d, keep_n - 4096, false, "not within");
+	{
+		int fd = memfd_of(d, keep_n, true);
+		fcntl(fd, F_ADD_SEALS, F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL);
+		struct aoqd_snap_key key;
+		struct aoqd_state st;
+		char why[512] = "";
+		int r = aoqd_fdstore_decode(fd, "aoq-state-9", 0, &locked, 2, &key, &st, why, sizeof(why));
+		EXPECT(r < 0 && strstr(why, "sealed against writes"), "write-sealed: r %d, why '%s'", r, why);
+		close(fd);
+	}
+	expect_refused("cut short", d, keep_n - 4096, false, "not the");
 	memset(d + keep_n, 0, 8192);
-	expect_refused("grown", d, keep_n + 4096, false, "not within");
+	expect_refused("grown", d, keep_n + 4096, false, "not the");
 	expect_refused("header only", d, 63, false, "not a memfd of the stored form");
-	d[100] ^= 1;
+	d[doff + 3] ^= 1;
 	expect_refused("descriptor byte", d, keep_n, false, "checksum mismatch");
 	memcpy(d, keep, keep_n);
-	d[8] = 2;
-	expect_refused("version", d, keep_n, false, "version 2");
+	d[8] = 3;
+	expect_refused("version", d, keep_n, false, "version 3");
 	memcpy(d, keep, keep_n);
 	d[0] = 'X';
 	expect_refused("magic", d, keep_n, false, "magic");
 	memcpy(d, keep, keep_n);
+	memset(d, 0, 8);
+	expect_refused("no header", d, keep_n, false, "no stored-form header");
+	memcpy(d, keep, keep_n);
 	d[50] = 1;
 	expect_refused("reserved", d, keep_n, false, "reserved");
 	memcpy(d, keep, keep_n);
+	d[1000] = 1;
+	expect_refused("header page", d, keep_n, false, "reserved");
+	memcpy(d, keep, keep_n);
 	uint32_t big = 1u << 30;
-	memcpy(d + 64 + 8, &big, 4); /* the job's length */
+	memcpy(d + doff + 8, &big, 4); /* the job's length */
 	fix_crc(d);
 	expect_refused("job length", d, keep_n, false, "job name");
 
 	memcpy(d, keep, keep_n);
 	uint32_t many = 1u << 24;
-	memcpy(d + 64 + 12 + 5 + 24 + 8 + 4 + 4 + 4, &many, 4); /* tensors, after job "job-0" */
+	memcpy(d + doff + 12 + 5 + 24 + 8 + 4 + 4 + 4, &many, 4); /* tensors, after job "job-0" */
 	fix_crc(d);
 	expect_refused("tensor count", d, keep_n, false, "do not fit");
 
+	memcpy(d, keep, keep_n);
+	uint64_t numel;
+	memcpy(&numel, d + doff + 12 + 5 + 48 + 68 * 3 + 4 + 15, 8); /* tensor 0's numel ("layers.0.weight") */
+	numel += 4096;
+	memcpy(d + doff + 12 + 5 + 48 + 68 * 3 + 4 + 15, &numel, 8);
+	fix_crc(d);
+	expect_refused("numel", d, keep_n, false, "slots take");
+
 	/* Random mutations of the descriptor (checksum made right) and of the
-	 * header: refused, or a state equal in its arrays' bytes to what the
-	 * data holds (never a read outside the memfd: ASan). */
-	uint64_t desc;
-	memcpy(&desc, keep + 16, 8);
+	 * header: refused, or a state mapped from the memfd's own slots
+	 * (never a read outside the memfd: ASan, no SIGBUS). */
 	int loaded = 0;
 	for (int it = 0; it < 3000; it++) {
 		memcpy(d, keep, keep_n);
 		int flips = 1 + (int)(rnd() % 4);
 		for (int f = 0; f < flips; f++) {
-			size_t at = it % 3 == 0 ? (size_t)(rnd() % 64) : 64 + (size_t)(rnd() % (desc - 64));
+			size_t at = it % 3 == 0 ? (size_t)(rnd() % 64) : doff + (size_t)(rnd() % desc);
 			d[at] = rnd() % 3 == 0 ? (uint8_t)rnd() : (uint8_t)(d[at] ^ (1u << (rnd() % 8)));
 		}
 		if (it % 3)
@@ -287,9 +342,10 @@ int main(void)
 		struct aoqd_snap_key k2;
 		struct aoqd_state back;
 		char why[512] = "";
-		if (aoqd_fdstore_decode(fd, 0, &locked, 2, &k2, &back, why, sizeof(why)) == 0) {
+		if (aoqd_fdstore_decode(fd, "aoq-state-9", 0, &locked, 2, &k2, &back, why, sizeof(why)) == 0) {
 			loaded++;
 			EXPECT(back.ntensors >= 1 && back.ngroups >= 1, "a decoded state without tensors");
+			back.store_kept = true;
 			aoqd_state_free(&back, &locked);
 		} else {
 			EXPECT(why[0], "refused without a reason");
