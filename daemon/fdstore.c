@@ -12,11 +12,14 @@
  *   0     "AOQFDST2"          magic (zeros: no stop wrote it)
  *   8     u32 version (2)
  *   12    u32 crc             CRC-32 of bytes [16, 64) and the descriptor
- *   16    u64 data_off        AOQD_STATE_MEMFD_DATA (4096)
+ *   16    u64 data_off        4096 + the journal's pages (aoqd_state_memfd_data_off)
  *   24    u64 data_len        the tensors' slots (aoqd_state_memfd_layout)
  *   32    u64 desc_off        data_off + data_len
  *   40    u64 desc_len        desc_off + desc_len = the file's size
- *   48    zeros to data_off
+ *   48    zeros to 4096
+ *   4096  the journal (state.h, struct aoqd_journal): the boundary (last
+ *         step, or dirty), the step counters at the last two boundaries,
+ *         the groups' hyperparameters, the save log of the open step
  *   data_off: each tensor's slot in registration order, on pages: its
  *       arrays as aoqd_state_alloc lays them out (master, m, v, scales,
  *       the split master's low half), then its undo copy; a master that
@@ -32,9 +35,13 @@
  *       per tensor: u32 name length, the name; u64 numel, steps;
  *       u32 group; u8 param dtype, grad dtype, 0, 0
  *
- * The header is written last at the stop and zeroed by the aoqd that
- * takes the memfd: a memfd without it (aoqd killed, or a state that
- * trained on since) is never taken.  The reader trusts nothing of it:
+ * The descriptor and header are written when the session is registered
+ * (or its state restored from a snapshot), the header last, and again at
+ * a stop; the journal as the state trains.  A memfd without a header (a
+ * state killed before its registration ended) is never taken; one with a
+ * dirty boundary neither.  After a kill the journal's log is replayed: the
+ * ranges saved in the open step come back from the undo copy and the step
+ * counters are those of the last boundary.  The reader trusts nothing:
  * size and seals from fstat/F_GET_SEALS (grow and shrink sealed, so the
  * mapping cannot fault), every field bounded as a snapshot's header is
  * (snapload.c), the descriptor's checksum, the slots' length to the byte.
@@ -304,9 +311,9 @@ static int pread_all(int fd, void *p, uint64_t n, uint64_t at)
 	return 0;
 }
 
-int aoqd_fdstore_write(const struct aoqd_snap_key *key, struct aoqd_state *st)
+int aoqd_fdstore_write(const struct aoqd_snap_key *key, struct aoqd_state *st, bool stop)
 {
-	if (!st->memfd)
+	if (!st->memfd || !st->jh)
 		return -ENOTSUP;
 	struct buf b = { 0 };
 	uint8_t head[HEAD] = { 0 };
@@ -316,7 +323,7 @@ int aoqd_fdstore_write(const struct aoqd_snap_key *key, struct aoqd_state *st)
 		free(b.p);
 		return r;
 	}
-	uint64_t desc_len = b.len - HEAD, data_off = AOQD_STATE_MEMFD_DATA, data_len = st->mem_data_len;
+	uint64_t desc_len = b.len - HEAD, data_off = st->mem_data_off, data_len = st->mem_data_len;
 	uint64_t desc_off = data_off + data_len, size = desc_off + desc_len;
 	memcpy(b.p, MAGIC, 8);
 	uint32_t ver = VERSION;
@@ -341,9 +348,15 @@ int aoqd_fdstore_write(const struct aoqd_snap_key *key, struct aoqd_state *st)
 		r = (seals & F_SEAL_GROW) ? -EBADFD : -errno;
 		goto out;
 	}
-	/* A master that is the parameter lives in the masters memfd: a copy
-	 * of it into its slot's first pages, a hole until now. */
-	for (uint32_t i = 0; i < st->ntensors && r == 0; i++) {
+	/* The journal from here on: hyperparameters and boundary as they are
+	 * (the stop rolled the open step back; a new state is dirty). */
+	for (uint32_t g = 0; g < st->ngroups; g++)
+		aoqd_state_journal_hp(st, g);
+	aoqd_state_journal_boundary(st);
+	/* At a stop a master that is the parameter, which lives in the
+	 * masters memfd, is copied into its slot's first pages, a hole until
+	 * now. */
+	for (uint32_t i = 0; i < st->ntensors && r == 0 && stop; i++) {
 		const struct aoqd_tensor *t = &st->tensors[i];
 		if (aoqd_tensor_master_param(st, t))
 			r = pwrite_all(fd, t->st.master, t->numel * 2, data_off + t->mem_off);
@@ -354,6 +367,8 @@ int aoqd_fdstore_write(const struct aoqd_snap_key *key, struct aoqd_state *st)
 		r = pwrite_all(fd, b.p, HEAD, 0); /* the header last */
 	if (r == 0 && !(seals & F_SEAL_SEAL) && fcntl(fd, F_ADD_SEALS, F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL) < 0)
 		r = -errno;
+	if (r == 0)
+		atomic_store_explicit(&st->jh->stopped, stop ? 1u : 0u, memory_order_release);
 out:
 	free(b.p);
 	return r;
@@ -365,6 +380,91 @@ out:
 		r = -EINVAL;                      \
 		goto out;                         \
 	} while (0)
+
+/* The journal of st, mapped in place (hostile: each word read once, then
+ * checked): st goes back to its last boundary, as aoqd_state_rollback
+ * takes a live state back.  After a stop the log is empty and this takes
+ * the counters and hyperparameters the stop wrote. */
+static int replay(struct aoqd_state *st, char *why, size_t wlen)
+{
+	int r = 0;
+	struct aoqd_journal *jh = st->jh;
+	uint64_t boundary = atomic_load_explicit(&jh->boundary, memory_order_acquire);
+	uint64_t n = atomic_load_explicit(&jh->log_n, memory_order_acquire);
+	uint32_t over = atomic_load_explicit(&jh->overflow, memory_order_acquire), cap = jh->cap;
+	uint32_t stopped = atomic_load_explicit(&jh->stopped, memory_order_acquire);
+	if (cap != aoqd_journal_cap(st))
+		BAD("journal: a log of %u entries, its tables make %u", cap, aoqd_journal_cap(st));
+	if (boundary & AOQD_JOURNAL_DIRTY)
+		BAD("journal: no step boundary to go back to (loaded since its last step, or no step completed)");
+	if (boundary > AOQD_MAX_TENSOR_STEPS)
+		BAD("journal: step %" PRIu64 " out of range", boundary);
+	if (over || n > cap)
+		BAD("journal: the save log overflowed (%" PRIu64 " of %u entries): the open step cannot be undone", n, cap);
+	if (!stopped && st->masters_size)
+		BAD("journal: not written at a stop, and its masters that are parameters were not stored");
+	if (stopped > 1)
+		BAD("journal: bad stop mark %u", stopped);
+	enum aoqk_precision p = (enum aoqk_precision)st->precision;
+	uint64_t blk = aoqk_block(p) ? aoqk_block(p) : 1, undone = 0;
+	for (uint64_t i = 0; i < n; i++) {
+		const struct aoqd_journal_entry *e = &st->jlog[i];
+		if (atomic_load_explicit(&e->step, memory_order_acquire) != boundary + 1)
+			continue; /* an older step's: its range is the boundary's */
+		uint32_t ti = e->tensor;
+		uint64_t off = e->offset, cnt = e->count;
+		if (ti >= st->ntensors)
+			BAD("journal: entry %" PRIu64 ": tensor %u of %u", i, ti, st->ntensors);
+		struct aoqd_tensor *t = &st->tensors[ti];
+		if (cnt == 0 || off >= t->numel || cnt > t->numel - off || off % blk)
+			BAD("journal: entry %" PRIu64 ": elements %" PRIu64 "+%" PRIu64 " of tensor %u (%" PRIu64 ")", i, off,
+			    cnt, ti, t->numel);
+		aoqd_state_unsave(t, off, cnt);
+		undone++;
+	}
+	const uint64_t *js = st->jsteps + (boundary & 1) * (uint64_t)st->ntensors;
+	for (uint32_t i = 0; i < st->ntensors; i++) {
+		uint64_t v = js[i];
+		if (v > AOQD_MAX_TENSOR_STEPS)
+			BAD("journal: tensor %u: %" PRIu64 " steps", i, v);
+		st->tensors[i].steps = v;
+	}
+	for (uint32_t g = 0; g < st->ngroups; g++) {
+		const struct aoqd_journal_hp *h = &st->jhp[g];
+		uint32_t sel = atomic_load_explicit(&h->sel, memory_order_acquire);
+		if (sel > 1)
+			BAD("journal: group %u: bad selector %u", g, sel);
+		double v[8];
+		memcpy(v, h->v[sel], sizeof(v));
+		Aoq__Hyperparams hp = AOQ__HYPERPARAMS__INIT;
+		hp.lr = v[0];
+		hp.beta1 = v[1];
+		hp.beta2 = v[2];
+		hp.eps = v[3];
+		hp.weight_decay = v[4];
+		hp.momentum = v[5];
+		hp.dampening = v[6];
+		hp.nesterov = v[7] == 1;
+		char hw[256];
+		if ((v[7] != 0 && v[7] != 1) || !aoqd_hp_valid(st->groups[g].kind, &hp, hw, sizeof(hw)))
+			BAD("journal: group %u: %s", g, v[7] != 0 && v[7] != 1 ? "bad nesterov" : hw);
+		struct aoqd_group tmp = st->groups[g];
+		aoqd_group_set(&tmp, tmp.kind, &hp);
+		if (aoqd_group_moments(&tmp) > st->groups[g].moments)
+			BAD("journal: group %u: its hyperparameters need a moment it has not", g);
+		tmp.moments = st->groups[g].moments;
+		st->groups[g] = tmp;
+	}
+	st->last_step = boundary;
+	/* at the boundary: the log empties, no stop wrote what follows */
+	aoqd_state_journal_boundary(st);
+	atomic_store_explicit(&jh->stopped, 0, memory_order_release);
+	if (!stopped)
+		aoqd_info("fdstore", "journal replayed: back at step %" PRIu64 ", %" PRIu64 " range(s) of step %" PRIu64
+		          " undone", boundary, undone, boundary + 1);
+out:
+	return r;
+}
 
 int aoqd_fdstore_decode(int fd, const char *name, int lock_memory, _Atomic uint64_t *locked_total, unsigned threads,
                         struct aoqd_snap_key *key, struct aoqd_state *st, char *why, size_t wlen)
@@ -379,11 +479,11 @@ int aoqd_fdstore_decode(int fd, const char *name, int lock_memory, _Atomic uint6
 	struct stat sb;
 	if (fstat(fd, &sb) < 0)
 		BAD("fstat: %s", strerror(errno));
-	if (!S_ISREG(sb.st_mode) || sb.st_size < (off_t)AOQD_STATE_MEMFD_DATA)
+	if (!S_ISREG(sb.st_mode) || sb.st_size < (off_t)AOQD_STATE_MEMFD_JOURNAL)
 		BAD("not a memfd of the stored form (type %o, %lld bytes)", (unsigned)(sb.st_mode & S_IFMT),
 		    (long long)sb.st_size);
 	size = (uint64_t)sb.st_size;
-	uint8_t page[AOQD_STATE_MEMFD_DATA];
+	uint8_t page[AOQD_STATE_MEMFD_JOURNAL];
 	if (pread_all(fd, page, sizeof(page), 0) < 0)
 		BAD("cannot read its header: %s", strerror(errno));
 	static const uint8_t zero[8];
@@ -411,7 +511,8 @@ int aoqd_fdstore_decode(int fd, const char *name, int lock_memory, _Atomic uint6
 	for (unsigned k = 48; k < sizeof(page); k++)
 		if (page[k])
 			BAD("reserved header bytes are not zero");
-	if (data_off != AOQD_STATE_MEMFD_DATA || data_len > size || desc_off != data_off + data_len || desc_len < 24 ||
+	if (data_off <= AOQD_STATE_MEMFD_JOURNAL || data_off % 4096 || data_off > size || data_len > size - data_off ||
+	    desc_off != data_off + data_len || desc_len < 24 ||
 	    desc_len > MAX_DESC || desc_off > size || desc_len != size - desc_off)
 		BAD("data %" PRIu64 " bytes at %" PRIu64 ", descriptor %" PRIu64 " bytes at %" PRIu64 ": not the %" PRIu64
 		    "-byte memfd", data_len, data_off, desc_len, desc_off, size);
@@ -530,6 +631,8 @@ int aoqd_fdstore_decode(int fd, const char *name, int lock_memory, _Atomic uint6
 	uint64_t slots = aoqd_state_memfd_layout(st, NULL);
 	if (slots != data_len)
 		BAD("%" PRIu64 " bytes of data, the tensors' slots take %" PRIu64, data_len, slots);
+	if (data_off != aoqd_state_memfd_data_off(st))
+		BAD("data at %" PRIu64 ", after the journal it is at %" PRIu64, data_off, aoqd_state_memfd_data_off(st));
 	/* everything is checked but the data: mapped in place, with its undo
 	 * copy (the state is leased) */
 	st->undo = true;
@@ -541,13 +644,15 @@ int aoqd_fdstore_decode(int fd, const char *name, int lock_memory, _Atomic uint6
 		r = a;
 		goto out;
 	}
+	if ((r = replay(st, why, wlen)) < 0)
+		goto out;
 	size_t nfill = 0, capfill = 0;
 	for (uint32_t i = 0; i < st->ntensors; i++) {
 		const struct aoqd_tensor *t = &st->tensors[i];
 		st->state_bytes += t->state_len;
 		/* the page tables of the pages the memfd holds (its data, not
 		 * its holes: nothing is allocated here) */
-		off_t b = (off_t)(AOQD_STATE_MEMFD_DATA + t->mem_off), e = b + (off_t)t->state_len;
+		off_t b = (off_t)(st->mem_data_off + t->mem_off), e = b + (off_t)t->state_len;
 		for (off_t pos = b; pos < e;) {
 			off_t d = lseek(fd, pos, SEEK_DATA);
 			if (d < 0 || d >= e)
@@ -568,13 +673,6 @@ int aoqd_fdstore_decode(int fd, const char *name, int lock_memory, _Atomic uint6
 		}
 	}
 	fill_all(fill, nfill, threads);
-	/* Taken: the header goes, so that no later start takes the memfd
-	 * again unless a stop writes it anew (its state trains on). */
-	if (pwrite_all(fd, zero, sizeof(zero), 0) < 0) {
-		snprintf(why, wlen, "cannot clear its header: %s", strerror(errno));
-		r = -EIO;
-		goto out;
-	}
 out:
 	if (r < 0) {
 		st->store_kept = true; /* the caller takes it out of the store */
@@ -719,6 +817,18 @@ static bool storable(const struct aoqd_session *s)
 	return s->state == AOQD_READY && !s->no_lease && s->st.undo && !s->st.dirty;
 }
 
+void aoqd_fdstore_describe(struct aoqd_session *s)
+{
+	if (!s->st.memfd || !s->st.store_name[0] || s->hub || s->rep || !s->conn.job)
+		return;
+	struct aoqd_snap_key key = { .uid = (uint32_t)s->conn.uid, .rank = s->conn.rank };
+	snprintf(key.job, sizeof(key.job), "%s", s->conn.job);
+	int r = aoqd_fdstore_write(&key, &s->st, false);
+	if (r < 0)
+		aoqd_warn("fdstore", "session %" PRIu64 ": no descriptor in its state's memfd (%s): a restart after a kill "
+		          "restores its snapshot", s->id, strerror(-r));
+}
+
 int aoqd_fdstore_save(struct aoqd_server *srv)
 {
 #if AOQ_HAVE_SYSTEMD
@@ -751,7 +861,7 @@ int aoqd_fdstore_save(struct aoqd_server *srv)
 			aoqd_state_rollback(&s->st); /* the open step goes back, as for a dead trainer */
 		struct aoqd_snap_key key = { .uid = (uint32_t)s->conn.uid, .rank = s->conn.rank };
 		snprintf(key.job, sizeof(key.job), "%s", s->conn.job);
-		int r = aoqd_fdstore_write(&key, &s->st);
+		int r = aoqd_fdstore_write(&key, &s->st, true);
 		if (r < 0) {
 			aoqd_warn("fdstore", "session %" PRIu64 ": state not kept in the fd store: %s", s->id, strerror(-r));
 			continue;

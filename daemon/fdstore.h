@@ -4,11 +4,13 @@
  * systemd (NOTIFY_SOCKET set) with a lease, every session's state lives in
  * a memfd that systemd's file-descriptor store holds from its allocation
  * (state.c: FDSTORE=1, FDNAME=aoq-state-<n>) to its end (FDSTOREREMOVE=1).
- * At a stop every trainer's state is rolled back in place to its last
- * completed step and its descriptor written into its memfd; the next aoqd
- * gets them back with its listening socket (sd_listen_fds_with_names),
- * validates each as hostile input and maps it in place as a leased
- * session, before any snapshot is read.  Built without libsystemd,
+ * A registered state's memfd holds its descriptor and a journal that
+ * makes it whole at every instant; at a stop every trainer's state is
+ * rolled back in place to its last completed step.  The next aoqd, after a
+ * stop or a kill, gets them back with its listening socket
+ * (sd_listen_fds_with_names), validates each as hostile input, replays
+ * its journal and maps it in place as a leased session, before any
+ * snapshot is read.  Built without libsystemd,
  * nothing is stored or taken (snapshots as before); the stored form's
  * codec is built either way.  Loop thread.
  */
@@ -42,6 +44,12 @@ bool aoqd_fdstore_taken(const char *name);
  * back in its memfd and writes the memfd's descriptor, so that the state
  * stays in the store.  Returns the states kept. */
 int aoqd_fdstore_save(struct aoqd_server *srv);
+/* A session's state described in its memfd (key, tables, header), its
+ * journal started: at registration and at a snapshot's restore, so that
+ * a killed aoqd's state can be taken back (a no-op for a state not in a
+ * stored memfd, or a replica group's). */
+struct aoqd_session;
+void aoqd_fdstore_describe(struct aoqd_session *s);
 /* Before exit: waits (5 s at most) until the manager has read every
  * message sent, the store's removals included (NOTIFY_SOCKET set). */
 void aoqd_fdstore_barrier(void);
@@ -54,7 +62,7 @@ void aoqd_fdstore_barrier(void);
  * reason in why.  fdstore.c. */
 struct aoqd_state;
 struct aoqd_snap_key;
-int aoqd_fdstore_write(const struct aoqd_snap_key *key, struct aoqd_state *st);
+int aoqd_fdstore_write(const struct aoqd_snap_key *key, struct aoqd_state *st, bool stop);
 int aoqd_fdstore_decode(int fd, const char *name, int lock_memory, _Atomic uint64_t *locked_total, unsigned threads,
                         struct aoqd_snap_key *key, struct aoqd_state *st, char *why, size_t len);
 

@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "arena.h"
+#include "fdstore.h"
 #include "log.h"
 #include "populate.h"
 #include "register.h"
@@ -374,6 +375,7 @@ static int arena_made(struct aoqd_session *s, uv_poll_cb on_doorbell, int r, str
 	}
 	if (r < 0)
 		return AOQD_FAIL(err, INTERNAL, "cannot send the arena: %s", strerror(-r));
+	aoqd_fdstore_describe(s); /* a killed aoqd's state can come back (fdstore.h) */
 	s->state = AOQD_READY;
 	s->registered = true;
 	aoqd_info("session", "session %" PRIu64 ": registered %u tensors in %u groups, %" PRIu64
@@ -508,6 +510,7 @@ int aoqd_on_set_hyperparams(struct aoqd_session *from, const Aoq__Envelope *env,
 		return AOQD_REFUSE(err, BUSY, "hyperparameters for step %" PRIu64 " cannot change now (current step %"
 		                   PRIu64 " has %s gradients)", m->step, cur, s->steps.accepted[cur & 1] ? "received" : "no");
 	aoqd_group_set(g, g->kind, m->hp);
+	aoqd_state_journal_hp(st, m->group);
 	aoqd_conn_send_done(&from->conn, 0);
 	return AOQD_REPLIED;
 }

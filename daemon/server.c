@@ -251,6 +251,9 @@ static int restore_one(const struct aoqd_snap_key *k, uint64_t step, struct aoqd
 		return id == -EDQUOT ? -EDQUOT : -1; /* restore_all frees it (and removes a file past the limits) */
 	}
 	free(st); /* adopt took the arrays and zeroed *st */
+	struct aoqd_session *s = aoqd_session_find(srv, (uint64_t)id);
+	if (s)
+		aoqd_fdstore_describe(s); /* a kill keeps it too (fdstore.h) */
 	aoqd_info("server", "session %" PRId64 ": uid %u job '%s' rank %u restored at step %" PRIu64
 	          " from its snapshot, leased for %u s", id, k->uid, k->job, k->rank, step, srv->cfg.lease_seconds);
 	return 0;

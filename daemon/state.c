@@ -312,6 +312,31 @@ static uint64_t slot_len(uint64_t len)
 	return 2 * aoqd_page_round(len);
 }
 
+uint32_t aoqd_journal_cap(const struct aoqd_state *st)
+{
+	/* An update's chunk takes one entry; a record's chunks are at least
+	 * 16384 elements but its last, and a step has a record per range a
+	 * client pushes: room for 8 pieces per tensor and twice the chunks
+	 * of the whole state (a client that pushes more, smaller pieces
+	 * overflows it: its own state is then not taken back after a kill). */
+	uint64_t n = 0;
+	for (uint32_t i = 0; i < st->ntensors; i++)
+		n += st->tensors[i].numel;
+	uint64_t cap = 8ull * st->ntensors + n / 8192 + 1024;
+	return cap > (1u << 26) ? (1u << 26) : (uint32_t)cap;
+}
+
+uint64_t aoqd_journal_len(const struct aoqd_state *st)
+{
+	return sizeof(struct aoqd_journal) + 16ull * st->ntensors + sizeof(struct aoqd_journal_hp) * st->ngroups +
+	       sizeof(struct aoqd_journal_entry) * (uint64_t)aoqd_journal_cap(st);
+}
+
+uint64_t aoqd_state_memfd_data_off(const struct aoqd_state *st)
+{
+	return AOQD_STATE_MEMFD_JOURNAL + aoqd_page_round(aoqd_journal_len(st));
+}
+
 uint64_t aoqd_state_memfd_layout(const struct aoqd_state *st, uint64_t *off)
 {
 	uint64_t pos = 0;
@@ -334,7 +359,7 @@ uint64_t aoqd_state_memfd_layout(const struct aoqd_state *st, uint64_t *off)
 static void *map_state_memfd(struct aoqd_state *st, struct aoqd_tensor *x, size_t mlen, size_t whole, size_t reserve,
                              bool adopt, int lock_memory, bool *locked, int *err)
 {
-	off_t at = (off_t)(AOQD_STATE_MEMFD_DATA + x->mem_off);
+	off_t at = (off_t)(st->mem_data_off + x->mem_off);
 	uint8_t *p = mmap(NULL, reserve, PROT_READ | PROT_WRITE, MAP_SHARED, st->mem_fd, at);
 	if (p == MAP_FAILED) {
 		*err = -errno;
@@ -382,21 +407,41 @@ static void *map_state_memfd(struct aoqd_state *st, struct aoqd_tensor *x, size_
  * size, stored in the fd store.  0 or -errno. */
 static int make_memfd(struct aoqd_state *st, int fd, const char *name)
 {
-	uint64_t data = aoqd_state_memfd_layout(st, NULL);
-	if (data == UINT64_MAX || data > (uint64_t)INT64_MAX - AOQD_STATE_MEMFD_DATA)
+	uint64_t data = aoqd_state_memfd_layout(st, NULL), doff = aoqd_state_memfd_data_off(st);
+	if (data == UINT64_MAX || data > (uint64_t)INT64_MAX - doff)
 		return -EFBIG;
-	if (fd < 0) {
+	bool fresh = fd < 0;
+	if (fresh) {
 		fd = memfd_create("aoq-state", MFD_CLOEXEC | MFD_ALLOW_SEALING);
 		if (fd < 0)
 			return -errno;
-		if (ftruncate(fd, (off_t)(AOQD_STATE_MEMFD_DATA + data)) < 0) {
+		if (ftruncate(fd, (off_t)(doff + data)) < 0) {
 			int e = -errno;
 			close(fd);
 			return e;
 		}
 	}
+	size_t jlen = aoqd_page_round(aoqd_journal_len(st));
+	uint8_t *j = mmap(NULL, jlen, PROT_READ | PROT_WRITE, MAP_SHARED, fd, AOQD_STATE_MEMFD_JOURNAL);
+	if (j == MAP_FAILED) {
+		int e = -errno;
+		if (fresh)
+			close(fd);
+		return e;
+	}
+	st->jh = (struct aoqd_journal *)(void *)j;
+	st->jsteps = (uint64_t *)(void *)(j + sizeof(struct aoqd_journal));
+	st->jhp = (struct aoqd_journal_hp *)(void *)(st->jsteps + 2ull * st->ntensors);
+	st->jlog = (struct aoqd_journal_entry *)(void *)(st->jhp + st->ngroups);
+	st->jmap_len = jlen;
+	if (fresh) {
+		/* nothing to go back to until a step ends */
+		st->jh->cap = aoqd_journal_cap(st);
+		atomic_store_explicit(&st->jh->boundary, AOQD_JOURNAL_DIRTY, memory_order_release);
+	}
 	st->memfd = true;
 	st->mem_fd = fd;
+	st->mem_data_off = doff;
 	st->mem_data_len = data;
 	st->store_kept = false;
 	if (name) {
@@ -592,6 +637,12 @@ void aoqd_state_free(struct aoqd_state *st, _Atomic uint64_t *locked_total)
 		}
 		close(st->mem_fd);
 	}
+	if (st->jh)
+		munmap(st->jh, st->jmap_len);
+	st->jh = NULL;
+	st->jsteps = NULL;
+	st->jhp = NULL;
+	st->jlog = NULL;
 	st->memfd = false;
 	st->store_name[0] = '\0';
 }
@@ -746,6 +797,80 @@ void aoqd_state_save(struct aoqd_tensor *t, uint64_t b, uint64_t n)
 		undo_copy(t, b, n, true);
 }
 
+void aoqd_state_save_logged(struct aoqd_state *st, struct aoqd_tensor *t, uint64_t b, uint64_t n, uint64_t step)
+{
+	if (!t->undo_off)
+		return;
+	undo_copy(t, b, n, true); /* its non-temporal stores fenced */
+	struct aoqd_journal *jh = st->jh;
+	if (!jh)
+		return;
+	uint64_t i = atomic_fetch_add_explicit(&jh->log_n, 1, memory_order_relaxed);
+	if (i >= jh->cap) {
+		atomic_store_explicit(&jh->overflow, 1, memory_order_release);
+		return;
+	}
+	struct aoqd_journal_entry *e = &st->jlog[i];
+	e->tensor = (uint32_t)(t - st->tensors);
+	e->offset = b;
+	e->count = n;
+	/* last: a kill before it leaves an entry of an older step, ignored
+	 * (the range was saved but not yet changed) */
+	atomic_store_explicit(&e->step, step, memory_order_release);
+}
+
+void aoqd_state_unsave(struct aoqd_tensor *t, uint64_t b, uint64_t n)
+{
+	if (t->undo_off)
+		undo_copy(t, b, n, false);
+}
+
+void aoqd_state_journal_boundary(struct aoqd_state *st)
+{
+	struct aoqd_journal *jh = st->jh;
+	if (!jh)
+		return;
+	uint64_t *js = st->jsteps + (st->last_step & 1) * (uint64_t)st->ntensors;
+	for (uint32_t i = 0; i < st->ntensors; i++)
+		js[i] = st->tensors[i].steps;
+	/* (a state without undo copy is made dirty by its first update:
+	 * dataplane.c) */
+	uint64_t dirty = st->dirty ? AOQD_JOURNAL_DIRTY : 0;
+	atomic_store_explicit(&jh->boundary, st->last_step | dirty, memory_order_release);
+	/* the log of the step that ended: its entries are of last_step or
+	 * older from now on, and go */
+	uint64_t n = atomic_load_explicit(&jh->log_n, memory_order_relaxed);
+	for (uint64_t i = 0; i < n && i < jh->cap; i++)
+		atomic_store_explicit(&st->jlog[i].step, 0, memory_order_relaxed);
+	atomic_store_explicit(&jh->log_n, 0, memory_order_release);
+	atomic_store_explicit(&jh->overflow, 0, memory_order_release);
+}
+
+void aoqd_state_journal_dirty(struct aoqd_state *st)
+{
+	if (st->jh)
+		atomic_store_explicit(&st->jh->boundary, st->last_step | AOQD_JOURNAL_DIRTY, memory_order_release);
+}
+
+void aoqd_state_journal_hp(struct aoqd_state *st, uint32_t g)
+{
+	if (!st->jh || g >= st->ngroups)
+		return;
+	struct aoqd_journal_hp *h = &st->jhp[g];
+	const struct aoqk_hparams *hp = &st->groups[g].hp;
+	uint32_t next = (atomic_load_explicit(&h->sel, memory_order_relaxed) & 1) ^ 1;
+	double *v = h->v[next];
+	v[0] = hp->lr;
+	v[1] = hp->beta1;
+	v[2] = hp->beta2;
+	v[3] = hp->eps;
+	v[4] = hp->weight_decay;
+	v[5] = hp->momentum;
+	v[6] = hp->dampening;
+	v[7] = hp->nesterov ? 1 : 0;
+	atomic_store_explicit(&h->sel, next, memory_order_release);
+}
+
 /* Moves tensor t's mapping to p, keeping every array's offset. */
 static void rebase(struct aoqd_tensor *t, uint8_t *p)
 {
@@ -773,7 +898,7 @@ static int undo_room(const struct aoqd_state *st, struct aoqd_tensor *t, size_t 
 		 * wanted */
 		if (!add) {
 			fallocate(st->mem_fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
-			          (off_t)(AOQD_STATE_MEMFD_DATA + t->mem_off + uoff), (off_t)aoqd_page_round(len));
+			          (off_t)(st->mem_data_off + t->mem_off + uoff), (off_t)aoqd_page_round(len));
 			return 0;
 		}
 		if (len >= (2u << 20))
@@ -878,6 +1003,8 @@ void aoqd_state_rollback(struct aoqd_state *st)
 		t->cur_step = 0;
 		t->ndone = 0;
 	}
+	/* back at last_step: the journal says so, its log empties */
+	aoqd_state_journal_boundary(st);
 }
 
 static const char *dtype_name(enum aoqk_dtype d)

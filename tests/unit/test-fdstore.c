@@ -6,9 +6,11 @@
  *    the written one's, byte for byte, and is the same memory (a write to
  *    one shows in the other: no copy), in every precision (groups AdamW,
  *    SGD without momentum, Lion; odd sizes; masters that are parameters);
- *  - a memfd is taken once (its header cleared); an unsealed, write-sealed,
- *    cut, grown, header-less or retyped one is refused with a message
- *    naming what is wrong;
+ *  - a journal of a half-done step is replayed (the logged ranges back
+ *    from the undo copy, the boundary's counters, the last hyperparameters);
+ *  - an unsealed, write-sealed, cut, grown, header-less or retyped memfd,
+ *    or one whose journal is dirty, overflowed or out of range, is refused
+ *    with a message naming what is wrong;
  *  - random mutations of the descriptor with its checksum recomputed (so
  *    that the field checks, not the CRC, must catch them) and of the
  *    header never crash the decoder (run under ASan/UBSan by
@@ -226,7 +228,7 @@ int main(void)
 		EXPECT(st.memfd, "precision %d: state not in a memfd", prec);
 		struct aoqd_snap_key key = { .uid = 1000, .rank = 3 };
 		snprintf(key.job, sizeof(key.job), "job-%d", prec);
-		int r = aoqd_fdstore_write(&key, &st);
+		int r = aoqd_fdstore_write(&key, &st, true);
 		EXPECT(r == 0, "write precision %d: %s", prec, strerror(-r));
 		if (r < 0)
 			continue;
@@ -255,10 +257,6 @@ int main(void)
 				mx[0] ^= 0x5a;
 				EXPECT(my[0] == mx[0] && x->st.m != y->st.m, "tensor %u: the taken state is a copy", i);
 			}
-			/* taken once: its header is gone */
-			struct aoqd_state again;
-			r = aoqd_fdstore_decode(fd, "aoq-state-1", 0, &locked, 3, &k2, &again, why, sizeof(why));
-			EXPECT(r < 0 && strstr(why, "no stored-form header"), "taken twice: r %d, why '%s'", r, why);
 			back.store_kept = true;
 			aoqd_state_free(&back, &locked);
 		}
@@ -353,6 +351,78 @@ int main(void)
 		close(fd);
 	}
 	printf("mutations: %d of 3000 decoded (values the checks allow), the rest refused\n", loaded);
+
+	/* The journal: a step half done when aoqd was killed.  Its log's
+	 * ranges come back from the undo copy, the counters are the
+	 * boundary's, the hyperparameters the last set. */
+	{
+		struct aoqd_state st;
+		make_state(&st, 0, 3);
+		EXPECT(aoqd_state_add_undo(&st, &locked) == 0, "undo copy");
+		struct aoqd_snap_key key = { .uid = 7, .rank = 0 };
+		snprintf(key.job, sizeof(key.job), "journal");
+		EXPECT(aoqd_fdstore_write(&key, &st, false) == 0, "describe");
+		uint64_t nt = st.ntensors, ng = st.ngroups, open = st.last_step + 1, steps0[3];
+		size_t mb = st.tensors[0].numel * 4;
+		uint8_t *before = malloc(mb);
+		memcpy(before, st.tensors[0].st.master, mb);
+		for (uint32_t i = 0; i < 2; i++) {
+			struct aoqd_tensor *t = &st.tensors[i];
+			steps0[i] = t->steps;
+			aoqd_state_save_logged(&st, t, 0, t->numel, open);
+			memset(t->st.master, 0x55, t->numel * 4); /* its kernel ran */
+			t->steps++;
+		}
+		steps0[2] = st.tensors[2].steps;
+		st.groups[0].hp.lr = 0.5;
+		aoqd_state_journal_hp(&st, 0);
+		size_t jn;
+		int fd = dup(st.mem_fd);
+		uint8_t *img = read_all(fd, &jn);
+		struct aoqd_snap_key k2;
+		struct aoqd_state back;
+		char why[512] = "";
+		int r = aoqd_fdstore_decode(fd, "aoq-state-3", 0, &locked, 2, &k2, &back, why, sizeof(why));
+		EXPECT(r == 0, "replay: %s", why);
+		if (r == 0) {
+			EXPECT(back.last_step == open - 1, "replay: last step %" PRIu64, back.last_step);
+			EXPECT(memcmp(back.tensors[0].st.master, before, mb) == 0, "replay: tensor 0 not taken back");
+			for (uint32_t i = 0; i < 3; i++)
+				EXPECT(back.tensors[i].steps == steps0[i], "replay: tensor %u steps %" PRIu64 ", want %" PRIu64, i,
+				       back.tensors[i].steps, steps0[i]);
+			EXPECT(back.groups[0].hp.lr == 0.5, "replay: lr %g", back.groups[0].hp.lr);
+			back.store_kept = true;
+			aoqd_state_free(&back, &locked);
+		}
+		close(fd);
+		/* hostile journals, each refused with its reason */
+		const size_t J = 4096, E = J + 64 + 16 * nt + 136 * ng;
+		struct {
+			const char *what, *want;
+			size_t at;
+			uint64_t v;
+			int size;
+		} bad[] = {
+			{ "dirty", "no step boundary", J, (open - 1) | AOQD_JOURNAL_DIRTY, 8 },
+			{ "log past cap", "overflowed", J + 8, 1u << 30, 8 },
+			{ "overflow", "overflowed", J + 16, 1, 4 },
+			{ "cap", "a log of", J + 20, 3, 4 },
+			{ "entry tensor", "tensor 999", E + 8, 999, 4 },
+			{ "entry range", "elements", E + 16, 1u << 30, 8 },
+			{ "steps", "steps", J + 64 + 8 * ((open - 1) & 1) * nt, 1ull << 63, 8 },
+			{ "hp selector", "selector", J + 64 + 16 * nt, 7, 4 },
+		};
+		for (size_t k = 0; k < sizeof(bad) / sizeof(bad[0]); k++) {
+			uint8_t *m = malloc(jn);
+			memcpy(m, img, jn);
+			memcpy(m + bad[k].at, &bad[k].v, (size_t)bad[k].size);
+			expect_refused(bad[k].what, m, jn, false, bad[k].want);
+			free(m);
+		}
+		free(img);
+		free(before);
+		aoqd_state_free(&st, &locked);
+	}
 	EXPECT(atomic_load(&locked) == 0, "locked bytes left: %" PRIu64, (uint64_t)atomic_load(&locked));
 	free(d);
 	free(keep);
