@@ -195,7 +195,9 @@ static void chunk_run(struct aoqd_task *task, unsigned worker)
 	struct aoqd_session *s = j->s;
 	/* Saved even when the session died: a rollback puts back every range
 	 * the open step accepted (state.h, "Lease and resume"). */
-	if (j->save)
+	if (j->save && j->phase == PHASE_UPDATE)
+		aoqd_state_save_logged(&s->st, j->t, j->rec.offset + c->begin, c->count, j->rec.step);
+	else if (j->save)
 		aoqd_state_save(j->t, j->rec.offset + c->begin, c->count);
 	if (!atomic_load_explicit(&s->dead, memory_order_relaxed)) {
 		const struct aoqk_kernel *k = s->srv->kernel;
@@ -399,6 +401,8 @@ static int accept_record(struct aoqd_session *s, struct aoqd_session *origin, co
 	j->opens_step = opens_step;
 	j->ends_tensor = ends_tensor;
 	j->save = phase != PHASE_ACCUMULATE && s->st.undo;
+	if (phase == PHASE_UPDATE && !s->st.undo)
+		aoqd_state_journal_dirty(&s->st); /* nothing saved: a kill cannot undo it */
 	const struct aoq_arena_slot *sl = &s->arena.slots[s->st.window ? r->slot : r->tensor];
 	uint64_t first = s->st.window ? 0 : r->offset;
 	uint64_t param_off = sl->param_off;

@@ -3,33 +3,52 @@
  * A restart that loses no step: sessions' state through systemd's
  * file-descriptor store (fdstore.h; docs/design.md, "The fd store").
  *
- * The stored form, one sealed memfd per session (little-endian, this
- * host's byte order; aoqd writes and reads it on one host):
+ * Under systemd with the fd store, a session's state lives in one memfd
+ * from its allocation on (state.c, aoqd_state_set_memfd), stored as
+ * `aoq-state-<n>` and removed when the state ends.  The stored form is
+ * that memfd as a stopping aoqd leaves it (little-endian, this host's
+ * byte order; aoqd writes and reads it on one host):
  *
- *   0   "AOQFDST1"          magic
- *   8   u32 version (1)
- *   12  u32 crc             CRC-32 of bytes [16, desc_len)
- *   16  u64 desc_len        the descriptor, these 64 bytes included
- *   24  u64 data_off        page-aligned, >= desc_len
- *   32  u64 data_len        data_off + data_len = the file's size
- *   40  24 bytes of zeros
- *   64  the key: u32 uid, u32 rank, u32 job length, the job's bytes
+ *   0     "AOQFDST2"          magic (zeros: no stop wrote it)
+ *   8     u32 version (2)
+ *   12    u32 crc             CRC-32 of bytes [16, 64) and the descriptor
+ *   16    u64 data_off        4096 + the journal's pages (aoqd_state_memfd_data_off)
+ *   24    u64 data_len        the tensors' slots (aoqd_state_memfd_layout)
+ *   32    u64 desc_off        data_off + data_len
+ *   40    u64 desc_len        desc_off + desc_len = the file's size
+ *   48    zeros to 4096
+ *   4096  the journal (state.h, struct aoqd_journal): the boundary (last
+ *         step, or dirty), the step counters at the last two boundaries,
+ *         the groups' hyperparameters, the save log of the open step
+ *   data_off: each tensor's slot in registration order, on pages: its
+ *       arrays as aoqd_state_alloc lays them out (master, m, v, scales,
+ *       the split master's low half), then its undo copy; a master that
+ *       is the parameter (the masters memfd's while running) copied into
+ *       the slot's first pages at the stop.  No offset is stored: they
+ *       follow from the descriptor.
+ *   desc_off: the key: u32 uid, u32 rank, u32 job length, the job's bytes
  *       the state: u64 last_step, seed, window; f64 max_grad_norm;
- *       u32 precision; u8 skip_nonfinite, delayed, 0, 0; u32 groups, tensors
+ *       u32 precision; u8 skip_nonfinite, delayed, master_param, 0;
+ *       u32 groups, tensors
  *       per group: u32 kind, moments; f64 lr, beta1, beta2, eps,
  *       weight_decay, momentum, dampening; u32 nesterov
  *       per tensor: u32 name length, the name; u64 numel, steps;
  *       u32 group; u8 param dtype, grad dtype, 0, 0
- *   data_off: every tensor's arrays in registration order (master, m, v,
- *       m scales, v scales, those it has: snapfile.h), each at a multiple
- *       of 64 bytes; offsets follow from the descriptor, none is stored.
  *
- * The reader trusts nothing of it: size and seals from fstat/F_GET_SEALS,
- * every field bounded as a snapshot's header is (snapload.c), the
- * descriptor's checksum, the data's length to the byte.  The data is not
- * checksummed: the seals (write, grow, shrink, seal) keep it as the old
- * aoqd wrote it, and any bit pattern of an array is a value the kernels
- * take; a CRC over 12 GB would cost seconds of every restart.
+ * The descriptor and header are written when the session is registered
+ * (or its state restored from a snapshot), the header last, and again at
+ * a stop; the journal as the state trains.  A memfd without a header (a
+ * state killed before its registration ended) is never taken; one with a
+ * dirty boundary neither.  After a kill the journal's log is replayed: the
+ * ranges saved in the open step come back from the undo copy and the step
+ * counters are those of the last boundary.  The reader trusts nothing:
+ * size and seals from fstat/F_GET_SEALS (grow and shrink sealed, so the
+ * mapping cannot fault), every field bounded as a snapshot's header is
+ * (snapload.c), the descriptor's checksum, the slots' length to the byte.
+ * The data is neither checksummed nor sealed against writes (the state
+ * is trained in place): any bit pattern of an array is a value the
+ * kernels take, and nobody but aoqd and the service manager ever held
+ * the fd (it never goes to a client).
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -46,7 +65,6 @@
 
 #include "aoq-arena.h"
 #include "aoq-config.h"
-#include "convert.h"
 #include "fdstore.h"
 #include "lease.h"
 #include "log.h"
@@ -65,8 +83,8 @@
 #error "the stored form is little-endian"
 #endif
 
-#define MAGIC "AOQFDST1"
-#define VERSION 1u
+#define MAGIC "AOQFDST2"
+#define VERSION 2u
 #define HEAD 64u
 /* The descriptor of 2^24 tensors with 4 KiB names is 64 GiB; no aoqd
  * writes more than this (max_tensors is at most 2^24, names are short). */
@@ -81,105 +99,69 @@ static uint64_t now_ns(void)
 	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
-/* ---- parallel copies ---- */
+/* ---- the adopted state's page tables, filled in parallel ---- */
 
-enum { COPY, JOIN, SPLIT };
-
-struct copy {
-	void *dst;
-	const void *src;
+struct range {
+	uint8_t *p;
 	uint64_t n;
-	/* A split master (aoqk_state.master_lo) goes as the fp32 master it
-	 * is: JOIN writes the fp32 bytes (dst) from the high halves (src) and
-	 * the low ones (aux); SPLIT the other way, from src's fp32 bytes.  n
-	 * counts the fp32 bytes. */
-	int how;
-	void *aux;
 };
 
-/* Bytes [b, e) of copy c's fp32 side, for JOIN and SPLIT: a thread writes
- * only its own bytes (JOIN), or the elements whose first byte is its own
- * (SPLIT; reading the rest of the last one). */
-static void convert(const struct copy *c, uint64_t b, uint64_t e)
-{
-	if (c->how == JOIN) {
-		const uint16_t *hi = c->src, *lo = c->aux;
-		uint8_t *d = c->dst;
-		for (uint64_t o = b; o < e;) {
-			uint64_t el = o / 4, k = o % 4, n = 4 - k < e - o ? 4 - k : e - o;
-			uint32_t v = aoqk_split_join(hi[el], lo[el]);
-			memcpy(d + o, (const uint8_t *)&v + k, n);
-			o += n;
-		}
-		return;
-	}
-	uint64_t first = (b + 3) / 4, end = (e + 3) / 4;
-	if (first < end)
-		aoqd_split((uint16_t *)c->dst + first, (uint16_t *)c->aux + first, (const uint8_t *)c->src + 4 * first,
-		           end - first);
-}
-
-struct copier {
-	const struct copy *c;
-	size_t nc;
-	uint64_t b, e; /* bytes [b, e) of the concatenated copies */
+struct filler {
+	const struct range *r;
+	size_t nr;
+	uint64_t b, e; /* bytes [b, e) of the concatenated ranges */
 };
 
-static void *copy_run(void *arg)
+/* The mapping's pages exist (the memfd's): one call per piece maps them,
+ * so that the first step after the restart does not trap on every 4 KiB
+ * page (shmem has no huge pages by default).  Older kernels: EINVAL, the
+ * first step faults them. */
+static void *fill_run(void *arg)
 {
-	const struct copier *w = arg;
+	const struct filler *w = arg;
 	uint64_t pos = 0;
-	for (size_t i = 0; i < w->nc && pos < w->e; i++) {
-		uint64_t cb = pos, ce = pos + w->c[i].n;
+	for (size_t i = 0; i < w->nr && pos < w->e; i++) {
+		uint64_t cb = pos, ce = pos + w->r[i].n;
 		pos = ce;
 		uint64_t b = cb > w->b ? cb : w->b, e = ce < w->e ? ce : w->e;
 		if (b >= e)
 			continue;
-		if (w->c[i].how != COPY) {
-			convert(&w->c[i], b - cb, e - cb);
-			continue;
-		}
-		uint8_t *d = (uint8_t *)w->c[i].dst + (b - cb);
 #ifdef MADV_POPULATE_WRITE
-		/* The destination's pages taken in one call per piece, by each
-		 * thread for its own: shmem has no huge pages by default, and a
-		 * trap per 4 KiB page costs more than the copy (older kernels:
-		 * EINVAL, the copy faults them) */
-		uintptr_t pb = (uintptr_t)d & ~(uintptr_t)4095, pe = ((uintptr_t)d + (e - b) + 4095) & ~(uintptr_t)4095;
+		uintptr_t pb = (uintptr_t)(w->r[i].p + (b - cb)) & ~(uintptr_t)4095;
+		uintptr_t pe = ((uintptr_t)(w->r[i].p + (e - cb)) + 4095) & ~(uintptr_t)4095;
 		madvise((void *)pb, pe - pb, MADV_POPULATE_WRITE);
 #endif
-		memcpy(d, (const uint8_t *)w->c[i].src + (b - cb), e - b);
 	}
 	return NULL;
 }
 
-/* The copies, split by bytes over up to `threads` threads (this one
+/* The ranges, split by bytes over up to `threads` threads (this one
  * included); a thread that cannot start leaves its part to this one. */
-static void copy_all(const struct copy *c, size_t nc, unsigned threads)
+static void fill_all(const struct range *r, size_t nr, unsigned threads)
 {
 	uint64_t total = 0;
-	for (size_t i = 0; i < nc; i++)
-		total += c[i].n;
+	for (size_t i = 0; i < nr; i++)
+		total += r[i].n;
 	if (threads < 1 || total < (64u << 20))
 		threads = 1;
 	if (threads > 16)
 		threads = 16;
-	struct copier w[16];
+	struct filler w[16];
 	pthread_t tid[16];
 	bool started[16] = { false };
 	uint64_t per = (total + threads - 1) / threads;
 	for (unsigned k = 0; k < threads; k++) {
 		uint64_t b = (uint64_t)k * per, e = b + per < total ? b + per : total;
-		w[k] = (struct copier){ c, nc, b < total ? b : total, e };
+		w[k] = (struct filler){ r, nr, b < total ? b : total, e };
 		if (k > 0)
-			started[k] = pthread_create(&tid[k], NULL, copy_run, &w[k]) == 0;
+			started[k] = pthread_create(&tid[k], NULL, fill_run, &w[k]) == 0;
 	}
-	copy_run(&w[0]);
+	fill_run(&w[0]);
 	for (unsigned k = 1; k < threads; k++) {
 		if (started[k])
 			pthread_join(tid[k], NULL);
 		else
-			copy_run(&w[k]);
+			fill_run(&w[k]);
 	}
 }
 
@@ -263,139 +245,133 @@ static uint8_t get8(struct rd *r)
 	return v;
 }
 
-/* A tensor's arrays in the stored form (up to A_N): their lengths and kinds
- * into lens and ks; *off moves past them (each at a multiple of 64 bytes).
- * Returns how many. */
-static size_t tensor_arrays(enum aoqk_precision p, uint64_t numel, unsigned moments, uint64_t *off, uint64_t *lens,
-                            int *ks)
+/* The descriptor of st under key (after the 64-byte header's place: the
+ * caller's CRC covers both). */
+static int describe(const struct aoqd_snap_key *key, const struct aoqd_state *st, struct buf *b)
 {
-	size_t n = 0;
-	for (int k = 0; k < A_N; k++) {
-		const char *dt;
-		uint64_t elems;
-		unsigned esize;
-		if (!snap_arr_info(p, numel, moments, k, &dt, &elems, &esize))
-			continue;
-		*off = aoq_align_up(*off, 64);
-		lens[n] = elems * esize;
-		ks[n] = k;
-		*off += lens[n];
-		n++;
-	}
-	return n;
-}
-
-int aoqd_fdstore_encode(const struct aoqd_snap_key *key, const struct aoqd_state *st, unsigned threads)
-{
-	struct buf b = { 0 };
-	uint8_t head[HEAD] = { 0 };
-	put(&b, head, sizeof(head));
 	size_t jl = strnlen(key->job, sizeof(key->job));
-	PUT(&b, uint32_t, key->uid);
-	PUT(&b, uint32_t, key->rank);
-	PUT(&b, uint32_t, jl);
-	put(&b, key->job, jl);
-	PUT(&b, uint64_t, st->last_step);
-	PUT(&b, uint64_t, st->seed);
-	PUT(&b, uint64_t, st->window);
-	PUT(&b, double, st->max_grad_norm);
-	PUT(&b, uint32_t, st->precision);
-	PUT(&b, uint8_t, st->skip_nonfinite);
-	PUT(&b, uint8_t, st->delayed);
-	PUT(&b, uint16_t, 0);
-	PUT(&b, uint32_t, st->ngroups);
-	PUT(&b, uint32_t, st->ntensors);
+	PUT(b, uint32_t, key->uid);
+	PUT(b, uint32_t, key->rank);
+	PUT(b, uint32_t, jl);
+	put(b, key->job, jl);
+	PUT(b, uint64_t, st->last_step);
+	PUT(b, uint64_t, st->seed);
+	PUT(b, uint64_t, st->window);
+	PUT(b, double, st->max_grad_norm);
+	PUT(b, uint32_t, st->precision);
+	PUT(b, uint8_t, st->skip_nonfinite);
+	PUT(b, uint8_t, st->delayed);
+	PUT(b, uint8_t, aoqd_state_master_param());
+	PUT(b, uint8_t, 0);
+	PUT(b, uint32_t, st->ngroups);
+	PUT(b, uint32_t, st->ntensors);
 	for (uint32_t g = 0; g < st->ngroups; g++) {
 		const struct aoqd_group *gr = &st->groups[g];
-		PUT(&b, uint32_t, gr->kind);
-		PUT(&b, uint32_t, gr->moments);
+		PUT(b, uint32_t, gr->kind);
+		PUT(b, uint32_t, gr->moments);
 		const double hp[7] = { gr->hp.lr,           gr->hp.beta1,    gr->hp.beta2,    gr->hp.eps,
 		                       gr->hp.weight_decay, gr->hp.momentum, gr->hp.dampening };
-		put(&b, hp, sizeof(hp));
-		PUT(&b, uint32_t, gr->hp.nesterov);
+		put(b, hp, sizeof(hp));
+		PUT(b, uint32_t, gr->hp.nesterov);
 	}
-	enum aoqk_precision prec = (enum aoqk_precision)st->precision;
-	uint64_t data = 0;
-	size_t ncopies = 0;
 	for (uint32_t i = 0; i < st->ntensors; i++) {
 		const struct aoqd_tensor *t = &st->tensors[i];
 		size_t nl = strlen(t->name);
-		PUT(&b, uint32_t, nl);
-		put(&b, t->name, nl);
-		PUT(&b, uint64_t, t->numel);
-		PUT(&b, uint64_t, t->steps);
-		PUT(&b, uint32_t, t->group);
-		PUT(&b, uint8_t, t->param_dtype);
-		PUT(&b, uint8_t, t->grad_dtype);
-		PUT(&b, uint16_t, 0);
-		uint64_t lens[A_N];
-		int ks[A_N];
-		ncopies += tensor_arrays(prec, t->numel, st->groups[t->group].moments, &data, lens, ks);
+		PUT(b, uint32_t, nl);
+		put(b, t->name, nl);
+		PUT(b, uint64_t, t->numel);
+		PUT(b, uint64_t, t->steps);
+		PUT(b, uint32_t, t->group);
+		PUT(b, uint8_t, t->param_dtype);
+		PUT(b, uint8_t, t->grad_dtype);
+		PUT(b, uint16_t, 0);
 	}
-	if (b.fail) {
+	return b->fail ? -ENOMEM : 0;
+}
+
+static int pwrite_all(int fd, const void *p, uint64_t n, uint64_t at)
+{
+	for (uint64_t done = 0; done < n;) {
+		ssize_t w = pwrite(fd, (const uint8_t *)p + done, n - done, (off_t)(at + done));
+		if (w <= 0)
+			return w < 0 ? -errno : -EIO;
+		done += (uint64_t)w;
+	}
+	return 0;
+}
+
+static int pread_all(int fd, void *p, uint64_t n, uint64_t at)
+{
+	for (uint64_t done = 0; done < n;) {
+		ssize_t r = pread(fd, (uint8_t *)p + done, n - done, (off_t)(at + done));
+		if (r <= 0)
+			return r < 0 ? -errno : -EIO;
+		done += (uint64_t)r;
+	}
+	return 0;
+}
+
+int aoqd_fdstore_write(const struct aoqd_snap_key *key, struct aoqd_state *st, bool stop)
+{
+	if (!st->memfd || !st->jh)
+		return -ENOTSUP;
+	struct buf b = { 0 };
+	uint8_t head[HEAD] = { 0 };
+	put(&b, head, sizeof(head));
+	int r = describe(key, st, &b);
+	if (r < 0) {
 		free(b.p);
-		return -ENOMEM;
+		return r;
 	}
-	uint64_t desc_len = b.len, data_off = aoqd_page_round(desc_len), total = data_off + data;
+	uint64_t desc_len = b.len - HEAD, data_off = st->mem_data_off, data_len = st->mem_data_len;
+	uint64_t desc_off = data_off + data_len, size = desc_off + desc_len;
 	memcpy(b.p, MAGIC, 8);
 	uint32_t ver = VERSION;
 	memcpy(b.p + 8, &ver, 4);
-	memcpy(b.p + 16, &desc_len, 8);
-	memcpy(b.p + 24, &data_off, 8);
-	memcpy(b.p + 32, &data, 8);
-	uint32_t crc = snap_crc((uint32_t)crc32(0, Z_NULL, 0), b.p + 16, desc_len - 16);
+	memcpy(b.p + 16, &data_off, 8);
+	memcpy(b.p + 24, &data_len, 8);
+	memcpy(b.p + 32, &desc_off, 8);
+	memcpy(b.p + 40, &desc_len, 8);
+	uint32_t crc = snap_crc((uint32_t)crc32(0, Z_NULL, 0), b.p + 16, b.len - 16);
 	memcpy(b.p + 12, &crc, 4);
-
-	int r = 0;
-	uint8_t *map = MAP_FAILED;
-	struct copy *c = NULL;
-	int fd = memfd_create("aoq-state", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-	if (fd < 0 || ftruncate(fd, (off_t)total) < 0) {
+	int fd = st->mem_fd;
+	struct stat sb;
+	int seals = fcntl(fd, F_GET_SEALS);
+	if (fstat(fd, &sb) < 0 || seals < 0) {
 		r = -errno;
 		goto out;
 	}
-	map = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-	c = calloc(ncopies + 1, sizeof(*c));
-	if (map == MAP_FAILED || !c) {
-		r = map == MAP_FAILED ? -errno : -ENOMEM;
+	/* The descriptor after the slots: its room made at the first stop
+	 * (a state's descriptor keeps its length), then grow and shrink are
+	 * sealed for the reader. */
+	if ((uint64_t)sb.st_size != size && ((seals & F_SEAL_GROW) || ftruncate(fd, (off_t)size) < 0)) {
+		r = (seals & F_SEAL_GROW) ? -EBADFD : -errno;
 		goto out;
 	}
-	if (total >= (2u << 20))
-		madvise(map, total, MADV_HUGEPAGE);
-	c[0] = (struct copy){ map, b.p, desc_len, COPY, NULL };
-	size_t nc = 1;
-	uint64_t pos = 0;
-	for (uint32_t i = 0; i < st->ntensors; i++) {
+	/* The journal from here on: hyperparameters and boundary as they are
+	 * (the stop rolled the open step back; a new state is dirty). */
+	for (uint32_t g = 0; g < st->ngroups; g++)
+		aoqd_state_journal_hp(st, g);
+	aoqd_state_journal_boundary(st);
+	/* At a stop a master that is the parameter, which lives in the
+	 * masters memfd, is copied into its slot's first pages, a hole until
+	 * now. */
+	for (uint32_t i = 0; i < st->ntensors && r == 0 && stop; i++) {
 		const struct aoqd_tensor *t = &st->tensors[i];
-		uint64_t lens[A_N];
-		int ks[A_N];
-		uint64_t at = pos;
-		size_t n = tensor_arrays(prec, t->numel, st->groups[t->group].moments, &pos, lens, ks);
-		for (size_t k = 0; k < n; k++) {
-			at = aoq_align_up(at, 64);
-			bool join = ks[k] == A_MASTER && t->st.master_lo;
-			c[nc++] = (struct copy){ map + data_off + at, snap_arr_ptr(&t->st, ks[k]), lens[k], join ? JOIN : COPY,
-			                         t->st.master_lo };
-			at += lens[k];
-		}
+		if (aoqd_tensor_master_param(st, t))
+			r = pwrite_all(fd, t->st.master, t->numel * 2, data_off + t->mem_off);
 	}
-	copy_all(c, nc, threads);
-	munmap(map, total);
-	map = MAP_FAILED;
-	/* Sealed: from now on nobody can change, grow or shrink it. */
-	if (fcntl(fd, F_ADD_SEALS, F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL) < 0)
+	if (r == 0)
+		r = pwrite_all(fd, b.p + HEAD, desc_len, desc_off);
+	if (r == 0)
+		r = pwrite_all(fd, b.p, HEAD, 0); /* the header last */
+	if (r == 0 && !(seals & F_SEAL_SEAL) && fcntl(fd, F_ADD_SEALS, F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL) < 0)
 		r = -errno;
+	if (r == 0)
+		atomic_store_explicit(&st->jh->stopped, stop ? 1u : 0u, memory_order_release);
 out:
-	if (map != MAP_FAILED)
-		munmap(map, total);
-	free(c);
 	free(b.p);
-	if (r < 0) {
-		if (fd >= 0)
-			close(fd);
-		return r;
-	}
-	return fd;
+	return r;
 }
 
 #define BAD(...)                                  \
@@ -405,53 +381,153 @@ out:
 		goto out;                         \
 	} while (0)
 
-int aoqd_fdstore_decode(int fd, int lock_memory, _Atomic uint64_t *locked_total, unsigned threads,
+/* The journal of st, mapped in place (hostile: each word read once, then
+ * checked): st goes back to its last boundary, as aoqd_state_rollback
+ * takes a live state back.  After a stop the log is empty and this takes
+ * the counters and hyperparameters the stop wrote. */
+static int replay(struct aoqd_state *st, char *why, size_t wlen)
+{
+	int r = 0;
+	struct aoqd_journal *jh = st->jh;
+	uint64_t boundary = atomic_load_explicit(&jh->boundary, memory_order_acquire);
+	uint64_t n = atomic_load_explicit(&jh->log_n, memory_order_acquire);
+	uint32_t over = atomic_load_explicit(&jh->overflow, memory_order_acquire), cap = jh->cap;
+	uint32_t stopped = atomic_load_explicit(&jh->stopped, memory_order_acquire);
+	if (cap != aoqd_journal_cap(st))
+		BAD("journal: a log of %u entries, its tables make %u", cap, aoqd_journal_cap(st));
+	if (boundary & AOQD_JOURNAL_DIRTY)
+		BAD("journal: no step boundary to go back to (loaded since its last step, or no step completed)");
+	if (boundary > AOQD_MAX_TENSOR_STEPS)
+		BAD("journal: step %" PRIu64 " out of range", boundary);
+	if (over || n > cap)
+		BAD("journal: the save log overflowed (%" PRIu64 " of %u entries): the open step cannot be undone", n, cap);
+	if (!stopped && st->masters_size)
+		BAD("journal: not written at a stop, and its masters that are parameters were not stored");
+	if (stopped > 1)
+		BAD("journal: bad stop mark %u", stopped);
+	enum aoqk_precision p = (enum aoqk_precision)st->precision;
+	uint64_t blk = aoqk_block(p) ? aoqk_block(p) : 1, undone = 0;
+	for (uint64_t i = 0; i < n; i++) {
+		const struct aoqd_journal_entry *e = &st->jlog[i];
+		if (atomic_load_explicit(&e->step, memory_order_acquire) != boundary + 1)
+			continue; /* an older step's: its range is the boundary's */
+		uint32_t ti = e->tensor;
+		uint64_t off = e->offset, cnt = e->count;
+		if (ti >= st->ntensors)
+			BAD("journal: entry %" PRIu64 ": tensor %u of %u", i, ti, st->ntensors);
+		struct aoqd_tensor *t = &st->tensors[ti];
+		if (cnt == 0 || off >= t->numel || cnt > t->numel - off || off % blk)
+			BAD("journal: entry %" PRIu64 ": elements %" PRIu64 "+%" PRIu64 " of tensor %u (%" PRIu64 ")", i, off,
+			    cnt, ti, t->numel);
+		aoqd_state_unsave(t, off, cnt);
+		undone++;
+	}
+	const uint64_t *js = st->jsteps + (boundary & 1) * (uint64_t)st->ntensors;
+	for (uint32_t i = 0; i < st->ntensors; i++) {
+		uint64_t v = js[i];
+		if (v > AOQD_MAX_TENSOR_STEPS)
+			BAD("journal: tensor %u: %" PRIu64 " steps", i, v);
+		st->tensors[i].steps = v;
+	}
+	for (uint32_t g = 0; g < st->ngroups; g++) {
+		const struct aoqd_journal_hp *h = &st->jhp[g];
+		uint32_t sel = atomic_load_explicit(&h->sel, memory_order_acquire);
+		if (sel > 1)
+			BAD("journal: group %u: bad selector %u", g, sel);
+		double v[8];
+		memcpy(v, h->v[sel], sizeof(v));
+		Aoq__Hyperparams hp = AOQ__HYPERPARAMS__INIT;
+		hp.lr = v[0];
+		hp.beta1 = v[1];
+		hp.beta2 = v[2];
+		hp.eps = v[3];
+		hp.weight_decay = v[4];
+		hp.momentum = v[5];
+		hp.dampening = v[6];
+		hp.nesterov = v[7] == 1;
+		char hw[256];
+		if ((v[7] != 0 && v[7] != 1) || !aoqd_hp_valid(st->groups[g].kind, &hp, hw, sizeof(hw)))
+			BAD("journal: group %u: %s", g, v[7] != 0 && v[7] != 1 ? "bad nesterov" : hw);
+		struct aoqd_group tmp = st->groups[g];
+		aoqd_group_set(&tmp, tmp.kind, &hp);
+		if (aoqd_group_moments(&tmp) > st->groups[g].moments)
+			BAD("journal: group %u: its hyperparameters need a moment it has not", g);
+		tmp.moments = st->groups[g].moments;
+		st->groups[g] = tmp;
+	}
+	st->last_step = boundary;
+	/* at the boundary: the log empties, no stop wrote what follows */
+	aoqd_state_journal_boundary(st);
+	atomic_store_explicit(&jh->stopped, 0, memory_order_release);
+	if (!stopped)
+		aoqd_info("fdstore", "journal replayed: back at step %" PRIu64 ", %" PRIu64 " range(s) of step %" PRIu64
+		          " undone", boundary, undone, boundary + 1);
+out:
+	return r;
+}
+
+int aoqd_fdstore_decode(int fd, const char *name, int lock_memory, _Atomic uint64_t *locked_total, unsigned threads,
                         struct aoqd_snap_key *key, struct aoqd_state *st, char *why, size_t wlen)
 {
 	int r = 0;
 	bool allocated = false;
-	uint8_t *map = MAP_FAILED;
-	struct copy *c = NULL;
+	uint8_t *desc = NULL;
+	struct range *fill = NULL;
 	uint64_t size = 0;
 	memset(st, 0, sizeof(*st));
 	memset(key, 0, sizeof(*key));
 	struct stat sb;
 	if (fstat(fd, &sb) < 0)
 		BAD("fstat: %s", strerror(errno));
-	if (!S_ISREG(sb.st_mode) || sb.st_size < (off_t)HEAD)
+	if (!S_ISREG(sb.st_mode) || sb.st_size < (off_t)AOQD_STATE_MEMFD_JOURNAL)
 		BAD("not a memfd of the stored form (type %o, %lld bytes)", (unsigned)(sb.st_mode & S_IFMT),
 		    (long long)sb.st_size);
 	size = (uint64_t)sb.st_size;
+	uint8_t page[AOQD_STATE_MEMFD_JOURNAL];
+	if (pread_all(fd, page, sizeof(page), 0) < 0)
+		BAD("cannot read its header: %s", strerror(errno));
+	static const uint8_t zero[8];
+	if (memcmp(page, zero, 8) == 0)
+		BAD("no stored-form header: no stop wrote it (aoqd was killed, or the state trained on since)");
 	int seals = fcntl(fd, F_GET_SEALS);
-	int need = F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL;
+	int need = F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL;
 	if (seals < 0 || (seals & need) != need)
-		BAD("not sealed against writes, growth and shrinking (seals %#x): it could change under aoqd",
+		BAD("not sealed against growth and shrinking (seals %#x): its mapping could fault under aoqd",
 		    seals < 0 ? 0 : (unsigned)seals);
-	map = mmap(NULL, size, PROT_READ, MAP_SHARED, fd, 0);
-	if (map == MAP_FAILED)
-		BAD("mmap of %" PRIu64 " bytes: %s", size, strerror(errno));
+	if (seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE))
+		BAD("sealed against writes (seals %#x): not a state aoqd trains in place", (unsigned)seals);
 	uint32_t ver, crc;
-	uint64_t desc_len, data_off, data_len;
-	memcpy(&ver, map + 8, 4);
-	memcpy(&crc, map + 12, 4);
-	memcpy(&desc_len, map + 16, 8);
-	memcpy(&data_off, map + 24, 8);
-	memcpy(&data_len, map + 32, 8);
-	if (memcmp(map, MAGIC, 8) != 0)
+	uint64_t data_off, data_len, desc_off, desc_len;
+	memcpy(&ver, page + 8, 4);
+	memcpy(&crc, page + 12, 4);
+	memcpy(&data_off, page + 16, 8);
+	memcpy(&data_len, page + 24, 8);
+	memcpy(&desc_off, page + 32, 8);
+	memcpy(&desc_len, page + 40, 8);
+	if (memcmp(page, MAGIC, 8) != 0)
 		BAD("no stored-form magic");
 	if (ver != VERSION)
 		BAD("stored-form version %u (this aoqd reads %u)", ver, VERSION);
-	for (unsigned k = 40; k < HEAD; k++)
-		if (map[k])
+	for (unsigned k = 48; k < sizeof(page); k++)
+		if (page[k])
 			BAD("reserved header bytes are not zero");
-	if (desc_len < HEAD || desc_len > MAX_DESC || desc_len > size || data_off < desc_len || data_off % 4096 ||
-	    data_off > size || data_len != size - data_off)
-		BAD("descriptor %" PRIu64 " bytes, data at %" PRIu64 " of %" PRIu64 " bytes: not within the %" PRIu64
-		    "-byte memfd", desc_len, data_off, data_len, size);
-	uint32_t got = snap_crc((uint32_t)crc32(0, Z_NULL, 0), map + 16, desc_len - 16);
+	if (data_off <= AOQD_STATE_MEMFD_JOURNAL || data_off % 4096 || data_off > size || data_len > size - data_off ||
+	    desc_off != data_off + data_len || desc_len < 24 ||
+	    desc_len > MAX_DESC || desc_off > size || desc_len != size - desc_off)
+		BAD("data %" PRIu64 " bytes at %" PRIu64 ", descriptor %" PRIu64 " bytes at %" PRIu64 ": not the %" PRIu64
+		    "-byte memfd", data_len, data_off, desc_len, desc_off, size);
+	desc = malloc(desc_len);
+	if (!desc) {
+		snprintf(why, wlen, "out of memory");
+		r = -ENOMEM;
+		goto out;
+	}
+	if (pread_all(fd, desc, desc_len, desc_off) < 0)
+		BAD("cannot read its descriptor: %s", strerror(errno));
+	uint32_t got = snap_crc(snap_crc((uint32_t)crc32(0, Z_NULL, 0), page + 16, HEAD - 16), desc, desc_len);
 	if (got != crc)
 		BAD("descriptor checksum mismatch (crc32 %08x, header says %08x)", got, crc);
-	struct rd rd = { map + HEAD, desc_len - HEAD, 0, false };
+	struct rd rd = { desc, desc_len, 0, false };
 	key->uid = get32(&rd);
 	key->rank = get32(&rd);
 	uint32_t jl = get32(&rd);
@@ -464,14 +540,17 @@ int aoqd_fdstore_decode(int fd, int lock_memory, _Atomic uint64_t *locked_total,
 	st->window = get64(&rd);
 	st->max_grad_norm = getf64(&rd);
 	uint32_t prec = get32(&rd);
-	uint8_t skip = get8(&rd), delayed = get8(&rd), z0 = get8(&rd), z1 = get8(&rd);
+	uint8_t skip = get8(&rd), delayed = get8(&rd), mp = get8(&rd), z1 = get8(&rd);
 	uint32_t ng = get32(&rd), nt = get32(&rd);
 	if (rd.bad)
 		BAD("descriptor cut short");
-	if (st->last_step > AOQD_MAX_TENSOR_STEPS || prec >= SNAP_NPREC || skip > 1 || delayed > 1 || z0 || z1 ||
+	if (st->last_step > AOQD_MAX_TENSOR_STEPS || prec >= SNAP_NPREC || skip > 1 || delayed > 1 || mp > 1 || z1 ||
 	    !(st->max_grad_norm >= 0) || st->max_grad_norm > 1e300)
 		BAD("bad options (step %" PRIu64 ", precision %u, max_grad_norm %g)", st->last_step, prec,
 		    st->max_grad_norm);
+	if ((mp != 0) != aoqd_state_master_param())
+		BAD("master_param was %s, is %s: the arrays' layout differs", mp ? "yes" : "no",
+		    aoqd_state_master_param() ? "yes" : "no");
 	if (ng == 0 || ng > 65536 || nt == 0 || nt > (1u << 24))
 		BAD("%u groups and %u tensors", ng, nt);
 	/* a group takes 68 bytes of the descriptor, a tensor at least 29:
@@ -518,8 +597,6 @@ int aoqd_fdstore_decode(int fd, int lock_memory, _Atomic uint64_t *locked_total,
 		if (moments != st->groups[g].moments)
 			BAD("group %u: %u moments, its kind keeps %u", g, moments, st->groups[g].moments);
 	}
-	uint64_t data = 0;
-	size_t ncopies = 0;
 	for (uint32_t i = 0; i < nt; i++) {
 		struct aoqd_tensor *t = &st->tensors[i];
 		uint32_t nl = get32(&rd);
@@ -548,60 +625,64 @@ int aoqd_fdstore_decode(int fd, int lock_memory, _Atomic uint64_t *locked_total,
 		t->param_dtype = (enum aoqk_dtype)pdt;
 		t->grad_dtype = (enum aoqk_dtype)gdt;
 		st->parameters += numel;
-		uint64_t lens[A_N];
-		int ks[A_N];
-		ncopies += tensor_arrays((enum aoqk_precision)prec, numel, st->groups[group].moments, &data, lens, ks);
-		if (data > data_len)
-			BAD("the arrays pass the %" PRIu64 " bytes of data at tensor %u", data_len, i);
 	}
 	if (rd.pos != rd.len)
 		BAD("%zu bytes after the descriptor's last tensor", rd.len - rd.pos);
-	if (data != data_len)
-		BAD("%" PRIu64 " bytes of data, the arrays hold %" PRIu64, data_len, data);
-	/* everything is checked but the data: now allocate and copy */
+	uint64_t slots = aoqd_state_memfd_layout(st, NULL);
+	if (slots != data_len)
+		BAD("%" PRIu64 " bytes of data, the tensors' slots take %" PRIu64, data_len, slots);
+	if (data_off != aoqd_state_memfd_data_off(st))
+		BAD("data at %" PRIu64 ", after the journal it is at %" PRIu64, data_off, aoqd_state_memfd_data_off(st));
+	/* everything is checked but the data: mapped in place, with its undo
+	 * copy (the state is leased) */
+	st->undo = true;
 	uint64_t failed;
-	int a = aoqd_state_alloc(st, lock_memory, locked_total, &failed);
+	int a = aoqd_state_adopt(st, fd, name, lock_memory, locked_total, &failed);
 	allocated = true;
 	if (a < 0) {
-		snprintf(why, wlen, "cannot allocate %" PRIu64 " bytes of state: %s", failed, strerror(-a));
+		snprintf(why, wlen, "cannot map %" PRIu64 " bytes of state in place: %s", failed, strerror(-a));
 		r = a;
 		goto out;
 	}
-	for (uint32_t i = 0; i < st->ntensors; i++)
-		st->state_bytes += st->tensors[i].state_len;
-	c = calloc(ncopies + 1, sizeof(*c));
-	if (!c) {
-		snprintf(why, wlen, "out of memory");
-		r = -ENOMEM;
+	if ((r = replay(st, why, wlen)) < 0)
 		goto out;
-	}
-	size_t nc = 0;
-	uint64_t pos = 0;
+	size_t nfill = 0, capfill = 0;
 	for (uint32_t i = 0; i < st->ntensors; i++) {
-		struct aoqd_tensor *t = &st->tensors[i];
-		uint64_t lens[A_N];
-		int ks[A_N];
-		uint64_t at = pos;
-		size_t n = tensor_arrays((enum aoqk_precision)prec, t->numel, st->groups[t->group].moments, &pos, lens, ks);
-		for (size_t k = 0; k < n; k++) {
-			at = aoq_align_up(at, 64);
-			bool split = ks[k] == A_MASTER && t->st.master_lo;
-			c[nc++] = (struct copy){ (void *)snap_arr_ptr(&t->st, ks[k]), map + data_off + at, lens[k],
-			                         split ? SPLIT : COPY, t->st.master_lo };
-			at += lens[k];
+		const struct aoqd_tensor *t = &st->tensors[i];
+		st->state_bytes += t->state_len;
+		/* the page tables of the pages the memfd holds (its data, not
+		 * its holes: nothing is allocated here) */
+		off_t b = (off_t)(st->mem_data_off + t->mem_off), e = b + (off_t)t->state_len;
+		for (off_t pos = b; pos < e;) {
+			off_t d = lseek(fd, pos, SEEK_DATA);
+			if (d < 0 || d >= e)
+				break;
+			off_t h = lseek(fd, d, SEEK_HOLE);
+			if (h < 0 || h > e)
+				h = e;
+			if (nfill == capfill) {
+				size_t cap = capfill ? 2 * capfill : 64;
+				struct range *f = realloc(fill, cap * sizeof(*f));
+				if (!f)
+					break;
+				fill = f;
+				capfill = cap;
+			}
+			fill[nfill++] = (struct range){ (uint8_t *)t->state_mem + (d - b), (uint64_t)(h - d) };
+			pos = h;
 		}
 	}
-	copy_all(c, nc, threads);
+	fill_all(fill, nfill, threads);
 out:
 	if (r < 0) {
+		st->store_kept = true; /* the caller takes it out of the store */
 		if (allocated || st->tensors)
 			aoqd_state_free(st, locked_total);
 		free(st->groups);
 		memset(st, 0, sizeof(*st));
 	}
-	if (map != MAP_FAILED)
-		munmap(map, size);
-	free(c);
+	free(desc);
+	free(fill);
 	return r;
 }
 #undef BAD
@@ -647,6 +728,11 @@ bool aoqd_fdstore_is_state(const char *name)
 void aoqd_fdstore_keep(int fd, const char *name)
 {
 	fcntl(fd, F_SETFD, FD_CLOEXEC);
+	/* the states this aoqd stores get names of their own */
+	char *end;
+	unsigned long long n = strtoull(name + strlen(AOQD_FDSTORE_PREFIX), &end, 10);
+	if (!*end)
+		aoqd_state_store_names_above(n);
 	if (nkept == capkept) {
 		size_t cap = capkept ? capkept * 2 : 16;
 		struct kept *k = realloc(kept, cap * sizeof(*k));
@@ -678,17 +764,25 @@ int aoqd_fdstore_adopt(struct aoqd_server *srv)
 		struct aoqd_snap_key key;
 		struct aoqd_state st;
 		char why[512] = "";
-		int r = aoqd_fdstore_decode(k->fd, srv->cfg.lock_memory, &srv->locked_bytes, copy_threads(srv), &key, &st,
-		                            why, sizeof(why));
+		/* Taken, the memfd is the state's, and stays in the store under
+		 * its name (state.c removes it when the state ends); refused, it
+		 * leaves the store. */
+		int r = aoqd_fdstore_decode(k->fd, k->name, srv->cfg.lease_seconds ? srv->cfg.lock_memory : 0,
+		                            &srv->locked_bytes, copy_threads(srv), &key, &st, why, sizeof(why));
 		if (r < 0) {
 			aoqd_warn("fdstore", "stored state %s (fd %d) refused: %s", k->name, k->fd, why);
+#if AOQ_HAVE_SYSTEMD
+			char msg[300];
+			snprintf(msg, sizeof(msg), "FDSTOREREMOVE=1\nFDNAME=%s", k->name);
+			sd_notify(0, msg);
+#endif
 		} else if (srv->cfg.lease_seconds == 0) {
 			aoqd_info("fdstore", "lease_seconds = 0: stored state %s not taken back", k->name);
 			aoqd_state_free(&st, &srv->locked_bytes);
 		} else {
 			struct aoqd_error err = { 0 };
 			struct aoqd_lease_key lk = { .uid = (uid_t)key.uid, .job = key.job, .rank = key.rank };
-			uint64_t step = st.last_step;
+			uint64_t step = st.last_step, bytes = st.mem_data_len;
 			int64_t id = aoqd_lease_adopt(srv, &lk, &st, (uint64_t)srv->cfg.lease_seconds * 1000000000u, &err);
 			if (id < 0) {
 				aoqd_warn("fdstore", "stored state %s (uid %u job '%s' rank %u) not taken back: %s", k->name,
@@ -698,17 +792,11 @@ int aoqd_fdstore_adopt(struct aoqd_server *srv)
 				made++;
 				note_taken(&key);
 				aoqd_info("fdstore", "session %" PRId64 ": uid %u job '%s' rank %u taken back from the fd store "
-				          "(%s) at step %" PRIu64 " in %.3f s, leased for %u s", id, key.uid, key.job, key.rank,
-				          k->name, step, (double)(now_ns() - t0) / 1e9, srv->cfg.lease_seconds);
+				          "(%s, %" PRIu64 " bytes mapped in place) at step %" PRIu64 " in %.3f s, leased for %u s",
+				          id, key.uid, key.job, key.rank, k->name, bytes, step, (double)(now_ns() - t0) / 1e9,
+				          srv->cfg.lease_seconds);
 			}
 		}
-#if AOQ_HAVE_SYSTEMD
-		/* Taken or refused, it leaves the store: a later restart must not
-		 * bring back a state that trained on since. */
-		char msg[300];
-		snprintf(msg, sizeof(msg), "FDSTOREREMOVE=1\nFDNAME=%s", k->name);
-		sd_notify(0, msg);
-#endif
 		close(k->fd);
 	}
 	free(kept);
@@ -729,6 +817,18 @@ static bool storable(const struct aoqd_session *s)
 	return s->state == AOQD_READY && !s->no_lease && s->st.undo && !s->st.dirty;
 }
 
+void aoqd_fdstore_describe(struct aoqd_session *s)
+{
+	if (!s->st.memfd || !s->st.store_name[0] || s->hub || s->rep || !s->conn.job)
+		return;
+	struct aoqd_snap_key key = { .uid = (uint32_t)s->conn.uid, .rank = s->conn.rank };
+	snprintf(key.job, sizeof(key.job), "%s", s->conn.job);
+	int r = aoqd_fdstore_write(&key, &s->st, false);
+	if (r < 0)
+		aoqd_warn("fdstore", "session %" PRIu64 ": no descriptor in its state's memfd (%s): a restart after a kill "
+		          "restores its snapshot", s->id, strerror(-r));
+}
+
 int aoqd_fdstore_save(struct aoqd_server *srv)
 {
 #if AOQ_HAVE_SYSTEMD
@@ -736,9 +836,9 @@ int aoqd_fdstore_save(struct aoqd_server *srv)
 	if (!ns || !*ns || !srv->sessions || srv->cfg.lease_seconds == 0)
 		return 0;
 	uint64_t t0 = now_ns();
-	/* Nothing may run while a step is rolled back and copied: the loop
-	 * dispatches no more (this is the loop thread), the workers finish
-	 * what they were given. */
+	/* Nothing may run while a step is rolled back: the loop dispatches
+	 * no more (this is the loop thread), the workers finish what they
+	 * were given. */
 	if (srv->pool && !aoqd_pool_wait_gap(srv->pool, 30ull * 1000000000u)) {
 		aoqd_warn("fdstore", "the workers did not finish within 30 s: no state kept in the fd store");
 		return 0;
@@ -752,45 +852,49 @@ int aoqd_fdstore_save(struct aoqd_server *srv)
 				          s->hub || s->rep ? "a replica group" : "no lease: dirty, Bye or no undo copy");
 			continue;
 		}
+		if (!s->st.memfd || !s->st.store_name[0]) {
+			aoqd_info("fdstore", "session %" PRIu64 " not kept in the fd store (its state is not in a stored memfd)",
+			          s->id);
+			continue;
+		}
 		if (s->state == AOQD_READY)
 			aoqd_state_rollback(&s->st); /* the open step goes back, as for a dead trainer */
 		struct aoqd_snap_key key = { .uid = (uint32_t)s->conn.uid, .rank = s->conn.rank };
 		snprintf(key.job, sizeof(key.job), "%s", s->conn.job);
-		int fd = aoqd_fdstore_encode(&key, &s->st, copy_threads(srv));
-		if (fd < 0) {
-			aoqd_warn("fdstore", "session %" PRIu64 ": state not kept in the fd store: %s", s->id, strerror(-fd));
+		int r = aoqd_fdstore_write(&key, &s->st, true);
+		if (r < 0) {
+			aoqd_warn("fdstore", "session %" PRIu64 ": state not kept in the fd store: %s", s->id, strerror(-r));
 			continue;
 		}
-		char msg[128];
-		snprintf(msg, sizeof(msg), "FDSTORE=1\nFDPOLL=0\nFDNAME=" AOQD_FDSTORE_PREFIX "%" PRIu64, s->id);
-		int r = sd_pid_notify_with_fds(0, 0, msg, &fd, 1);
-		struct stat sb;
-		uint64_t size = fstat(fd, &sb) == 0 ? (uint64_t)sb.st_size : 0;
-		close(fd);
-		if (r <= 0) {
-			aoqd_warn("fdstore", "session %" PRIu64 ": cannot hand its state to the fd store: %s", s->id,
-			          r < 0 ? strerror(-r) : "no NOTIFY_SOCKET");
-			continue;
-		}
+		s->st.store_kept = true; /* its end leaves it in the store */
 		stored++;
-		bytes += size;
+		bytes += s->st.mem_data_len;
 		aoqd_info("fdstore", "session %" PRIu64 " (uid %u job '%s' rank %u): state at step %" PRIu64
-		          " kept in the fd store as " AOQD_FDSTORE_PREFIX "%" PRIu64 " (%" PRIu64 " bytes)", s->id,
-		          (unsigned)s->conn.uid, s->conn.job, s->conn.rank, s->st.last_step, s->id, size);
+		          " kept in the fd store as %s (%" PRIu64 " bytes, in place)", s->id, (unsigned)s->conn.uid,
+		          s->conn.job, s->conn.rank, s->st.last_step, s->st.store_name, s->st.mem_data_len);
 	}
-	if (stored) {
-		/* the manager has taken them before we exit (it reads the notify
-		 * socket after our death, and then no longer knows our pid) */
-		int b = sd_notify_barrier(0, 5000000);
-		if (b < 0)
-			aoqd_warn("fdstore", "no answer to the notify barrier: %s", strerror(-b));
+	if (stored)
 		aoqd_info("fdstore", "%d state(s), %" PRIu64 " bytes, kept in the fd store in %.3f s", stored, bytes,
 		          (double)(now_ns() - t0) / 1e9);
-	}
 	return stored;
 #else
 	(void)srv;
 	(void)storable;
 	return 0;
+#endif
+}
+
+void aoqd_fdstore_barrier(void)
+{
+#if AOQ_HAVE_SYSTEMD
+	/* the manager has read our FDSTOREREMOVE messages before we exit (it
+	 * reads the notify socket after our death, and then no longer knows
+	 * our pid) */
+	const char *ns = getenv("NOTIFY_SOCKET");
+	if (!ns || !*ns)
+		return;
+	int b = sd_notify_barrier(0, 5000000);
+	if (b < 0)
+		aoqd_warn("fdstore", "no answer to the notify barrier: %s", strerror(-b));
 #endif
 }

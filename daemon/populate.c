@@ -20,7 +20,11 @@
  * remaps a state's arrays meanwhile: aoqd_state_add_undo() only meets a
  * leased or restored state (settled: no reference but the list's, so no
  * chunk of ours), and the undo swap (snapshot.c) remaps the undo copies,
- * which are not populated here (the first step's saves touch them).
+ * which are not populated here (the first step's saves touch them, a
+ * fault per huge page).  A state in a memfd (state.h) has no undo swap
+ * and no huge pages (shmem_enabled=never): its undo copies are populated
+ * too, last, and so is the undo copy of a resumed one (a state restored
+ * from a snapshot gets it at the resume).
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -137,8 +141,9 @@ static void chunk_run(struct aoqd_task *task, unsigned worker)
 }
 
 /* The page-aligned ranges of tensor x's mapping: pass 0 its master, pass 1
- * the rest (moments, scales) up to its undo copy.  Adds the pieces of at
- * most CHUNK bytes to pc (when not NULL) and returns their number. */
+ * the rest (moments, scales) up to its undo copy, pass 2 the undo copy of
+ * a state in a memfd.  Adds the pieces of at most CHUNK bytes to pc (when
+ * not NULL) and returns their number. */
 static uint64_t tensor_pieces(const struct aoqd_tensor *x, int pass, struct piece *pc, uint64_t *bytes)
 {
 	uint64_t master = aoqd_page_round(x->numel * aoqd_tensor_master_size(x));
@@ -146,6 +151,10 @@ static uint64_t tensor_pieces(const struct aoqd_tensor *x, int pass, struct piec
 	uint64_t b = pass == 0 ? 0 : master, e = pass == 0 ? master : end;
 	if (e > end)
 		e = end;
+	if (pass == 2) {
+		b = x->undo_off;
+		e = x->in_memfd && x->undo_off ? aoqd_page_round(x->state_len) : b;
+	}
 	uint64_t n = 0;
 	for (uint64_t o = b; o < e; o += CHUNK, n++) {
 		uint64_t len = e - o < CHUNK ? e - o : CHUNK;
@@ -164,7 +173,7 @@ void aoqd_populate_start(struct aoqd_session *s)
 		return;
 	pthread_once(&probe_once, probe);
 	uint64_t npieces = 0, bytes = 0;
-	for (int pass = 0; pass < 2; pass++)
+	for (int pass = 0; pass < 3; pass++)
 		for (uint32_t i = 0; i < st->ntensors; i++)
 			npieces += tensor_pieces(&st->tensors[i], pass, NULL, &bytes);
 	if (!npieces || npieces > UINT32_MAX)
@@ -174,7 +183,7 @@ void aoqd_populate_start(struct aoqd_session *s)
 		return; /* the pages fault in at first use */
 	uint64_t k = 0;
 	bytes = 0;
-	for (int pass = 0; pass < 2; pass++)
+	for (int pass = 0; pass < 3; pass++)
 		for (uint32_t i = 0; i < st->ntensors; i++)
 			k += tensor_pieces(&st->tensors[i], pass, pieces + k, &bytes);
 	/* Chunks of consecutive pieces, up to CHUNK bytes each: a state of

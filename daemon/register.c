@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "arena.h"
+#include "fdstore.h"
 #include "log.h"
 #include "populate.h"
 #include "register.h"
@@ -215,7 +216,7 @@ static void *build_run(void *arg)
 	s->build_alloc_failed = false;
 	if (b->alloc && (r = aoqd_state_alloc(&s->st, b->lock_memory, &s->srv->locked_bytes, &s->build_failed_len)) < 0)
 		s->build_alloc_failed = true;
-	else if (b->alloc)
+	else if (b->alloc || s->st.memfd)
 		aoqd_populate_start(s); /* its workers fault in while the arena is built */
 	if (r == 0)
 		r = aoqd_arena_build(&s->arena, &s->st, s->id, b->max_arena_bytes);
@@ -308,6 +309,8 @@ int aoqd_register_finish(struct aoqd_session *s, uv_poll_cb on_doorbell, aoqd_ad
 		if ((r = aoqd_state_alloc(st, lock, &s->srv->locked_bytes, &failed_len)) < 0)
 			return alloc_failed(r, lock, failed_len, err);
 		aoqd_populate_start(s);
+	} else if (st->memfd) {
+		aoqd_populate_start(s); /* a resumed state's undo room (populate.c) */
 	}
 	r = aoqd_arena_build(&s->arena, st, s->id, s->srv->cfg.max_arena_bytes);
 	return arena_made(s, on_doorbell, r, err);
@@ -372,6 +375,7 @@ static int arena_made(struct aoqd_session *s, uv_poll_cb on_doorbell, int r, str
 	}
 	if (r < 0)
 		return AOQD_FAIL(err, INTERNAL, "cannot send the arena: %s", strerror(-r));
+	aoqd_fdstore_describe(s); /* a killed aoqd's state can come back (fdstore.h) */
 	s->state = AOQD_READY;
 	s->registered = true;
 	aoqd_info("session", "session %" PRIu64 ": registered %u tensors in %u groups, %" PRIu64
@@ -506,6 +510,7 @@ int aoqd_on_set_hyperparams(struct aoqd_session *from, const Aoq__Envelope *env,
 		return AOQD_REFUSE(err, BUSY, "hyperparameters for step %" PRIu64 " cannot change now (current step %"
 		                   PRIu64 " has %s gradients)", m->step, cur, s->steps.accepted[cur & 1] ? "received" : "no");
 	aoqd_group_set(g, g->kind, m->hp);
+	aoqd_state_journal_hp(st, m->group);
 	aoqd_conn_send_done(&from->conn, 0);
 	return AOQD_REPLIED;
 }

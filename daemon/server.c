@@ -251,6 +251,9 @@ static int restore_one(const struct aoqd_snap_key *k, uint64_t step, struct aoqd
 		return id == -EDQUOT ? -EDQUOT : -1; /* restore_all frees it (and removes a file past the limits) */
 	}
 	free(st); /* adopt took the arrays and zeroed *st */
+	struct aoqd_session *s = aoqd_session_find(srv, (uint64_t)id);
+	if (s)
+		aoqd_fdstore_describe(s); /* a kill keeps it too (fdstore.h) */
 	aoqd_info("server", "session %" PRId64 ": uid %u job '%s' rank %u restored at step %" PRIu64
 	          " from its snapshot, leased for %u s", id, k->uid, k->job, k->rank, step, srv->cfg.lease_seconds);
 	return 0;
@@ -280,6 +283,16 @@ static void restore_snapshots(struct aoqd_server *srv)
 		aoqd_warn("server", "cannot read the snapshots in %s: %s", dir, strerror(-n));
 }
 
+/* States live in memfds kept in systemd's fd store when a stop can hand
+ * them to the next aoqd: under systemd (NOTIFY_SOCKET), built with
+ * libsystemd, with a lease (docs/design.md, "The fd store"); in private
+ * mappings with transparent huge pages otherwise. */
+static void set_memfd(const struct aoqd_config *cfg)
+{
+	const char *ns = getenv("NOTIFY_SOCKET");
+	aoqd_state_set_memfd(AOQ_HAVE_SYSTEMD && ns && *ns && cfg->lease_seconds > 0);
+}
+
 int aoqd_server_init(struct aoqd_server *srv, uv_loop_t *loop, const struct aoqd_config *cfg)
 {
 	memset(srv, 0, sizeof(*srv));
@@ -287,6 +300,7 @@ int aoqd_server_init(struct aoqd_server *srv, uv_loop_t *loop, const struct aoqd
 	srv->loop = loop;
 	srv->start_ns = aoqd_now_ns();
 	aoqd_state_set_master_param(cfg->master_param);
+	set_memfd(cfg);
 	srv->kernel = aoqk_select(cfg->kernel);
 	if (!srv->kernel) {
 		aoqd_err("server", "kernel '%s': %s", cfg->kernel ? cfg->kernel : "auto",
@@ -424,6 +438,7 @@ void aoqd_server_apply(struct aoqd_server *srv, const struct aoqd_config *n)
 	LIVE(max_connections, PRIu32);
 	LIVE(max_sessions_per_uid, PRIu32);
 	LIVE(lease_seconds, PRIu32);
+	set_memfd(o); /* new sessions */
 	LIVE(max_tensors, PRIu32);
 	LIVE(max_tensor_elems, PRIu64);
 	LIVE(max_arena_bytes, PRIu64);
@@ -542,6 +557,7 @@ void aoqd_server_fini(struct aoqd_server *srv)
 	aoqd_pool_free(srv->pool);
 	srv->pool = NULL;
 	aoqd_account_free_all(&srv->accounts);
+	aoqd_fdstore_barrier(); /* the store's removals read before we exit */
 	/* Only our own socket: a failed bind may have met a live daemon's. */
 	if (srv->bound)
 		unlink(srv->cfg.socket_path);

@@ -47,7 +47,8 @@ enum { T_PENDING, T_COPYING, T_DONE };
  * fresh pages in their place for the next step's saves, and copies from
  * the live state only the ranges that step did not update (none when every
  * tensor took the whole step); then the writer writes.  Without an undo
- * copy the capture copies blocks (above).
+ * copy, or with the state in a memfd (whose pages cannot move out), the
+ * capture copies blocks (above).
  */
 
 struct aoqd_capture {
@@ -292,14 +293,16 @@ static struct aoqd_capture *capture_get(struct aoqd_state *st)
 }
 
 /* Whether a capture of st can be an undo swap: every tensor has its undo
- * copy on pages of its own. */
+ * copy on private pages of its own.  A state in a memfd (state.h,
+ * aoqd_state_set_memfd) cannot give its pages away: its captures copy
+ * blocks. */
 static bool swap_possible(const struct aoqd_state *st)
 {
 	long page = sysconf(_SC_PAGESIZE);
 	bool swap = st->undo && st->ntensors > 0;
 	for (uint32_t i = 0; i < st->ntensors && swap; i++) {
 		const struct aoqd_tensor *t = &st->tensors[i];
-		swap = t->undo_off && t->undo_off % (uint64_t)page == 0 && t->state_len > t->undo_off;
+		swap = t->undo_off && t->undo_off % (uint64_t)page == 0 && t->state_len > t->undo_off && !t->in_memfd;
 	}
 	return swap;
 }

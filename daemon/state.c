@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * Optimizer state: hyperparameter rules, the state arrays of every tensor
- * (one mapping each, locked in memory when asked), their conversion to and
+ * (one mapping each, locked in memory when asked; private, or slots of the
+ * session's memfd kept in systemd's fd store), their conversion to and
  * from fp32 for state transfer.  Loop thread, except aoqd_state_io(),
  * which transfer tasks run on workers (each its own range).
  */
@@ -20,11 +21,16 @@
 #endif
 
 #include "aoq-arena.h"
+#include "aoq-config.h"
 #include "convert.h"
 #include "held.h"
 #include "log.h"
 #include "state.h"
 #include "wire.h"
+
+#if AOQ_HAVE_SYSTEMD
+#include <systemd/sd-daemon.h>
+#endif
 
 bool aoqd_kind_valid(int kind)
 {
@@ -133,6 +139,11 @@ static bool master_param_on = true;
 void aoqd_state_set_master_param(bool on)
 {
 	master_param_on = on;
+}
+
+bool aoqd_state_master_param(void)
+{
+	return master_param_on;
 }
 
 bool aoqd_tensor_wants_split(const struct aoqd_state *st, const struct aoqd_tensor *x)
@@ -265,14 +276,210 @@ static int make_masters(struct aoqd_state *st)
 	return 0;
 }
 
-int aoqd_state_alloc(struct aoqd_state *st, int lock_memory, _Atomic uint64_t *locked_total, uint64_t *failed_len)
+/* ---- the state in a memfd (docs/design.md, "The fd store") ---- */
+
+static bool memfd_on;
+static uint64_t store_seq;
+
+void aoqd_state_set_memfd(bool on)
+{
+	memfd_on = on;
+}
+
+void aoqd_state_store_names_above(uint64_t n)
+{
+	if (n > store_seq)
+		store_seq = n;
+}
+
+/* A message to systemd's fd store (FDSTORE=1 with fd, or FDSTOREREMOVE=1):
+ * > 0 sent. */
+static int store_notify(const char *msg, int fd)
+{
+#if AOQ_HAVE_SYSTEMD
+	return fd >= 0 ? sd_pid_notify_with_fds(0, 0, msg, &fd, 1) : sd_notify(0, msg);
+#else
+	(void)msg;
+	(void)fd;
+	return 0;
+#endif
+}
+
+/* A tensor's slot: its arrays, then its undo room, each on pages of its
+ * own (len: aoqd_state_tensor_len). */
+static uint64_t slot_len(uint64_t len)
+{
+	return 2 * aoqd_page_round(len);
+}
+
+uint32_t aoqd_journal_cap(const struct aoqd_state *st)
+{
+	/* An update's chunk takes one entry; a record's chunks are at least
+	 * 16384 elements but its last, and a step has a record per range a
+	 * client pushes: room for 8 pieces per tensor and twice the chunks
+	 * of the whole state (a client that pushes more, smaller pieces
+	 * overflows it: its own state is then not taken back after a kill). */
+	uint64_t n = 0;
+	for (uint32_t i = 0; i < st->ntensors; i++)
+		n += st->tensors[i].numel;
+	uint64_t cap = 8ull * st->ntensors + n / 8192 + 1024;
+	return cap > (1u << 26) ? (1u << 26) : (uint32_t)cap;
+}
+
+uint64_t aoqd_journal_len(const struct aoqd_state *st)
+{
+	return sizeof(struct aoqd_journal) + 16ull * st->ntensors + sizeof(struct aoqd_journal_hp) * st->ngroups +
+	       sizeof(struct aoqd_journal_entry) * (uint64_t)aoqd_journal_cap(st);
+}
+
+uint64_t aoqd_state_memfd_data_off(const struct aoqd_state *st)
+{
+	return AOQD_STATE_MEMFD_JOURNAL + aoqd_page_round(aoqd_journal_len(st));
+}
+
+uint64_t aoqd_state_memfd_layout(const struct aoqd_state *st, uint64_t *off)
+{
+	uint64_t pos = 0;
+	for (uint32_t i = 0; i < st->ntensors; i++) {
+		uint64_t o[AOQD_STATE_ARRAYS];
+		uint64_t len = aoqd_state_tensor_len(st, &st->tensors[i], o);
+		if (off)
+			off[i] = pos;
+		if (len > (UINT64_MAX >> 2) || __builtin_add_overflow(pos, slot_len(len), &pos))
+			return UINT64_MAX;
+	}
+	return pos;
+}
+
+/* Tensor x's slot from st's memfd (at x->mem_off): `reserve` bytes, the
+ * first `whole` used (arrays, and undo copy when kept); a master that is
+ * the parameter gets the masters memfd's pages over its first mlen bytes,
+ * after `adopt` copied what the slot held there into them (the stop put
+ * it there) and gave the slot's pages back. */
+static void *map_state_memfd(struct aoqd_state *st, struct aoqd_tensor *x, size_t mlen, size_t whole, size_t reserve,
+                             bool adopt, int lock_memory, bool *locked, int *err)
+{
+	off_t at = (off_t)(st->mem_data_off + x->mem_off);
+	uint8_t *p = mmap(NULL, reserve, PROT_READ | PROT_WRITE, MAP_SHARED, st->mem_fd, at);
+	if (p == MAP_FAILED) {
+		*err = -errno;
+		return NULL;
+	}
+	if (x->master_off != AOQ_NO_MASTER) {
+		size_t mb = x->numel * 2;
+		/* only what the slot holds: a hole stays a hole (zeros), so
+		 * that a hostile memfd makes aoqd allocate no more than it
+		 * holds */
+		for (off_t pos = at, end = at + (off_t)mb; adopt && pos < end;) {
+			off_t d = lseek(st->mem_fd, pos, SEEK_DATA);
+			if (d < 0 || d >= end)
+				break;
+			off_t h = lseek(st->mem_fd, d, SEEK_HOLE);
+			if (h < 0 || h > end)
+				h = end;
+			ssize_t w = pwrite(st->masters_fd, p + (d - at), (size_t)(h - d), (off_t)x->master_off + (d - at));
+			if (w <= 0) {
+				*err = w < 0 ? -errno : -EIO;
+				munmap(p, reserve);
+				return NULL;
+			}
+			pos = d + w;
+		}
+		if (mmap(p, mlen, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, st->masters_fd, (off_t)x->master_off) ==
+		    MAP_FAILED) {
+			*err = -errno;
+			munmap(p, reserve);
+			return NULL;
+		}
+		if (adopt)
+			fallocate(st->mem_fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, at, (off_t)mlen);
+	}
+	if (whole >= (2u << 20))
+		madvise(p, whole, MADV_HUGEPAGE); /* taken where shmem_enabled allows */
+	if ((*err = lock_state(p, whole, lock_memory, locked)) < 0) {
+		munmap(p, reserve);
+		return NULL;
+	}
+	return p;
+}
+
+/* The state's memfd: `fd` adopted, or a new one (-1) of the layout's
+ * size, stored in the fd store.  0 or -errno. */
+static int make_memfd(struct aoqd_state *st, int fd, const char *name)
+{
+	uint64_t data = aoqd_state_memfd_layout(st, NULL), doff = aoqd_state_memfd_data_off(st);
+	if (data == UINT64_MAX || data > (uint64_t)INT64_MAX - doff)
+		return -EFBIG;
+	bool fresh = fd < 0;
+	if (fresh) {
+		fd = memfd_create("aoq-state", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+		if (fd < 0)
+			return -errno;
+		if (ftruncate(fd, (off_t)(doff + data)) < 0) {
+			int e = -errno;
+			close(fd);
+			return e;
+		}
+	}
+	size_t jlen = aoqd_page_round(aoqd_journal_len(st));
+	uint8_t *j = mmap(NULL, jlen, PROT_READ | PROT_WRITE, MAP_SHARED, fd, AOQD_STATE_MEMFD_JOURNAL);
+	if (j == MAP_FAILED) {
+		int e = -errno;
+		if (fresh)
+			close(fd);
+		return e;
+	}
+	st->jh = (struct aoqd_journal *)(void *)j;
+	st->jsteps = (uint64_t *)(void *)(j + sizeof(struct aoqd_journal));
+	st->jhp = (struct aoqd_journal_hp *)(void *)(st->jsteps + 2ull * st->ntensors);
+	st->jlog = (struct aoqd_journal_entry *)(void *)(st->jhp + st->ngroups);
+	st->jmap_len = jlen;
+	if (fresh) {
+		/* nothing to go back to until a step ends */
+		st->jh->cap = aoqd_journal_cap(st);
+		atomic_store_explicit(&st->jh->boundary, AOQD_JOURNAL_DIRTY, memory_order_release);
+	}
+	st->memfd = true;
+	st->mem_fd = fd;
+	st->mem_data_off = doff;
+	st->mem_data_len = data;
+	st->store_kept = false;
+	if (name) {
+		snprintf(st->store_name, sizeof(st->store_name), "%s", name);
+		return 0;
+	}
+	char nm[sizeof(st->store_name)], msg[128];
+	snprintf(nm, sizeof(nm), "aoq-state-%" PRIu64, ++store_seq);
+	snprintf(msg, sizeof(msg), "FDSTORE=1\nFDPOLL=0\nFDNAME=%s", nm);
+	int r = store_notify(msg, fd);
+	if (r > 0) {
+		snprintf(st->store_name, sizeof(st->store_name), "%s", nm);
+	} else {
+		st->store_name[0] = '\0';
+		static bool warned;
+		if (!warned)
+			aoqd_warn("session", "state memfd not kept in the fd store (%s): a restart loses its steps",
+			          r < 0 ? strerror(-r) : "no NOTIFY_SOCKET");
+		warned = true;
+	}
+	return 0;
+}
+
+static int alloc(struct aoqd_state *st, int fd, const char *name, int lock_memory, _Atomic uint64_t *locked_total,
+                 uint64_t *failed_len)
 {
 	enum aoqk_precision prec = (enum aoqk_precision)st->precision;
+	bool adopt = fd >= 0;
 	int err = make_masters(st);
+	if (err == 0 && adopt && (fd = fcntl(fd, F_DUPFD_CLOEXEC, 3)) < 0)
+		err = -errno;
+	if (err == 0 && (adopt || memfd_on) && (err = make_memfd(st, fd, name)) < 0 && adopt)
+		close(fd);
 	if (err < 0) {
 		*failed_len = 0;
 		return err;
 	}
+	uint64_t pos = 0;
 	for (uint32_t i = 0; i < st->ntensors; i++) {
 		struct aoqd_tensor *x = &st->tensors[i];
 		uint64_t off[AOQD_STATE_ARRAYS];
@@ -284,7 +491,13 @@ int aoqd_state_alloc(struct aoqd_state *st, int lock_memory, _Atomic uint64_t *l
 		uint64_t whole = uoff + len;
 		bool locked;
 		uint8_t *p;
-		if (x->master_off != AOQ_NO_MASTER) {
+		if (st->memfd) {
+			x->in_memfd = true;
+			x->mem_off = pos;
+			pos += slot_len(len);
+			x->map_len = aoqd_page_round(len) + len;
+			p = map_state_memfd(st, x, off[1], whole, x->map_len, adopt, lock_memory, &locked, &err);
+		} else if (x->master_off != AOQ_NO_MASTER) {
 			x->map_len = aoqd_page_round(len) + len;
 			p = map_state_master(st->masters_fd, x->master_off, off[1], whole, x->map_len, lock_memory, &locked,
 			                     &err);
@@ -322,6 +535,17 @@ int aoqd_state_alloc(struct aoqd_state *st, int lock_memory, _Atomic uint64_t *l
 		return -errno;
 	}
 	return 0;
+}
+
+int aoqd_state_alloc(struct aoqd_state *st, int lock_memory, _Atomic uint64_t *locked_total, uint64_t *failed_len)
+{
+	return alloc(st, -1, NULL, lock_memory, locked_total, failed_len);
+}
+
+int aoqd_state_adopt(struct aoqd_state *st, int fd, const char *name, int lock_memory, _Atomic uint64_t *locked_total,
+                     uint64_t *failed_len)
+{
+	return alloc(st, fd, name, lock_memory, locked_total, failed_len);
 }
 
 int aoqd_state_charge(struct aoqd_state *st, uint64_t n)
@@ -375,6 +599,7 @@ void aoqd_state_free(struct aoqd_state *st, _Atomic uint64_t *locked_total)
 		struct aoqd_tensor *t = &st->tensors[i];
 		if (t->state_mem)
 			munmap(t->state_mem, t->map_len ? t->map_len : t->state_len);
+		t->state_mem = NULL;
 		if (t->acc)
 			munmap(t->acc, t->numel * sizeof(float));
 		free(t->name);
@@ -401,6 +626,25 @@ void aoqd_state_free(struct aoqd_state *st, _Atomic uint64_t *locked_total)
 		close(st->masters_fd);
 	}
 	st->masters_size = 0;
+	if (st->memfd) {
+		/* Gone for good unless a stop wrote it for the next aoqd: it
+		 * leaves the fd store, so the store never holds memory no
+		 * session accounts for. */
+		if (st->store_name[0] && !st->store_kept) {
+			char msg[128];
+			snprintf(msg, sizeof(msg), "FDSTOREREMOVE=1\nFDNAME=%s", st->store_name);
+			store_notify(msg, -1);
+		}
+		close(st->mem_fd);
+	}
+	if (st->jh)
+		munmap(st->jh, st->jmap_len);
+	st->jh = NULL;
+	st->jsteps = NULL;
+	st->jhp = NULL;
+	st->jlog = NULL;
+	st->memfd = false;
+	st->store_name[0] = '\0';
 }
 
 int aoqd_state_acc(struct aoqd_state *st, struct aoqd_tensor *t)
@@ -553,6 +797,80 @@ void aoqd_state_save(struct aoqd_tensor *t, uint64_t b, uint64_t n)
 		undo_copy(t, b, n, true);
 }
 
+void aoqd_state_save_logged(struct aoqd_state *st, struct aoqd_tensor *t, uint64_t b, uint64_t n, uint64_t step)
+{
+	if (!t->undo_off)
+		return;
+	undo_copy(t, b, n, true); /* its non-temporal stores fenced */
+	struct aoqd_journal *jh = st->jh;
+	if (!jh)
+		return;
+	uint64_t i = atomic_fetch_add_explicit(&jh->log_n, 1, memory_order_relaxed);
+	if (i >= jh->cap) {
+		atomic_store_explicit(&jh->overflow, 1, memory_order_release);
+		return;
+	}
+	struct aoqd_journal_entry *e = &st->jlog[i];
+	e->tensor = (uint32_t)(t - st->tensors);
+	e->offset = b;
+	e->count = n;
+	/* last: a kill before it leaves an entry of an older step, ignored
+	 * (the range was saved but not yet changed) */
+	atomic_store_explicit(&e->step, step, memory_order_release);
+}
+
+void aoqd_state_unsave(struct aoqd_tensor *t, uint64_t b, uint64_t n)
+{
+	if (t->undo_off)
+		undo_copy(t, b, n, false);
+}
+
+void aoqd_state_journal_boundary(struct aoqd_state *st)
+{
+	struct aoqd_journal *jh = st->jh;
+	if (!jh)
+		return;
+	uint64_t *js = st->jsteps + (st->last_step & 1) * (uint64_t)st->ntensors;
+	for (uint32_t i = 0; i < st->ntensors; i++)
+		js[i] = st->tensors[i].steps;
+	/* (a state without undo copy is made dirty by its first update:
+	 * dataplane.c) */
+	uint64_t dirty = st->dirty ? AOQD_JOURNAL_DIRTY : 0;
+	atomic_store_explicit(&jh->boundary, st->last_step | dirty, memory_order_release);
+	/* the log of the step that ended: its entries are of last_step or
+	 * older from now on, and go */
+	uint64_t n = atomic_load_explicit(&jh->log_n, memory_order_relaxed);
+	for (uint64_t i = 0; i < n && i < jh->cap; i++)
+		atomic_store_explicit(&st->jlog[i].step, 0, memory_order_relaxed);
+	atomic_store_explicit(&jh->log_n, 0, memory_order_release);
+	atomic_store_explicit(&jh->overflow, 0, memory_order_release);
+}
+
+void aoqd_state_journal_dirty(struct aoqd_state *st)
+{
+	if (st->jh)
+		atomic_store_explicit(&st->jh->boundary, st->last_step | AOQD_JOURNAL_DIRTY, memory_order_release);
+}
+
+void aoqd_state_journal_hp(struct aoqd_state *st, uint32_t g)
+{
+	if (!st->jh || g >= st->ngroups)
+		return;
+	struct aoqd_journal_hp *h = &st->jhp[g];
+	const struct aoqk_hparams *hp = &st->groups[g].hp;
+	uint32_t next = (atomic_load_explicit(&h->sel, memory_order_relaxed) & 1) ^ 1;
+	double *v = h->v[next];
+	v[0] = hp->lr;
+	v[1] = hp->beta1;
+	v[2] = hp->beta2;
+	v[3] = hp->eps;
+	v[4] = hp->weight_decay;
+	v[5] = hp->momentum;
+	v[6] = hp->dampening;
+	v[7] = hp->nesterov ? 1 : 0;
+	atomic_store_explicit(&h->sel, next, memory_order_release);
+}
+
 /* Moves tensor t's mapping to p, keeping every array's offset. */
 static void rebase(struct aoqd_tensor *t, uint8_t *p)
 {
@@ -571,9 +889,24 @@ static void rebase(struct aoqd_tensor *t, uint8_t *p)
 /* A tensor whose master is its parameter: maps (add) the undo copy's len
  * bytes at uoff into its reserved room, locked when the state is, or gives
  * them back to the reservation.  0 or -errno. */
-static int undo_room(struct aoqd_tensor *t, size_t uoff, size_t len, bool add)
+static int undo_room(const struct aoqd_state *st, struct aoqd_tensor *t, size_t uoff, size_t len, bool add)
 {
 	uint8_t *at = (uint8_t *)t->state_mem + uoff;
+	if (t->in_memfd) {
+		/* the room is the memfd slot's, mapped already: its pages come
+		 * as the saves write them, and go back to the memfd when not
+		 * wanted */
+		if (!add) {
+			fallocate(st->mem_fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+			          (off_t)(st->mem_data_off + t->mem_off + uoff), (off_t)aoqd_page_round(len));
+			return 0;
+		}
+		if (len >= (2u << 20))
+			madvise(at, len, MADV_HUGEPAGE);
+		if (t->locked && mlock2(at, len, MLOCK_ONFAULT) < 0)
+			return -errno;
+		return 0;
+	}
 	if (!add) {
 		mmap(at, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
 		return 0;
@@ -584,7 +917,7 @@ static int undo_room(struct aoqd_tensor *t, size_t uoff, size_t len, bool add)
 		madvise(at, len, MADV_HUGEPAGE);
 	if (t->locked && mlock(at, len) < 0) {
 		int e = -errno;
-		undo_room(t, uoff, len, false);
+		undo_room(st, t, uoff, len, false);
 		return e;
 	}
 	return 0;
@@ -607,7 +940,7 @@ int aoqd_state_add_undo(struct aoqd_state *st, _Atomic uint64_t *locked_total)
 		if (t->map_len) {
 			/* the master is the memfd's: the copy goes into the room
 			 * reserved after the mapping */
-			if ((err = undo_room(t, uoff, len, true)) < 0)
+			if ((err = undo_room(st, t, uoff, len, true)) < 0)
 				break;
 		} else {
 			/* a locked mapping's new pages are locked (and counted
@@ -635,7 +968,7 @@ int aoqd_state_add_undo(struct aoqd_state *st, _Atomic uint64_t *locked_total)
 		struct aoqd_tensor *t = &st->tensors[i];
 		size_t uoff = t->undo_off, len = t->state_len - uoff;
 		if (t->map_len) {
-			undo_room(t, uoff, len, false);
+			undo_room(st, t, uoff, len, false);
 		} else {
 			void *p = mremap(t->state_mem, t->state_len, len, 0); /* shrinking in place cannot fail */
 			if (p != MAP_FAILED)
@@ -670,6 +1003,8 @@ void aoqd_state_rollback(struct aoqd_state *st)
 		t->cur_step = 0;
 		t->ndone = 0;
 	}
+	/* back at last_step: the journal says so, its log empties */
+	aoqd_state_journal_boundary(st);
 }
 
 static const char *dtype_name(enum aoqk_dtype d)

@@ -41,6 +41,11 @@ struct aoqd_tensor {
 	size_t map_len;
 	size_t undo_off;       /* 0: no undo copy */
 	bool locked;           /* the mapping is locked (mlock) */
+	/* The state in the session's memfd (aoqd_state_set_memfd): this
+	 * tensor's slot, its arrays then its undo room, starts at mem_off in
+	 * st->mem_fd; map_len covers the slot. */
+	bool in_memfd;
+	uint64_t mem_off;
 	float *acc;            /* fp32 micro-batch accumulator, allocated on first use */
 	uint64_t acc_step;     /* step whose micro-batches acc holds */
 	uint64_t steps;        /* updates applied (bias correction) */
@@ -50,6 +55,47 @@ struct aoqd_tensor {
 	struct aoqd_range { uint64_t b, e; } *done;
 	uint32_t ndone, cap_done;
 };
+
+/*
+ * The journal of a state in a memfd (docs/design.md, "The fd store"): what
+ * a new aoqd needs to take back the state of one that was killed, written
+ * so that every prefix of its stores is valid.  At AOQD_STATE_MEMFD_JOURNAL
+ * in the memfd: this head, the step counters at the last two boundaries
+ * (u64 [2][ntensors]), the groups' hyperparameters (aoqd_journal_hp
+ * [ngroups]), the save log (aoqd_journal_entry [cap]).  Little-endian,
+ * this host's atomics; a reader trusts none of it.
+ */
+#define AOQD_JOURNAL_DIRTY (1ull << 63)
+struct aoqd_journal {
+	/* last_step, with AOQD_JOURNAL_DIRTY when no rollback can take the
+	 * state back to it (loaded since, no undo copy, never completed a
+	 * step); stored last at a step's end (release) */
+	_Atomic uint64_t boundary;
+	_Atomic uint64_t log_n;    /* entries taken in the log (may pass cap) */
+	_Atomic uint32_t overflow; /* the log was full: the open step cannot be undone */
+	uint32_t cap;              /* entries the log holds */
+	_Atomic uint32_t stopped;  /* a stop wrote the memfd (masters in their slots) */
+	uint32_t zero[9];
+};
+/* A group's hyperparameters: v[sel] is the one in force (lr, beta1, beta2,
+ * eps, weight_decay, momentum, dampening, nesterov); the other is written,
+ * then sel flipped (release). */
+struct aoqd_journal_hp {
+	_Atomic uint32_t sel;
+	uint32_t zero;
+	double v[2][8];
+};
+/* One range saved to the undo copy in step `step` (stored last, release),
+ * before its kernel ran. */
+struct aoqd_journal_entry {
+	_Atomic uint64_t step;
+	uint32_t tensor, zero;
+	uint64_t offset, count;
+};
+_Static_assert(sizeof(struct aoqd_journal) == 64, "journal head");
+_Static_assert(sizeof(struct aoqd_journal_hp) == 136, "journal hp");
+_Static_assert(sizeof(struct aoqd_journal_entry) == 32, "journal entry");
+#define AOQD_STATE_MEMFD_JOURNAL 4096u
 
 struct aoqd_state {
 	Aoq__StatePrecision precision;
@@ -74,6 +120,24 @@ struct aoqd_state {
 	int masters_fd;
 	uint64_t masters_size;
 	int masters_wd; /* its watch (held.h): charged until no client holds it */
+	/* The state in one memfd (docs/design.md, "The fd store"): mem_fd
+	 * (valid when `memfd`) holds a header page, the journal, then every
+	 * tensor's slot (from mem_data_off), then the fd store's
+	 * descriptor.  store_name: its name in systemd's fd store ("" when
+	 * not stored); store_kept: a stop wrote it for the next aoqd, so
+	 * freeing the state leaves it in the store. */
+	bool memfd;
+	bool store_kept;
+	int mem_fd;
+	uint64_t mem_data_off, mem_data_len;
+	char store_name[40];
+	/* The journal in the memfd (struct aoqd_journal; NULL without one),
+	 * mapped jmap_len bytes at jh. */
+	struct aoqd_journal *jh;
+	uint64_t *jsteps;              /* [2][ntensors]: steps at even, odd boundaries */
+	struct aoqd_journal_hp *jhp;   /* [ngroups] */
+	struct aoqd_journal_entry *jlog; /* [jh->cap] */
+	size_t jmap_len;
 	uint32_t ngroups, ntensors;
 	uint32_t cap_groups, cap_tensors;
 	struct aoqd_group *groups;
@@ -147,6 +211,7 @@ static inline size_t aoqd_tensor_master_size(const struct aoqd_tensor *x)
 /* Whether aoqd_state_alloc makes masters the parameters where it can
  * (aoqd.conf master_param; on by default).  Process-wide. */
 void aoqd_state_set_master_param(bool on);
+bool aoqd_state_master_param(void);
 /* Whether x's parameter is its master for a client of st (aoq-arena.h):
  * a bf16 master in the masters memfd (with the delayed update too: the
  * client copies the master before it pushes the next gradient; docs/decisions.md,
@@ -155,6 +220,42 @@ static inline bool aoqd_tensor_master_param(const struct aoqd_state *st, const s
 {
 	return st->masters_size && x->master_off != UINT64_MAX;
 }
+/* Where states are mapped: in one memfd per session, stored in systemd's
+ * fd store under `aoq-state-<n>` (on: aoqd runs under systemd with the fd
+ * store and a lease), or in private anonymous mappings (off: transparent
+ * huge pages; docs/design.md, "The fd store").  Process-wide; states
+ * already mapped keep theirs. */
+void aoqd_state_set_memfd(bool on);
+/* The names given to stored states start above n (the names of states a
+ * restart found in the store). */
+void aoqd_state_store_names_above(uint64_t n);
+/* The bytes of st's memfd slots (every tensor's arrays and undo room,
+ * each on pages of its own), with each tensor's offset from the data's in
+ * off[] (NULL: not wanted); UINT64_MAX when the sum overflows.  The tables
+ * (groups, tensors) must be valid. */
+uint64_t aoqd_state_memfd_layout(const struct aoqd_state *st, uint64_t *off);
+/* The journal of st's tables: its save log's entries, its length; the
+ * data's offset in the memfd (the header page, the journal's pages). */
+uint32_t aoqd_journal_cap(const struct aoqd_state *st);
+uint64_t aoqd_journal_len(const struct aoqd_state *st);
+uint64_t aoqd_state_memfd_data_off(const struct aoqd_state *st);
+/* Journal writes (no-ops without a journal; loop thread): the boundary
+ * at a step's end (the step counters, then last_step, then the log
+ * emptied), the state made dirty (a load), a group's hyperparameters.
+ * aoqd_state_rollback writes the boundary too. */
+void aoqd_state_journal_boundary(struct aoqd_state *st);
+void aoqd_state_journal_dirty(struct aoqd_state *st);
+void aoqd_state_journal_hp(struct aoqd_state *st, uint32_t g);
+/* Copies elements [b, b + n) of t back from its undo copy (a killed
+ * aoqd's save log replayed: fdstore.c; b on a q8 block). */
+void aoqd_state_unsave(struct aoqd_tensor *t, uint64_t b, uint64_t n);
+/* Maps st's tensors in place from fd, a memfd of this layout that a
+ * stopping aoqd wrote (fdstore.c validated it), with the undo copy kept:
+ * no array is copied but a master that is a parameter, which goes into
+ * the new masters memfd.  st keeps a duplicate of fd (closed with it),
+ * named `name` in the fd store.  0 or -errno as aoqd_state_alloc. */
+int aoqd_state_adopt(struct aoqd_state *st, int fd, const char *name, int lock_memory, _Atomic uint64_t *locked_total,
+                     uint64_t *failed_len);
 /* Maps every tensor's state.  lock_memory: 0 no, 1 try, 2 required;
  * locked bytes are added to *locked_total.  0, or -errno with *failed_len
  * the size that could not be had. */
@@ -171,6 +272,9 @@ int aoqd_state_acc(struct aoqd_state *st, struct aoqd_tensor *t);
  * step counters, so that no part of an interrupted step stays (loop
  * thread, nothing in flight). */
 void aoqd_state_save(struct aoqd_tensor *t, uint64_t b, uint64_t n);
+/* The same, logged in st's journal as saved in `step` before its kernel
+ * runs (any thread; an update's chunk). */
+void aoqd_state_save_logged(struct aoqd_state *st, struct aoqd_tensor *t, uint64_t b, uint64_t n, uint64_t step);
 /* Copies elements [b, b + n) of every array of t's state (q8 scales: the
  * blocks they touch; b on a q8 block) into dst, a region of t->state_len
  * bytes laid out as t's state mapping (snapshot captures). */

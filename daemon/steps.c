@@ -228,6 +228,9 @@ static bool finish_step(struct aoqd_session *s)
 	atomic_store(&st->end_waits, false);
 	s->st.last_step = e.step;
 	s->st.dirty = false;
+	aoqd_state_journal_boundary(&s->st); /* a kill now keeps this step (fdstore.h) */
+	if (!s->st.undo)
+		aoqd_state_journal_dirty(&s->st); /* no lease: not kept after a kill either */
 	pthread_mutex_lock(&s->stats.lock);
 	s->stats.steps_done++;
 	pthread_mutex_unlock(&s->stats.lock);

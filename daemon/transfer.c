@@ -173,6 +173,8 @@ static int start_transfer(struct aoqd_session *s, bool load, uint32_t tensor, in
 	}
 	if (load)
 		st->dirty = true; /* no rollback undoes a load: not leased until the next step ends */
+	if (load)
+		aoqd_state_journal_dirty(st);
 	s->steps.xfer_busy = true;
 	s->steps.xfer_count = count;
 	atomic_store(&s->steps.xfer_done, false);
@@ -232,6 +234,7 @@ int aoqd_on_tensor_steps(struct aoqd_session *from, const Aoq__Envelope *env, st
 			t->steps = m->steps[i];
 			t->cur_step = 0;
 			s->st.dirty = true;
+			aoqd_state_journal_dirty(&s->st);
 		}
 		steps[i] = t->steps;
 	}

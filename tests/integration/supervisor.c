@@ -93,7 +93,7 @@ bool sup_recv(struct sup *s, int timeout_ms)
 			}
 		s->removes++;
 	}
-	if (strstr(data, "FDSTORE=1")) {
+	if (strstr(data, "FDSTORE=1") && !s->nostore) {
 		CHECK(nf == 1 && nm[0], "FDSTORE=1 with %d fds and name '%s'", nf, nm);
 		CHECK(s->nstored < MAX_STORED, "too many stored fds");
 		s->stored_fd[s->nstored] = fds[0];

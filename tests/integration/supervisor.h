@@ -24,6 +24,7 @@ struct sup {
 	char stored_name[MAX_STORED][256];
 	int removes; /* FDSTOREREMOVE=1 seen */
 	bool ready;
+	bool nostore; /* keeps no fd (a unit without FileDescriptorStoreMax=) */
 };
 
 /* A temp dir with the sockets and aoqd.conf (threads, lease_seconds,

@@ -10,15 +10,26 @@
  * an undisturbed run of the same job ends (parameters, masters, moments,
  * step counters).
  *
- *   term: SIGTERM mid-step; the states come back from the store, with four
- *         hostile fds beside them (unsealed, damaged descriptor, cut short,
- *         a pipe), each refused and logged; no snapshot exists to read.
- *   kill: SIGKILL mid-step; nothing reaches the store and the restart
- *         falls back to the periodic snapshots, as without systemd.
+ * Each session's state lives in a memfd that the store holds from its
+ * registration to its end.
+ *
+ *   term: SIGTERM mid-step; the state comes back from the store, mapped in
+ *         place (the stored memfd's header is cleared and the trained
+ *         state is read in the memfd the supervisor holds: no copy), with
+ *         four hostile fds beside it (unsealed, damaged descriptor, cut
+ *         short, a pipe), each refused with its reason and removed from
+ *         the store; no snapshot exists to read.
+ *   kill: SIGKILL mid-step, with periodic snapshots; the state's memfd is
+ *         in the store with its journal, which the restart replays: the
+ *         trainer resumes at step 5 bit for bit, no snapshot read.
+ *   nostore: the same kill under a supervisor that keeps no fd (a unit
+ *         without FileDescriptorStoreMax=): the restart falls back to the
+ *         periodic snapshots, as without systemd.
  *
  * A third argument "q8" trains q8 state instead of fp32: the bf16 tensor's
- * master is then split (kernels/README.md, "The split master"), stored as
- * the fp32 master it is and split again on the way back.
+ * master is then split (kernels/README.md, "The split master"), its high
+ * half the parameter in the masters memfd, copied into the state's memfd
+ * at the stop and into the new masters memfd at the restart.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -216,7 +227,7 @@ static void trainer_free(struct trainer *t)
 
 /* ---- hostile fds beside the real ones ---- */
 
-static int sealed_copy(int src, off_t cut, off_t flip)
+static int sealed_copy(int src, off_t cut, off_t flip, bool seal)
 {
 	struct stat sb;
 	CHECK(fstat(src, &sb) == 0, "fstat");
@@ -232,7 +243,7 @@ static int sealed_copy(int src, off_t cut, off_t flip)
 		CHECK(pwrite(fd, buf, (size_t)n, o) == n, "pwrite");
 		o += n;
 	}
-	CHECK(fcntl(fd, F_ADD_SEALS, F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL) == 0, "seal");
+	CHECK(!seal || fcntl(fd, F_ADD_SEALS, F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL) == 0, "seal");
 	return fd;
 }
 
@@ -241,14 +252,15 @@ int main(int argc, char **argv)
 	aoqt_init("integration-fdstore");
 	const char *exe = aoqt_aoqd_path(argc, argv);
 	const char *mode = argc > 2 ? argv[2] : "term";
-	bool term = strcmp(mode, "term") == 0;
-	CHECK(term || strcmp(mode, "kill") == 0, "mode '%s': term or kill", mode);
+	bool term = strcmp(mode, "term") == 0, nostore = strcmp(mode, "nostore") == 0;
+	CHECK(term || nostore || strcmp(mode, "kill") == 0, "mode '%s': term, kill or nostore", mode);
 	if (argc > 3 && strcmp(argv[3], "q8") == 0)
 		precision = AOQ_STATE_Q8;
 	signal(SIGPIPE, SIG_IGN);
 
 	struct sup s;
 	sup_init(&s, !term, NULL);
+	s.nostore = nostore;
 	sup_start(&s, exe, NULL, NULL, 0);
 
 	/* The undisturbed run, and its image after every step. */
@@ -293,12 +305,21 @@ int main(int argc, char **argv)
 	sup_kill(&s, term ? SIGTERM : SIGKILL);
 	const char *log = sup_log(&s) + before;
 	printf("--- aoqd's log from the kill on ---\n%s---\n", log);
-	if (term) {
-		CHECK(s.nstored == 1, "%d states in the store after SIGTERM, want 1 (the job's)", s.nstored);
-		CHECK(strstr(log, "kept in the fd store"), "no 'kept in the fd store' in the log");
+	/* The undisturbed job said Bye: its memfd left the store.  The other
+	 * one's is there, with its header (written at registration). */
+	char stored_name[256] = "";
+	if (nostore) {
+		CHECK(s.nstored == 0, "%d states kept by a supervisor that keeps none", s.nstored);
 	} else {
-		CHECK(s.nstored == 0, "%d states in the store after SIGKILL", s.nstored);
+		CHECK(s.nstored == 1, "%d states in the store after %s, want 1 (the job's)", s.nstored,
+		      term ? "SIGTERM" : "SIGKILL");
+		snprintf(stored_name, sizeof(stored_name), "%s", s.stored_name[0]);
+		uint8_t magic[8];
+		CHECK(pread(s.stored_fd[0], magic, 8, 0) == 8 && memcmp(magic, "AOQFDST2", 8) == 0,
+		      "no stored-form header after %s", term ? "SIGTERM" : "SIGKILL");
 	}
+	if (term)
+		CHECK(strstr(log, "kept in the fd store"), "no 'kept in the fd store' in the log");
 	/* The trainer sees its daemon gone. */
 	int r = aoq_push_grad(run.c, 2, 0, NULL);
 	if (r >= 0)
@@ -313,16 +334,16 @@ int main(int argc, char **argv)
 	                                     "aoq-state-900004" };
 	int nextra = 0, pipefd[2] = { -1, -1 };
 	if (term) {
-		/* unsealed */
-		extra[0] = memfd_create("bad", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-		CHECK(extra[0] >= 0 && ftruncate(extra[0], 1 << 16) == 0, "memfd");
-		extra[1] = sealed_copy(s.stored_fd[0], 0, 100); /* a descriptor byte flipped */
-		extra[2] = sealed_copy(s.stored_fd[0], 4096, -1); /* cut short */
+		extra[0] = sealed_copy(s.stored_fd[0], 0, -1, false); /* unsealed */
+		uint64_t doff;
+		CHECK(pread(s.stored_fd[0], &doff, 8, 32) == 8, "pread");
+		extra[1] = sealed_copy(s.stored_fd[0], 0, (off_t)doff + 100, true); /* a descriptor byte flipped */
+		extra[2] = sealed_copy(s.stored_fd[0], 4096, -1, true); /* cut short */
 		CHECK(pipe2(pipefd, O_CLOEXEC) == 0, "pipe");
 		extra[3] = pipefd[0];
 		nextra = 4;
 	}
-	int stored = s.nstored;
+	int removes = s.removes;
 	before = strlen(sup_log(&s));
 	sup_start(&s, exe, extra, extra_names, nextra);
 	log = sup_log(&s) + before;
@@ -334,9 +355,24 @@ int main(int argc, char **argv)
 	if (term) {
 		CHECK(count(log, "refused") == 4, "%d 'refused' lines for the 4 hostile fds:\n%s", count(log, "refused"),
 		      log);
+		const char *reasons[4] = { "not sealed against growth and shrinking", "checksum mismatch", "not the",
+		                           "not a memfd of the stored form" };
+		for (int i = 0; i < 4; i++)
+			CHECK(strstr(log, reasons[i]), "no '%s' among the refusals:\n%s", reasons[i], log);
 		CHECK(strstr(log, "taken back from the fd store"), "the stored state was not taken back:\n%s", log);
-		CHECK(s.removes == stored + nextra && s.nstored == 0, "%d FDSTOREREMOVE for %d fds; %d left", s.removes,
-		      stored + nextra, s.nstored);
+		CHECK(strstr(log, "mapped in place"), "the stored state was not mapped in place:\n%s", log);
+		/* the hostile fds left the store; the state's memfd stays, now the
+		 * live state's, its header cleared */
+		CHECK(s.removes - removes == nextra && s.nstored == 1 && strcmp(s.stored_name[0], stored_name) == 0,
+		      "%d FDSTOREREMOVE for %d hostile fds; %d left", s.removes - removes, nextra, s.nstored);
+		CHECK(!strstr(log, "from its snapshot") && !strstr(log, "restored uid"), "a snapshot was read:\n%s", log);
+	} else if (!nostore) {
+		/* the killed aoqd's state: its journal replayed, mapped in place */
+		CHECK(strstr(log, "journal replayed") && strstr(log, "taken back from the fd store"),
+		      "the killed aoqd's state was not taken back:\n%s", log);
+		CHECK(!strstr(log, "refused"), "a refusal:\n%s", log);
+		CHECK(s.removes == removes && s.nstored == 1 && strcmp(s.stored_name[0], stored_name) == 0,
+		      "%d FDSTOREREMOVE; %d stored", s.removes - removes, s.nstored);
 		CHECK(!strstr(log, "from its snapshot") && !strstr(log, "restored uid"), "a snapshot was read:\n%s", log);
 	} else {
 		CHECK(strstr(log, "from its snapshot"), "no snapshot restored after SIGKILL:\n%s", log);
@@ -344,7 +380,7 @@ int main(int argc, char **argv)
 
 	/* The trainer comes back and resumes at its last completed step. */
 	uint64_t resumed = trainer_open(&run, s.sock, "restarted", false);
-	if (term)
+	if (!nostore)
 		CHECK(resumed == KILL_AT - 1, "resumed at step %" PRIu64 ", want %d", resumed, KILL_AT - 1);
 	else
 		CHECK(resumed >= 1 && resumed < KILL_AT, "resumed at step %" PRIu64 " from the snapshots", resumed);
@@ -357,6 +393,18 @@ int main(int argc, char **argv)
 	image_take(&run, &now);
 	image_same(&now, &at[STEPS], "at the end");
 	image_free(&now);
+	if (!nostore) {
+		/* No copy: the state trained since the restart is the stored
+		 * memfd's (tensor 0's fp32 master heads the first slot, at the
+		 * data's offset). */
+		size_t mb = sizes[0] * sizeof(float);
+		float *m = aoqt_xcalloc(sizes[0], sizeof(float));
+		uint64_t data_off = 0;
+		CHECK(pread(s.stored_fd[0], &data_off, 8, 16) == 8, "pread");
+		CHECK(pread(s.stored_fd[0], m, mb, (off_t)data_off) == (ssize_t)mb, "pread");
+		CHECK(memcmp(m, at[STEPS].v[0][1], mb) == 0, "the live state is not the stored memfd's");
+		free(m);
+	}
 	trainer_free(&run);
 	for (int k = 0; k <= STEPS; k++)
 		image_free(&at[k]);

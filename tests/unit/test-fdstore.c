@@ -1,9 +1,15 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * The fd store's stored form (daemon/fdstore.c) without a daemon:
- *  - encode -> decode round trip, byte for byte, of random states in every
- *    precision (groups AdamW, SGD without momentum, Lion; odd sizes);
- *  - the memfd is sealed; an unsealed, cut, grown or retyped one is refused
+ *  - states allocated in memfds (aoqd_state_set_memfd), their descriptor
+ *    written, then taken back in place: every array of the taken state is
+ *    the written one's, byte for byte, and is the same memory (a write to
+ *    one shows in the other: no copy), in every precision (groups AdamW,
+ *    SGD without momentum, Lion; odd sizes; masters that are parameters);
+ *  - a journal of a half-done step is replayed (the logged ranges back
+ *    from the undo copy, the boundary's counters, the last hyperparameters);
+ *  - an unsealed, write-sealed, cut, grown, header-less or retyped memfd,
+ *    or one whose journal is dirty, overflowed or out of range, is refused
  *    with a message naming what is wrong;
  *  - random mutations of the descriptor with its checksum recomputed (so
  *    that the field checks, not the CRC, must catch them) and of the
@@ -175,15 +181,23 @@ static int memfd_of(const uint8_t *d, size_t n, bool unsealed)
 	if (fd < 0 || ftruncate(fd, (off_t)n) < 0 || pwrite(fd, d, n, 0) != (ssize_t)n)
 		exit(1);
 	if (!unsealed)
-		fcntl(fd, F_ADD_SEALS, F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL);
+		fcntl(fd, F_ADD_SEALS, F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL);
 	return fd;
+}
+
+static uint64_t desc_off(const uint8_t *d)
+{
+	uint64_t o;
+	memcpy(&o, d + 32, 8);
+	return o;
 }
 
 static void fix_crc(uint8_t *d)
 {
-	uint64_t desc;
-	memcpy(&desc, d + 16, 8);
-	uint32_t c = (uint32_t)crc32(crc32(0, Z_NULL, 0), d + 16, (uInt)(desc - 16));
+	uint64_t off = desc_off(d), len;
+	memcpy(&len, d + 40, 8);
+	uint32_t c = (uint32_t)crc32(crc32(0, Z_NULL, 0), d + 16, 48);
+	c = (uint32_t)crc32(c, d + off, (uInt)len);
 	memcpy(d + 12, &c, 4);
 }
 
@@ -194,7 +208,7 @@ static void expect_refused(const char *what, const uint8_t *d, size_t n, bool un
 	struct aoqd_snap_key key;
 	struct aoqd_state st;
 	char why[512] = "";
-	int r = aoqd_fdstore_decode(fd, 0, &locked, 2, &key, &st, why, sizeof(why));
+	int r = aoqd_fdstore_decode(fd, "aoq-state-9", 0, &locked, 2, &key, &st, why, sizeof(why));
 	EXPECT(r < 0 && strstr(why, want), "%s: r %d, why '%s' (want '%s')", what, r, why, want);
 	if (r == 0)
 		aoqd_state_free(&st, &locked);
@@ -205,32 +219,47 @@ int main(void)
 {
 	rs = (uint64_t)getpid() * 0x100000001b3ull ^ (uint64_t)time(NULL);
 	printf("seed %" PRIu64 "\n", rs);
+	aoqd_state_set_memfd(true);
 	uint8_t *keep = NULL;
 	size_t keep_n = 0;
 	for (int prec = 0; prec < SNAP_NPREC; prec++) {
 		struct aoqd_state st;
 		make_state(&st, prec, 1 + (uint32_t)(rnd() % 9));
+		EXPECT(st.memfd, "precision %d: state not in a memfd", prec);
 		struct aoqd_snap_key key = { .uid = 1000, .rank = 3 };
 		snprintf(key.job, sizeof(key.job), "job-%d", prec);
-		int fd = aoqd_fdstore_encode(&key, &st, 1 + (unsigned)(rnd() % 4));
-		EXPECT(fd >= 0, "encode precision %d: %s", prec, strerror(-fd));
-		if (fd < 0)
+		int r = aoqd_fdstore_write(&key, &st, true);
+		EXPECT(r == 0, "write precision %d: %s", prec, strerror(-r));
+		if (r < 0)
 			continue;
+		int fd = dup(st.mem_fd);
 		int seals = fcntl(fd, F_GET_SEALS);
-		EXPECT(seals >= 0 && (seals & (F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL)) ==
-		       (F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL), "seals %#x", seals);
+		int need = F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL;
+		EXPECT(seals >= 0 && (seals & need) == need && !(seals & F_SEAL_WRITE), "seals %#x", seals);
+		if (prec == 0)
+			keep = read_all(fd, &keep_n);
 		struct aoqd_snap_key k2;
 		struct aoqd_state back;
 		char why[512] = "";
-		int r = aoqd_fdstore_decode(fd, 0, &locked, 3, &k2, &back, why, sizeof(why));
+		r = aoqd_fdstore_decode(fd, "aoq-state-1", 0, &locked, 3, &k2, &back, why, sizeof(why));
 		EXPECT(r == 0, "decode precision %d: %s", prec, why);
 		if (r == 0) {
 			EXPECT(k2.uid == 1000 && k2.rank == 3 && strcmp(k2.job, key.job) == 0, "key differs");
 			EXPECT(same_state(&st, &back, why, sizeof(why)), "precision %d: %s", prec, why);
+			EXPECT(back.memfd && back.undo && strcmp(back.store_name, "aoq-state-1") == 0,
+			       "taken state not in its memfd with its undo copy");
+			/* in place: the taken state's m is the written state's */
+			for (uint32_t i = 0; i < st.ntensors; i++) {
+				struct aoqd_tensor *x = &st.tensors[i], *y = &back.tensors[i];
+				if (!x->st.m)
+					continue;
+				uint8_t *mx = x->st.m, *my = y->st.m;
+				mx[0] ^= 0x5a;
+				EXPECT(my[0] == mx[0] && x->st.m != y->st.m, "tensor %u: the taken state is a copy", i);
+			}
+			back.store_kept = true;
 			aoqd_state_free(&back, &locked);
 		}
-		if (prec == 0)
-			keep = read_all(fd, &keep_n);
 		close(fd);
 		aoqd_state_free(&st, &locked);
 	}
@@ -239,46 +268,70 @@ int main(void)
 
 	/* Damaged copies, each refused with its reason. */
 	uint8_t *d = malloc(keep_n + 8192);
+	uint64_t doff = desc_off(keep), desc;
+	memcpy(&desc, keep + 40, 8);
 	memcpy(d, keep, keep_n);
 	expect_refused("unsealed", d, keep_n, true, "not sealed");
-	expect_refused("cut short", d, keep_n - 4096, false, "not within");
+	{
+		int fd = memfd_of(d, keep_n, true);
+		fcntl(fd, F_ADD_SEALS, F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL);
+		struct aoqd_snap_key key;
+		struct aoqd_state st;
+		char why[512] = "";
+		int r = aoqd_fdstore_decode(fd, "aoq-state-9", 0, &locked, 2, &key, &st, why, sizeof(why));
+		EXPECT(r < 0 && strstr(why, "sealed against writes"), "write-sealed: r %d, why '%s'", r, why);
+		close(fd);
+	}
+	expect_refused("cut short", d, keep_n - 4096, false, "not the");
 	memset(d + keep_n, 0, 8192);
-	expect_refused("grown", d, keep_n + 4096, false, "not within");
+	expect_refused("grown", d, keep_n + 4096, false, "not the");
 	expect_refused("header only", d, 63, false, "not a memfd of the stored form");
-	d[100] ^= 1;
+	d[doff + 3] ^= 1;
 	expect_refused("descriptor byte", d, keep_n, false, "checksum mismatch");
 	memcpy(d, keep, keep_n);
-	d[8] = 2;
-	expect_refused("version", d, keep_n, false, "version 2");
+	d[8] = 3;
+	expect_refused("version", d, keep_n, false, "version 3");
 	memcpy(d, keep, keep_n);
 	d[0] = 'X';
 	expect_refused("magic", d, keep_n, false, "magic");
 	memcpy(d, keep, keep_n);
+	memset(d, 0, 8);
+	expect_refused("no header", d, keep_n, false, "no stored-form header");
+	memcpy(d, keep, keep_n);
 	d[50] = 1;
 	expect_refused("reserved", d, keep_n, false, "reserved");
 	memcpy(d, keep, keep_n);
+	d[1000] = 1;
+	expect_refused("header page", d, keep_n, false, "reserved");
+	memcpy(d, keep, keep_n);
 	uint32_t big = 1u << 30;
-	memcpy(d + 64 + 8, &big, 4); /* the job's length */
+	memcpy(d + doff + 8, &big, 4); /* the job's length */
 	fix_crc(d);
 	expect_refused("job length", d, keep_n, false, "job name");
 
 	memcpy(d, keep, keep_n);
 	uint32_t many = 1u << 24;
-	memcpy(d + 64 + 12 + 5 + 24 + 8 + 4 + 4 + 4, &many, 4); /* tensors, after job "job-0" */
+	memcpy(d + doff + 12 + 5 + 24 + 8 + 4 + 4 + 4, &many, 4); /* tensors, after job "job-0" */
 	fix_crc(d);
 	expect_refused("tensor count", d, keep_n, false, "do not fit");
 
+	memcpy(d, keep, keep_n);
+	uint64_t numel;
+	memcpy(&numel, d + doff + 12 + 5 + 48 + 68 * 3 + 4 + 15, 8); /* tensor 0's numel ("layers.0.weight") */
+	numel += 4096;
+	memcpy(d + doff + 12 + 5 + 48 + 68 * 3 + 4 + 15, &numel, 8);
+	fix_crc(d);
+	expect_refused("numel", d, keep_n, false, "slots take");
+
 	/* Random mutations of the descriptor (checksum made right) and of the
-	 * header: refused, or a state equal in its arrays' bytes to what the
-	 * data holds (never a read outside the memfd: ASan). */
-	uint64_t desc;
-	memcpy(&desc, keep + 16, 8);
+	 * header: refused, or a state mapped from the memfd's own slots
+	 * (never a read outside the memfd: ASan, no SIGBUS). */
 	int loaded = 0;
 	for (int it = 0; it < 3000; it++) {
 		memcpy(d, keep, keep_n);
 		int flips = 1 + (int)(rnd() % 4);
 		for (int f = 0; f < flips; f++) {
-			size_t at = it % 3 == 0 ? (size_t)(rnd() % 64) : 64 + (size_t)(rnd() % (desc - 64));
+			size_t at = it % 3 == 0 ? (size_t)(rnd() % 64) : doff + (size_t)(rnd() % desc);
 			d[at] = rnd() % 3 == 0 ? (uint8_t)rnd() : (uint8_t)(d[at] ^ (1u << (rnd() % 8)));
 		}
 		if (it % 3)
@@ -287,9 +340,10 @@ int main(void)
 		struct aoqd_snap_key k2;
 		struct aoqd_state back;
 		char why[512] = "";
-		if (aoqd_fdstore_decode(fd, 0, &locked, 2, &k2, &back, why, sizeof(why)) == 0) {
+		if (aoqd_fdstore_decode(fd, "aoq-state-9", 0, &locked, 2, &k2, &back, why, sizeof(why)) == 0) {
 			loaded++;
 			EXPECT(back.ntensors >= 1 && back.ngroups >= 1, "a decoded state without tensors");
+			back.store_kept = true;
 			aoqd_state_free(&back, &locked);
 		} else {
 			EXPECT(why[0], "refused without a reason");
@@ -297,6 +351,78 @@ int main(void)
 		close(fd);
 	}
 	printf("mutations: %d of 3000 decoded (values the checks allow), the rest refused\n", loaded);
+
+	/* The journal: a step half done when aoqd was killed.  Its log's
+	 * ranges come back from the undo copy, the counters are the
+	 * boundary's, the hyperparameters the last set. */
+	{
+		struct aoqd_state st;
+		make_state(&st, 0, 3);
+		EXPECT(aoqd_state_add_undo(&st, &locked) == 0, "undo copy");
+		struct aoqd_snap_key key = { .uid = 7, .rank = 0 };
+		snprintf(key.job, sizeof(key.job), "journal");
+		EXPECT(aoqd_fdstore_write(&key, &st, false) == 0, "describe");
+		uint64_t nt = st.ntensors, ng = st.ngroups, open = st.last_step + 1, steps0[3];
+		size_t mb = st.tensors[0].numel * 4;
+		uint8_t *before = malloc(mb);
+		memcpy(before, st.tensors[0].st.master, mb);
+		for (uint32_t i = 0; i < 2; i++) {
+			struct aoqd_tensor *t = &st.tensors[i];
+			steps0[i] = t->steps;
+			aoqd_state_save_logged(&st, t, 0, t->numel, open);
+			memset(t->st.master, 0x55, t->numel * 4); /* its kernel ran */
+			t->steps++;
+		}
+		steps0[2] = st.tensors[2].steps;
+		st.groups[0].hp.lr = 0.5;
+		aoqd_state_journal_hp(&st, 0);
+		size_t jn;
+		int fd = dup(st.mem_fd);
+		uint8_t *img = read_all(fd, &jn);
+		struct aoqd_snap_key k2;
+		struct aoqd_state back;
+		char why[512] = "";
+		int r = aoqd_fdstore_decode(fd, "aoq-state-3", 0, &locked, 2, &k2, &back, why, sizeof(why));
+		EXPECT(r == 0, "replay: %s", why);
+		if (r == 0) {
+			EXPECT(back.last_step == open - 1, "replay: last step %" PRIu64, back.last_step);
+			EXPECT(memcmp(back.tensors[0].st.master, before, mb) == 0, "replay: tensor 0 not taken back");
+			for (uint32_t i = 0; i < 3; i++)
+				EXPECT(back.tensors[i].steps == steps0[i], "replay: tensor %u steps %" PRIu64 ", want %" PRIu64, i,
+				       back.tensors[i].steps, steps0[i]);
+			EXPECT(back.groups[0].hp.lr == 0.5, "replay: lr %g", back.groups[0].hp.lr);
+			back.store_kept = true;
+			aoqd_state_free(&back, &locked);
+		}
+		close(fd);
+		/* hostile journals, each refused with its reason */
+		const size_t J = 4096, E = J + 64 + 16 * nt + 136 * ng;
+		struct {
+			const char *what, *want;
+			size_t at;
+			uint64_t v;
+			int size;
+		} bad[] = {
+			{ "dirty", "no step boundary", J, (open - 1) | AOQD_JOURNAL_DIRTY, 8 },
+			{ "log past cap", "overflowed", J + 8, 1u << 30, 8 },
+			{ "overflow", "overflowed", J + 16, 1, 4 },
+			{ "cap", "a log of", J + 20, 3, 4 },
+			{ "entry tensor", "tensor 999", E + 8, 999, 4 },
+			{ "entry range", "elements", E + 16, 1u << 30, 8 },
+			{ "steps", "steps", J + 64 + 8 * ((open - 1) & 1) * nt, 1ull << 63, 8 },
+			{ "hp selector", "selector", J + 64 + 16 * nt, 7, 4 },
+		};
+		for (size_t k = 0; k < sizeof(bad) / sizeof(bad[0]); k++) {
+			uint8_t *m = malloc(jn);
+			memcpy(m, img, jn);
+			memcpy(m + bad[k].at, &bad[k].v, (size_t)bad[k].size);
+			expect_refused(bad[k].what, m, jn, false, bad[k].want);
+			free(m);
+		}
+		free(img);
+		free(before);
+		aoqd_state_free(&st, &locked);
+	}
 	EXPECT(atomic_load(&locked) == 0, "locked bytes left: %" PRIu64, (uint64_t)atomic_load(&locked));
 	free(d);
 	free(keep);
