@@ -171,10 +171,10 @@ static int start_transfer(struct aoqd_session *s, bool load, uint32_t tensor, in
 		x->tasks[i].count = i + 1 < n ? XFER_PIECE : count - x->tasks[i].begin;
 		x->tasks[i].task.cost = x->tasks[i].count;
 	}
-	if (load)
+	if (load) {
 		st->dirty = true; /* no rollback undoes a load: not leased until the next step ends */
-	if (load)
 		aoqd_state_journal_dirty(st);
+	}
 	s->steps.xfer_busy = true;
 	s->steps.xfer_count = count;
 	atomic_store(&s->steps.xfer_done, false);
