@@ -106,6 +106,8 @@ struct range {
 	uint64_t n;
 };
 
+#define FILL_THREADS 8u
+
 struct filler {
 	const struct range *r;
 	size_t nr;
@@ -114,7 +116,12 @@ struct filler {
 
 /* The mapping's pages exist (the memfd's): one call per piece maps them,
  * so that the first step after the restart does not trap on every 4 KiB
- * page (shmem has no huge pages by default).  Older kernels: EINVAL, the
+ * page (shmem has no huge pages by default).  MADV_POPULATE_READ, not
+ * _WRITE: a read fault maps the file's pages around it too (fault-around,
+ * 16 at a time), writable in a shared mapping of shmem, so the writes that
+ * follow do not fault.  On the H200 host it mapped existing locked pages
+ * at 16-19 GB/s against _WRITE's 7-13 (tests/bench/bench-shmem.c;
+ * RESULTS.md, "Faulting shared memory").  Older kernels: EINVAL, the
  * first step faults them. */
 static void *fill_run(void *arg)
 {
@@ -126,10 +133,10 @@ static void *fill_run(void *arg)
 		uint64_t b = cb > w->b ? cb : w->b, e = ce < w->e ? ce : w->e;
 		if (b >= e)
 			continue;
-#ifdef MADV_POPULATE_WRITE
+#ifdef MADV_POPULATE_READ
 		uintptr_t pb = (uintptr_t)(w->r[i].p + (b - cb)) & ~(uintptr_t)4095;
 		uintptr_t pe = ((uintptr_t)(w->r[i].p + (e - cb)) + 4095) & ~(uintptr_t)4095;
-		madvise((void *)pb, pe - pb, MADV_POPULATE_WRITE);
+		madvise((void *)pb, pe - pb, MADV_POPULATE_READ);
 #endif
 	}
 	return NULL;
@@ -144,8 +151,10 @@ static void fill_all(const struct range *r, size_t nr, unsigned threads)
 		total += r[i].n;
 	if (threads < 1 || total < (64u << 20))
 		threads = 1;
-	if (threads > 16)
-		threads = 16;
+	/* more threads contend for the page tables' locks: 4 mapped faster
+	 * than 15 on the H200 host (RESULTS.md, "Faulting shared memory") */
+	if (threads > FILL_THREADS)
+		threads = FILL_THREADS;
 	struct filler w[16];
 	pthread_t tid[16];
 	bool started[16] = { false };
