@@ -237,8 +237,11 @@ void aoq_close(struct aoq_client *c)
 		munmap(c->arena, c->arena_size);
 	}
 	if (c->masters) {
-		if (c->be && c->masters_registered)
-			c->ops->unregister_host_ro(c->be, c->masters, c->masters_size);
+		for (uint32_t k = 0; c->be && k < c->masters_n; k++) {
+			uint64_t b = k ? c->masters_end[k - 1] : 0;
+			if (c->masters_pinned & (1u << k))
+				c->ops->unregister_host_ro(c->be, c->masters + b, c->masters_end[k] - b);
+		}
 		munmap(c->masters, c->masters_size);
 	}
 	if (c->be)

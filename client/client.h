@@ -104,10 +104,14 @@ struct aoq_client {
 
 	uint8_t *arena;
 	uint64_t arena_size;
-	/* The masters memfd, mapped read-only (aoq-arena.h); NULL: none. */
+	/* The masters memfds, mapped read-only end to end (aoq-arena.h);
+	 * NULL: none.  Memfd k ends at byte masters_end[k]; bit k of
+	 * masters_pinned: it is registered with the backend. */
 	uint8_t *masters;
 	uint64_t masters_size;
-	bool masters_registered;
+	uint64_t masters_end[AOQ_MASTER_MEMFDS];
+	uint32_t masters_n;
+	uint32_t masters_pinned;
 	struct aoq_arena_header hdr; /* validated copy */
 	int bell_out;  /* we ring the daemon */
 	int bell_in;   /* the daemon rings us */

@@ -226,6 +226,39 @@ int aoq_resumed(struct aoq_client *c, uint64_t *step)
 	return c->resumed ? 1 : 0;
 }
 
+/* The masters memfds (aoq-arena.h), mapped read-only end to end at
+ * c->masters.  The daemon's own pages, which only it writes (sealed
+ * against writable mappings).  0 or -EPROTO. */
+static int map_masters(struct aoq_client *c, const int *fds, uint32_t n)
+{
+	uint64_t size = 0, pg = (uint64_t)sysconf(_SC_PAGESIZE);
+	if (n > AOQ_MASTER_MEMFDS)
+		return aoq_set_error(-EPROTO, "aoqd sent %u masters memfds, at most %d", n, AOQ_MASTER_MEMFDS);
+	for (uint32_t k = 0; k < n; k++) {
+		struct stat ms;
+		if (fstat(fds[k], &ms) < 0 || ms.st_size <= 0 || (uint64_t)ms.st_size % pg ||
+		    __builtin_add_overflow(size, (uint64_t)ms.st_size, &size) || size > SIZE_MAX)
+			return aoq_set_error(-EPROTO, "masters memfd %u of %u: a size of whole pages expected", k + 1, n);
+		c->masters_end[k] = size;
+	}
+	uint8_t *q = mmap(NULL, (size_t)size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+	if (q == MAP_FAILED)
+		return aoq_set_error(-errno, "cannot map the masters: %s", strerror(errno));
+	for (uint32_t k = 0; k < n; k++) {
+		uint64_t b = k ? c->masters_end[k - 1] : 0;
+		if (mmap(q + b, (size_t)(c->masters_end[k] - b), PROT_READ, MAP_SHARED | MAP_FIXED, fds[k], 0) ==
+		    MAP_FAILED) {
+			int e = errno;
+			munmap(q, (size_t)size);
+			return aoq_set_error(-EPROTO, "cannot map masters memfd %u of %u: %s", k + 1, n, strerror(e));
+		}
+	}
+	c->masters = q;
+	c->masters_size = size;
+	c->masters_n = n;
+	return 0;
+}
+
 int aoq_register(struct aoq_client *c)
 {
 	if (c->registered)
@@ -241,9 +274,9 @@ int aoq_register(struct aoq_client *c)
 	int r = send_registration(c, fds, &nfds, &rep);
 	if (r < 0)
 		goto out;
-	if ((nfds != 3 && nfds != 4) || rep->registered->fds != (uint32_t)nfds) {
-		r = aoq_set_error(-EPROTO, "aoqd sent %d fds with the arena, expected %u (3 or 4)", nfds,
-		                  rep->registered->fds);
+	if (nfds < 3 || rep->registered->fds != (uint32_t)nfds) {
+		r = aoq_set_error(-EPROTO, "aoqd sent %d fds with the arena, expected %u (3 to %d)", nfds,
+		                  rep->registered->fds, AOQ_MAX_FDS);
 		goto out_fds;
 	}
 	struct stat st;
@@ -260,22 +293,12 @@ int aoq_register(struct aoq_client *c)
 		r = aoq_set_error(-errno, "cannot map the arena: %s", strerror(errno));
 		goto out_fds;
 	}
-	if (nfds == 4) {
-		/* The masters: the daemon's own pages, which only it writes
-		 * (sealed against writable mappings), so read-only here. */
-		struct stat ms;
-		void *q = MAP_FAILED;
-		if (fstat(fds[3], &ms) == 0 && ms.st_size > 0)
-			q = mmap(NULL, (size_t)ms.st_size, PROT_READ, MAP_SHARED, fds[3], 0);
-		if (q == MAP_FAILED) {
-			munmap(p, c->arena_size);
-			r = aoq_set_error(-EPROTO, "cannot map the masters memfd: %s", strerror(errno));
-			goto out_fds;
-		}
-		c->masters = q;
-		c->masters_size = (uint64_t)ms.st_size;
-		close(fds[3]);
+	if (nfds > 3 && (r = map_masters(c, fds + 3, (uint32_t)nfds - 3)) < 0) {
+		munmap(p, c->arena_size);
+		goto out_fds;
 	}
+	for (int k = 3; k < nfds; k++)
+		close(fds[k]);
 	close(fds[0]);
 	c->arena = p;
 	c->bell_out = fds[1];
@@ -309,12 +332,16 @@ int aoq_register(struct aoq_client *c)
 	 * on this thread at 2-2.6 GB/s (tests/bench/pin_bench.py; RESULTS.md,
 	 * "Pinning the masters after the load").  The loads and resumed reads
 	 * go through the arena, never through this mapping. */
-	if (c->masters && c->ops->register_host_ro) {
-		/* Unpinned, copies still work (slower): a warning, not an error. */
-		if (c->ops->register_host_ro(c->be, c->masters, c->masters_size) == 0)
-			c->masters_registered = true;
-		else
+	for (uint32_t k = 0; c->masters && c->ops->register_host_ro && k < c->masters_n; k++) {
+		/* Unpinned, copies still work (slower): a warning, not an error.
+		 * A memfd at a time: a pin is of one mapping. */
+		uint64_t b = k ? c->masters_end[k - 1] : 0;
+		if (c->ops->register_host_ro(c->be, c->masters + b, c->masters_end[k] - b) == 0) {
+			c->masters_pinned |= 1u << k;
+		} else {
 			fprintf(stderr, "aoq: warning: %s; parameters are copied from pageable memory\n", aoq_last_error());
+			break;
+		}
 	}
 	c->wake_fd = eventfd(0, EFD_CLOEXEC);
 	if (c->wake_fd < 0) {

@@ -165,6 +165,63 @@ static uint64_t tensor_pieces(const struct aoqd_tensor *x, int pass, struct piec
 	return n;
 }
 
+/* Reorders the n pieces (a stable sort into nb buckets by bucket[i], then
+ * one piece of each bucket in turn), so that the workers that take
+ * consecutive chunks fault in different masters memfds at once: shmem
+ * takes a lock of the file per new page (state.h).  False: no memory (left
+ * as they were). */
+static bool interleave(struct piece *pc, const uint32_t *bucket, uint64_t n, uint32_t nb)
+{
+	struct piece *tmp = malloc(n * sizeof(*tmp));
+	uint64_t *at = calloc(3 * (size_t)nb, sizeof(*at)), *end = at + nb, *fill = at + 2 * (size_t)nb;
+	if (!tmp || !at) {
+		free(tmp);
+		free(at);
+		return false;
+	}
+	for (uint64_t i = 0; i < n; i++)
+		end[bucket[i]]++;
+	for (uint64_t b = 0, sum = 0; b < nb; b++) {
+		at[b] = fill[b] = sum;
+		sum += end[b];
+		end[b] = sum;
+	}
+	for (uint64_t i = 0; i < n; i++)
+		tmp[fill[bucket[i]]++] = pc[i];
+	for (uint64_t k = 0; k < n;)
+		for (uint32_t b = 0; b < nb; b++)
+			if (at[b] < end[b])
+				pc[k++] = tmp[at[b]++];
+	free(tmp);
+	free(at);
+	return true;
+}
+
+/* The masters' pieces (pass 0) of st, in pc: interleaved across the
+ * masters memfds when there are several. */
+static void interleave_masters(const struct aoqd_state *st, struct piece *pc)
+{
+	if (st->masters_n < 2)
+		return;
+	uint64_t n = 0, bytes = 0;
+	for (uint32_t i = 0; i < st->ntensors; i++)
+		n += tensor_pieces(&st->tensors[i], 0, NULL, &bytes);
+	uint32_t *bucket = malloc(n * sizeof(*bucket));
+	if (!bucket)
+		return;
+	for (uint32_t i = 0, k = 0; i < st->ntensors; i++) {
+		const struct aoqd_tensor *x = &st->tensors[i];
+		uint32_t b = st->masters_n; /* a master of its own: its bucket */
+		uint64_t local;
+		if (aoqd_tensor_master_param(st, x))
+			aoqd_state_masters_fd(st, x->master_off, &local, &b);
+		for (uint64_t j = tensor_pieces(x, 0, NULL, &bytes); j > 0; j--)
+			bucket[k++] = b;
+	}
+	interleave(pc, bucket, n, st->masters_n + 1);
+	free(bucket);
+}
+
 void aoqd_populate_start(struct aoqd_session *s)
 {
 	struct aoqd_state *st = &s->st;
@@ -186,6 +243,7 @@ void aoqd_populate_start(struct aoqd_session *s)
 	for (int pass = 0; pass < 3; pass++)
 		for (uint32_t i = 0; i < st->ntensors; i++)
 			k += tensor_pieces(&st->tensors[i], pass, pieces + k, &bytes);
+	interleave_masters(st, pieces);
 	/* Chunks of consecutive pieces, up to CHUNK bytes each: a state of
 	 * many small tensors takes few tasks. */
 	uint32_t nchunks = 0;

@@ -325,6 +325,16 @@ int aoqd_register_built(struct aoqd_session *s, uv_poll_cb on_doorbell, struct a
 }
 
 /* The arena built (r: its result): charged, locked, watched, sent. */
+/* Registered's fds: the arena, its doorbells, then the masters memfds. */
+static void registered_fds(int fds[AOQ_MAX_FDS], const struct aoqd_arena *a, const struct aoqd_state *st)
+{
+	fds[0] = a->fd;
+	fds[1] = a->peer_in;
+	fds[2] = a->peer_out;
+	for (uint32_t k = 0; k < st->masters_n; k++)
+		fds[3 + k] = st->masters_fd[k];
+}
+
 static int arena_made(struct aoqd_session *s, uv_poll_cb on_doorbell, int r, struct aoqd_error *err)
 {
 	struct aoqd_state *st = &s->st;
@@ -352,7 +362,7 @@ static int arena_made(struct aoqd_session *s, uv_poll_cb on_doorbell, int r, str
 	reg.arena_size = s->arena.size;
 	reg.tensors = st->ntensors;
 	reg.state_bytes = st->state_bytes;
-	reg.fds = st->masters_size ? 4 : 3;
+	reg.fds = 3 + st->masters_n;
 	reg.seed = st->seed;
 	reg.resumed = s->resumed_from != 0;
 	reg.resumed_step = s->resumed_from ? st->last_step : 0;
@@ -360,7 +370,8 @@ static int arena_made(struct aoqd_session *s, uv_poll_cb on_doorbell, int r, str
 	Aoq__Envelope reply = AOQ__ENVELOPE__INIT;
 	reply.msg_case = AOQ__ENVELOPE__MSG_REGISTERED;
 	reply.registered = &reg;
-	int fds[4] = { s->arena.fd, s->arena.peer_in, s->arena.peer_out, st->masters_fd };
+	int fds[AOQ_MAX_FDS];
+	registered_fds(fds, &s->arena, st);
 	r = aoqd_conn_send_with_fds(&s->conn, &reply, fds, (int)reg.fds);
 	aoqd_arena_sent(&s->arena);
 	if (r < 0 && s->resumed_from && (r == -EPIPE || r == -ECONNRESET)) {
@@ -379,10 +390,10 @@ static int arena_made(struct aoqd_session *s, uv_poll_cb on_doorbell, int r, str
 	s->state = AOQD_READY;
 	s->registered = true;
 	aoqd_info("session", "session %" PRIu64 ": registered %u tensors in %u groups, %" PRIu64
-	          " bytes of state (%s), arena %" PRIu64 " bytes, masters shared %" PRIu64 " bytes",
+	          " bytes of state (%s), arena %" PRIu64 " bytes, masters shared %" PRIu64 " bytes in %u memfds",
 	          s->id, st->ntensors, st->ngroups, st->state_bytes,
 	          protobuf_c_enum_descriptor_get_value(&aoq__state_precision__descriptor, st->precision)->name,
-	          s->arena.size, reg.fds == 4 ? st->masters_size : 0);
+	          s->arena.size, st->masters_size, st->masters_n);
 	return AOQD_REPLIED;
 }
 
@@ -462,7 +473,7 @@ int aoqd_register_member(struct aoqd_session *s, struct aoqd_session *hub, uv_po
 	reg.arena_size = s->arena.size;
 	reg.tensors = hub->st.ntensors;
 	reg.state_bytes = hub->st.state_bytes;
-	reg.fds = hub->st.masters_size ? 4 : 3;
+	reg.fds = 3 + hub->st.masters_n;
 	reg.seed = hub->st.seed;
 	reg.lane_to_daemon_off = s->arena.to_daemon_off;
 	reg.lane_to_client_off = s->arena.to_client_off;
@@ -477,7 +488,8 @@ int aoqd_register_member(struct aoqd_session *s, struct aoqd_session *hub, uv_po
 	Aoq__Envelope reply = AOQ__ENVELOPE__INIT;
 	reply.msg_case = AOQ__ENVELOPE__MSG_REGISTERED;
 	reply.registered = &reg;
-	int fds[4] = { s->arena.fd, s->arena.peer_in, s->arena.peer_out, hub->st.masters_fd };
+	int fds[AOQ_MAX_FDS];
+	registered_fds(fds, &s->arena, &hub->st);
 	r = aoqd_conn_send_with_fds(&s->conn, &reply, fds, (int)reg.fds);
 	aoqd_arena_sent(&s->arena);
 	if (r < 0)

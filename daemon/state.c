@@ -245,34 +245,64 @@ static void *map_state_master(int fd, uint64_t moff, size_t mlen, size_t whole, 
 	return p;
 }
 
-/* The masters memfd for every tensor whose master becomes its parameter:
- * their offsets in x->master_off (AOQ_NO_MASTER for the others).  0 or
- * -errno. */
+/* The smallest share of the masters worth a memfd of its own: more memfds
+ * than this gives are no faster to fault in (and each is a descriptor the
+ * client maps and pins). */
+#define MASTERS_MEMFD_MIN (64u << 20)
+
+/* The masters for every tensor whose master becomes its parameter: their
+ * offsets in x->master_off (AOQ_NO_MASTER for the others), in up to
+ * AOQ_MASTER_MEMFDS memfds of about equal size (state.h), each of whole
+ * tensors.  0 or -errno (none made then). */
 static int make_masters(struct aoqd_state *st)
 {
 	uint64_t size = 0;
+	uint32_t nmasters = 0;
 	for (uint32_t i = 0; i < st->ntensors; i++) {
 		struct aoqd_tensor *x = &st->tensors[i];
 		x->master_off = AOQ_NO_MASTER;
 		if (wants_master_param(st, x)) {
 			x->master_off = size;
 			size += aoqd_page_round(x->numel * 2);
+			nmasters++;
 		}
 	}
 	st->masters_size = 0;
+	st->masters_n = 0;
 	if (!size)
 		return 0;
-	int fd = memfd_create("aoq-masters", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-	if (fd < 0)
-		return -errno;
-	if (ftruncate(fd, (off_t)size) < 0) {
-		int e = -errno;
-		close(fd);
-		return e;
+	uint64_t want = size / MASTERS_MEMFD_MIN;
+	uint32_t n = want < 1 ? 1 : want > AOQ_MASTER_MEMFDS ? AOQ_MASTER_MEMFDS : (uint32_t)want;
+	if (n > nmasters)
+		n = nmasters;
+	/* memfd k ends after the tensor that reaches (k + 1) / n of the bytes */
+	uint32_t k = 0;
+	for (uint32_t i = 0; i < st->ntensors && k + 1 < n; i++) {
+		const struct aoqd_tensor *x = &st->tensors[i];
+		if (x->master_off == AOQ_NO_MASTER)
+			continue;
+		uint64_t end = x->master_off + aoqd_page_round(x->numel * 2);
+		if (end < size && end >= size / n * (k + 1))
+			st->masters_end[k++] = end;
 	}
-	st->masters_fd = fd;
+	st->masters_end[k++] = size;
+	for (uint32_t j = 0; j < k; j++) {
+		uint64_t b = j ? st->masters_end[j - 1] : 0;
+		int fd = memfd_create("aoq-masters", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+		if (fd < 0 || ftruncate(fd, (off_t)(st->masters_end[j] - b)) < 0) {
+			int e = -errno;
+			if (fd >= 0)
+				close(fd);
+			while (j-- > 0)
+				close(st->masters_fd[j]);
+			return e;
+		}
+		st->masters_fd[j] = fd;
+	}
+	for (uint32_t j = 0; j < k; j++)
+		st->masters_wd[j] = aoqd_held_watch(st->masters_fd[j]);
+	st->masters_n = k;
 	st->masters_size = size;
-	st->masters_wd = aoqd_held_watch(fd);
 	return 0;
 }
 
@@ -367,6 +397,8 @@ static void *map_state_memfd(struct aoqd_state *st, struct aoqd_tensor *x, size_
 	}
 	if (x->master_off != AOQ_NO_MASTER) {
 		size_t mb = x->numel * 2;
+		uint64_t moff;
+		int mfd = aoqd_state_masters_fd(st, x->master_off, &moff, NULL);
 		/* only what the slot holds: a hole stays a hole (zeros), so
 		 * that a hostile memfd makes aoqd allocate no more than it
 		 * holds */
@@ -377,7 +409,7 @@ static void *map_state_memfd(struct aoqd_state *st, struct aoqd_tensor *x, size_
 			off_t h = lseek(st->mem_fd, d, SEEK_HOLE);
 			if (h < 0 || h > end)
 				h = end;
-			ssize_t w = pwrite(st->masters_fd, p + (d - at), (size_t)(h - d), (off_t)x->master_off + (d - at));
+			ssize_t w = pwrite(mfd, p + (d - at), (size_t)(h - d), (off_t)moff + (d - at));
 			if (w <= 0) {
 				*err = w < 0 ? -errno : -EIO;
 				munmap(p, reserve);
@@ -385,7 +417,7 @@ static void *map_state_memfd(struct aoqd_state *st, struct aoqd_tensor *x, size_
 			}
 			pos = d + w;
 		}
-		if (mmap(p, mlen, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, st->masters_fd, (off_t)x->master_off) ==
+		if (mmap(p, mlen, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, mfd, (off_t)moff) ==
 		    MAP_FAILED) {
 			*err = -errno;
 			munmap(p, reserve);
@@ -499,8 +531,9 @@ static int alloc(struct aoqd_state *st, int fd, const char *name, int lock_memor
 			p = map_state_memfd(st, x, off[1], whole, x->map_len, adopt, lock_memory, &locked, &err);
 		} else if (x->master_off != AOQ_NO_MASTER) {
 			x->map_len = aoqd_page_round(len) + len;
-			p = map_state_master(st->masters_fd, x->master_off, off[1], whole, x->map_len, lock_memory, &locked,
-			                     &err);
+			uint64_t moff;
+			int mfd = aoqd_state_masters_fd(st, x->master_off, &moff, NULL);
+			p = map_state_master(mfd, moff, off[1], whole, x->map_len, lock_memory, &locked, &err);
 		} else {
 			p = map_state(whole, lock_memory, &locked, &err);
 		}
@@ -529,11 +562,12 @@ static int alloc(struct aoqd_state *st, int fd, const char *name, int lock_memor
 	}
 	/* The daemon's mappings are made: nobody maps the masters writable
 	 * again, nor changes their size (the client's mapping is read-only). */
-	if (st->masters_size &&
-	    fcntl(st->masters_fd, F_ADD_SEALS, F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL) < 0) {
-		*failed_len = 0;
-		return -errno;
-	}
+	for (uint32_t k = 0; k < st->masters_n; k++)
+		if (fcntl(st->masters_fd[k], F_ADD_SEALS, F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL) <
+		    0) {
+			*failed_len = 0;
+			return -errno;
+		}
 	return 0;
 }
 
@@ -616,15 +650,16 @@ void aoqd_state_free(struct aoqd_state *st, _Atomic uint64_t *locked_total)
 	st->tensors = NULL;
 	st->groups = NULL;
 	st->ntensors = st->ngroups = 0;
-	if (st->masters_size) {
-		/* The client may keep the masters (its parameters) after its
-		 * session: what they hold stays charged to the uid until no
-		 * description of them is left (held.h). */
+	/* The client may keep the masters (its parameters) after its session:
+	 * what they hold stays charged to the uid until no description of
+	 * them is left (held.h). */
+	for (uint32_t k = 0; k < st->masters_n; k++) {
 		struct stat sb;
-		if (fstat(st->masters_fd, &sb) == 0)
-			aoqd_held_release(st->masters_wd, st->account, (uint64_t)sb.st_blocks * 512);
-		close(st->masters_fd);
+		if (fstat(st->masters_fd[k], &sb) == 0)
+			aoqd_held_release(st->masters_wd[k], st->account, (uint64_t)sb.st_blocks * 512);
+		close(st->masters_fd[k]);
 	}
+	st->masters_n = 0;
 	st->masters_size = 0;
 	if (st->memfd) {
 		/* Gone for good unless a stop wrote it for the next aoqd: it

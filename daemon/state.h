@@ -15,6 +15,7 @@
 #include <stdint.h>
 
 #include "account.h"
+#include "aoq-arena.h"
 #include "aoq-kernel.h"
 #include "aoq.pb-c.h"
 
@@ -115,11 +116,20 @@ struct aoqd_state {
 	bool undo;
 	bool dirty;
 	uint64_t last_step;
-	/* The masters memfd (aoq-arena.h, "The master as the parameter"):
-	 * masters_size bytes, 0 when no tensor's master is its parameter. */
-	int masters_fd;
+	/* The masters (aoq-arena.h, "The master as the parameter"):
+	 * masters_size bytes, 0 when no tensor's master is its parameter,
+	 * in masters_n memfds laid end to end: memfd k holds the bytes
+	 * [masters_end[k-1], masters_end[k]) (from 0 for k = 0), whole
+	 * tensors each.  Several memfds, not one: shmem takes a lock of the
+	 * file per new page, and the workers that fault a large model's
+	 * masters in wait on it (4.2 GB/s for one memfd against 12.6 for a
+	 * memfd per thread on the H200 host; RESULTS.md, "Faulting shared
+	 * memory"). */
+	int masters_fd[AOQ_MASTER_MEMFDS];
+	int masters_wd[AOQ_MASTER_MEMFDS]; /* watches (held.h): charged until no client holds them */
+	uint64_t masters_end[AOQ_MASTER_MEMFDS];
+	uint32_t masters_n;
 	uint64_t masters_size;
-	int masters_wd; /* its watch (held.h): charged until no client holds it */
 	/* The state in one memfd (docs/design.md, "The fd store"): mem_fd
 	 * (valid when `memfd`) holds a header page, the journal, then every
 	 * tensor's slot (from mem_data_off), then the fd store's
@@ -219,6 +229,18 @@ bool aoqd_state_master_param(void);
 static inline bool aoqd_tensor_master_param(const struct aoqd_state *st, const struct aoqd_tensor *x)
 {
 	return st->masters_size && x->master_off != UINT64_MAX;
+}
+/* The masters memfd that holds byte `off` of the masters, and the
+ * offset there. */
+static inline int aoqd_state_masters_fd(const struct aoqd_state *st, uint64_t off, uint64_t *local, uint32_t *which)
+{
+	uint32_t k = 0;
+	while (k + 1 < st->masters_n && off >= st->masters_end[k])
+		k++;
+	*local = off - (k ? st->masters_end[k - 1] : 0);
+	if (which)
+		*which = k;
+	return st->masters_fd[k];
 }
 /* Where states are mapped: in one memfd per session, stored in systemd's
  * fd store under `aoq-state-<n>` (on: aoqd runs under systemd with the fd

@@ -33,11 +33,12 @@
 #include <string.h>
 
 #define AOQ_ARENA_MAGIC 0x41514f41u /* "AOQA" */
-#define AOQ_ARENA_VERSION 3u /* 3: masters with the delayed update too */
+#define AOQ_ARENA_VERSION 4u /* 3: masters with the delayed update too; 4: masters in several memfds */
 #define AOQ_ARENA_ALIGN 64u
 #define AOQ_PROTOCOL_VERSION 2u /* 2: Hello and Welcome carry the arena version and the release */
 #define AOQ_MAX_FRAME (1u << 20)
-#define AOQ_MAX_FDS 4
+#define AOQ_MASTER_MEMFDS 16 /* the most memfds the masters come in */
+#define AOQ_MAX_FDS (3 + AOQ_MASTER_MEMFDS)
 /* Clients push a tensor as records of at most this many elements (a
  * multiple of the q8 block), so the daemon updates the first piece while
  * the rest is still being copied; the rings are sized for it. */
@@ -68,7 +69,7 @@ struct aoq_arena_header {
 	uint64_t xfer_off;    /* LoadState/ReadState data */
 	uint64_t xfer_bytes;
 	uint64_t flags;       /* AOQ_ARENA_DELAYED */
-	uint64_t masters_size; /* bytes of the masters memfd (the 4th fd); 0: none */
+	uint64_t masters_size; /* bytes of the masters (fds 4 on, end to end); 0: none */
 };
 
 /* Delayed update: every param area is two buffers of param_bytes, the
@@ -84,7 +85,7 @@ struct aoq_arena_tensor {
 	uint32_t group;
 	uint32_t slot; /* its own slot, or UINT32_MAX with a window */
 	/* The master is the parameter: the tensor's bf16 master sits at this
-	 * offset of the masters memfd, and the parameter is copied from there
+	 * offset of the masters (the memfds end to end), and the parameter is copied from there
 	 * (its slot has no param area without a window, and with one the
 	 * daemon writes none).  AOQ_NO_MASTER: the param area, as always. */
 	uint64_t master_off;
@@ -93,10 +94,14 @@ struct aoq_arena_tensor {
 /*
  * The master as the parameter (docs/decisions.md, "The master is the parameter"):
  * with a bf16 master and bf16 parameters, aoqd keeps
- * each such tensor's master in one memfd per session, sealed against new
- * writable mappings (F_SEAL_FUTURE_WRITE), and sends it as Registered's
- * fourth fd.  The client maps it read-only and copies parameters straight
- * from it: the update writes no separate parameter.  The daemon updates a
+ * each such tensor's master in the session's masters: 1 to
+ * AOQ_MASTER_MEMFDS memfds, each of whole tensors' masters and a multiple
+ * of AOQ_MASTER_ALIGN bytes, sealed against new writable mappings
+ * (F_SEAL_FUTURE_WRITE), sent as Registered's fds from the fourth on.
+ * Laid end to end in that order they are masters_size bytes, which
+ * master_off counts in.  The client maps them read-only, end to end, and
+ * copies parameters straight from them: the update writes no separate
+ * parameter.  The daemon updates a
  * master in place, so a client copies a tensor's parameter out before it
  * pushes that tensor's next final gradient (the rule a slot-per-tensor
  * arena without a window already has).  With the delayed update the copy

@@ -163,7 +163,7 @@ static void read_replies(struct fz_client *c)
 	for (;;) {
 		union {
 			struct cmsghdr h;
-			char b[CMSG_SPACE(sizeof(int) * 16)];
+			char b[CMSG_SPACE(sizeof(int) * AOQ_MAX_FDS)];
 		} ctl;
 		struct iovec iov = { .iov_base = buf, .iov_len = sizeof(buf) };
 		struct msghdr msg = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.b,
@@ -174,12 +174,14 @@ static void read_replies(struct fz_client *c)
 		for (struct cmsghdr *cm = CMSG_FIRSTHDR(&msg); cm; cm = CMSG_NXTHDR(&msg, cm)) {
 			if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS)
 				continue;
-			int fds[16];
+			int fds[AOQ_MAX_FDS];
 			int nfds = (int)((cm->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+			if (nfds > AOQ_MAX_FDS)
+				nfds = AOQ_MAX_FDS; /* cannot happen: the buffer holds AOQ_MAX_FDS */
 			memcpy(fds, CMSG_DATA(cm), sizeof(int) * (size_t)nfds);
-			if ((nfds == 3 || nfds == 4) && !c->to_daemon) {
-				if (nfds == 4)
-					close(fds[3]); /* the masters memfd: read-only, not fuzzed */
+			if (nfds >= 3 && !c->to_daemon) {
+				for (int i = 3; i < nfds; i++)
+					close(fds[i]); /* the masters memfds: read-only, not fuzzed */
 				map_arena(c, fds);
 				continue;
 			}

@@ -934,7 +934,7 @@ static int raw_open(struct aoqt_raw *s, const char *path, const char *job, const
 	r = aoq_recv_frame(s->sock, &rep, fds, AOQ_MAX_FDS, &nfds);
 	if (r < 0)
 		return r;
-	if (rep->msg_case != AOQ__ENVELOPE__MSG_REGISTERED || nfds != (bf16 ? 4 : 3)) {
+	if (rep->msg_case != AOQ__ENVELOPE__MSG_REGISTERED || (bf16 ? nfds < 4 : nfds != 3)) {
 		fprintf(stderr, "raw register: reply %d with %d fds (%s)\n", (int)rep->msg_case, nfds,
 		        rep->msg_case == AOQ__ENVELOPE__MSG_ERROR ? rep->error->message : "");
 		for (int i = 0; i < nfds; i++)
@@ -950,6 +950,8 @@ static int raw_open(struct aoqt_raw *s, const char *path, const char *job, const
 	s->to_client = fds[2];
 	if (bf16)
 		s->masters_fd = fds[3];
+	for (int i = 4; i < nfds; i++)
+		close(fds[i]); /* the other masters memfds (a large model's) */
 	struct stat st;
 	if (fstat(s->arena_fd, &st) < 0)
 		return -errno;

@@ -279,7 +279,7 @@ struct aoqt_raw {
 	int sock;
 	uint64_t id;
 	int arena_fd, to_daemon, to_client;
-	int masters_fd; /* the 4th fd (aoq-arena.h, the master as the parameter), or -1 */
+	int masters_fd; /* the 4th fd, the first masters memfd (aoq-arena.h, the master as the parameter), or -1 */
 	uint8_t *arena;
 	size_t arena_size;
 	struct aoq_arena_header hdr;
@@ -297,7 +297,7 @@ int aoqt_raw_open(struct aoqt_raw *s, const char *path, const char *job, const u
 int aoqt_raw_open_group(struct aoqt_raw *s, const char *path, const char *job, const uint64_t *numel, uint32_t n,
                         uint32_t world, uint32_t rank);
 /* As aoqt_raw_open with a bf16 master and bf16 params and gradients: the
- * daemon sends the masters memfd too (s->masters_fd). */
+ * daemon sends the masters memfd too (s->masters_fd; the first of a large model's). */
 int aoqt_raw_open_bf16(struct aoqt_raw *s, const char *path, const char *job, const uint64_t *numel, uint32_t n);
 void aoqt_raw_close(struct aoqt_raw *s);
 /* Pushes one record and rings the doorbell. */

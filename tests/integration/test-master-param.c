@@ -17,7 +17,8 @@
  * delayed update: to the master read after the step before, and after
  * aoq_flush to the master); the first daemon's log must name the shared
  * masters and the second's none.  A session whose parameters are fp32 (the master kept
- * bf16) gets no masters memfd and trains as well.
+ * bf16) gets no masters memfd and trains as well.  Last, a model of 144 MiB
+ * of masters, which come in two memfds (aoq-arena.h), trains the same way.
  *
  * q8 state with an fp32 master and bf16 parameters: the first daemon splits
  * the master (kernels/README.md, "The split master"; its high half is the
@@ -36,7 +37,13 @@
 #include "harness.h"
 
 #define NT 4
-static const uint64_t sizes[NT] = { 1, 3, 4097, (1u << 20) + 13 };
+static const uint64_t small[NT] = { 1, 3, 4097, (1u << 20) + 13 };
+/* 144 MiB of masters: two memfds (state.c, MASTERS_MEMFD_MIN), the
+ * second for tensor 3 (the largest last: compare reads into a buffer of
+ * its size) */
+static const uint64_t large[NT] = { 1, 36u << 20, 4097, (36u << 20) + 13 };
+static const uint64_t *sizes = small;
+static uint64_t nsteps = 5;
 
 static const struct aoq_group adamw = { .size = sizeof(struct aoq_group), .kind = AOQ_ADAMW, .lr = 2e-3,
                                         .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01 };
@@ -192,14 +199,14 @@ static void compare(const char *what, struct aoqt_daemon *on, struct aoqt_daemon
 		prev[t] = aoqt_xmalloc(sizes[t] * 2);
 		memcpy(prev[t], a.param[t], sizes[t] * 2);
 	}
-	for (uint64_t k = 1; k <= 5; k++) {
+	for (uint64_t k = 1; k <= nsteps; k++) {
 		step(&a, k);
 		step(&b, k);
-		if (k == 5 && delayed) {
+		if (k == nsteps && delayed) {
 			CHECK_OK(aoq_flush(a.c));
 			CHECK_OK(aoq_flush(b.c));
 		}
-		bool lag = delayed && k < 5;
+		bool lag = delayed && k < nsteps;
 		for (int t = 0; t < NT; t++) {
 			CHECK(memcmp(a.param[t], b.param[t], sizes[t] * 2) == 0, "%s: step %llu tensor %d: the parameters "
 			      "differ between master_param yes and no", what, (unsigned long long)k, t);
@@ -290,6 +297,15 @@ int main(int argc, char **argv)
 	compare("sgd-bf16all-slots", &on, &off, AOQ_STATE_BF16_ALL, 0, false);
 	hp = &adamw;
 	fp32_params(&on);
+	/* a model whose masters come in two memfds, mapped end to end by
+	 * the client (aoq-arena.h) */
+	sizes = large;
+	nsteps = 2;
+	compare("bf16q8-two-memfds", &on, &off, AOQ_STATE_BF16_Q8, 0, false);
+	compare("q8-two-memfds-delayed", &on, &off, AOQ_STATE_Q8, 0, true);
+	char *log = aoqt_daemon_log(&on);
+	CHECK(log && strstr(log, "in 2 memfds"), "the large model's masters were not in two memfds");
+	free(log);
 	CHECK(aoqt_daemon_stop(&off, 10000, true) == 0, "aoqd (master_param = no) did not exit cleanly");
 	CHECK(aoqt_daemon_stop(&on, 10000, true) == 0, "aoqd did not exit cleanly");
 	return 0;
