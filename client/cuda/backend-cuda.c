@@ -47,6 +47,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "aoq-arena.h"
 #include "backend.h"
 
 struct aoq_event {
@@ -64,8 +65,9 @@ struct aoq_backend {
 	struct aoq_event *all_events;
 	void *registered;
 	size_t registered_len;
-	void *registered_ro; /* the masters memfd's mapping */
-	size_t registered_ro_len;
+	/* the masters memfds' mappings, one registration each */
+	void *registered_ro[AOQ_MASTER_MEMFDS];
+	size_t registered_ro_len[AOQ_MASTER_MEMFDS];
 };
 
 /* A completion handed to the CUDA host-function thread. */
@@ -245,8 +247,9 @@ static void cuda_close(struct aoq_backend *b)
 			cudaStreamSynchronize(b->h2d);
 		if (b->registered)
 			cudaHostUnregister(b->registered);
-		if (b->registered_ro)
-			cudaHostUnregister(b->registered_ro);
+		for (unsigned k = 0; k < AOQ_MASTER_MEMFDS; k++)
+			if (b->registered_ro[k])
+				cudaHostUnregister(b->registered_ro[k]);
 		for (struct aoq_event *x = b->all_events, *next; x; x = next) {
 			next = x->all_next;
 			cudaEventDestroy(x->ev);
@@ -265,7 +268,7 @@ static void cuda_close(struct aoq_backend *b)
 /* ---- pinning ---- */
 
 /* Pins [p, p + len) with `flags` into *slot (one mapping each: the arena,
- * or the masters memfd); `what` names it in errors. */
+ * or a masters memfd); `what` names it in errors. */
 static int pin(struct aoq_backend *b, void *p, size_t len, unsigned flags, void **slot, size_t *slot_len,
                const char *what)
 {
@@ -310,18 +313,27 @@ static int cuda_register(struct aoq_backend *b, void *p, size_t len)
 	return pin(b, p, len, cudaHostRegisterDefault, &b->registered, &b->registered_len, "the arena");
 }
 
-/* The masters memfd: mapped read-only, so pinned with
- * cudaHostRegisterReadOnly (the device only reads it). */
+/* A masters memfd: mapped read-only, so pinned with
+ * cudaHostRegisterReadOnly (the device only reads it); up to
+ * AOQ_MASTER_MEMFDS of them, each its own registration. */
 static int cuda_register_ro(struct aoq_backend *b, void *p, size_t len)
 {
-	return pin(b, p, len, cudaHostRegisterReadOnly, &b->registered_ro, &b->registered_ro_len,
-	           "the masters mapping (read-only)");
+	unsigned k = 0;
+	while (k < AOQ_MASTER_MEMFDS && b->registered_ro[k])
+		k++;
+	if (k == AOQ_MASTER_MEMFDS)
+		return aoq_set_error(-EBUSY, "CUDA backend: %u masters mappings are registered already",
+		                     (unsigned)AOQ_MASTER_MEMFDS);
+	return pin(b, p, len, cudaHostRegisterReadOnly, &b->registered_ro[k], &b->registered_ro_len[k],
+	           "a masters mapping (read-only)");
 }
 
 static void cuda_unregister_ro(struct aoq_backend *b, void *p, size_t len)
 {
 	(void)len;
-	unpin(b, p, &b->registered_ro, &b->registered_ro_len);
+	for (unsigned k = 0; k < AOQ_MASTER_MEMFDS; k++)
+		if (b->registered_ro[k] == p)
+			unpin(b, p, &b->registered_ro[k], &b->registered_ro_len[k]);
 }
 
 static void cuda_unregister(struct aoq_backend *b, void *p, size_t len)
