@@ -259,6 +259,62 @@ static int map_masters(struct aoq_client *c, const int *fds, uint32_t n)
 	return 0;
 }
 
+/* The masters pinned with the backend, a memfd at a time, each as soon as
+ * the loads have written all of its masters, on a thread of their own so
+ * that a pin overlaps the loads of the memfds after it.  Pins come after
+ * the loads: by then aoqd has written every page, and pinning pages that
+ * exist runs at 23-28 GB/s on the H200 host, where pinning a new memfd's
+ * holes faults them in one by one at 2-2.6 GB/s (tests/bench/pin_bench.py;
+ * RESULTS.md, "Pinning the masters after the load").  The loads and resumed
+ * reads go through the arena, never through this mapping. */
+struct pinner {
+	struct aoq_client *c;
+	pthread_mutex_t lock;
+	pthread_cond_t cond;
+	uint32_t ready; /* memfds whose masters are loaded; UINT32_MAX: give up */
+	pthread_t tid;
+};
+
+static uint32_t memfd_of(const struct aoq_client *c, const uint8_t *master)
+{
+	uint64_t off = (uint64_t)(master - c->masters);
+	uint32_t k = 0;
+	while (k + 1 < c->masters_n && off >= c->masters_end[k])
+		k++;
+	return k;
+}
+
+static void pin_ready(struct pinner *p, uint32_t ready)
+{
+	pthread_mutex_lock(&p->lock);
+	p->ready = ready;
+	pthread_cond_signal(&p->cond);
+	pthread_mutex_unlock(&p->lock);
+}
+
+static void *pin_main(void *arg)
+{
+	struct pinner *p = arg;
+	struct aoq_client *c = p->c;
+	for (uint32_t k = 0; k < c->masters_n; k++) {
+		pthread_mutex_lock(&p->lock);
+		while (p->ready <= k)
+			pthread_cond_wait(&p->cond, &p->lock);
+		bool give_up = p->ready == UINT32_MAX;
+		pthread_mutex_unlock(&p->lock);
+		if (give_up)
+			return NULL;
+		/* Unpinned, copies still work (slower): a warning, not an error. */
+		uint64_t b = k ? c->masters_end[k - 1] : 0;
+		if (c->ops->register_host_ro(c->be, c->masters + b, c->masters_end[k] - b) < 0) {
+			fprintf(stderr, "aoq: warning: %s; parameters are copied from pageable memory\n", aoq_last_error());
+			return NULL;
+		}
+		c->masters_pinned |= 1u << k;
+	}
+	return NULL;
+}
+
 int aoq_register(struct aoq_client *c)
 {
 	if (c->registered)
@@ -316,33 +372,28 @@ int aoq_register(struct aoq_client *c)
 	if ((r = c->ops->register_host(c->be, c->arena, c->arena_size)) < 0)
 		goto out;
 	c->registered = true;
-	if (c->resumed) {
-		/* The daemon's state is the truth: parameters come from it. */
-		c->step = c->resumed_step + 1;
-		for (uint32_t i = 0; i < c->ntensors && r == 0; i++)
-			r = aoqc_load_resumed(c, i);
+	/* The masters are pinned as the loads finish each memfd (above). */
+	struct pinner pn = { .c = c, .lock = PTHREAD_MUTEX_INITIALIZER, .cond = PTHREAD_COND_INITIALIZER };
+	uint32_t last[AOQ_MASTER_MEMFDS] = { 0 }; /* memfd k's last tensor */
+	for (uint32_t i = 0; i < c->ntensors; i++)
+		if (c->tensors[i].master_area)
+			last[memfd_of(c, c->tensors[i].master_area)] = i;
+	bool pinning = c->masters && c->ops->register_host_ro;
+	bool threaded = pinning && pthread_create(&pn.tid, NULL, pin_main, &pn) == 0;
+	if (c->resumed)
+		c->step = c->resumed_step + 1; /* the daemon's state is the truth: parameters come from it */
+	for (uint32_t i = 0, ready = 0; i < c->ntensors && r == 0; i++) {
+		r = c->resumed ? aoqc_load_resumed(c, i) : aoqc_load_initial(c, i);
+		while (ready < c->masters_n && last[ready] <= i)
+			ready++;
+		pin_ready(&pn, r < 0 ? UINT32_MAX : ready);
 	}
-	for (uint32_t i = 0; i < c->ntensors && r == 0 && !c->resumed; i++)
-		r = aoqc_load_initial(c, i);
+	if (threaded)
+		pthread_join(pn.tid, NULL);
+	else if (pinning && r == 0)
+		pin_main(&pn); /* no thread: here, all loaded (pn.ready is every memfd) */
 	if (r < 0)
 		goto out;
-	/* The masters are pinned once loaded: by then aoqd has written every
-	 * page, and pinning pages that exist runs at 23-28 GB/s on the H200
-	 * host, where pinning a new memfd's holes faults them in one by one
-	 * on this thread at 2-2.6 GB/s (tests/bench/pin_bench.py; RESULTS.md,
-	 * "Pinning the masters after the load").  The loads and resumed reads
-	 * go through the arena, never through this mapping. */
-	for (uint32_t k = 0; c->masters && c->ops->register_host_ro && k < c->masters_n; k++) {
-		/* Unpinned, copies still work (slower): a warning, not an error.
-		 * A memfd at a time: a pin is of one mapping. */
-		uint64_t b = k ? c->masters_end[k - 1] : 0;
-		if (c->ops->register_host_ro(c->be, c->masters + b, c->masters_end[k] - b) == 0) {
-			c->masters_pinned |= 1u << k;
-		} else {
-			fprintf(stderr, "aoq: warning: %s; parameters are copied from pageable memory\n", aoq_last_error());
-			break;
-		}
-	}
 	c->wake_fd = eventfd(0, EFD_CLOEXEC);
 	if (c->wake_fd < 0) {
 		r = -errno;

@@ -41,6 +41,7 @@ def train(device, socket, steps):
         for p in params:
             p.grad = ((torch.rand(p.numel(), generator=g) - 0.5) * 0.1).to(torch.bfloat16).to(device)
         opt.step()
+        opt.synchronize()   # the parameters' copies landed (a forward would wait for them)
         opt.zero_grad()
         out.append([p.detach().to("cpu").clone() for p in params])
     opt.close()
