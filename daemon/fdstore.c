@@ -143,8 +143,9 @@ static void *fill_run(void *arg)
 }
 
 /* The ranges, split by bytes over up to `threads` threads (this one
- * included); a thread that cannot start leaves its part to this one. */
-static void fill_all(const struct range *r, size_t nr, unsigned threads)
+ * included); a thread that cannot start leaves its part to this one.
+ * Returns how many threads it split them over. */
+static unsigned fill_all(const struct range *r, size_t nr, unsigned threads)
 {
 	uint64_t total = 0;
 	for (size_t i = 0; i < nr; i++)
@@ -172,6 +173,7 @@ static void fill_all(const struct range *r, size_t nr, unsigned threads)
 		else
 			fill_run(&w[k]);
 	}
+	return threads;
 }
 
 /* ---- the descriptor ---- */
@@ -645,7 +647,7 @@ int aoqd_fdstore_decode(int fd, const char *name, int lock_memory, _Atomic uint6
 	/* everything is checked but the data: mapped in place, with its undo
 	 * copy (the state is leased) */
 	st->undo = true;
-	uint64_t failed;
+	uint64_t failed, t0 = now_ns();
 	int a = aoqd_state_adopt(st, fd, name, lock_memory, locked_total, &failed);
 	allocated = true;
 	if (a < 0) {
@@ -653,8 +655,10 @@ int aoqd_fdstore_decode(int fd, const char *name, int lock_memory, _Atomic uint6
 		r = a;
 		goto out;
 	}
+	uint64_t t1 = now_ns();
 	if ((r = replay(st, why, wlen)) < 0)
 		goto out;
+	uint64_t t2 = now_ns();
 	size_t nfill = 0, capfill = 0;
 	for (uint32_t i = 0; i < st->ntensors; i++) {
 		const struct aoqd_tensor *t = &st->tensors[i];
@@ -681,7 +685,10 @@ int aoqd_fdstore_decode(int fd, const char *name, int lock_memory, _Atomic uint6
 			pos = h;
 		}
 	}
-	fill_all(fill, nfill, threads);
+	unsigned nth = fill_all(fill, nfill, threads);
+	uint64_t t3 = now_ns();
+	aoqd_info("fdstore", "%s: mapped in %.3f s, journal %.3f s, page tables %.3f s on %u thread(s)", name,
+	          (double)(t1 - t0) / 1e9, (double)(t2 - t1) / 1e9, (double)(t3 - t2) / 1e9, nth);
 out:
 	if (r < 0) {
 		st->store_kept = true; /* the caller takes it out of the store */
