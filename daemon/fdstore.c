@@ -412,7 +412,7 @@ static int replay(struct aoqd_state *st, char *why, size_t wlen)
 		BAD("journal: step %" PRIu64 " out of range", boundary);
 	if (over || n > cap)
 		BAD("journal: the save log overflowed (%" PRIu64 " of %u entries): the open step cannot be undone", n, cap);
-	if (!stopped && st->masters_size)
+	if (!stopped && st->masters_size && !st->masters_restored)
 		BAD("journal: not written at a stop, and its masters that are parameters were not stored");
 	if (stopped > 1)
 		BAD("journal: bad stop mark %u", stopped);
@@ -479,6 +479,13 @@ out:
 
 int aoqd_fdstore_decode(int fd, const char *name, int lock_memory, _Atomic uint64_t *locked_total, unsigned threads,
                         struct aoqd_snap_key *key, struct aoqd_state *st, char *why, size_t wlen)
+{
+	return aoqd_fdstore_decode_masters(fd, name, NULL, 0, lock_memory, locked_total, threads, key, st, why, wlen);
+}
+
+int aoqd_fdstore_decode_masters(int fd, const char *name, const int *mfds, uint32_t nm, int lock_memory,
+                                _Atomic uint64_t *locked_total, unsigned threads, struct aoqd_snap_key *key,
+                                struct aoqd_state *st, char *why, size_t wlen)
 {
 	int r = 0;
 	bool allocated = false;
@@ -647,8 +654,19 @@ int aoqd_fdstore_decode(int fd, const char *name, int lock_memory, _Atomic uint6
 	/* everything is checked but the data: mapped in place, with its undo
 	 * copy (the state is leased) */
 	st->undo = true;
+	if (nm) {
+		char mwhy[256];
+		if (aoqd_state_masters_check(st, mfds, nm, mwhy, sizeof(mwhy)) == 0) {
+			st->masters_from = mfds;
+			st->masters_from_n = nm;
+		} else {
+			aoqd_warn("fdstore", "%s: its stored masters left out: %s", name, mwhy);
+		}
+	}
 	uint64_t failed, t0 = now_ns();
 	int a = aoqd_state_adopt(st, fd, name, lock_memory, locked_total, &failed);
+	st->masters_from = NULL;
+	st->masters_from_n = 0;
 	allocated = true;
 	if (a < 0) {
 		snprintf(why, wlen, "cannot map %" PRIu64 " bytes of state in place: %s", failed, strerror(-a));
@@ -687,8 +705,10 @@ int aoqd_fdstore_decode(int fd, const char *name, int lock_memory, _Atomic uint6
 	}
 	unsigned nth = fill_all(fill, nfill, threads);
 	uint64_t t3 = now_ns();
-	aoqd_info("fdstore", "%s: mapped in %.3f s, journal %.3f s, page tables %.3f s on %u thread(s)", name,
-	          (double)(t1 - t0) / 1e9, (double)(t2 - t1) / 1e9, (double)(t3 - t2) / 1e9, nth);
+	/* the parts of a taking back that takes a while (a large state) */
+	if (t3 - t0 >= 100000000u)
+		aoqd_info("fdstore", "%s: mapped in %.3f s, journal %.3f s, page tables %.3f s on %u thread(s)", name,
+		          (double)(t1 - t0) / 1e9, (double)(t2 - t1) / 1e9, (double)(t3 - t2) / 1e9, nth);
 out:
 	if (r < 0) {
 		st->store_kept = true; /* the caller takes it out of the store */
@@ -741,13 +761,18 @@ bool aoqd_fdstore_is_state(const char *name)
 	return name && strncmp(name, AOQD_FDSTORE_PREFIX, strlen(AOQD_FDSTORE_PREFIX)) == 0;
 }
 
+bool aoqd_fdstore_is_masters(const char *name)
+{
+	return name && strncmp(name, AOQD_FDSTORE_MASTERS_PREFIX, strlen(AOQD_FDSTORE_MASTERS_PREFIX)) == 0;
+}
+
 void aoqd_fdstore_keep(int fd, const char *name)
 {
 	fcntl(fd, F_SETFD, FD_CLOEXEC);
 	/* the states this aoqd stores get names of their own */
 	char *end;
 	unsigned long long n = strtoull(name + strlen(AOQD_FDSTORE_PREFIX), &end, 10);
-	if (!*end)
+	if (aoqd_fdstore_is_state(name) && !*end)
 		aoqd_state_store_names_above(n);
 	if (nkept == capkept) {
 		size_t cap = capkept ? capkept * 2 : 16;
@@ -771,27 +796,70 @@ static unsigned copy_threads(const struct aoqd_server *srv)
 	return n > 16 ? 16 : n;
 }
 
+static void store_remove(const char *name)
+{
+#if AOQ_HAVE_SYSTEMD
+	char msg[300];
+	snprintf(msg, sizeof(msg), "FDSTOREREMOVE=1\nFDNAME=%s", name);
+	sd_notify(0, msg);
+#else
+	(void)name;
+#endif
+}
+
+/* The kept masters memfds of the state stored as `state` (by k, into
+ * fds[], marked used), how many in a row from k = 0; 0 when they are not
+ * all there. */
+static uint32_t masters_of(const char *state, int fds[AOQ_MASTER_MEMFDS], bool *used)
+{
+	uint32_t n = 0;
+	for (uint32_t k = 0; k < AOQ_MASTER_MEMFDS; k++) {
+		char nm[64];
+		aoqd_state_masters_name(state, k, nm, sizeof(nm));
+		size_t j = 0;
+		while (j < nkept && strcmp(kept[j].name, nm) != 0)
+			j++;
+		if (j == nkept)
+			break;
+		used[j] = true;
+		fds[n++] = kept[j].fd;
+	}
+	return n;
+}
+
 int aoqd_fdstore_adopt(struct aoqd_server *srv)
 {
 	int made = 0;
+	bool *used = calloc(nkept ? nkept : 1, sizeof(*used));
+	if (!used)
+		aoqd_warn("fdstore", "out of memory: the stored states' masters are left out");
 	for (size_t i = 0; i < nkept; i++) {
 		struct kept *k = &kept[i];
+		if (aoqd_fdstore_is_masters(k->name))
+			continue; /* with its state's */
 		uint64_t t0 = now_ns();
 		struct aoqd_snap_key key;
 		struct aoqd_state st;
 		char why[512] = "";
+		int mfds[AOQ_MASTER_MEMFDS];
+		uint32_t nm = used ? masters_of(k->name, mfds, used) : 0;
 		/* Taken, the memfd is the state's, and stays in the store under
 		 * its name (state.c removes it when the state ends); refused, it
-		 * leaves the store. */
-		int r = aoqd_fdstore_decode(k->fd, k->name, srv->cfg.lease_seconds ? srv->cfg.lock_memory : 0,
-		                            &srv->locked_bytes, copy_threads(srv), &key, &st, why, sizeof(why));
+		 * leaves the store.  Its stored masters leave the store either
+		 * way: a state taken back has new ones, stored below. */
+		int r = aoqd_fdstore_decode_masters(k->fd, k->name, mfds, nm,
+		                                    srv->cfg.lease_seconds ? srv->cfg.lock_memory : 0, &srv->locked_bytes,
+		                                    copy_threads(srv), &key, &st, why, sizeof(why));
+		for (uint32_t m = 0; m < nm; m++) {
+			char mn[64];
+			aoqd_state_masters_name(k->name, m, mn, sizeof(mn));
+			store_remove(mn);
+		}
+		if (r == 0)
+			aoqd_state_store_masters(&st);
 		if (r < 0) {
 			aoqd_warn("fdstore", "stored state %s (fd %d) refused: %s", k->name, k->fd, why);
-#if AOQ_HAVE_SYSTEMD
-			char msg[300];
-			snprintf(msg, sizeof(msg), "FDSTOREREMOVE=1\nFDNAME=%s", k->name);
-			sd_notify(0, msg);
-#endif
+			store_remove(k->name);
 		} else if (srv->cfg.lease_seconds == 0) {
 			aoqd_info("fdstore", "lease_seconds = 0: stored state %s not taken back", k->name);
 			aoqd_state_free(&st, &srv->locked_bytes);
@@ -815,6 +883,17 @@ int aoqd_fdstore_adopt(struct aoqd_server *srv)
 		}
 		close(k->fd);
 	}
+	/* masters whose state is not there: of no use */
+	for (size_t i = 0; i < nkept; i++) {
+		if (!aoqd_fdstore_is_masters(kept[i].name))
+			continue;
+		if (!used || !used[i]) {
+			aoqd_warn("fdstore", "stored masters %s without their state: removed from the store", kept[i].name);
+			store_remove(kept[i].name);
+		}
+		close(kept[i].fd);
+	}
+	free(used);
 	free(kept);
 	kept = NULL;
 	nkept = capkept = 0;

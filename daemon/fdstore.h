@@ -26,8 +26,13 @@ struct aoqd_server;
 /* The FDNAME prefix of a stored state (the rest: a number). */
 #define AOQD_FDSTORE_PREFIX "aoq-state-"
 
-/* Whether a passed fd's name is a stored state's. */
+/* The FDNAME prefix of a stored state's masters memfd (aoq-masters-<n>-<k>:
+ * masters memfd k of state aoq-state-<n>). */
+#define AOQD_FDSTORE_MASTERS_PREFIX "aoq-masters-"
+
+/* Whether a passed fd's name is a stored state's, or its masters'. */
 bool aoqd_fdstore_is_state(const char *name);
+bool aoqd_fdstore_is_masters(const char *name);
 /* Keeps passed fd `fd` named `name` (a stored state) for
  * aoqd_fdstore_adopt(); the fd is ours from now on. */
 void aoqd_fdstore_keep(int fd, const char *name);
@@ -65,5 +70,12 @@ struct aoqd_snap_key;
 int aoqd_fdstore_write(const struct aoqd_snap_key *key, struct aoqd_state *st, bool stop);
 int aoqd_fdstore_decode(int fd, const char *name, int lock_memory, _Atomic uint64_t *locked_total, unsigned threads,
                         struct aoqd_snap_key *key, struct aoqd_state *st, char *why, size_t len);
+/* decode with the nm masters memfds the store kept for it (the fd store's
+ * aoq-masters-<n>-<k>, in k's order): a killed aoqd's masters that are
+ * parameters, read into the new ones (checked first; wrong ones are left
+ * out with a warning, and then only a stop's state comes back). */
+int aoqd_fdstore_decode_masters(int fd, const char *name, const int *mfds, uint32_t nm, int lock_memory,
+                                _Atomic uint64_t *locked_total, unsigned threads, struct aoqd_snap_key *key,
+                                struct aoqd_state *st, char *why, size_t len);
 
 #endif

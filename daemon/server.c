@@ -175,7 +175,7 @@ static int open_listener(struct aoqd_server *srv)
 		/* the fd store's states (fdstore.c) come with the socket */
 		int sockets = 0;
 		for (int i = 0; i < n; i++) {
-			if (names && aoqd_fdstore_is_state(names[i]))
+			if (names && (aoqd_fdstore_is_state(names[i]) || aoqd_fdstore_is_masters(names[i])))
 				aoqd_fdstore_keep(SD_LISTEN_FDS_START + i, names[i]);
 			else if (sockets++ == 0)
 				fd = SD_LISTEN_FDS_START + i;

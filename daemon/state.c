@@ -250,11 +250,12 @@ static void *map_state_master(int fd, uint64_t moff, size_t mlen, size_t whole, 
  * client maps and pins). */
 #define MASTERS_MEMFD_MIN (64u << 20)
 
-/* The masters for every tensor whose master becomes its parameter: their
- * offsets in x->master_off (AOQ_NO_MASTER for the others), in up to
- * AOQ_MASTER_MEMFDS memfds of about equal size (state.h), each of whole
- * tensors.  0 or -errno (none made then). */
-static int make_masters(struct aoqd_state *st)
+/* The masters' layout for every tensor whose master becomes its
+ * parameter: their offsets in x->master_off (AOQ_NO_MASTER for the
+ * others), in up to AOQ_MASTER_MEMFDS memfds of about equal size
+ * (state.h), each of whole tensors: masters_size, masters_n,
+ * masters_end. */
+static void masters_layout(struct aoqd_state *st)
 {
 	uint64_t size = 0;
 	uint32_t nmasters = 0;
@@ -270,7 +271,7 @@ static int make_masters(struct aoqd_state *st)
 	st->masters_size = 0;
 	st->masters_n = 0;
 	if (!size)
-		return 0;
+		return;
 	uint64_t want = size / MASTERS_MEMFD_MIN;
 	uint32_t n = want < 1 ? 1 : want > AOQ_MASTER_MEMFDS ? AOQ_MASTER_MEMFDS : (uint32_t)want;
 	if (n > nmasters)
@@ -286,6 +287,39 @@ static int make_masters(struct aoqd_state *st)
 			st->masters_end[k++] = end;
 	}
 	st->masters_end[k++] = size;
+	st->masters_n = k;
+	st->masters_size = size;
+}
+
+int aoqd_state_masters_check(struct aoqd_state *st, const int *fds, uint32_t n, char *why, size_t wlen)
+{
+	masters_layout(st);
+	if (n != st->masters_n) {
+		snprintf(why, wlen, "%u masters memfds stored, its tensors make %u", n, st->masters_n);
+		return -EBADFD;
+	}
+	for (uint32_t k = 0; k < n; k++) {
+		struct stat sb;
+		uint64_t want = st->masters_end[k] - (k ? st->masters_end[k - 1] : 0);
+		if (fstat(fds[k], &sb) < 0 || !S_ISREG(sb.st_mode) || (uint64_t)sb.st_size != want) {
+			snprintf(why, wlen, "masters memfd %u: not a memfd of %" PRIu64 " bytes", k, want);
+			return -EBADFD;
+		}
+	}
+	return 0;
+}
+
+/* The masters memfds of st's layout (masters_layout), made.  0 or -errno
+ * (none made then). */
+static int make_masters(struct aoqd_state *st)
+{
+	masters_layout(st);
+	uint32_t k = st->masters_n;
+	st->masters_n = 0;
+	if (!k)
+		return 0;
+	uint64_t size = st->masters_size;
+	st->masters_size = 0;
 	for (uint32_t j = 0; j < k; j++) {
 		uint64_t b = j ? st->masters_end[j - 1] : 0;
 		int fd = memfd_create("aoq-masters", MFD_CLOEXEC | MFD_ALLOW_SEALING);
@@ -304,6 +338,12 @@ static int make_masters(struct aoqd_state *st)
 	st->masters_n = k;
 	st->masters_size = size;
 	return 0;
+}
+
+void aoqd_state_masters_name(const char *state_name, uint32_t k, char *buf, size_t len)
+{
+	const char *n = strncmp(state_name, "aoq-state-", 10) == 0 ? state_name + 10 : state_name;
+	snprintf(buf, len, "aoq-masters-%s-%u", n, k);
 }
 
 /* ---- the state in a memfd (docs/design.md, "The fd store") ---- */
@@ -333,6 +373,22 @@ static int store_notify(const char *msg, int fd)
 	(void)fd;
 	return 0;
 #endif
+}
+
+void aoqd_state_store_masters(struct aoqd_state *st)
+{
+	for (uint32_t k = 0; st->store_name[0] && k < st->masters_n; k++) {
+		char nm[64], msg[128];
+		aoqd_state_masters_name(st->store_name, k, nm, sizeof(nm));
+		snprintf(msg, sizeof(msg), "FDSTORE=1\nFDPOLL=0\nFDNAME=%s", nm);
+		if (store_notify(msg, st->masters_fd[k]) <= 0) {
+			static bool warned;
+			if (!warned)
+				aoqd_warn("session", "masters memfd not kept in the fd store: a kill of aoqd loses its steps "
+				          "(a stop keeps them; logged once)");
+			warned = true;
+		}
+	}
 }
 
 /* A tensor's slot: its arrays, then its undo room, each on pages of its
@@ -381,6 +437,35 @@ uint64_t aoqd_state_memfd_layout(const struct aoqd_state *st, uint64_t *off)
 	return pos;
 }
 
+/* Copies len bytes from `from` at off into `to` at toff, in pieces through
+ * a buffer (a hostile source may be shorter: -EIO).  0 or -errno. */
+static int copy_fd(int from, off_t off, int to, off_t toff, size_t len)
+{
+	enum { PIECE = 1 << 20 };
+	uint8_t *buf = malloc(PIECE);
+	if (!buf)
+		return -ENOMEM;
+	int r = 0;
+	for (size_t done = 0; done < len && r == 0;) {
+		size_t n = len - done < PIECE ? len - done : PIECE;
+		ssize_t got = pread(from, buf, n, off + (off_t)done);
+		if (got <= 0) {
+			r = got < 0 ? -errno : -EIO;
+			break;
+		}
+		for (ssize_t w = 0; w < got && r == 0;) {
+			ssize_t k = pwrite(to, buf + w, (size_t)(got - w), toff + (off_t)done + w);
+			if (k <= 0)
+				r = k < 0 ? -errno : -EIO;
+			else
+				w += k;
+		}
+		done += (size_t)got;
+	}
+	free(buf);
+	return r;
+}
+
 /* Tensor x's slot from st's memfd (at x->mem_off): `reserve` bytes, the
  * first `whole` used (arrays, and undo copy when kept); a master that is
  * the parameter gets the masters memfd's pages over its first mlen bytes,
@@ -398,11 +483,21 @@ static void *map_state_memfd(struct aoqd_state *st, struct aoqd_tensor *x, size_
 	if (x->master_off != AOQ_NO_MASTER) {
 		size_t mb = x->numel * 2;
 		uint64_t moff;
-		int mfd = aoqd_state_masters_fd(st, x->master_off, &moff, NULL);
-		/* only what the slot holds: a hole stays a hole (zeros), so
-		 * that a hostile memfd makes aoqd allocate no more than it
-		 * holds */
-		for (off_t pos = at, end = at + (off_t)mb; adopt && pos < end;) {
+		uint32_t which;
+		int mfd = aoqd_state_masters_fd(st, x->master_off, &moff, &which);
+		if (adopt && st->masters_from_n) {
+			/* a killed aoqd's: the masters the store kept, as they
+			 * were (the journal's replay undoes the open step's) */
+			if ((*err = copy_fd(st->masters_from[which], (off_t)moff, mfd, (off_t)moff, mb)) < 0) {
+				munmap(p, reserve);
+				return NULL;
+			}
+			st->masters_restored = true;
+		}
+		/* after a stop: only what the slot holds, a hole stays a hole
+		 * (zeros), so that a hostile memfd makes aoqd allocate no more
+		 * than it holds */
+		for (off_t pos = at, end = at + (off_t)mb; adopt && !st->masters_from_n && pos < end;) {
 			off_t d = lseek(st->mem_fd, pos, SEEK_DATA);
 			if (d < 0 || d >= end)
 				break;
@@ -486,6 +581,9 @@ static int make_memfd(struct aoqd_state *st, int fd, const char *name)
 	int r = store_notify(msg, fd);
 	if (r > 0) {
 		snprintf(st->store_name, sizeof(st->store_name), "%s", nm);
+		/* the masters too (made before the state's memfd): a killed
+		 * aoqd's state needs them (fdstore.c, the journal) */
+		aoqd_state_store_masters(st);
 	} else {
 		st->store_name[0] = '\0';
 		static bool warned;
@@ -650,6 +748,7 @@ void aoqd_state_free(struct aoqd_state *st, _Atomic uint64_t *locked_total)
 	st->tensors = NULL;
 	st->groups = NULL;
 	st->ntensors = st->ngroups = 0;
+	uint32_t stored_masters = st->masters_n;
 	/* The client may keep the masters (its parameters) after its session:
 	 * what they hold stays charged to the uid until no description of
 	 * them is left (held.h). */
@@ -669,6 +768,12 @@ void aoqd_state_free(struct aoqd_state *st, _Atomic uint64_t *locked_total)
 			char msg[128];
 			snprintf(msg, sizeof(msg), "FDSTOREREMOVE=1\nFDNAME=%s", st->store_name);
 			store_notify(msg, -1);
+			for (uint32_t k = 0; k < stored_masters; k++) {
+				char nm[64];
+				aoqd_state_masters_name(st->store_name, k, nm, sizeof(nm));
+				snprintf(msg, sizeof(msg), "FDSTOREREMOVE=1\nFDNAME=%s", nm);
+				store_notify(msg, -1);
+			}
 		}
 		close(st->mem_fd);
 	}

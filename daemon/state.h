@@ -130,6 +130,12 @@ struct aoqd_state {
 	uint64_t masters_end[AOQ_MASTER_MEMFDS];
 	uint32_t masters_n;
 	uint64_t masters_size;
+	/* Taking back a killed aoqd's state (fdstore.c): the masters memfds
+	 * the fd store kept for it, checked (aoqd_state_masters_check) and
+	 * read into the new masters; masters_restored: they were. */
+	const int *masters_from;
+	uint32_t masters_from_n;
+	bool masters_restored;
 	/* The state in one memfd (docs/design.md, "The fd store"): mem_fd
 	 * (valid when `memfd`) holds a header page, the journal, then every
 	 * tensor's slot (from mem_data_off), then the fd store's
@@ -251,6 +257,16 @@ void aoqd_state_set_memfd(bool on);
 /* The names given to stored states start above n (the names of states a
  * restart found in the store). */
 void aoqd_state_store_names_above(uint64_t n);
+/* The fd store's name of masters memfd k of the state stored as
+ * `state_name` (aoq-state-<n>): aoq-masters-<n>-<k>. */
+void aoqd_state_masters_name(const char *state_name, uint32_t k, char *buf, size_t len);
+/* Puts st's masters memfds in the fd store (when st's memfd is there);
+ * a state taken back stores its new ones once the old ones left. */
+void aoqd_state_store_masters(struct aoqd_state *st);
+/* Lays out st's masters (its tables valid) and checks n stored masters
+ * memfds against it: as many, each a regular file of its memfd's size.
+ * 0, or -EBADFD with the reason in why. */
+int aoqd_state_masters_check(struct aoqd_state *st, const int *fds, uint32_t n, char *why, size_t wlen);
 /* The bytes of st's memfd slots (every tensor's arrays and undo room,
  * each on pages of its own), with each tensor's offset from the data's in
  * off[] (NULL: not wanted); UINT64_MAX when the sum overflows.  The tables

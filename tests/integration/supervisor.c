@@ -150,14 +150,17 @@ void sup_start(struct sup *s, const char *exe, const int *extra, const char *con
 		while (k)
 			*e++ = digits[--k];
 		*e = '\0';
+		/* every fd moved out of the way first: the log's among them (the
+		 * passed fds take 3 on, where it may be) */
 		int tmp[2 * MAX_STORED + 1];
 		for (int i = 0; i < n; i++)
 			tmp[i] = fcntl(src[i], F_DUPFD_CLOEXEC, 64);
+		int lfd = fcntl(logfd, F_DUPFD_CLOEXEC, 64);
 		for (int i = 0; i < n; i++)
-			if (tmp[i] < 0 || dup2(tmp[i], 3 + i) < 0)
+			if (tmp[i] < 0 || lfd < 0 || dup2(tmp[i], 3 + i) < 0)
 				_exit(126);
-		dup2(logfd, 1);
-		dup2(logfd, 2);
+		dup2(lfd, 1);
+		dup2(lfd, 2);
 		execve(exe, argv, envp);
 		_exit(127);
 	}

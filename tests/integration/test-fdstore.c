@@ -18,7 +18,8 @@
  *         state is read in the memfd the supervisor holds: no copy), with
  *         four hostile fds beside it (unsealed, damaged descriptor, cut
  *         short, a pipe), each refused with its reason and removed from
- *         the store; no snapshot exists to read.
+ *         the store (with q8, a masters memfd too many for the state and
+ *         one without a state too); no snapshot exists to read.
  *   kill: SIGKILL mid-step, with periodic snapshots; the state's memfd is
  *         in the store with its journal, which the restart replays: the
  *         trainer resumes at step 5 bit for bit, no snapshot read.
@@ -28,8 +29,11 @@
  *
  * A third argument "q8" trains q8 state instead of fp32: the bf16 tensor's
  * master is then split (kernels/README.md, "The split master"), its high
- * half the parameter in the masters memfd, copied into the state's memfd
- * at the stop and into the new masters memfd at the restart.
+ * half the parameter in a masters memfd, which the store keeps beside the
+ * state's from the registration on (aoq-masters-<n>-0): copied into the
+ * state's memfd at a stop, read from the stored masters memfd after a
+ * kill, into the new masters memfd at the restart, which then stores it in
+ * the old one's place.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -59,6 +63,19 @@
 static const uint64_t sizes[NT] = { 1000, 4097, 33, 70001 };
 static const enum aoq_dtype pdt[NT] = { AOQ_FP32, AOQ_FP32, AOQ_BF16, AOQ_FP32 };
 static enum aoq_precision precision = AOQ_STATE_FP32;
+
+/* The stored fds whose names start with prefix; *at: the last one's index. */
+static int stored(const struct sup *s, const char *prefix, int *at)
+{
+	int n = 0;
+	for (int i = 0; i < s->nstored; i++)
+		if (strncmp(s->stored_name[i], prefix, strlen(prefix)) == 0) {
+			n++;
+			if (at)
+				*at = i;
+		}
+	return n;
+}
 
 static int count(const char *hay, const char *needle)
 {
@@ -308,14 +325,18 @@ int main(int argc, char **argv)
 	/* The undisturbed job said Bye: its memfd left the store.  The other
 	 * one's is there, with its header (written at registration). */
 	char stored_name[256] = "";
+	/* q8: the bf16 tensor's master is its parameter, in a masters memfd
+	 * the store keeps beside the state's */
+	int nmasters = precision == AOQ_STATE_Q8 ? 1 : 0, si = 0;
 	if (nostore) {
 		CHECK(s.nstored == 0, "%d states kept by a supervisor that keeps none", s.nstored);
 	} else {
-		CHECK(s.nstored == 1, "%d states in the store after %s, want 1 (the job's)", s.nstored,
-		      term ? "SIGTERM" : "SIGKILL");
-		snprintf(stored_name, sizeof(stored_name), "%s", s.stored_name[0]);
+		CHECK(stored(&s, "aoq-state-", &si) == 1 && stored(&s, "aoq-masters-", NULL) == nmasters &&
+		      s.nstored == 1 + nmasters, "%d fds in the store after %s, want the job's state and %d masters memfd(s)",
+		      s.nstored, term ? "SIGTERM" : "SIGKILL", nmasters);
+		snprintf(stored_name, sizeof(stored_name), "%s", s.stored_name[si]);
 		uint8_t magic[8];
-		CHECK(pread(s.stored_fd[0], magic, 8, 0) == 8 && memcmp(magic, "AOQFDST2", 8) == 0,
+		CHECK(pread(s.stored_fd[si], magic, 8, 0) == 8 && memcmp(magic, "AOQFDST2", 8) == 0,
 		      "no stored-form header after %s", term ? "SIGTERM" : "SIGKILL");
 	}
 	if (term)
@@ -329,19 +350,29 @@ int main(int argc, char **argv)
 	CHECK(r < 0, "a step went through a dead daemon");
 	trainer_close(&run);
 
-	int extra[4] = { -1, -1, -1, -1 };
-	const char *const extra_names[4] = { "aoq-state-900001", "aoq-state-900002", "aoq-state-900003",
-	                                     "aoq-state-900004" };
+	int extra[6] = { -1, -1, -1, -1, -1, -1 };
+	/* q8: a masters memfd too many for the state (its two are then left
+	 * out, and the stop's copy in its slot serves), and one without a
+	 * state (removed) */
+	char too_many[300];
+	snprintf(too_many, sizeof(too_many), "aoq-masters-%s-1", stored_name + strlen("aoq-state-"));
+	const char *const extra_names[6] = { "aoq-state-900001", "aoq-state-900002", "aoq-state-900003",
+	                                     "aoq-state-900004", too_many, "aoq-masters-900009-0" };
 	int nextra = 0, pipefd[2] = { -1, -1 };
 	if (term) {
-		extra[0] = sealed_copy(s.stored_fd[0], 0, -1, false); /* unsealed */
+		extra[0] = sealed_copy(s.stored_fd[si], 0, -1, false); /* unsealed */
 		uint64_t doff;
-		CHECK(pread(s.stored_fd[0], &doff, 8, 32) == 8, "pread");
-		extra[1] = sealed_copy(s.stored_fd[0], 0, (off_t)doff + 100, true); /* a descriptor byte flipped */
-		extra[2] = sealed_copy(s.stored_fd[0], 4096, -1, true); /* cut short */
+		CHECK(pread(s.stored_fd[si], &doff, 8, 32) == 8, "pread");
+		extra[1] = sealed_copy(s.stored_fd[si], 0, (off_t)doff + 100, true); /* a descriptor byte flipped */
+		extra[2] = sealed_copy(s.stored_fd[si], 4096, -1, true); /* cut short */
 		CHECK(pipe2(pipefd, O_CLOEXEC) == 0, "pipe");
 		extra[3] = pipefd[0];
 		nextra = 4;
+		for (int i = 0; i < nmasters * 2; i++) {
+			extra[nextra] = memfd_create("hostile-masters", MFD_CLOEXEC);
+			CHECK(extra[nextra] >= 0 && ftruncate(extra[nextra], 4096) == 0, "memfd: %s", strerror(errno));
+			nextra++;
+		}
 	}
 	int removes = s.removes;
 	before = strlen(sup_log(&s));
@@ -363,16 +394,25 @@ int main(int argc, char **argv)
 		CHECK(strstr(log, "mapped in place"), "the stored state was not mapped in place:\n%s", log);
 		/* the hostile fds left the store; the state's memfd stays, now the
 		 * live state's, its header cleared */
-		CHECK(s.removes - removes == nextra && s.nstored == 1 && strcmp(s.stored_name[0], stored_name) == 0,
-		      "%d FDSTOREREMOVE for %d hostile fds; %d left", s.removes - removes, nextra, s.nstored);
+		if (nmasters) {
+			CHECK(strstr(log, "its stored masters left out: 2 masters memfds stored, its tensors make 1"),
+			      "the masters memfd too many was not refused:\n%s", log);
+			CHECK(strstr(log, "aoq-masters-900009-0 without their state"), "the stray masters memfd stayed:\n%s",
+			      log);
+		}
+		CHECK(s.removes - removes == nextra + nmasters && s.nstored == 1 + nmasters &&
+		      stored(&s, "aoq-state-", &si) == 1 && strcmp(s.stored_name[si], stored_name) == 0,
+		      "%d FDSTOREREMOVE for %d hostile fds and %d old masters; %d left", s.removes - removes, nextra,
+		      nmasters, s.nstored);
 		CHECK(!strstr(log, "from its snapshot") && !strstr(log, "restored uid"), "a snapshot was read:\n%s", log);
 	} else if (!nostore) {
 		/* the killed aoqd's state: its journal replayed, mapped in place */
 		CHECK(strstr(log, "journal replayed") && strstr(log, "taken back from the fd store"),
 		      "the killed aoqd's state was not taken back:\n%s", log);
 		CHECK(!strstr(log, "refused"), "a refusal:\n%s", log);
-		CHECK(s.removes == removes && s.nstored == 1 && strcmp(s.stored_name[0], stored_name) == 0,
-		      "%d FDSTOREREMOVE; %d stored", s.removes - removes, s.nstored);
+		CHECK(s.removes - removes == nmasters && s.nstored == 1 + nmasters && stored(&s, "aoq-state-", &si) == 1 &&
+		      strcmp(s.stored_name[si], stored_name) == 0, "%d FDSTOREREMOVE (the old masters: %d); %d stored",
+		      s.removes - removes, nmasters, s.nstored);
 		CHECK(!strstr(log, "from its snapshot") && !strstr(log, "restored uid"), "a snapshot was read:\n%s", log);
 	} else {
 		CHECK(strstr(log, "from its snapshot"), "no snapshot restored after SIGKILL:\n%s", log);
@@ -400,8 +440,9 @@ int main(int argc, char **argv)
 		size_t mb = sizes[0] * sizeof(float);
 		float *m = aoqt_xcalloc(sizes[0], sizeof(float));
 		uint64_t data_off = 0;
-		CHECK(pread(s.stored_fd[0], &data_off, 8, 16) == 8, "pread");
-		CHECK(pread(s.stored_fd[0], m, mb, (off_t)data_off) == (ssize_t)mb, "pread");
+		CHECK(stored(&s, "aoq-state-", &si) == 1, "the state left the store");
+		CHECK(pread(s.stored_fd[si], &data_off, 8, 16) == 8, "pread");
+		CHECK(pread(s.stored_fd[si], m, mb, (off_t)data_off) == (ssize_t)mb, "pread");
 		CHECK(memcmp(m, at[STEPS].v[0][1], mb) == 0, "the live state is not the stored memfd's");
 		free(m);
 	}
