@@ -138,6 +138,16 @@ static void line(const char *what, double gbs)
 	printf("  %-52s %6.2f GB/s\n", what, gbs);
 }
 
+/* The n mappings unmapped and made again: the memfds' pages stay, the
+ * page tables go. */
+static void remap(uint8_t **bases, const int *fds, int n, size_t each, bool lock)
+{
+	for (int i = 0; i < n; i++) {
+		munmap(bases[i], each);
+		bases[i] = map_fd(fds[i], each, lock);
+	}
+}
+
 /* The memfds: one of total bytes, or threads of a slice each; faulted in
  * fresh, then unmapped and mapped again to map the pages that now exist. */
 static void memfds(size_t total, int threads, bool per_thread, bool lock)
@@ -150,31 +160,22 @@ static void memfds(size_t total, int threads, bool per_thread, bool lock)
 		fds[i] = make_memfd(each);
 		bases[i] = map_fd(fds[i], each, lock);
 	}
+	const char *kind = per_thread ? "a memfd per thread" : "one memfd", *locked = lock ? "locked" : "unlocked";
 	char what[96];
-	snprintf(what, sizeof(what), "%s, %s: fresh pages", per_thread ? "a memfd per thread" : "one memfd",
-	         lock ? "locked" : "unlocked");
+	snprintf(what, sizeof(what), "%s, %s: fresh pages", kind, locked);
 	line(what, go(bases, !per_thread, total, threads, false));
-	for (int i = 0; i < n; i++) {
-		munmap(bases[i], each);
-		bases[i] = map_fd(fds[i], each, lock);
-	}
-	snprintf(what, sizeof(what), "%s, %s: pages there, mapped again", per_thread ? "a memfd per thread" : "one memfd",
-	         lock ? "locked" : "unlocked");
+	remap(bases, fds, n, each, lock);
+	snprintf(what, sizeof(what), "%s, %s: pages there, mapped again", kind, locked);
 	line(what, go(bases, !per_thread, total, threads, false));
-	for (int i = 0; i < n; i++) {
-		munmap(bases[i], each);
-		bases[i] = map_fd(fds[i], each, lock);
-	}
+	remap(bases, fds, n, each, lock);
 	/* A read fault maps the pages around it that the file has (fault
 	 * around), writable in a shared mapping of shmem. */
-	snprintf(what, sizeof(what), "%s, %s: pages there, read-populated", per_thread ? "a memfd per thread" : "one memfd",
-	         lock ? "locked" : "unlocked");
+	snprintf(what, sizeof(what), "%s, %s: pages there, read-populated", kind, locked);
 	line(what, go_advice(bases, !per_thread, total, threads, false, MADV_POPULATE_READ));
 	/* then written: whether the read-populated pages take write faults */
 	double t0 = now();
 	go(bases, !per_thread, total, threads, true);
-	snprintf(what, sizeof(what), "  then memset (write faults if any)");
-	line(what, (double)total / (now() - t0) / 1e9);
+	line("  then memset (write faults if any)", (double)total / (now() - t0) / 1e9);
 	for (int i = 0; i < n; i++) {
 		munmap(bases[i], each);
 		close(fds[i]);
