@@ -28,7 +28,9 @@
  *       follow from the descriptor.
  *   desc_off: the key: u32 uid, u32 rank, u32 job length, the job's bytes
  *       the state: u64 last_step, seed, window; f64 max_grad_norm;
- *       u32 precision; u8 skip_nonfinite, delayed, master_param, 0;
+ *       u32 precision; u8 skip_nonfinite, delayed, master_param,
+ *       local_world (a replica group's local ranks, its rank 4294967295;
+ *       0 for a trainer's state);
  *       u32 groups, tensors
  *       per group: u32 kind, moments; f64 lr, beta1, beta2, eps,
  *       weight_decay, momentum, dampening; u32 nesterov
@@ -273,7 +275,7 @@ static int describe(const struct aoqd_snap_key *key, const struct aoqd_state *st
 	PUT(b, uint8_t, st->skip_nonfinite);
 	PUT(b, uint8_t, st->delayed);
 	PUT(b, uint8_t, aoqd_state_master_param());
-	PUT(b, uint8_t, 0);
+	PUT(b, uint8_t, (uint8_t)key->local_world);
 	PUT(b, uint32_t, st->ngroups);
 	PUT(b, uint32_t, st->ntensors);
 	for (uint32_t g = 0; g < st->ngroups; g++) {
@@ -551,18 +553,21 @@ int aoqd_fdstore_decode_masters(int fd, const char *name, const int *mfds, uint3
 	uint32_t jl = get32(&rd);
 	if (jl == 0 || jl > MAX_JOB || !get(&rd, key->job, jl) || memchr(key->job, 0, jl))
 		BAD("bad job name (%u bytes)", jl);
-	if (key->rank == UINT32_MAX)
-		BAD("a replica group's state (never stored)");
+
 	st->last_step = get64(&rd);
 	st->seed = get64(&rd);
 	st->window = get64(&rd);
 	st->max_grad_norm = getf64(&rd);
 	uint32_t prec = get32(&rd);
-	uint8_t skip = get8(&rd), delayed = get8(&rd), mp = get8(&rd), z1 = get8(&rd);
+	uint8_t skip = get8(&rd), delayed = get8(&rd), mp = get8(&rd), lw = get8(&rd);
 	uint32_t ng = get32(&rd), nt = get32(&rd);
 	if (rd.bad)
 		BAD("descriptor cut short");
-	if (st->last_step > AOQD_MAX_TENSOR_STEPS || prec >= SNAP_NPREC || skip > 1 || delayed > 1 || mp > 1 || z1 ||
+	if (key->rank == UINT32_MAX ? lw < 2 || lw > AOQ_MAX_LOCAL_WORLD : lw != 0)
+		BAD("rank %u with a local world of %u (a replica group's state has rank %u and 2 to %u local ranks)",
+		    key->rank, lw, UINT32_MAX, AOQ_MAX_LOCAL_WORLD);
+	key->local_world = lw;
+	if (st->last_step > AOQD_MAX_TENSOR_STEPS || prec >= SNAP_NPREC || skip > 1 || delayed > 1 || mp > 1 ||
 	    !(st->max_grad_norm >= 0) || st->max_grad_norm > 1e300)
 		BAD("bad options (step %" PRIu64 ", precision %u, max_grad_norm %g)", st->last_step, prec,
 		    st->max_grad_norm);
@@ -865,7 +870,8 @@ int aoqd_fdstore_adopt(struct aoqd_server *srv)
 			aoqd_state_free(&st, &srv->locked_bytes);
 		} else {
 			struct aoqd_error err = { 0 };
-			struct aoqd_lease_key lk = { .uid = (uid_t)key.uid, .job = key.job, .rank = key.rank };
+			struct aoqd_lease_key lk = { .uid = (uid_t)key.uid, .job = key.job, .rank = key.rank,
+				                     .local_world = key.local_world };
 			uint64_t step = st.last_step, bytes = st.mem_data_len;
 			int64_t id = aoqd_lease_adopt(srv, &lk, &st, (uint64_t)srv->cfg.lease_seconds * 1000000000u, &err);
 			if (id < 0) {
@@ -900,35 +906,83 @@ int aoqd_fdstore_adopt(struct aoqd_server *srv)
 	return made;
 }
 
-/* A trainer's state that a restart keeps: what a lease would keep
- * (aoqd_lease_for, but for the stop), or a settled lease; not a replica
- * group's (its members' rings and the hub's steps are not stored). */
+/* A state that a restart keeps: what a lease would keep (aoqd_lease_for,
+ * but for the stop), or a settled lease.  A trainer's, or a replica
+ * group's hub's (the group's state; its members hold none, and come back
+ * as a new group that resumes it, as after a member was lost). */
 static bool storable(const struct aoqd_session *s)
 {
-	if (s->hub || s->rep || !s->conn.job || !s->st.ntensors)
+	if (s->hub || !s->conn.job || !s->st.ntensors)
 		return false;
 	if (s->state == AOQD_LEASED)
 		return s->settled;
+	if (s->rep && s->rep->broken)
+		return false; /* a group that is ending */
 	return s->state == AOQD_READY && !s->no_lease && s->st.undo && !s->st.dirty;
+}
+
+/* The key s's state is stored under: a trainer's, or a group's (rank
+ * AOQD_GROUP_RANK, its local world). */
+static struct aoqd_snap_key key_of(const struct aoqd_session *s)
+{
+	struct aoqd_snap_key key = { .uid = (uint32_t)s->conn.uid, .rank = s->conn.rank };
+	if (s->rep) {
+		key.rank = AOQD_GROUP_RANK;
+		key.local_world = s->rep->world;
+	}
+	snprintf(key.job, sizeof(key.job), "%s", s->conn.job);
+	return key;
 }
 
 void aoqd_fdstore_describe(struct aoqd_session *s)
 {
-	if (!s->st.memfd || !s->st.store_name[0] || s->hub || s->rep || !s->conn.job)
+	if (!s->st.memfd || !s->st.store_name[0] || s->hub || !s->conn.job)
 		return;
-	struct aoqd_snap_key key = { .uid = (uint32_t)s->conn.uid, .rank = s->conn.rank };
-	snprintf(key.job, sizeof(key.job), "%s", s->conn.job);
+	struct aoqd_snap_key key = key_of(s);
 	int r = aoqd_fdstore_write(&key, &s->st, false);
 	if (r < 0)
 		aoqd_warn("fdstore", "session %" PRIu64 ": no descriptor in its state's memfd (%s): a restart after a kill "
 		          "restores its snapshot", s->id, strerror(-r));
 }
 
+#if AOQ_HAVE_SYSTEMD
+/* Keeps s's state in the fd store at a stop, if a restart should have it
+ * (storable). */
+static void store_one(struct aoqd_session *s, int *stored, uint64_t *bytes)
+{
+	if (!storable(s)) {
+		if ((s->state == AOQD_READY || s->state == AOQD_LEASED) && !s->hub)
+			aoqd_info("fdstore", "session %" PRIu64 " not kept in the fd store (%s)", s->id,
+			          s->rep ? "a replica group that is ending" : "no lease: dirty, Bye or no undo copy");
+		return;
+	}
+	if (!s->st.memfd || !s->st.store_name[0]) {
+		aoqd_info("fdstore", "session %" PRIu64 " not kept in the fd store (its state is not in a stored memfd)", s->id);
+		return;
+	}
+	if (s->state == AOQD_READY)
+		aoqd_state_rollback(&s->st); /* the open step goes back, as for a dead trainer */
+	struct aoqd_snap_key key = key_of(s);
+	int r = aoqd_fdstore_write(&key, &s->st, true);
+	if (r < 0) {
+		aoqd_warn("fdstore", "session %" PRIu64 ": state not kept in the fd store: %s", s->id, strerror(-r));
+		return;
+	}
+	s->st.store_kept = true; /* its end leaves it in the store */
+	(*stored)++;
+	*bytes += s->st.mem_data_len;
+	aoqd_info("fdstore", "session %" PRIu64 " (uid %u job '%s' %s %u): state at step %" PRIu64
+	          " kept in the fd store as %s (%" PRIu64 " bytes, in place)", s->id, (unsigned)s->conn.uid, s->conn.job,
+	          s->rep ? "local world" : "rank", s->rep ? s->rep->world : s->conn.rank, s->st.last_step,
+	          s->st.store_name, s->st.mem_data_len);
+}
+#endif
+
 int aoqd_fdstore_save(struct aoqd_server *srv)
 {
 #if AOQ_HAVE_SYSTEMD
 	const char *ns = getenv("NOTIFY_SOCKET");
-	if (!ns || !*ns || !srv->sessions || srv->cfg.lease_seconds == 0)
+	if (!ns || !*ns || (!srv->sessions && !srv->hubs) || srv->cfg.lease_seconds == 0)
 		return 0;
 	uint64_t t0 = now_ns();
 	/* Nothing may run while a step is rolled back: the loop dispatches
@@ -940,34 +994,11 @@ int aoqd_fdstore_save(struct aoqd_server *srv)
 	}
 	int stored = 0;
 	uint64_t bytes = 0;
-	for (struct aoqd_session *s = srv->sessions; s; s = s->next) {
-		if (!storable(s)) {
-			if (s->state == AOQD_READY || s->state == AOQD_LEASED)
-				aoqd_info("fdstore", "session %" PRIu64 " not kept in the fd store (%s)", s->id,
-				          s->hub || s->rep ? "a replica group" : "no lease: dirty, Bye or no undo copy");
-			continue;
-		}
-		if (!s->st.memfd || !s->st.store_name[0]) {
-			aoqd_info("fdstore", "session %" PRIu64 " not kept in the fd store (its state is not in a stored memfd)",
-			          s->id);
-			continue;
-		}
-		if (s->state == AOQD_READY)
-			aoqd_state_rollback(&s->st); /* the open step goes back, as for a dead trainer */
-		struct aoqd_snap_key key = { .uid = (uint32_t)s->conn.uid, .rank = s->conn.rank };
-		snprintf(key.job, sizeof(key.job), "%s", s->conn.job);
-		int r = aoqd_fdstore_write(&key, &s->st, true);
-		if (r < 0) {
-			aoqd_warn("fdstore", "session %" PRIu64 ": state not kept in the fd store: %s", s->id, strerror(-r));
-			continue;
-		}
-		s->st.store_kept = true; /* its end leaves it in the store */
-		stored++;
-		bytes += s->st.mem_data_len;
-		aoqd_info("fdstore", "session %" PRIu64 " (uid %u job '%s' rank %u): state at step %" PRIu64
-		          " kept in the fd store as %s (%" PRIu64 " bytes, in place)", s->id, (unsigned)s->conn.uid,
-		          s->conn.job, s->conn.rank, s->st.last_step, s->st.store_name, s->st.mem_data_len);
-	}
+	/* the sessions (leased groups among them), then the live groups' hubs */
+	for (struct aoqd_session *s = srv->sessions; s; s = s->next)
+		store_one(s, &stored, &bytes);
+	for (struct aoqd_session *h = srv->hubs; h; h = h->next)
+		store_one(h, &stored, &bytes);
 	if (stored)
 		aoqd_info("fdstore", "%d state(s), %" PRIu64 " bytes, kept in the fd store in %.3f s", stored, bytes,
 		          (double)(now_ns() - t0) / 1e9);

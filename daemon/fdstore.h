@@ -45,14 +45,15 @@ int aoqd_fdstore_adopt(struct aoqd_server *srv);
  * aoqd_fdstore_adopt() took back: the restore does not read it. */
 bool aoqd_fdstore_taken(const char *name);
 /* At a stop, before the sessions close: with NOTIFY_SOCKET set, waits for
- * the workers to finish what they run, rolls every trainer's open step
- * back in its memfd and writes the memfd's descriptor, so that the state
- * stays in the store.  Returns the states kept. */
+ * the workers to finish what they run, rolls every trainer's and replica
+ * group's open step back in its memfd and writes the memfd's descriptor,
+ * so that the state stays in the store.  Returns the states kept. */
 int aoqd_fdstore_save(struct aoqd_server *srv);
 /* A session's state described in its memfd (key, tables, header), its
  * journal started: at registration and at a snapshot's restore, so that
  * a killed aoqd's state can be taken back (a no-op for a state not in a
- * stored memfd, or a replica group's). */
+ * stored memfd, or for a replica group's member: the group's is its
+ * hub's). */
 struct aoqd_session;
 void aoqd_fdstore_describe(struct aoqd_session *s);
 /* Before exit: waits (5 s at most) until the manager has read every

@@ -425,6 +425,7 @@ int aoqd_register_hub(struct aoqd_session *hub, struct aoqd_session *s, bool res
 		return AOQD_FAIL(err, NO_MEMORY, "cannot create the replica group's arena: %s", strerror(-r));
 	if (!resumed)
 		aoqd_populate_start(hub); /* here: a failed group's state goes at once (replica.c) */
+	aoqd_fdstore_describe(hub); /* a killed aoqd's group can come back (fdstore.h) */
 	aoqd_info("session", "replica group %" PRIu64 " (uid %u job '%s', %u local ranks): %u tensors in %u groups, %"
 	          PRIu64 " bytes of state (%s), arena %" PRIu64 " bytes, masters shared %" PRIu64 " bytes", hub->id,
 	          (unsigned)hub->conn.uid, hub->conn.job, hub->rep->world, hub->st.ntensors, hub->st.ngroups,

@@ -35,6 +35,14 @@
  *   start restores the file again.
  * - hostile: a raw member posts a record in another rank's slice: it gets
  *   BAD_RECORD, the libaoq rank PEER_LOST.
+ * - fdstore (its own tests, modes "fdstore term" and "fdstore kill", built
+ *   with the supervisor of tests/integration/supervisor.c): a group of 2
+ *   with a lease (bf16 master + q8: its masters memfds stored too) trains
+ *   3 steps under a supervisor that keeps the fd store as systemd does;
+ *   aoqd is stopped (SIGTERM) or killed (SIGKILL: the journal) in the
+ *   middle of step 4 and started again: the group's state comes back from
+ *   the store, no snapshot read, a new group of 2 resumes it at step 3 and
+ *   trains to step 5 bit-exact with a single session never interrupted.
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -47,6 +55,9 @@
 
 #include "harness.h"
 #include "snapshot.h"
+#ifdef AOQT_SUPERVISOR
+#include "supervisor.h"
+#endif
 
 #define NT 6
 #define NSTEPS 5
@@ -788,6 +799,103 @@ static void test_hostile(const struct aoqt_daemon *d)
 	printf("hostile: \"%s\"\n", msg);
 }
 
+#ifdef AOQT_SUPERVISOR
+static int test_fdstore(const char *exe, bool term)
+{
+	struct sup s;
+	sup_init(&s, false, NULL);
+	sup_start(&s, exe, NULL, NULL, 0);
+	lease_secs = 60;
+	prec = AOQ_STATE_BF16_Q8;
+	char job[48];
+	snprintf(job, sizeof(job), "fdstore-%d", (int)getpid());
+	struct rank ref;
+	void *at3[NT], *at5[NT];
+	CHECK_OK(open_rank(&ref, s.sock, "fdstore-ref", 0, 0, desc, init_vals));
+	for (uint64_t k = 1; k <= NSTEPS; k++) {
+		push_step(&ref, 1, k, NT);
+		CHECK_OK(aoq_step_end(ref.c));
+		CHECK_OK(aoq_sync(ref.c, NULL));
+		if (k == 3)
+			save_params(&ref, at3);
+	}
+	save_params(&ref, at5);
+	close_rank(&ref);
+
+	struct rank g[2];
+	for (uint32_t q = 0; q < 2; q++)
+		CHECK_OK(open_rank(&g[q], s.sock, job, 2, q, desc, init_vals));
+	for (uint64_t k = 1; k <= 3; k++) {
+		push_step(g, 2, k, NT);
+		for (uint32_t q = 0; q < 2; q++)
+			CHECK_OK(aoq_step_end(g[q].c));
+		for (uint32_t q = 0; q < 2; q++)
+			CHECK_OK(aoq_sync(g[q].c, NULL));
+	}
+	/* Half of step 4, then aoqd goes. */
+	for (int t = NT - 1; t >= NT / 2; t--)
+		for (uint32_t q = 0; q < 2; q++) {
+			fill_grad(&g[q], t, 4, 0);
+			CHECK_OK(aoq_push_grad(g[q].c, (uint32_t)t, 0, NULL));
+		}
+	size_t before = strlen(sup_log(&s));
+	sup_kill(&s, term ? SIGTERM : SIGKILL);
+	const char *log = sup_log(&s) + before;
+	if (term)
+		CHECK(strstr(log, "local world 2): state at step 3 kept in the fd store"), "the group was not kept:\n%s",
+		      log);
+	int states = 0;
+	for (int i = 0; i < s.nstored; i++)
+		states += strncmp(s.stored_name[i], "aoq-state-", 10) == 0;
+	CHECK(states == 1 && s.nstored > 1, "%d states (%d fds) in the store, want the group's and its masters", states,
+	      s.nstored);
+	for (uint32_t q = 0; q < 2; q++) {
+		int r = aoq_step_end(g[q].c);
+		if (r == 0)
+			r = aoq_sync(g[q].c, NULL);
+		CHECK(r < 0, "rank %u: step 4 ended without aoqd", q);
+		close_rank(&g[q]);
+	}
+	before = strlen(sup_log(&s));
+	sup_start(&s, exe, NULL, NULL, 0);
+	log = sup_log(&s) + before;
+	printf("--- the restarted aoqd's log up to READY=1 ---\n%s---\n", log);
+	CHECK(strstr(log, "rank 4294967295 taken back from the fd store"), "the group was not taken back:\n%s", log);
+	CHECK(term || strstr(log, "journal replayed"), "no journal replayed after SIGKILL:\n%s", log);
+	CHECK(!strstr(log, "from its snapshot") && !strstr(log, "refused"), "a snapshot or a refusal:\n%s", log);
+	for (uint32_t q = 0; q < 2; q++) {
+		CHECK_OK(open_rank(&g[q], s.sock, job, 2, q, desc, init_vals));
+		uint64_t at = 0;
+		CHECK(aoq_resumed(g[q].c, &at) == 1 && at == 3, "rank %u: resumed at %" PRIu64 " (want 3)", q, at);
+	}
+	check_saved(g, 2, at3, "resumed from the fd store");
+	for (uint64_t k = 4; k <= NSTEPS; k++) {
+		push_step(g, 2, k, NT);
+		for (uint32_t q = 0; q < 2; q++)
+			CHECK_OK(aoq_step_end(g[q].c));
+		for (uint32_t q = 0; q < 2; q++)
+			CHECK_OK(aoq_sync(g[q].c, NULL));
+	}
+	check_saved(g, 2, at5, "after the restart");
+	for (uint32_t q = 0; q < 2; q++)
+		close_rank(&g[q]);
+	for (int t = 0; t < NT; t++) {
+		free(at3[t]);
+		free(at5[t]);
+	}
+	/* the group said Bye: its state and masters left the store */
+	sup_kill(&s, SIGTERM);
+	CHECK(s.nstored == 0, "%d fds stored after the group said Bye", s.nstored);
+	printf("fdstore: a group of 2 %s in step 4 resumed at step 3 from the fd store, bit-exact at step %d\n",
+	       term ? "stopped" : "killed", NSTEPS);
+	char cmd[256];
+	snprintf(cmd, sizeof(cmd), "rm -rf '%s'", s.dir);
+	if (system(cmd) != 0)
+		fprintf(stderr, "could not remove %s\n", s.dir);
+	return 0;
+}
+#endif
+
 int main(int argc, char **argv)
 {
 	aoqt_init("integration-shared");
@@ -800,6 +908,10 @@ int main(int argc, char **argv)
 	}
 	if (argc > 2 && strcmp(argv[2], "restart") == 0)
 		return test_restart(exe);
+#ifdef AOQT_SUPERVISOR
+	if (argc > 3 && strcmp(argv[2], "fdstore") == 0)
+		return test_fdstore(exe, strcmp(argv[3], "term") == 0);
+#endif
 	struct aoqt_daemon d;
 	static const char *const args[] = { "--threads", "2", NULL };
 	CHECK_OK(aoqt_daemon_start(&d, exe, args));
