@@ -48,6 +48,8 @@
  * each with 15 workers at it on the H200 host), the longest a load or an
  * update waits for a worker busy with one. */
 #define CHUNK (2u << 20)
+/* An arena smaller than this faults in as it is used (a few ms). */
+#define ARENA_MIN (64u << 20)
 
 struct piece {
 	uint8_t *p;
@@ -222,28 +224,11 @@ static void interleave_masters(const struct aoqd_state *st, struct piece *pc)
 	free(bucket);
 }
 
-void aoqd_populate_start(struct aoqd_session *s)
+/* The pieces (bytes in all; taken over) as chunks for s's pool, after
+ * every other task. */
+static void submit(struct aoqd_session *s, struct piece *pieces, uint64_t npieces, uint64_t bytes)
 {
-	struct aoqd_state *st = &s->st;
 	struct aoqd_pool *pool = s->srv->pool;
-	if (!pool || !st->ntensors)
-		return;
-	pthread_once(&probe_once, probe);
-	uint64_t npieces = 0, bytes = 0;
-	for (int pass = 0; pass < 3; pass++)
-		for (uint32_t i = 0; i < st->ntensors; i++)
-			npieces += tensor_pieces(&st->tensors[i], pass, NULL, &bytes);
-	if (!npieces || npieces > UINT32_MAX)
-		return;
-	struct piece *pieces = malloc(npieces * sizeof(*pieces));
-	if (!pieces)
-		return; /* the pages fault in at first use */
-	uint64_t k = 0;
-	bytes = 0;
-	for (int pass = 0; pass < 3; pass++)
-		for (uint32_t i = 0; i < st->ntensors; i++)
-			k += tensor_pieces(&st->tensors[i], pass, pieces + k, &bytes);
-	interleave_masters(st, pieces);
 	/* Chunks of consecutive pieces, up to CHUNK bytes each: a state of
 	 * many small tensors takes few tasks. */
 	uint32_t nchunks = 0;
@@ -284,6 +269,47 @@ void aoqd_populate_start(struct aoqd_session *s)
 	s->steps.ops->hold(s);
 	aoqd_pool_submit(pool, &s->queue, (struct aoqd_key){ UINT64_MAX, UINT64_MAX }, &pop->chunks[0].task,
 	                 &pop->chunks[nchunks - 1].task, nchunks);
+}
+
+void aoqd_populate_start(struct aoqd_session *s)
+{
+	struct aoqd_state *st = &s->st;
+	if (!s->srv->pool || !st->ntensors)
+		return;
+	pthread_once(&probe_once, probe);
+	uint64_t npieces = 0, bytes = 0;
+	for (int pass = 0; pass < 3; pass++)
+		for (uint32_t i = 0; i < st->ntensors; i++)
+			npieces += tensor_pieces(&st->tensors[i], pass, NULL, &bytes);
+	if (!npieces || npieces > UINT32_MAX)
+		return;
+	struct piece *pieces = malloc(npieces * sizeof(*pieces));
+	if (!pieces)
+		return; /* the pages fault in at first use */
+	uint64_t k = 0;
+	bytes = 0;
+	for (int pass = 0; pass < 3; pass++)
+		for (uint32_t i = 0; i < st->ntensors; i++)
+			k += tensor_pieces(&st->tensors[i], pass, pieces + k, &bytes);
+	interleave_masters(st, pieces);
+	submit(s, pieces, npieces, bytes);
+}
+
+void aoqd_populate_arena(struct aoqd_session *s)
+{
+	struct aoqd_arena *a = &s->arena;
+	if (!s->srv->pool || !a->base || a->size < ARENA_MIN)
+		return;
+	pthread_once(&probe_once, probe);
+	uint64_t n = (a->size + CHUNK - 1) / CHUNK;
+	struct piece *pieces = malloc(n * sizeof(*pieces));
+	if (!pieces)
+		return; /* the pages fault in at first use */
+	for (uint64_t i = 0; i < n; i++) {
+		uint64_t o = i * CHUNK, len = a->size - o < CHUNK ? a->size - o : CHUNK;
+		pieces[i] = (struct piece){ a->base + o, (size_t)len };
+	}
+	submit(s, pieces, n, a->size);
 }
 
 void aoqd_populate_stop(struct aoqd_session *s)

@@ -25,6 +25,14 @@ struct aoqd_session;
 void aoqd_populate_start(struct aoqd_session *s);
 /* What is left of s's populating is dropped (any thread). */
 void aoqd_populate_stop(struct aoqd_session *s);
+/* The same for s's new arena (of 64 MiB or more): its pages faulted in on
+ * the pool, charged to aoqd's memory as the updates' first writes were,
+ * while the trainer maps it and loads or reads back its parameters, so
+ * that its gradients' copies and the updates' writes in the first step
+ * meet pages that exist instead of trapping per 4 KiB shmem page (after a
+ * restart the resumed session's arena is new: tests/bench/RESULTS.md,
+ * "Restart", "The arena faulted in on the pool"). */
+void aoqd_populate_arena(struct aoqd_session *s);
 /* Tests: fault pages in by touching them, as on a kernel without
  * MADV_POPULATE_WRITE (populate.c), or not.  Process-wide. */
 void aoqd_populate_touch(bool on);

@@ -358,6 +358,7 @@ static int arena_made(struct aoqd_session *s, uv_poll_cb on_doorbell, int r, str
 		r = aoqd_arena_watch(&s->arena, s->srv->loop, on_doorbell, s);
 	if (r < 0)
 		return AOQD_FAIL(err, NO_MEMORY, "cannot create the arena: %s", strerror(-r));
+	aoqd_populate_arena(s);
 	Aoq__Registered reg = AOQ__REGISTERED__INIT;
 	reg.arena_size = s->arena.size;
 	reg.tensors = st->ntensors;
