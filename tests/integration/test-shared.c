@@ -577,6 +577,45 @@ static void check_saved(const struct rank *ranks, uint32_t n, void *const *want,
 	check_params(ranks, n, &ref, what, 0);
 }
 
+/* One session's parameters after steps 3 and NSTEPS, in at3 and at5
+ * (allocated here). */
+static void reference_run(const char *sock, const char *job, void **at3, void **at5)
+{
+	struct rank ref;
+	CHECK_OK(open_rank(&ref, sock, job, 0, 0, desc, init_vals));
+	for (uint64_t k = 1; k <= NSTEPS; k++) {
+		push_step(&ref, 1, k, NT);
+		CHECK_OK(aoq_step_end(ref.c));
+		CHECK_OK(aoq_sync(ref.c, NULL));
+		if (k == 3)
+			save_params(&ref, at3);
+	}
+	save_params(&ref, at5);
+	close_rank(&ref);
+}
+
+/* Steps from to `to` of a group of 2, each ended and synced. */
+static void group_steps(struct rank *g, uint64_t from, uint64_t to)
+{
+	for (uint64_t k = from; k <= to; k++) {
+		push_step(g, 2, k, NT);
+		for (uint32_t q = 0; q < 2; q++)
+			CHECK_OK(aoq_step_end(g[q].c));
+		for (uint32_t q = 0; q < 2; q++)
+			CHECK_OK(aoq_sync(g[q].c, NULL));
+	}
+}
+
+/* Half of step k of a group of 2: the last tensors pushed by both. */
+static void group_half_step(struct rank *g, uint64_t k)
+{
+	for (int t = NT - 1; t >= NT / 2; t--)
+		for (uint32_t q = 0; q < 2; q++) {
+			fill_grad(&g[q], t, k, 0);
+			CHECK_OK(aoq_push_grad(g[q].c, (uint32_t)t, 0, NULL));
+		}
+}
+
 static int test_restart(const char *exe)
 {
 	char sd[] = "/tmp/aoq-groupsnap-XXXXXX";
@@ -588,29 +627,12 @@ static int test_restart(const char *exe)
 	snprintf(job, sizeof(job), "restart-%d", (int)getpid());
 	lease_secs = 60;
 	/* The single session's parameters after steps 3 and 5. */
-	struct rank ref;
 	void *at3[NT], *at5[NT];
-	CHECK_OK(open_rank(&ref, d.socket, "restart-ref", 0, 0, desc, init_vals));
-	for (uint64_t k = 1; k <= NSTEPS; k++) {
-		push_step(&ref, 1, k, NT);
-		CHECK_OK(aoq_step_end(ref.c));
-		CHECK_OK(aoq_sync(ref.c, NULL));
-		if (k == 3)
-			save_params(&ref, at3);
-	}
-	save_params(&ref, at5);
-	close_rank(&ref);
-
+	reference_run(d.socket, "restart-ref", at3, at5);
 	struct rank g[2];
 	for (uint32_t q = 0; q < 2; q++)
 		CHECK_OK(open_rank(&g[q], d.socket, job, 2, q, desc, init_vals));
-	for (uint64_t k = 1; k <= 3; k++) {
-		push_step(g, 2, k, NT);
-		for (uint32_t q = 0; q < 2; q++)
-			CHECK_OK(aoq_step_end(g[q].c));
-		for (uint32_t q = 0; q < 2; q++)
-			CHECK_OK(aoq_sync(g[q].c, NULL));
-	}
+	group_steps(g, 1, 3);
 	check_saved(g, 2, at3, "before the snapshot");
 	/* A member's id names the group's state. */
 	Aoq__Envelope *env = NULL;
@@ -640,11 +662,7 @@ static int test_restart(const char *exe)
 		aoqd_state_free(&st, &locked);
 	}
 	/* Half of step 4, then aoqd dies. */
-	for (int t = NT - 1; t >= NT / 2; t--)
-		for (uint32_t q = 0; q < 2; q++) {
-			fill_grad(&g[q], t, 4, 0);
-			CHECK_OK(aoq_push_grad(g[q].c, (uint32_t)t, 0, NULL));
-		}
+	group_half_step(g, 4);
 	CHECK(kill(d.pid, SIGKILL) == 0, "kill");
 	for (uint32_t q = 0; q < 2; q++) {
 		r = aoq_step_end(g[q].c);
@@ -698,13 +716,7 @@ static int test_restart(const char *exe)
 		CHECK(aoq_resumed(g[q].c, &at) == 1 && at == 3, "rank %u: resumed at %" PRIu64 " (want 3)", q, at);
 	}
 	check_saved(g, 2, at3, "resumed from the snapshot");
-	for (uint64_t k = 4; k <= NSTEPS; k++) {
-		push_step(g, 2, k, NT);
-		for (uint32_t q = 0; q < 2; q++)
-			CHECK_OK(aoq_step_end(g[q].c));
-		for (uint32_t q = 0; q < 2; q++)
-			CHECK_OK(aoq_sync(g[q].c, NULL));
-	}
+	group_steps(g, 4, NSTEPS);
 	check_saved(g, 2, at5, "after the restart");
 	printf("restart: the group's snapshot at step 3 (%s), aoqd killed in step 4 and restarted, a new group resumed "
 	       "at step 3, bit-exact with one session at step %d\n", path, NSTEPS);
@@ -809,35 +821,14 @@ static int test_fdstore(const char *exe, bool term)
 	prec = AOQ_STATE_BF16_Q8;
 	char job[48];
 	snprintf(job, sizeof(job), "fdstore-%d", (int)getpid());
-	struct rank ref;
 	void *at3[NT], *at5[NT];
-	CHECK_OK(open_rank(&ref, s.sock, "fdstore-ref", 0, 0, desc, init_vals));
-	for (uint64_t k = 1; k <= NSTEPS; k++) {
-		push_step(&ref, 1, k, NT);
-		CHECK_OK(aoq_step_end(ref.c));
-		CHECK_OK(aoq_sync(ref.c, NULL));
-		if (k == 3)
-			save_params(&ref, at3);
-	}
-	save_params(&ref, at5);
-	close_rank(&ref);
-
+	reference_run(s.sock, "fdstore-ref", at3, at5);
 	struct rank g[2];
 	for (uint32_t q = 0; q < 2; q++)
 		CHECK_OK(open_rank(&g[q], s.sock, job, 2, q, desc, init_vals));
-	for (uint64_t k = 1; k <= 3; k++) {
-		push_step(g, 2, k, NT);
-		for (uint32_t q = 0; q < 2; q++)
-			CHECK_OK(aoq_step_end(g[q].c));
-		for (uint32_t q = 0; q < 2; q++)
-			CHECK_OK(aoq_sync(g[q].c, NULL));
-	}
+	group_steps(g, 1, 3);
 	/* Half of step 4, then aoqd goes. */
-	for (int t = NT - 1; t >= NT / 2; t--)
-		for (uint32_t q = 0; q < 2; q++) {
-			fill_grad(&g[q], t, 4, 0);
-			CHECK_OK(aoq_push_grad(g[q].c, (uint32_t)t, 0, NULL));
-		}
+	group_half_step(g, 4);
 	size_t before = strlen(sup_log(&s));
 	sup_kill(&s, term ? SIGTERM : SIGKILL);
 	const char *log = sup_log(&s) + before;
@@ -869,13 +860,7 @@ static int test_fdstore(const char *exe, bool term)
 		CHECK(aoq_resumed(g[q].c, &at) == 1 && at == 3, "rank %u: resumed at %" PRIu64 " (want 3)", q, at);
 	}
 	check_saved(g, 2, at3, "resumed from the fd store");
-	for (uint64_t k = 4; k <= NSTEPS; k++) {
-		push_step(g, 2, k, NT);
-		for (uint32_t q = 0; q < 2; q++)
-			CHECK_OK(aoq_step_end(g[q].c));
-		for (uint32_t q = 0; q < 2; q++)
-			CHECK_OK(aoq_sync(g[q].c, NULL));
-	}
+	group_steps(g, 4, NSTEPS);
 	check_saved(g, 2, at5, "after the restart");
 	for (uint32_t q = 0; q < 2; q++)
 		close_rank(&g[q]);
