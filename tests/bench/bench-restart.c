@@ -22,6 +22,7 @@
  */
 #include <errno.h>
 #include <inttypes.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -51,6 +52,69 @@ static double now(void)
 	return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+/* aoqd's log lines as they come, each with the time since the restart
+ * began (aoqd's lines carry no time of their own): where a pause goes. */
+static struct {
+	pthread_mutex_t mu;
+	const char *path;
+	double t0;
+	char buf[1 << 16];
+	size_t len;
+	bool stop;
+} tail = { .mu = PTHREAD_MUTEX_INITIALIZER };
+
+static void *tail_run(void *arg)
+{
+	(void)arg;
+	FILE *f = NULL;
+	char line[1024];
+	size_t have = 0;
+	while (!tail.stop) {
+		if (!f)
+			f = fopen(tail.path, "r");
+		int c;
+		while (f && (c = fgetc(f)) != EOF) {
+			if (have < sizeof(line) - 1)
+				line[have++] = (char)c;
+			if (c != '\n')
+				continue;
+			line[have] = '\0';
+			have = 0;
+			pthread_mutex_lock(&tail.mu);
+			if (tail.t0 > 0 && tail.len < sizeof(tail.buf) - 1)
+				tail.len += (size_t)snprintf(tail.buf + tail.len, sizeof(tail.buf) - tail.len,
+				                             "    +%6.3f s  %s", now() - tail.t0, line);
+			if (tail.len >= sizeof(tail.buf))
+				tail.len = sizeof(tail.buf) - 1;
+			pthread_mutex_unlock(&tail.mu);
+		}
+		if (f)
+			clearerr(f);
+		usleep(2000);
+	}
+	if (f)
+		fclose(f);
+	return NULL;
+}
+
+/* From now, lines are timed from t0 (the lines kept so far dropped). */
+static void tail_mark(double t0)
+{
+	pthread_mutex_lock(&tail.mu);
+	tail.t0 = t0;
+	tail.len = 0;
+	pthread_mutex_unlock(&tail.mu);
+}
+
+static void tail_print(void)
+{
+	usleep(20000); /* the last lines read */
+	pthread_mutex_lock(&tail.mu);
+	fwrite(tail.buf, 1, tail.len, stdout);
+	tail.len = 0;
+	pthread_mutex_unlock(&tail.mu);
+}
+
 struct job {
 	struct aoq_client *c;
 	unsigned nt;
@@ -58,14 +122,18 @@ struct job {
 	float **p, **g;
 };
 
+static double connected_s, pushed_s; /* the last job_open's connect, job_step's pushes */
+
 static uint64_t job_open(struct job *j, const char *sock)
 {
+	double t_open = now();
 	struct aoq_options o = AOQ_OPTIONS_INIT;
 	o.socket = sock;
 	o.job = "bench-restart";
 	o.timeout_ms = 600000;
 	o.seed = 1;
 	CHECK_OK(aoq_connect(&j->c, &o));
+	connected_s = now() - t_open;
 	struct aoq_group g = AOQ_GROUP_INIT;
 	g.kind = AOQ_ADAMW;
 	g.lr = 1e-4;
@@ -95,9 +163,11 @@ static uint64_t job_open(struct job *j, const char *sock)
 static int job_step(struct job *j, unsigned upto)
 {
 	int r;
+	double t = now();
 	for (unsigned i = 0; i < upto; i++)
 		if ((r = aoq_push_grad(j->c, i, 0, NULL)) < 0)
 			return r;
+	pushed_s = now() - t;
 	if (upto < j->nt)
 		return aoq_sync_param(j->c, 0);
 	struct aoq_step_result res = AOQ_STEP_RESULT_INIT;
@@ -122,6 +192,7 @@ static uint64_t session_id(const char *sock)
 
 struct pause {
 	double stop, start, resume, redo, total;
+	double connect, push; /* of resume, of redo */
 	uint64_t at;
 };
 
@@ -132,6 +203,7 @@ static struct pause restart(struct sup *s, struct job *j, int sig, bool drop, do
 	struct pause p;
 	CHECK_OK(job_step(j, j->nt / 2));
 	double t0 = now();
+	tail_mark(t0);
 	sup_kill(s, sig);
 	for (int i = 0; drop && i < s->nstored; i++)
 		close(s->stored_fd[i]);
@@ -150,15 +222,22 @@ static struct pause restart(struct sup *s, struct job *j, int sig, bool drop, do
 	p.start = t2 - t1;
 	p.resume = t3 - t2;
 	p.redo = t4 - t3;
+	p.connect = connected_s;
+	p.push = pushed_s;
 	p.total = t4 - t0 - step_s;
 	return p;
 }
+
+static double undisturbed_push_s;
 
 static void report(const char *what, const struct pause *p, double step_s)
 {
 	printf("%-22s pause %7.3f s  (stop %6.3f, start to READY %6.3f, reconnect+resume %6.3f, step %6.3f vs %6.3f "
 	       "undisturbed), resumed at step %" PRIu64 "\n",
 	       what, p->total, p->stop, p->start, p->resume, p->redo, step_s, p->at);
+	printf("    reconnect %.3f s of the resume; the step's pushes %.3f s (undisturbed %.3f); aoqd's log:\n",
+	       p->connect, p->push, undisturbed_push_s);
+	tail_print();
 }
 
 int main(int argc, char **argv)
@@ -171,6 +250,9 @@ int main(int argc, char **argv)
 	struct sup s;
 	sup_init(&s, false, "lease_seconds = 600\nlog_level = info\nthreads = 0\n");
 	sup_start(&s, aoqd_exe(), NULL, NULL, 0);
+	tail.path = s.log;
+	pthread_t tailer;
+	CHECK(pthread_create(&tailer, NULL, tail_run, NULL) == 0, "pthread_create");
 
 	struct job j = { .nt = nt, .per = params / nt };
 	j.p = aoqt_xcalloc(nt, sizeof(*j.p));
@@ -190,8 +272,10 @@ int main(int argc, char **argv)
 	for (int k = 0; k < 4; k++) {
 		double t = now();
 		CHECK_OK(job_step(&j, nt));
-		if (k > 0 && now() - t < step_s)
+		if (k > 0 && now() - t < step_s) {
 			step_s = now() - t;
+			undisturbed_push_s = pushed_s;
+		}
 	}
 	printf("undisturbed step: %.3f s\n", step_s);
 
@@ -236,6 +320,8 @@ int main(int argc, char **argv)
 	}
 	aoq_close(j.c);
 	sup_kill(&s, SIGTERM);
+	tail.stop = true;
+	pthread_join(tailer, NULL);
 	char cmd[160];
 	snprintf(cmd, sizeof(cmd), "rm -rf '%s'", s.dir);
 	if (system(cmd) != 0)
