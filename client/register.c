@@ -349,6 +349,10 @@ int aoq_register(struct aoq_client *c)
 		r = aoq_set_error(-errno, "cannot map the arena: %s", strerror(errno));
 		goto out_fds;
 	}
+	/* aoqd asks for huge pages on the arena too: mapped by 2 MiB where
+	 * the host's shmem_enabled allows (advise), else a no-op */
+	if (c->arena_size >= (2u << 20))
+		madvise(p, c->arena_size, MADV_HUGEPAGE);
 	if (nfds > 3 && (r = map_masters(c, fds + 3, (uint32_t)nfds - 3)) < 0) {
 		munmap(p, c->arena_size);
 		goto out_fds;

@@ -154,6 +154,12 @@ int aoqd_arena_build_lanes(struct aoqd_arena *a, const struct aoqd_state *st, ui
 	void *p = mmap(NULL, a->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
 	if (p == MAP_FAILED)
 		return -errno;
+	/* Huge pages where shmem_enabled allows (advise): a large arena's
+	 * first touch and every later mapping of it (the trainer's, the next
+	 * session's after a restart) then cost a page-table entry per 2 MiB,
+	 * not per 4 KiB (docs/operating.md, "Huge pages"). */
+	if (a->size >= (2u << 20))
+		madvise(p, a->size, MADV_HUGEPAGE);
 	a->base = p;
 	struct aoq_arena_header *h = p;
 	h->magic = AOQ_ARENA_MAGIC;

@@ -287,10 +287,36 @@ static void restore_snapshots(struct aoqd_server *srv)
  * them to the next aoqd: under systemd (NOTIFY_SOCKET), built with
  * libsystemd, with a lease (docs/design.md, "The fd store"); in private
  * mappings with transparent huge pages otherwise. */
+/* Whether shmem (the arenas, and the states kept for the fd store) gets
+ * transparent huge pages where aoqd asks (MADV_HUGEPAGE): the bracketed
+ * word of shmem_enabled.  Unknown (no file): assumed so, nothing said. */
+static bool shmem_huge(char *word, size_t len)
+{
+	char buf[128] = "";
+	snprintf(word, len, "?");
+	FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/shmem_enabled", "re");
+	if (!f)
+		return true;
+	bool got = fgets(buf, sizeof(buf), f) != NULL;
+	fclose(f);
+	char *b = got ? strchr(buf, '[') : NULL, *e = b ? strchr(b, ']') : NULL;
+	if (!e)
+		return true;
+	snprintf(word, len, "%.*s", (int)(e - b - 1), b + 1);
+	return strcmp(word, "never") != 0 && strcmp(word, "deny") != 0;
+}
+
 static void set_memfd(const struct aoqd_config *cfg)
 {
 	const char *ns = getenv("NOTIFY_SOCKET");
-	aoqd_state_set_memfd(AOQ_HAVE_SYSTEMD && ns && *ns && cfg->lease_seconds > 0);
+	bool memfd = AOQ_HAVE_SYSTEMD && ns && *ns && cfg->lease_seconds > 0;
+	aoqd_state_set_memfd(memfd);
+	char word[32];
+	if (!shmem_huge(word, sizeof(word)))
+		aoqd_info("server", "shmem_enabled is '%s': the arenas%s run on 4 KiB pages, whose page tables cost "
+		          "time at every first touch%s; 'advise' gives them huge pages (docs/operating.md, \"Huge pages\")",
+		          word, memfd ? " and the states kept for the fd store" : "",
+		          memfd ? " and at both ends of a restart" : "");
 }
 
 int aoqd_server_init(struct aoqd_server *srv, uv_loop_t *loop, const struct aoqd_config *cfg)
