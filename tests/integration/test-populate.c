@@ -1,12 +1,14 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * A new session's state faulted in by aoqd's workers ahead of its use
- * (daemon/populate.h), seen from outside:
+ * (daemon/populate.h), seen from outside (and aoqd's word at start when
+ * the host's shmem_enabled gives shmem no huge pages):
  * 1. bf16 master (the masters memfd) + q8 moments, tensors of 1, 4097 and
  *    8 Mi + 13 elements: once aoqd logs the state faulted in, its RSS has
  *    grown by the state's arrays, the moments too, which no load wrote;
  *    the masters read back are the parameters loaded beside the chunks,
- *    and a step trains;
+ *    both aoqd's and libaoq's mappings of the arena ask for huge pages
+ *    (MADV_HUGEPAGE, taken where shmem_enabled allows), and a step trains;
  * 2. fp32 master + q8 moments (private pages), the same;
  * 3. 4100 tensors, a registration built off the loop (register.c): its
  *    state is faulted in as well;
@@ -173,6 +175,33 @@ static uint64_t settled_rss(pid_t pid)
 	return low;
 }
 
+/* The arena's mappings in pid's smaps (0: ours): how many, and how many
+ * ask for huge pages (VmFlags "hg", MADV_HUGEPAGE), which both aoqd and
+ * libaoq do, so that shmem_enabled=advise gives the arena huge pages. */
+static void arena_hints(pid_t pid, int *maps, int *hinted)
+{
+	char p[64], line[512];
+	if (pid)
+		snprintf(p, sizeof(p), "/proc/%d/smaps", (int)pid);
+	else
+		snprintf(p, sizeof(p), "/proc/self/smaps");
+	FILE *f = fopen(p, "re");
+	CHECK(f, "%s: cannot open", p);
+	*maps = *hinted = 0;
+	bool arena = false;
+	while (fgets(line, sizeof(line), f)) {
+		if (strncmp(line, "VmFlags:", 8) == 0) {
+			if (arena && strstr(line, " hg"))
+				(*hinted)++;
+			arena = false;
+		} else if (strchr(line, '-') && strstr(line, "memfd:aoq-arena")) {
+			arena = true;
+			(*maps)++;
+		}
+	}
+	fclose(f);
+}
+
 /* Registers, waits for the state faulted in, checks aoqd's RSS grew by
  * `bytes_per_elem` per element, checks and trains. */
 static void populated(struct aoqt_daemon *d, const char *what, enum aoq_precision prec, double bytes_per_elem)
@@ -187,6 +216,12 @@ static void populated(struct aoqt_daemon *d, const char *what, enum aoq_precisio
 	uint64_t rss1 = rss_exact(d->pid), want = (uint64_t)(numel[2] * bytes_per_elem);
 	CHECK(rss0 && rss1 >= rss0 + want, "%s: aoqd's RSS grew by %lld bytes with the state faulted in, expected at "
 	      "least %llu", what, (long long)(rss1 - rss0), (unsigned long long)want);
+	int maps, hinted;
+	arena_hints(0, &maps, &hinted);
+	CHECK(maps == 1 && hinted == 1, "%s: libaoq maps the arena %d time(s), %d with MADV_HUGEPAGE; 1 and 1 expected",
+	      what, maps, hinted);
+	arena_hints(d->pid, &maps, &hinted);
+	CHECK(maps >= 1 && hinted == maps, "%s: aoqd maps arenas %d time(s), %d with MADV_HUGEPAGE", what, maps, hinted);
 	check_and_step(&r, what);
 	close_run(&r);
 	printf("%s: ok (RSS +%.1f MiB)\n", what, (double)(rss1 - rss0) / (1 << 20));
@@ -199,6 +234,19 @@ int main(int argc, char **argv)
 	struct aoqt_daemon d;
 	const char *args[] = { "--threads", "2", "--log-level", "debug", NULL };
 	CHECK_OK(aoqt_daemon_start(&d, exe, args));
+
+	/* aoqd says at start when shmem gets no huge pages (the host's setting) */
+	char thp[128] = "";
+	FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/shmem_enabled", "re");
+	if (f) {
+		if (!fgets(thp, sizeof(thp), f))
+			thp[0] = '\0';
+		fclose(f);
+	}
+	bool off = strstr(thp, "[never]") || strstr(thp, "[deny]");
+	wait_count(&d, "listening on", 1);
+	CHECK(count(&d, "run on 4 KiB pages") == (off ? 1 : 0), "shmem_enabled '%s': aoqd's start says %d time(s) that "
+	      "the arenas run on 4 KiB pages", thp, count(&d, "run on 4 KiB pages"));
 
 	/* bf16 master 2 bytes, q8 moments 1 + 1 */
 	populated(&d, "bf16-q8", AOQ_STATE_BF16_Q8, 4.0);
