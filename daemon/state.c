@@ -377,15 +377,17 @@ static int store_notify(const char *msg, int fd)
 
 void aoqd_state_store_masters(struct aoqd_state *st)
 {
+	st->masters_stored = st->store_name[0] && st->masters_n;
 	for (uint32_t k = 0; st->store_name[0] && k < st->masters_n; k++) {
 		char nm[64], msg[128];
 		aoqd_state_masters_name(st->store_name, k, nm, sizeof(nm));
 		snprintf(msg, sizeof(msg), "FDSTORE=1\nFDPOLL=0\nFDNAME=%s", nm);
 		if (store_notify(msg, st->masters_fd[k]) <= 0) {
+			st->masters_stored = false;
 			static bool warned;
 			if (!warned)
 				aoqd_warn("session", "masters memfd not kept in the fd store: a kill of aoqd loses its steps "
-				          "(a stop keeps them; logged once)");
+				          "(a stop copies them into the state's memfd; logged once)");
 			warned = true;
 		}
 	}

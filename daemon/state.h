@@ -67,6 +67,11 @@ struct aoqd_tensor {
  * this host's atomics; a reader trusts none of it.
  */
 #define AOQD_JOURNAL_DIRTY (1ull << 63)
+/* The journal's stop mark: no stop wrote the memfd since (a kill); a stop
+ * wrote it with the masters that are parameters copied into their slots;
+ * a stop wrote it and left those masters in their memfds in the store,
+ * which the next aoqd then needs as after a kill. */
+enum { AOQD_STOPPED_NOT = 0, AOQD_STOPPED = 1, AOQD_STOPPED_MASTERS_APART = 2 };
 struct aoqd_journal {
 	/* last_step, with AOQD_JOURNAL_DIRTY when no rollback can take the
 	 * state back to it (loaded since, no undo copy, never completed a
@@ -75,7 +80,7 @@ struct aoqd_journal {
 	_Atomic uint64_t log_n;    /* entries taken in the log (may pass cap) */
 	_Atomic uint32_t overflow; /* the log was full: the open step cannot be undone */
 	uint32_t cap;              /* entries the log holds */
-	_Atomic uint32_t stopped;  /* a stop wrote the memfd (masters in their slots) */
+	_Atomic uint32_t stopped;  /* a stop wrote the memfd: AOQD_STOPPED_* */
 	uint32_t zero[9];
 };
 /* A group's hyperparameters: v[sel] is the one in force (lr, beta1, beta2,
@@ -136,6 +141,10 @@ struct aoqd_state {
 	const int *masters_from;
 	uint32_t masters_from_n;
 	bool masters_restored;
+	/* Every masters memfd went to the fd store (aoqd_state_store_masters):
+	 * a stop then leaves the masters there and copies none into the
+	 * slots (fdstore.c, AOQD_STOPPED_MASTERS_APART). */
+	bool masters_stored;
 	/* The state in one memfd (docs/design.md, "The fd store"): mem_fd
 	 * (valid when `memfd`) holds a header page, the journal, then every
 	 * tensor's slot (from mem_data_off), then the fd store's

@@ -8,12 +8,14 @@
  * stop`, the next aoqd reads the snapshot).
  * A supervisor does what systemd does (tests/integration/supervisor.h).
  *
- *   bench-restart [PARAMS [TENSORS]]    (default 2^30 parameters, 16 tensors)
+ *   bench-restart [PARAMS [TENSORS [PRECISION]]]
+ *       (default 2^30 parameters, 16 tensors, fp32; PRECISION below)
  *
  * aoqd: $AOQD when set, else the build's.
  *
- * One fp32 AdamW job (12 B of state per parameter, and the lease's undo
- * copy as much again), host backend.  The pause: from the signal until the
+ * One AdamW job (fp32: 12 B of state per parameter, and the lease's undo
+ * copy as much again; PRECISION q8 or bf16-q8: bf16 parameters whose
+ * masters live in memfds of their own), host backend.  The pause: from the signal until the
  * trainer has finished the interrupted step again, less that step's
  * undisturbed time; with its parts (the old aoqd's stop, the new one's
  * start to READY=1, the trainer's reconnect and resume) and aoqd's log
@@ -124,7 +126,9 @@ struct job {
 	struct aoq_client *c;
 	unsigned nt;
 	uint64_t per;
-	float **p, **g;
+	enum aoq_dtype dt;     /* the parameters' and gradients' */
+	enum aoq_precision prec;
+	void **p, **g;
 };
 
 static double connected_s, pushed_s; /* the last job_open's connect, job_step's pushes */
@@ -137,6 +141,7 @@ static uint64_t job_open(struct job *j, const char *sock)
 	o.job = "bench-restart";
 	o.timeout_ms = 600000;
 	o.seed = 1;
+	o.precision = j->prec;
 	CHECK_OK(aoq_connect(&j->c, &o));
 	connected_s = now() - t_open;
 	struct aoq_group g = AOQ_GROUP_INIT;
@@ -153,7 +158,7 @@ static uint64_t job_open(struct job *j, const char *sock)
 		struct aoq_tensor t = AOQ_TENSOR_INIT;
 		t.name = name;
 		t.numel = j->per;
-		t.param_dtype = t.grad_dtype = AOQ_FP32;
+		t.param_dtype = t.grad_dtype = j->dt;
 		t.param = j->p[i];
 		t.grad = j->g[i];
 		CHECK_OK(aoq_add_tensor(j->c, &t));
@@ -247,7 +252,7 @@ static struct pause restart(struct sup *s, struct job *j, int sig, bool drop, do
  * starts aoqd from a small PID 1, and a fork that copied the page tables
  * of 8 GB of tensors (1 G parameters) took about a second, counted in the
  * start's time although no aoqd runs yet. */
-static float *trainer_alloc(size_t bytes)
+static void *trainer_alloc(size_t bytes)
 {
 	void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
 	CHECK(p != MAP_FAILED, "mmap %zu: %s", bytes, strerror(errno));
@@ -272,7 +277,26 @@ int main(int argc, char **argv)
 	aoqt_init("bench-restart");
 	uint64_t params = argc > 1 ? strtoull(argv[1], NULL, 0) : (1ull << 30);
 	unsigned nt = argc > 2 ? (unsigned)strtoul(argv[2], NULL, 0) : 16;
+	const char *mode = argc > 3 ? argv[3] : "fp32";
 	CHECK(params >= nt && nt >= 2, "PARAMS >= TENSORS >= 2");
+	/* PRECISION: fp32 (fp32 parameters and state, 12 B a parameter), q8
+	 * (bf16 parameters, the split master and q8 moments: the default for
+	 * bf16 parameters, 6 B) or bf16-q8 (bf16 parameters, the bf16 master
+	 * that is the parameter and q8 moments, 4 B); the masters that are the
+	 * parameters live in memfds of their own, which the store keeps too. */
+	struct job j = { .nt = nt, .per = params / nt, .dt = AOQ_FP32, .prec = AOQ_STATE_FP32 };
+	double bpp = 12;
+	if (strcmp(mode, "q8") == 0) {
+		j.dt = AOQ_BF16;
+		j.prec = AOQ_STATE_Q8;
+		bpp = 6;
+	} else if (strcmp(mode, "bf16-q8") == 0) {
+		j.dt = AOQ_BF16;
+		j.prec = AOQ_STATE_BF16_Q8;
+		bpp = 4;
+	} else {
+		CHECK(strcmp(mode, "fp32") == 0, "PRECISION '%s': fp32, q8 or bf16-q8", mode);
+	}
 	signal(SIGPIPE, SIG_IGN);
 	struct sup s;
 	sup_init(&s, false, "lease_seconds = 600\nlog_level = info\nthreads = 0\n");
@@ -281,19 +305,19 @@ int main(int argc, char **argv)
 	pthread_t tailer;
 	CHECK(pthread_create(&tailer, NULL, tail_run, NULL) == 0, "pthread_create");
 
-	struct job j = { .nt = nt, .per = params / nt };
 	j.p = aoqt_xcalloc(nt, sizeof(*j.p));
 	j.g = aoqt_xcalloc(nt, sizeof(*j.g));
 	for (unsigned i = 0; i < nt; i++) {
-		j.p[i] = trainer_alloc(j.per * sizeof(float));
-		j.g[i] = trainer_alloc(j.per * sizeof(float));
+		size_t es = j.dt == AOQ_FP32 ? 4 : 2;
+		j.p[i] = trainer_alloc(j.per * es);
+		j.g[i] = trainer_alloc(j.per * es);
 		for (uint64_t k = 0; k < j.per; k++) {
-			j.p[i][k] = 1.0f + (float)(k & 127) * 1e-3f;
-			j.g[i][k] = 1e-2f * (float)((k * 7) & 255) / 255.0f;
+			aoqt_store(j.p[i], k, j.dt, 1.0 + (double)(k & 127) * 1e-3);
+			aoqt_store(j.g[i], k, j.dt, 1e-2 * (double)((k * 7) & 255) / 255.0);
 		}
 	}
-	printf("bench-restart: %" PRIu64 " fp32 parameters in %u tensors, AdamW (%.1f GB of state)\n", j.per * nt, nt,
-	       (double)(j.per * nt) * 12e-9);
+	printf("bench-restart: %" PRIu64 " %s parameters in %u tensors, AdamW, %s (%.1f GB of state)\n", j.per * nt,
+	       j.dt == AOQ_FP32 ? "fp32" : "bf16", nt, mode, (double)(j.per * nt) * bpp * 1e-9);
 	CHECK(job_open(&j, s.sock) == 0, "a fresh job resumed");
 	double step_s = 1e9;
 	for (int k = 0; k < 4; k++) {

@@ -18,22 +18,27 @@
  *         state is read in the memfd the supervisor holds: no copy), with
  *         four hostile fds beside it (unsealed, damaged descriptor, cut
  *         short, a pipe), each refused with its reason and removed from
- *         the store (with q8, a masters memfd too many for the state and
- *         one without a state too); no snapshot exists to read.
+ *         the store (with q8, a masters memfd without a state too); no
+ *         snapshot exists to read.
  *   kill: SIGKILL mid-step, with periodic snapshots; the state's memfd is
  *         in the store with its journal, which the restart replays: the
  *         trainer resumes at step 5 bit for bit, no snapshot read.
  *   nostore: the same kill under a supervisor that keeps no fd (a unit
  *         without FileDescriptorStoreMax=): the restart falls back to the
  *         periodic snapshots, as without systemd.
+ *   nomasters (with q8): SIGTERM mid-step with periodic snapshots, and the
+ *         supervisor loses the stored masters memfd before the restart:
+ *         the stop left the masters there (none in the state's memfd), so
+ *         the state is refused, never taken with zeros for masters, and
+ *         the trainer resumes from its snapshot.
  *
  * A third argument "q8" trains q8 state instead of fp32: the bf16 tensor's
  * master is then split (kernels/README.md, "The split master"), its high
  * half the parameter in a masters memfd, which the store keeps beside the
- * state's from the registration on (aoq-masters-<n>-0): copied into the
- * state's memfd at a stop, read from the stored masters memfd after a
- * kill, into the new masters memfd at the restart, which then stores it in
- * the old one's place.
+ * state's from the registration on (aoq-masters-<n>-0): left there at a
+ * stop as after a kill (the journal's stop mark says so), read from the
+ * stored masters memfd into the new masters memfd at the restart, which
+ * then stores it in the old one's place.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -269,14 +274,18 @@ int main(int argc, char **argv)
 	aoqt_init("integration-fdstore");
 	const char *exe = aoqt_aoqd_path(argc, argv);
 	const char *mode = argc > 2 ? argv[2] : "term";
+	bool nomasters = strcmp(mode, "nomasters") == 0;
 	bool term = strcmp(mode, "term") == 0, nostore = strcmp(mode, "nostore") == 0;
-	CHECK(term || nostore || strcmp(mode, "kill") == 0, "mode '%s': term, kill or nostore", mode);
+	bool sigterm = term || nomasters, snapshots = !term, from_snapshot = nostore || nomasters;
+	CHECK(term || nostore || nomasters || strcmp(mode, "kill") == 0, "mode '%s': term, kill, nostore or nomasters",
+	      mode);
 	if (argc > 3 && strcmp(argv[3], "q8") == 0)
 		precision = AOQ_STATE_Q8;
+	CHECK(!nomasters || precision == AOQ_STATE_Q8, "nomasters needs q8 (a master that is a parameter)");
 	signal(SIGPIPE, SIG_IGN);
 
 	struct sup s;
-	sup_init(&s, !term, NULL);
+	sup_init(&s, snapshots, NULL);
 	s.nostore = nostore;
 	sup_start(&s, exe, NULL, NULL, 0);
 
@@ -297,7 +306,7 @@ int main(int argc, char **argv)
 	CHECK(ino >= 0 && inotify_add_watch(ino, s.state, IN_MOVED_TO) >= 0, "inotify: %s", strerror(errno));
 	for (uint64_t k = 1; k < KILL_AT; k++) {
 		CHECK_OK(trainer_step(&run, k, false));
-		if (!term && k == 2) {
+		if (snapshots && k == 2) {
 			/* kill: a snapshot of this job on disk before going on */
 			bool ours = false;
 			while (!ours) {
@@ -319,7 +328,7 @@ int main(int argc, char **argv)
 	close(ino);
 	CHECK_OK(trainer_step(&run, KILL_AT, true));
 	size_t before = strlen(sup_log(&s));
-	sup_kill(&s, term ? SIGTERM : SIGKILL);
+	sup_kill(&s, sigterm ? SIGTERM : SIGKILL);
 	const char *log = sup_log(&s) + before;
 	printf("--- aoqd's log from the kill on ---\n%s---\n", log);
 	/* The undisturbed job said Bye: its memfd left the store.  The other
@@ -337,7 +346,14 @@ int main(int argc, char **argv)
 		snprintf(stored_name, sizeof(stored_name), "%s", s.stored_name[si]);
 		uint8_t magic[8];
 		CHECK(pread(s.stored_fd[si], magic, 8, 0) == 8 && memcmp(magic, "AOQFDST2", 8) == 0,
-		      "no stored-form header after %s", term ? "SIGTERM" : "SIGKILL");
+		      "no stored-form header after %s", sigterm ? "SIGTERM" : "SIGKILL");
+		/* the journal's stop mark (daemon/state.h, struct aoqd_journal):
+		 * 0 after a kill; after a stop 1, or 2 when the masters that are
+		 * parameters stayed in their stored memfds (none copied) */
+		uint32_t mark = 9;
+		CHECK(pread(s.stored_fd[si], &mark, 4, 4096 + 24) == 4, "pread");
+		uint32_t want = !sigterm ? 0 : nmasters ? 2 : 1;
+		CHECK(mark == want, "stop mark %u after %s, want %u", mark, sigterm ? "SIGTERM" : "SIGKILL", want);
 	}
 	if (term)
 		CHECK(strstr(log, "kept in the fd store"), "no 'kept in the fd store' in the log");
@@ -351,13 +367,9 @@ int main(int argc, char **argv)
 	trainer_close(&run);
 
 	int extra[6] = { -1, -1, -1, -1, -1, -1 };
-	/* q8: a masters memfd too many for the state (its two are then left
-	 * out, and the stop's copy in its slot serves), and one without a
-	 * state (removed) */
-	char too_many[300];
-	snprintf(too_many, sizeof(too_many), "aoq-masters-%s-1", stored_name + strlen("aoq-state-"));
+	/* q8: a masters memfd without a state (removed) */
 	const char *const extra_names[6] = { "aoq-state-900001", "aoq-state-900002", "aoq-state-900003",
-	                                     "aoq-state-900004", too_many, "aoq-masters-900009-0" };
+	                                     "aoq-state-900004", "aoq-masters-900009-0" };
 	int nextra = 0, pipefd[2] = { -1, -1 };
 	if (term) {
 		extra[0] = sealed_copy(s.stored_fd[si], 0, -1, false); /* unsealed */
@@ -368,11 +380,26 @@ int main(int argc, char **argv)
 		CHECK(pipe2(pipefd, O_CLOEXEC) == 0, "pipe");
 		extra[3] = pipefd[0];
 		nextra = 4;
-		for (int i = 0; i < nmasters * 2; i++) {
+		for (int i = 0; i < nmasters; i++) {
 			extra[nextra] = memfd_create("hostile-masters", MFD_CLOEXEC);
 			CHECK(extra[nextra] >= 0 && ftruncate(extra[nextra], 4096) == 0, "memfd: %s", strerror(errno));
 			nextra++;
 		}
+	}
+	if (nomasters) {
+		/* the stored masters memfd lost (a store that was full, say) */
+		int k = 0;
+		for (int i = 0; i < s.nstored; i++) {
+			if (strncmp(s.stored_name[i], "aoq-masters-", 12) == 0) {
+				close(s.stored_fd[i]);
+				continue;
+			}
+			s.stored_fd[k] = s.stored_fd[i];
+			memcpy(s.stored_name[k], s.stored_name[i], sizeof(s.stored_name[k]));
+			k++;
+		}
+		CHECK(s.nstored - k == nmasters, "%d masters memfds dropped, want %d", s.nstored - k, nmasters);
+		s.nstored = k;
 	}
 	int removes = s.removes;
 	before = strlen(sup_log(&s));
@@ -394,18 +421,15 @@ int main(int argc, char **argv)
 		CHECK(strstr(log, "mapped in place"), "the stored state was not mapped in place:\n%s", log);
 		/* the hostile fds left the store; the state's memfd stays, now the
 		 * live state's, its header cleared */
-		if (nmasters) {
-			CHECK(strstr(log, "its stored masters left out: 2 masters memfds stored, its tensors make 1"),
-			      "the masters memfd too many was not refused:\n%s", log);
+		if (nmasters)
 			CHECK(strstr(log, "aoq-masters-900009-0 without their state"), "the stray masters memfd stayed:\n%s",
 			      log);
-		}
 		CHECK(s.removes - removes == nextra + nmasters && s.nstored == 1 + nmasters &&
 		      stored(&s, "aoq-state-", &si) == 1 && strcmp(s.stored_name[si], stored_name) == 0,
 		      "%d FDSTOREREMOVE for %d hostile fds and %d old masters; %d left", s.removes - removes, nextra,
 		      nmasters, s.nstored);
 		CHECK(!strstr(log, "from its snapshot") && !strstr(log, "restored uid"), "a snapshot was read:\n%s", log);
-	} else if (!nostore) {
+	} else if (!from_snapshot) {
 		/* the killed aoqd's state: its journal replayed, mapped in place */
 		CHECK(strstr(log, "journal replayed") && strstr(log, "taken back from the fd store"),
 		      "the killed aoqd's state was not taken back:\n%s", log);
@@ -414,13 +438,20 @@ int main(int argc, char **argv)
 		      strcmp(s.stored_name[si], stored_name) == 0, "%d FDSTOREREMOVE (the old masters: %d); %d stored",
 		      s.removes - removes, nmasters, s.nstored);
 		CHECK(!strstr(log, "from its snapshot") && !strstr(log, "restored uid"), "a snapshot was read:\n%s", log);
+	} else if (nomasters) {
+		CHECK(strstr(log, "written at a stop that left its masters in their memfds, and its masters that are "
+		                  "parameters did not come back from the store"),
+		      "the state without its masters was not refused for it:\n%s", log);
+		CHECK(!strstr(log, "taken back from the fd store"), "the state was taken back without its masters:\n%s",
+		      log);
+		CHECK(strstr(log, "from its snapshot"), "no snapshot restored:\n%s", log);
 	} else {
 		CHECK(strstr(log, "from its snapshot"), "no snapshot restored after SIGKILL:\n%s", log);
 	}
 
 	/* The trainer comes back and resumes at its last completed step. */
 	uint64_t resumed = trainer_open(&run, s.sock, "restarted", false);
-	if (!nostore)
+	if (!from_snapshot)
 		CHECK(resumed == KILL_AT - 1, "resumed at step %" PRIu64 ", want %d", resumed, KILL_AT - 1);
 	else
 		CHECK(resumed >= 1 && resumed < KILL_AT, "resumed at step %" PRIu64 " from the snapshots", resumed);
@@ -433,7 +464,7 @@ int main(int argc, char **argv)
 	image_take(&run, &now);
 	image_same(&now, &at[STEPS], "at the end");
 	image_free(&now);
-	if (!nostore) {
+	if (!from_snapshot) {
 		/* No copy: the state trained since the restart is the stored
 		 * memfd's (tensor 0's fp32 master heads the first slot, at the
 		 * data's offset). */
