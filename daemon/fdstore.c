@@ -23,9 +23,11 @@
  *   data_off: each tensor's slot in registration order, on pages: its
  *       arrays as aoqd_state_alloc lays them out (master, m, v, scales,
  *       the split master's low half), then its undo copy; a master that
- *       is the parameter (the masters memfd's while running) copied into
- *       the slot's first pages at the stop.  No offset is stored: they
- *       follow from the descriptor.
+ *       is the parameter lives in a masters memfd (stored beside this
+ *       one), and is copied into the slot's first pages at the stop only
+ *       when not every masters memfd reached the store (the journal's stop
+ *       mark tells which: state.h, AOQD_STOPPED_*).  No offset is stored:
+ *       they follow from the descriptor.
  *   desc_off: the key: u32 uid, u32 rank, u32 job length, the job's bytes
  *       the state: u64 last_step, seed, window; f64 max_grad_norm;
  *       u32 precision; u8 skip_nonfinite, delayed, master_param,
@@ -371,7 +373,7 @@ int aoqd_fdstore_write(const struct aoqd_snap_key *key, struct aoqd_state *st, b
 	 * kill leaves it: the next aoqd reads them from the store); else it is
 	 * copied into its slot's first pages, a hole until now.  The copy
 	 * wrote 2 B a parameter into fresh pages of the memfd: at 256 Mi bf16
-	 * parameters on the 2-core VM it was 1.9 s of a 2.3 s stop. */
+	 * parameters on the 2-core VM it was 1.9-2.8 s of a 2.3-3.1 s stop. */
 	bool apart = stop && st->masters_stored;
 	for (uint32_t i = 0; i < st->ntensors && r == 0 && stop && !apart; i++) {
 		const struct aoqd_tensor *t = &st->tensors[i];
