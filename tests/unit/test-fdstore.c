@@ -295,6 +295,9 @@ int main(void)
 	d[0] = 'X';
 	expect_refused("magic", d, keep_n, false, "magic");
 	memcpy(d, keep, keep_n);
+	d[4096 + 24] = 3; /* the journal's stop mark (state.h, AOQD_STOPPED_*) */
+	expect_refused("stop mark", d, keep_n, false, "bad stop mark 3");
+	memcpy(d, keep, keep_n);
 	memset(d, 0, 8);
 	expect_refused("no header", d, keep_n, false, "no stored-form header");
 	memcpy(d, keep, keep_n);
