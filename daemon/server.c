@@ -311,12 +311,13 @@ static void set_memfd(const struct aoqd_config *cfg)
 	const char *ns = getenv("NOTIFY_SOCKET");
 	bool memfd = AOQ_HAVE_SYSTEMD && ns && *ns && cfg->lease_seconds > 0;
 	aoqd_state_set_memfd(memfd);
+	/* said where it costs most: a restart's pause (run by hand, only an
+	 * arena's first touch) */
 	char word[32];
-	if (!shmem_huge(word, sizeof(word)))
-		aoqd_info("server", "shmem_enabled is '%s': the arenas%s run on 4 KiB pages, whose page tables cost "
-		          "time at every first touch%s; 'advise' gives them huge pages (docs/operating.md, \"Huge pages\")",
-		          word, memfd ? " and the states kept for the fd store" : "",
-		          memfd ? " and at both ends of a restart" : "");
+	if (memfd && !shmem_huge(word, sizeof(word)))
+		aoqd_info("server", "shmem_enabled is '%s': the states kept for the fd store and the arenas run on "
+		          "4 KiB pages, whose page tables cost time at both ends of a restart and at every first touch; "
+		          "'advise' gives them huge pages (docs/operating.md, \"Huge pages\")", word);
 }
 
 int aoqd_server_init(struct aoqd_server *srv, uv_loop_t *loop, const struct aoqd_config *cfg)

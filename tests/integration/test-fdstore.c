@@ -288,6 +288,19 @@ int main(int argc, char **argv)
 	sup_init(&s, snapshots, NULL);
 	s.nostore = nostore;
 	sup_start(&s, exe, NULL, NULL, 0);
+	/* under the store aoqd says at start when shmem gets no huge pages
+	 * (the host's setting: never and deny refuse them) */
+	char thp[128] = "";
+	FILE *tf = fopen("/sys/kernel/mm/transparent_hugepage/shmem_enabled", "re");
+	if (tf) {
+		if (!fgets(thp, sizeof(thp), tf))
+			thp[0] = '\0';
+		fclose(tf);
+	}
+	bool huge_off = strstr(thp, "[never]") || strstr(thp, "[deny]");
+	CHECK(count(sup_log(&s), "run on 4 KiB pages") == (huge_off ? 1 : 0),
+	      "shmem_enabled '%s': aoqd's start says %d time(s) that its memfds run on 4 KiB pages", thp,
+	      count(sup_log(&s), "run on 4 KiB pages"));
 
 	/* The undisturbed run, and its image after every step. */
 	struct trainer ref = { 0 };
