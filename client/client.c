@@ -161,6 +161,7 @@ int aoq_connect(struct aoq_client **out, const struct aoq_options *opts)
 		return r;
 	}
 	c->session_id = w->session_id;
+	c->xfer_at = w->xfer_at;
 	aoq_envelope_free(rep);
 	*out = c;
 	return 0;

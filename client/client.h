@@ -92,6 +92,7 @@ struct aoq_client {
 	const struct aoq_backend_ops *ops;
 	struct aoq_backend *be;
 	uint64_t session_id;
+	bool xfer_at;        /* the daemon takes LoadState/ReadState's `at` (transfer.c) */
 	bool resumed;
 	uint64_t resumed_step;
 	uint32_t world;      /* replica group: local ranks (0: none) */

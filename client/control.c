@@ -156,18 +156,42 @@ int aoqc_ctl_recv(struct aoq_client *c, int want, Aoq__Envelope **out, int *fds,
 	}
 }
 
-int aoqc_ctl_call(struct aoq_client *c, const Aoq__Envelope *env, int want, Aoq__Envelope **out)
+/* Sends env: 0, -ETIMEDOUT (the daemon took nothing: the session failed,
+ * the error set), or aoq_send_frame's error (-EPIPE, -ECONNRESET: the
+ * daemon closed the connection). */
+static int send_request(struct aoq_client *c, const Aoq__Envelope *env)
 {
-	int r = aoqc_session_error_locked(c);
-	if (r < 0)
-		return r;
-	r = aoq_send_frame(c->sock, env, NULL, 0);
+	int r = aoq_send_frame(c->sock, env, NULL, 0);
 	if (r == -EAGAIN || r == -EWOULDBLOCK) {
 		pthread_mutex_lock(&c->lock);
 		aoqc_fail(c, -ETIMEDOUT, "aoqd did not take a request within %u ms", c->o.timeout_ms);
 		pthread_mutex_unlock(&c->lock);
 		return aoq_set_error(-ETIMEDOUT, "aoqd did not take a request within %u ms", c->o.timeout_ms);
 	}
+	return r;
+}
+
+int aoqc_ctl_send(struct aoq_client *c, const Aoq__Envelope *env)
+{
+	int r = aoqc_session_error_locked(c);
+	if (r < 0)
+		return r;
+	r = send_request(c, env);
+	if (r == -EPIPE || r == -ECONNRESET)
+		return 0; /* the read that follows says why */
+	if (r < 0 && r != -ETIMEDOUT)
+		return aoq_set_error(r, "aoqd: send: %s", strerror(-r));
+	return r;
+}
+
+int aoqc_ctl_call(struct aoq_client *c, const Aoq__Envelope *env, int want, Aoq__Envelope **out)
+{
+	int r = aoqc_session_error_locked(c);
+	if (r < 0)
+		return r;
+	r = send_request(c, env);
+	if (r == -ETIMEDOUT)
+		return r;
 	if (r == -EPIPE || r == -ECONNRESET) {
 		/* The daemon closed the connection, perhaps after saying why
 		 * (a QUOTA refusal): an Error waiting to be read wins. */

@@ -29,6 +29,10 @@ void aoqc_ring(int fd);
 int aoqc_ctl_recv(struct aoq_client *c, int want, Aoq__Envelope **out, int *fds, int *nfds);
 /* Sends env and reads its reply (aoqc_ctl_recv).  Caller holds ctl_lock. */
 int aoqc_ctl_call(struct aoq_client *c, const Aoq__Envelope *env, int want, Aoq__Envelope **out);
+/* Sends env only; its reply is read later (aoqc_ctl_recv), so that the
+ * daemon works on it meanwhile.  A connection the daemon closed is left to
+ * that read, which reports why.  Caller holds ctl_lock. */
+int aoqc_ctl_send(struct aoq_client *c, const Aoq__Envelope *env);
 /* A public struct's size field against the layout this library knows. */
 int aoqc_size_ok(uint32_t size, size_t want, const char *what);
 

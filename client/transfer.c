@@ -10,63 +10,141 @@
 #include "transfer.h"
 #include "control.h"
 
-/* Moves a tensor's initial values into the daemon's master copy. */
+/* The transfer area in one window, or two halves (the daemon takes `at`,
+ * Welcome.xfer_at, and the area is large enough to split): while the
+ * daemon loads one half (or fills it, for a read), the client fills (or
+ * empties) the other, so that its copies (from or to the device, or a
+ * memcpy) overlap the daemon's work instead of following it. */
+#define XFER_SPLIT_MIN (128u << 10)
+struct windows {
+	uint8_t *base;
+	uint64_t bytes; /* of one window, a multiple of 64 */
+	unsigned n;
+};
+
+static struct windows windows_of(const struct aoq_client *c)
+{
+	struct windows w = { c->arena + c->hdr.xfer_off, c->hdr.xfer_bytes, 1 };
+	if (c->xfer_at && c->hdr.xfer_bytes >= XFER_SPLIT_MIN) {
+		w.bytes = c->hdr.xfer_bytes / 2 / 64 * 64;
+		w.n = 2;
+	}
+	return w;
+}
+
+static int xfer_send(struct aoq_client *c, bool load, uint32_t i, int what, enum aoq_dtype dt, uint64_t off,
+                     uint64_t n, uint64_t at)
+{
+	Aoq__Envelope env = AOQ__ENVELOPE__INIT;
+	Aoq__LoadState l = AOQ__LOAD_STATE__INIT;
+	Aoq__ReadState rd = AOQ__READ_STATE__INIT;
+	if (load) {
+		l.tensor = i;
+		l.what = (Aoq__StateKind)what;
+		l.dtype = (Aoq__DType)dt;
+		l.offset = off;
+		l.count = n;
+		l.at = at;
+		env.msg_case = AOQ__ENVELOPE__MSG_LOAD_STATE;
+		env.load_state = &l;
+	} else {
+		rd.tensor = i;
+		rd.what = (Aoq__StateKind)what;
+		rd.dtype = (Aoq__DType)dt;
+		rd.offset = off;
+		rd.count = n;
+		rd.at = at;
+		env.msg_case = AOQ__ENVELOPE__MSG_READ_STATE;
+		env.read_state = &rd;
+	}
+	return aoqc_ctl_send(c, &env);
+}
+
+/* Piece k's bytes into window k % n (a load's source). */
+static int fill_piece(struct aoq_client *c, const struct tensor *x, enum aoq_dtype dt, const struct windows *w,
+                      uint64_t k, uint64_t off, uint64_t n)
+{
+	size_t dsize = dt == AOQ_FP32 ? 4 : 2;
+	uint8_t *dst = w->base + (k % w->n) * w->bytes;
+	if (x->d.init) {
+		memcpy(dst, (const uint8_t *)x->d.init + off * dsize, n * dsize);
+		return 0;
+	}
+	return c->ops->copy_to_host(c->be, dst, (const uint8_t *)x->d.param + off * dsize, n * dsize);
+}
+
+/* Moves a tensor's initial values into the daemon's master copy: piece
+ * k+1 is copied into its window while the daemon loads piece k. */
 int aoqc_load_initial(struct aoq_client *c, uint32_t i)
 {
 	struct tensor *x = &c->tensors[i];
 	enum aoq_dtype dt = x->d.init ? x->d.init_dtype : x->d.param_dtype;
 	size_t dsize = dt == AOQ_FP32 ? 4 : 2;
-	uint64_t room = c->hdr.xfer_bytes / dsize;
-	uint8_t *xfer = c->arena + c->hdr.xfer_off;
+	struct windows w = windows_of(c);
+	uint64_t room = w.bytes / dsize;
 	/* A replica group's rank loads its own slice (the others theirs). */
-	uint64_t end = c->world ? x->se : x->d.numel;
-	for (uint64_t off = c->world ? x->sb : 0; off < end; off += room) {
-		uint64_t n = end - off < room ? end - off : room;
-		int r;
-		if (x->d.init)
-			memcpy(xfer, (const uint8_t *)x->d.init + off * dsize, n * dsize);
-		else if ((r = c->ops->copy_to_host(c->be, xfer, (const uint8_t *)x->d.param + off * dsize, n * dsize)) < 0)
-			return r;
-		Aoq__LoadState m = AOQ__LOAD_STATE__INIT;
-		m.tensor = i;
-		m.what = AOQ__STATE_KIND__PARAM;
-		m.dtype = (Aoq__DType)dt;
-		m.offset = off;
-		m.count = n;
-		Aoq__Envelope env = AOQ__ENVELOPE__INIT;
-		env.msg_case = AOQ__ENVELOPE__MSG_LOAD_STATE;
-		env.load_state = &m;
-		if ((r = aoqc_ctl_call(c, &env, AOQ__ENVELOPE__MSG_DONE, NULL)) < 0)
-			return r;
+	uint64_t begin = c->world ? x->sb : 0, end = c->world ? x->se : x->d.numel;
+	if (begin >= end)
+		return 0;
+	uint64_t n0 = end - begin < room ? end - begin : room;
+	int r = fill_piece(c, x, dt, &w, 0, begin, n0);
+	if (r == 0)
+		r = xfer_send(c, true, i, AOQ__STATE_KIND__PARAM, dt, begin, n0, 0);
+	for (uint64_t k = 0, off = begin; r == 0; k++) {
+		uint64_t next = off + room < end ? off + room : end, nn = end - next < room ? end - next : room;
+		int fr = 0;
+		if (next < end && w.n == 2)
+			fr = fill_piece(c, x, dt, &w, k + 1, next, nn); /* overlaps the daemon's load of piece k */
+		r = aoqc_ctl_recv(c, AOQ__ENVELOPE__MSG_DONE, NULL, NULL, NULL);
+		if (r == 0)
+			r = fr;
+		if (r < 0 || next >= end)
+			break;
+		if (w.n == 1)
+			r = fill_piece(c, x, dt, &w, k + 1, next, nn);
+		if (r == 0)
+			r = xfer_send(c, true, i, AOQ__STATE_KIND__PARAM, dt, next, nn, ((k + 1) % w.n) * w.bytes);
+		off = next;
 	}
-	return 0;
+	return r;
 }
 
 /* A resumed session: tensor i's parameter from the daemon's master, in
- * its param dtype (rounded as the updates round it). */
+ * its param dtype (rounded as the updates round it); the daemon reads
+ * piece k+1 into its window while piece k is copied out. */
 int aoqc_load_resumed(struct aoq_client *c, uint32_t i)
 {
 	struct tensor *x = &c->tensors[i];
-	uint64_t room = c->hdr.xfer_bytes / x->psize;
-	uint8_t *xfer = c->arena + c->hdr.xfer_off;
-	for (uint64_t off = 0; off < x->d.numel; off += room) {
-		uint64_t n = x->d.numel - off < room ? x->d.numel - off : room;
-		Aoq__ReadState m = AOQ__READ_STATE__INIT;
-		m.tensor = i;
-		m.what = AOQ__STATE_KIND__MASTER;
-		m.dtype = (Aoq__DType)x->d.param_dtype;
-		m.offset = off;
-		m.count = n;
-		Aoq__Envelope env = AOQ__ENVELOPE__INIT;
-		env.msg_case = AOQ__ENVELOPE__MSG_READ_STATE;
-		env.read_state = &m;
-		int r = aoqc_ctl_call(c, &env, AOQ__ENVELOPE__MSG_DONE, NULL);
+	enum aoq_dtype dt = x->d.param_dtype;
+	struct windows w = windows_of(c);
+	uint64_t room = w.bytes / x->psize, end = x->d.numel;
+	if (end == 0)
+		return 0;
+	int r = xfer_send(c, false, i, AOQ__STATE_KIND__MASTER, dt, 0, end < room ? end : room, 0);
+	for (uint64_t k = 0, off = 0; r == 0; k++) {
+		uint64_t n = end - off < room ? end - off : room, next = off + n;
+		uint64_t nn = end - next < room ? end - next : room;
+		r = aoqc_ctl_recv(c, AOQ__ENVELOPE__MSG_DONE, NULL, NULL, NULL);
 		if (r < 0)
-			return r;
-		if ((r = c->ops->copy_to_device(c->be, (uint8_t *)x->d.param + off * x->psize, xfer, n * x->psize)) < 0)
-			return r;
+			break;
+		bool ahead = next < end && w.n == 2;
+		if (ahead)
+			r = xfer_send(c, false, i, AOQ__STATE_KIND__MASTER, dt, next, nn, ((k + 1) % w.n) * w.bytes);
+		int cr = r < 0 ? 0
+		                 : c->ops->copy_to_device(c->be, (uint8_t *)x->d.param + off * x->psize,
+		                                          w.base + (k % w.n) * w.bytes, n * x->psize);
+		if (cr < 0) {
+			if (ahead) /* its reply read, the connection stays in step */
+				aoqc_ctl_recv(c, AOQ__ENVELOPE__MSG_DONE, NULL, NULL, NULL);
+			return cr;
+		}
+		if (r < 0 || next >= end)
+			break;
+		if (!ahead)
+			r = xfer_send(c, false, i, AOQ__STATE_KIND__MASTER, dt, next, nn, 0);
+		off = next;
 	}
-	return 0;
+	return r;
 }
 
 static int transfer(struct aoq_client *c, bool load, uint32_t t, int what, enum aoq_dtype dtype,

@@ -117,6 +117,7 @@ static int on_hello(struct aoqd_session *s, const Aoq__Envelope *env, struct aoq
 	w.arena_version = AOQ_ARENA_VERSION;
 	w.version = (char *)aoq_full_version();
 	w.limits = &lim;
+	w.xfer_at = true;
 	Aoq__Envelope r = AOQ__ENVELOPE__INIT;
 	r.msg_case = AOQ__ENVELOPE__MSG_WELCOME;
 	r.welcome = &w;

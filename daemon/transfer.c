@@ -50,7 +50,7 @@ static struct aoqd_session *owner(struct aoqd_session *s)
 }
 
 static int transfer_valid(struct aoqd_session *m, uint32_t tensor, int what, int dtype, uint64_t offset,
-                          uint64_t count, bool load, struct aoqd_error *err)
+                          uint64_t count, uint64_t at, bool load, struct aoqd_error *err)
 {
 	struct aoqd_session *s = owner(m);
 	if (!aoqd_steps_idle(&s->steps))
@@ -72,6 +72,10 @@ static int transfer_valid(struct aoqd_session *m, uint32_t tensor, int what, int
 	    !aoq_mul_ok(count, aoqk_dtype_size((enum aoqk_dtype)dtype), &bytes) || bytes > m->arena.xfer_bytes)
 		return AOQD_FAIL(err, INVALID, "state transfer: tensor %u elements %" PRIu64 "+%" PRIu64 " (at most %" PRIu64
 		                 " bytes per request)", tensor, offset, count, m->arena.xfer_bytes);
+	if (at % 64 || at > m->arena.xfer_bytes - bytes)
+		return AOQD_FAIL(err, INVALID, "state transfer: %" PRIu64 " bytes at byte %" PRIu64 " of the %" PRIu64
+		                 "-byte transfer area (at: a multiple of 64, the bytes within the area)", bytes, at,
+		                 m->arena.xfer_bytes);
 	if (load && m->hub) {
 		/* Each member writes its own slice only: no two members write
 		 * the same elements, and a slice changes only by its owner. */
@@ -145,10 +149,10 @@ static void xfer_run(struct aoqd_task *task, unsigned worker)
 }
 
 static int start_transfer(struct aoqd_session *s, bool load, uint32_t tensor, int what, int dtype,
-                          uint64_t offset, uint64_t count, struct aoqd_error *err)
+                          uint64_t offset, uint64_t count, uint64_t at, struct aoqd_error *err)
 {
 	struct aoqd_state *st = &owner(s)->st;
-	int r = transfer_valid(s, tensor, what, dtype, offset, count, load, err);
+	int r = transfer_valid(s, tensor, what, dtype, offset, count, at, load, err);
 	if (r < 0)
 		return r;
 	uint32_t n = (uint32_t)((count + XFER_PIECE - 1) / XFER_PIECE);
@@ -160,7 +164,7 @@ static int start_transfer(struct aoqd_session *s, bool load, uint32_t tensor, in
 	x->load = load;
 	x->what = what;
 	x->dtype = (enum aoqk_dtype)dtype;
-	x->data = s->arena.base + s->arena.xfer_off;
+	x->data = s->arena.base + s->arena.xfer_off + at;
 	x->offset = offset;
 	atomic_init(&x->remaining, n);
 	for (uint32_t i = 0; i < n; i++) {
@@ -192,13 +196,13 @@ static int start_transfer(struct aoqd_session *s, bool load, uint32_t tensor, in
 int aoqd_on_load_state(struct aoqd_session *s, const Aoq__Envelope *env, struct aoqd_error *err)
 {
 	const Aoq__LoadState *m = env->load_state;
-	return start_transfer(s, true, m->tensor, m->what, m->dtype, m->offset, m->count, err);
+	return start_transfer(s, true, m->tensor, m->what, m->dtype, m->offset, m->count, m->at, err);
 }
 
 int aoqd_on_read_state(struct aoqd_session *s, const Aoq__Envelope *env, struct aoqd_error *err)
 {
 	const Aoq__ReadState *m = env->read_state;
-	return start_transfer(s, false, m->tensor, m->what, m->dtype, m->offset, m->count, err);
+	return start_transfer(s, false, m->tensor, m->what, m->dtype, m->offset, m->count, m->at, err);
 }
 
 bool aoqd_transfer_poll(struct aoqd_session *s)

@@ -632,6 +632,72 @@ static void bad_trace_span(const char *what, Aoq__TraceSpan sp, size_t n)
 	check_alive(what);
 }
 
+/* LoadState's `at` (the byte in the transfer area its data starts at):
+ * a value not a multiple of 64, or one that puts the data past the area,
+ * fails the session (INVALID); a good one loads from there. */
+static void bad_transfer_at(const char *what, uint64_t at, uint64_t count)
+{
+	struct aoqt_raw s;
+	uint64_t numel[2] = { 4097, 100 };
+	CHECK_OK(aoqt_raw_open(&s, daemon_.socket, "hostile-xfer-at", numel, 2));
+	Aoq__LoadState m = AOQ__LOAD_STATE__INIT;
+	m.tensor = 0;
+	m.what = AOQ__STATE_KIND__PARAM;
+	m.dtype = AOQ__DTYPE__FP32;
+	m.offset = 0;
+	m.count = count;
+	/* UINT64_MAX: the first multiple of 64 from which count values pass the area's end */
+	m.at = at == UINT64_MAX ? ((s.hdr.xfer_bytes - count * 4) / 64 + 1) * 64 : at;
+	CHECK_OK(aoqt_send_msg(s.sock, AOQ__ENVELOPE__MSG_LOAD_STATE, &m));
+	expect_closed(what, s.sock, AOQ__ERROR_CODE__INVALID);
+	s.sock = -1;
+	check_logged_session(what, s.id);
+	aoqt_raw_close(&s);
+	check_alive(what);
+}
+
+static void attack_transfer_at(void)
+{
+	/* the control: 100 values loaded from byte 128 of the area, read back
+	 * from byte 64 */
+	struct aoqt_raw s;
+	uint64_t numel[2] = { 4097, 100 };
+	CHECK_OK(aoqt_raw_open(&s, daemon_.socket, "hostile-xfer-at-ok", numel, 2));
+	float *area = (float *)(void *)(s.arena + s.hdr.xfer_off);
+	for (int i = 0; i < 100; i++)
+		area[32 + i] = 0.25f * (float)i;
+	Aoq__LoadState l = AOQ__LOAD_STATE__INIT;
+	l.tensor = 1;
+	l.what = AOQ__STATE_KIND__PARAM;
+	l.dtype = AOQ__DTYPE__FP32;
+	l.count = 100;
+	l.at = 128;
+	Aoq__Envelope env = AOQ__ENVELOPE__INIT, *rep = NULL;
+	env.msg_case = AOQ__ENVELOPE__MSG_LOAD_STATE;
+	env.load_state = &l;
+	CHECK_OK(aoq_call(s.sock, &env, &rep, NULL));
+	CHECK(rep->msg_case == AOQ__ENVELOPE__MSG_DONE, "LoadState at byte 128: reply %d", (int)rep->msg_case);
+	aoq_envelope_free(rep);
+	Aoq__ReadState rd = AOQ__READ_STATE__INIT;
+	rd.tensor = 1;
+	rd.what = AOQ__STATE_KIND__MASTER;
+	rd.dtype = AOQ__DTYPE__FP32;
+	rd.count = 100;
+	rd.at = 64;
+	env.msg_case = AOQ__ENVELOPE__MSG_READ_STATE;
+	env.read_state = &rd;
+	CHECK_OK(aoq_call(s.sock, &env, &rep, NULL));
+	CHECK(rep->msg_case == AOQ__ENVELOPE__MSG_DONE, "ReadState at byte 64: reply %d", (int)rep->msg_case);
+	aoq_envelope_free(rep);
+	for (int i = 0; i < 100; i++)
+		CHECK(area[16 + i] == 0.25f * (float)i, "value %d read back at byte 64: %g", i, (double)area[16 + i]);
+	aoqt_raw_close(&s);
+	bad_transfer_at("LoadState: at not a multiple of 64", 32, 100);
+	bad_transfer_at("LoadState: at puts the data past the area", UINT64_MAX, 100);
+	bad_transfer_at("LoadState: at past the area", 1ull << 62, 1);
+	printf("  %-48s -> loaded and read back where asked\n", "LoadState/ReadState at bytes 128 and 64");
+}
+
 static void attack_trace_spans(void)
 {
 	struct timespec ts;
@@ -875,6 +941,7 @@ int main(int argc, char **argv)
 	attack_spoofed_fds();
 	attack_records();
 	attack_masters();
+	attack_transfer_at();
 	attack_trace_spans();
 	attack_disconnect_mid_step();
 	attack_kill9();
