@@ -38,25 +38,20 @@ static int xfer_send(struct aoq_client *c, bool load, uint32_t i, int what, enum
 	Aoq__Envelope env = AOQ__ENVELOPE__INIT;
 	Aoq__LoadState l = AOQ__LOAD_STATE__INIT;
 	Aoq__ReadState rd = AOQ__READ_STATE__INIT;
+	/* the two messages have the same fields */
+#define XFER_FIELDS(m)                                                                              \
+	((m).tensor = i, (m).what = (Aoq__StateKind)what, (m).dtype = (Aoq__DType)dt, (m).offset = off, \
+	 (m).count = n, (m).at = at)
 	if (load) {
-		l.tensor = i;
-		l.what = (Aoq__StateKind)what;
-		l.dtype = (Aoq__DType)dt;
-		l.offset = off;
-		l.count = n;
-		l.at = at;
+		XFER_FIELDS(l);
 		env.msg_case = AOQ__ENVELOPE__MSG_LOAD_STATE;
 		env.load_state = &l;
 	} else {
-		rd.tensor = i;
-		rd.what = (Aoq__StateKind)what;
-		rd.dtype = (Aoq__DType)dt;
-		rd.offset = off;
-		rd.count = n;
-		rd.at = at;
+		XFER_FIELDS(rd);
 		env.msg_case = AOQ__ENVELOPE__MSG_READ_STATE;
 		env.read_state = &rd;
 	}
+#undef XFER_FIELDS
 	return aoqc_ctl_send(c, &env);
 }
 
