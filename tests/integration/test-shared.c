@@ -616,6 +616,35 @@ static void group_half_step(struct rank *g, uint64_t k)
 		}
 }
 
+/* The single session's parameters after steps 3 and 5 (job ref_job) into
+ * at3 and at5, then a group of 2 of job opened and trained to step 3. */
+static void group_start(struct rank *g, const char *sock, const char *job, const char *ref_job, void **at3,
+                        void **at5)
+{
+	reference_run(sock, ref_job, at3, at5);
+	for (uint32_t q = 0; q < 2; q++)
+		CHECK_OK(open_rank(&g[q], sock, job, 2, q, desc, init_vals));
+	group_steps(g, 1, 3);
+}
+
+/* A new group of 2 resumes job's state at step 3 (`from`: where the state
+ * came back from), equal to the single session's at3, and trains on to
+ * step NSTEPS, equal to at5. */
+static void group_resume(struct rank *g, const char *sock, const char *job, void *const *at3, void *const *at5,
+                         const char *from)
+{
+	for (uint32_t q = 0; q < 2; q++) {
+		CHECK_OK(open_rank(&g[q], sock, job, 2, q, desc, init_vals));
+		uint64_t at = 0;
+		CHECK(aoq_resumed(g[q].c, &at) == 1 && at == 3, "rank %u: resumed at %" PRIu64 " (want 3)", q, at);
+	}
+	char what[96];
+	snprintf(what, sizeof(what), "resumed from %s", from);
+	check_saved(g, 2, at3, what);
+	group_steps(g, 4, NSTEPS);
+	check_saved(g, 2, at5, "after the restart");
+}
+
 static int test_restart(const char *exe)
 {
 	char sd[] = "/tmp/aoq-groupsnap-XXXXXX";
@@ -628,11 +657,8 @@ static int test_restart(const char *exe)
 	lease_secs = 60;
 	/* The single session's parameters after steps 3 and 5. */
 	void *at3[NT], *at5[NT];
-	reference_run(d.socket, "restart-ref", at3, at5);
 	struct rank g[2];
-	for (uint32_t q = 0; q < 2; q++)
-		CHECK_OK(open_rank(&g[q], d.socket, job, 2, q, desc, init_vals));
-	group_steps(g, 1, 3);
+	group_start(g, d.socket, job, "restart-ref", at3, at5);
 	check_saved(g, 2, at3, "before the snapshot");
 	/* A member's id names the group's state. */
 	Aoq__Envelope *env = NULL;
@@ -710,14 +736,7 @@ static int test_restart(const char *exe)
 	CHECK(group_leased(&d, job, &last, &world) && last == 3 && world == 2,
 	      "after the second restart: the group's state is not leased at step 3 (%" PRIu64 ", local world %u)", last,
 	      world);
-	for (uint32_t q = 0; q < 2; q++) {
-		CHECK_OK(open_rank(&g[q], d.socket, job, 2, q, desc, init_vals));
-		uint64_t at = 0;
-		CHECK(aoq_resumed(g[q].c, &at) == 1 && at == 3, "rank %u: resumed at %" PRIu64 " (want 3)", q, at);
-	}
-	check_saved(g, 2, at3, "resumed from the snapshot");
-	group_steps(g, 4, NSTEPS);
-	check_saved(g, 2, at5, "after the restart");
+	group_resume(g, d.socket, job, at3, at5, "the snapshot");
 	printf("restart: the group's snapshot at step 3 (%s), aoqd killed in step 4 and restarted, a new group resumed "
 	       "at step 3, bit-exact with one session at step %d\n", path, NSTEPS);
 	/* A snapshot that waits for the group's step to end when the group
@@ -822,11 +841,8 @@ static int test_fdstore(const char *exe, bool term)
 	char job[48];
 	snprintf(job, sizeof(job), "fdstore-%d", (int)getpid());
 	void *at3[NT], *at5[NT];
-	reference_run(s.sock, "fdstore-ref", at3, at5);
 	struct rank g[2];
-	for (uint32_t q = 0; q < 2; q++)
-		CHECK_OK(open_rank(&g[q], s.sock, job, 2, q, desc, init_vals));
-	group_steps(g, 1, 3);
+	group_start(g, s.sock, job, "fdstore-ref", at3, at5);
 	/* Half of step 4, then aoqd goes. */
 	group_half_step(g, 4);
 	size_t before = strlen(sup_log(&s));
@@ -854,14 +870,7 @@ static int test_fdstore(const char *exe, bool term)
 	CHECK(strstr(log, "rank 4294967295 taken back from the fd store"), "the group was not taken back:\n%s", log);
 	CHECK(term || strstr(log, "journal replayed"), "no journal replayed after SIGKILL:\n%s", log);
 	CHECK(!strstr(log, "from its snapshot") && !strstr(log, "refused"), "a snapshot or a refusal:\n%s", log);
-	for (uint32_t q = 0; q < 2; q++) {
-		CHECK_OK(open_rank(&g[q], s.sock, job, 2, q, desc, init_vals));
-		uint64_t at = 0;
-		CHECK(aoq_resumed(g[q].c, &at) == 1 && at == 3, "rank %u: resumed at %" PRIu64 " (want 3)", q, at);
-	}
-	check_saved(g, 2, at3, "resumed from the fd store");
-	group_steps(g, 4, NSTEPS);
-	check_saved(g, 2, at5, "after the restart");
+	group_resume(g, s.sock, job, at3, at5, "the fd store");
 	for (uint32_t q = 0; q < 2; q++)
 		close_rank(&g[q]);
 	for (int t = 0; t < NT; t++) {
