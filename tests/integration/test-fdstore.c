@@ -32,6 +32,17 @@
  *         the state is refused, never taken with zeros for masters, and
  *         the trainer resumes from its snapshot.
  *
+ *   unit-term, unit-kill: the same job against the real aoqd.service and
+ *         aoqd.socket under systemd (tests/ops/unit-ns.sh runs this inside
+ *         a namespace whose PID 1 is systemd; $AOQ_SOCKET and $AOQ_UNIT_LOG
+ *         name the socket and aoqd's output): `systemctl restart
+ *         aoqd.service`, or `systemctl kill --signal=SIGKILL` and the
+ *         unit's Restart=on-failure, mid-step.  systemd's store must hold
+ *         the job's fds (NFileDescriptorStore) and give them back: the
+ *         state is taken back (the journal replayed after the kill), no
+ *         snapshot read, the trainer resumes at step 5 bit for bit, and
+ *         the store is empty once every trainer said Bye.
+ *
  * A third argument "q8" trains q8 state instead of fp32: the bf16 tensor's
  * master is then split (kernels/README.md, "The split master"), its high
  * half the parameter in a masters memfd, which the store keeps beside the
@@ -269,20 +280,145 @@ static int sealed_copy(int src, off_t cut, off_t flip, bool seal)
 	return fd;
 }
 
+/* ---- the real unit ---- */
+
+/* `systemctl ARGS` (the test runs in the namespace of unit-ns.sh's systemd). */
+static void systemctl(const char *args)
+{
+	char cmd[256];
+	snprintf(cmd, sizeof(cmd), "systemctl --no-pager %s", args);
+	int r = system(cmd);
+	CHECK(r == 0, "'%s' exited %d", cmd, r);
+}
+
+/* How many fds systemd's store holds for aoqd.service. */
+static int unit_stored(void)
+{
+	FILE *p = popen("systemctl show --property=NFileDescriptorStore --value aoqd.service", "r");
+	CHECK(p, "popen: %s", strerror(errno));
+	int n = -1;
+	if (fscanf(p, "%d", &n) != 1)
+		n = -1;
+	pclose(p);
+	CHECK(n >= 0, "systemctl show NFileDescriptorStore: no count");
+	return n;
+}
+
+/* aoqd's output from byte `from` of the unit's log (a static buffer). */
+static const char *unit_log(const char *path, long from)
+{
+	static char buf[1 << 16];
+	FILE *f = fopen(path, "re");
+	CHECK(f, "%s: %s", path, strerror(errno));
+	fseek(f, from, SEEK_SET);
+	size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+	buf[n] = '\0';
+	fclose(f);
+	return buf;
+}
+
+static long unit_log_size(const char *path)
+{
+	struct stat st;
+	return stat(path, &st) == 0 ? (long)st.st_size : 0;
+}
+
+static int unit_main(const char *mode)
+{
+	const char *sock = getenv("AOQ_SOCKET"), *logp = getenv("AOQ_UNIT_LOG");
+	CHECK(sock && logp, "%s runs under tests/ops/unit-ns.sh ($AOQ_SOCKET and $AOQ_UNIT_LOG)", mode);
+	bool term = strcmp(mode, "unit-term") == 0;
+	CHECK(term || strcmp(mode, "unit-kill") == 0, "mode '%s': unit-term or unit-kill", mode);
+	int nmasters = precision == AOQ_STATE_Q8 ? 1 : 0;
+
+	struct trainer ref = { 0 };
+	static struct image at[STEPS + 1];
+	CHECK(trainer_open(&ref, sock, "undisturbed", true) == 0, "a fresh job resumed");
+	for (uint64_t k = 1; k <= STEPS; k++) {
+		CHECK_OK(trainer_step(&ref, k, false));
+		image_take(&ref, &at[k]);
+	}
+	trainer_free(&ref);
+
+	struct trainer run = { 0 };
+	CHECK(trainer_open(&run, sock, "restarted", true) == 0, "a fresh job resumed");
+	for (uint64_t k = 1; k < KILL_AT; k++)
+		CHECK_OK(trainer_step(&run, k, false));
+	int held = unit_stored();
+	CHECK(held == 1 + nmasters, "systemd's store holds %d fd(s) while the job trains, want %d", held, 1 + nmasters);
+	CHECK_OK(trainer_step(&run, KILL_AT, true));
+	long before = unit_log_size(logp);
+	if (term) {
+		systemctl("restart aoqd.service"); /* returns once the new aoqd sent READY=1 */
+	} else {
+		systemctl("kill --signal=SIGKILL aoqd.service");
+		/* Restart=on-failure starts it again (RestartSec= 100 ms) */
+		bool back = false;
+		for (int i = 0; i < 300 && !back; i++) {
+			usleep(100000);
+			back = strstr(unit_log(logp, before), "taken back from the fd store") != NULL;
+		}
+		CHECK(back, "aoqd did not take the state back within 30 s of the kill:\n%s", unit_log(logp, before));
+	}
+	int r = aoq_push_grad(run.c, 2, 0, NULL);
+	if (r >= 0)
+		r = aoq_step_end(run.c);
+	if (r >= 0)
+		r = aoq_sync(run.c, NULL);
+	CHECK(r < 0, "a step went through a dead daemon");
+	trainer_close(&run);
+
+	uint64_t resumed = trainer_open(&run, sock, "restarted", false);
+	const char *log = unit_log(logp, before);
+	printf("--- aoqd's output from the %s on ---\n%s---\n", term ? "restart" : "kill", log);
+	if (term)
+		CHECK(strstr(log, "kept in the fd store"), "no 'kept in the fd store' at the stop");
+	else
+		CHECK(strstr(log, "journal replayed"), "the killed aoqd's journal was not replayed");
+	CHECK(strstr(log, "taken back from the fd store") && strstr(log, "mapped in place"),
+	      "the stored state was not taken back in place");
+	CHECK(!strstr(log, "refused") && !strstr(log, "from its snapshot") && !strstr(log, "restored uid"),
+	      "a refusal or a snapshot read");
+	CHECK(resumed == KILL_AT - 1, "resumed at step %" PRIu64 ", want %d", resumed, KILL_AT - 1);
+	struct image now;
+	image_take(&run, &now);
+	image_same(&now, &at[resumed], "at the resume");
+	image_free(&now);
+	for (uint64_t k = resumed + 1; k <= STEPS; k++)
+		CHECK_OK(trainer_step(&run, k, false));
+	image_take(&run, &now);
+	image_same(&now, &at[STEPS], "at the end");
+	image_free(&now);
+	held = unit_stored();
+	CHECK(held == 1 + nmasters, "systemd's store holds %d fd(s) after the restart, want %d", held, 1 + nmasters);
+	trainer_free(&run);
+	for (int k = 0; k <= STEPS; k++)
+		image_free(&at[k]);
+	/* the Bye took the state out of the store */
+	for (int i = 0; i < 50 && (held = unit_stored()) != 0; i++)
+		usleep(100000);
+	CHECK(held == 0, "systemd's store holds %d fd(s) after every trainer said Bye", held);
+	printf("ok: %s%s, resumed at step %" PRIu64 ", bit-exact after %d steps\n", mode, nmasters ? " q8" : "", resumed,
+	       STEPS);
+	return 0;
+}
+
 int main(int argc, char **argv)
 {
 	aoqt_init("integration-fdstore");
 	const char *exe = aoqt_aoqd_path(argc, argv);
 	const char *mode = argc > 2 ? argv[2] : "term";
+	if (argc > 3 && strcmp(argv[3], "q8") == 0)
+		precision = AOQ_STATE_Q8;
+	signal(SIGPIPE, SIG_IGN);
+	if (strncmp(mode, "unit-", 5) == 0)
+		return unit_main(mode);
 	bool nomasters = strcmp(mode, "nomasters") == 0;
 	bool term = strcmp(mode, "term") == 0, nostore = strcmp(mode, "nostore") == 0;
 	bool sigterm = term || nomasters, snapshots = !term, from_snapshot = nostore || nomasters;
 	CHECK(term || nostore || nomasters || strcmp(mode, "kill") == 0, "mode '%s': term, kill, nostore or nomasters",
 	      mode);
-	if (argc > 3 && strcmp(argv[3], "q8") == 0)
-		precision = AOQ_STATE_Q8;
 	CHECK(!nomasters || precision == AOQ_STATE_Q8, "nomasters needs q8 (a master that is a parameter)");
-	signal(SIGPIPE, SIG_IGN);
 
 	struct sup s;
 	sup_init(&s, snapshots, NULL);
