@@ -6,12 +6,19 @@
  * journal) against a snapshot restore of the same state (a snapshot at
  * the last completed step, SIGKILL, the store emptied as by `systemctl
  * stop`, the next aoqd reads the snapshot).
- * A supervisor does what systemd does (tests/integration/supervisor.h).
+ * A supervisor does what systemd does (tests/integration/supervisor.h),
+ * or systemd itself: run under tests/ops/unit-ns.sh ($AOQ_UNIT_LOG set),
+ * the trainer uses the real aoqd.service through its socket unit and
+ * restarts it with `systemctl restart aoqd.service`, `systemctl kill
+ * --signal=SIGKILL aoqd.service` (Restart=on-failure starts it again) and,
+ * for the snapshot restore, that kill and `systemctl stop` (the store
+ * emptied) and `start`; aoqd's config is then unit-ns.sh's --conf.
  *
  *   bench-restart [PARAMS [TENSORS [PRECISION]]]
  *       (default 2^30 parameters, 16 tensors, fp32; PRECISION below)
  *
- * aoqd: $AOQD when set, else the build's.
+ * aoqd: $AOQD when set, else the build's (not under systemd), with the
+ * kernel $AOQ_KERNEL names (default auto: the machine's best).
  *
  * One AdamW job (fp32: 12 B of state per parameter, and the lease's undo
  * copy as much again; PRECISION q8 or bf16-q8: bf16 parameters whose
@@ -113,6 +120,23 @@ static void tail_mark(double t0)
 	pthread_mutex_unlock(&tail.mu);
 }
 
+/* Waits until a line since the mark holds `needle`; false after timeout_s. */
+static bool tail_wait(const char *needle, double timeout_s)
+{
+	double t_end = now() + timeout_s;
+	for (;;) {
+		pthread_mutex_lock(&tail.mu);
+		tail.buf[tail.len] = '\0';
+		bool seen = strstr(tail.buf, needle) != NULL;
+		pthread_mutex_unlock(&tail.mu);
+		if (seen)
+			return true;
+		if (now() > t_end)
+			return false;
+		usleep(1000);
+	}
+}
+
 static void tail_print(void)
 {
 	usleep(20000); /* the last lines read */
@@ -212,29 +236,69 @@ struct pause {
 	uint64_t at;
 };
 
+/* Under systemd (tests/ops/unit-ns.sh): aoqd's output, else NULL. */
+static const char *unit_log;
+
+static void systemctl(const char *args)
+{
+	char cmd[256];
+	snprintf(cmd, sizeof(cmd), "systemctl --no-pager %s", args);
+	int r = system(cmd);
+	CHECK(r == 0, "'%s' exited %d", cmd, r);
+}
+
+static void *restart_run(void *arg)
+{
+	(void)arg;
+	systemctl("restart aoqd.service"); /* returns at the new aoqd's READY=1 */
+	return NULL;
+}
+
 /* Half of a step, aoqd killed with sig (and the store emptied when
- * `drop`), started again, the trainer back and the step done again. */
-static struct pause restart(struct sup *s, struct job *j, int sig, bool drop, double step_s)
+ * `drop`), started again, the trainer back and the step done again.
+ * Under systemd: SIGTERM is `systemctl restart` (the stop ends at the old
+ * aoqd's last line, the start at the command's return), SIGKILL
+ * `systemctl kill` with the unit's own restart (counted in the resume's
+ * connect). */
+static struct pause restart(struct sup *s, struct job *j, const char *sock, int sig, bool drop, double step_s)
 {
 	struct pause p;
 	CHECK_OK(job_step(j, j->nt / 2));
 	double t0 = now();
 	tail_mark(t0);
-	sup_kill(s, sig);
-	for (int i = 0; drop && i < s->nstored; i++)
-		close(s->stored_fd[i]);
-	if (drop)
-		s->nstored = 0;
+	pthread_t restarter;
+	if (unit_log && sig == SIGTERM) {
+		/* the trainer lets go of its session once its daemon is gone,
+		 * as one does that meets the dead socket: not before (a Bye
+		 * would end the state) */
+		CHECK(pthread_create(&restarter, NULL, restart_run, NULL) == 0, "pthread_create");
+		CHECK(tail_wait("aoqd info main: stopped", 600), "the old aoqd did not stop within 600 s");
+	} else if (unit_log) {
+		systemctl("kill --signal=SIGKILL aoqd.service");
+		if (drop)
+			systemctl("stop aoqd.service"); /* the store emptied */
+	} else {
+		sup_kill(s, sig);
+		for (int i = 0; drop && i < s->nstored; i++)
+			close(s->stored_fd[i]);
+		if (drop)
+			s->nstored = 0;
+	}
 	double t1 = now();
 	/* The trainer lets go of its old session (unmaps its arena) as the
 	 * daemon's socket dies, while the new aoqd starts: at once. */
 	pthread_t closer;
 	CHECK(pthread_create(&closer, NULL, close_run, j->c) == 0, "pthread_create");
-	sup_start(s, aoqd_exe(), NULL, NULL, 0);
+	if (!unit_log)
+		sup_start(s, aoqd_exe(), NULL, NULL, 0);
+	else if (sig == SIGTERM)
+		pthread_join(restarter, NULL);
+	else if (drop)
+		systemctl("start aoqd.service");
 	double t2 = now();
 	pthread_join(closer, NULL);
 	j->c = NULL;
-	p.at = job_open(j, s->sock);
+	p.at = job_open(j, sock);
 	double t3 = now();
 	CHECK_OK(job_step(j, j->nt));
 	double t4 = now();
@@ -298,10 +362,24 @@ int main(int argc, char **argv)
 		CHECK(strcmp(mode, "fp32") == 0, "PRECISION '%s': fp32, q8 or bf16-q8", mode);
 	}
 	signal(SIGPIPE, SIG_IGN);
-	struct sup s;
-	sup_init(&s, false, "lease_seconds = 600\nlog_level = info\nthreads = 0\n");
-	sup_start(&s, aoqd_exe(), NULL, NULL, 0);
-	tail.path = s.log;
+	struct sup s = { .pid = -1 };
+	const char *sock = s.sock;
+	unit_log = getenv("AOQ_UNIT_LOG");
+	if (unit_log && *unit_log) {
+		sock = getenv("AOQ_SOCKET");
+		CHECK(sock && *sock, "$AOQ_UNIT_LOG without $AOQ_SOCKET (run under tests/ops/unit-ns.sh)");
+		tail.path = unit_log;
+		printf("bench-restart: aoqd.service under systemd, socket %s\n", sock);
+	} else {
+		unit_log = NULL;
+		sup_init(&s, false, "lease_seconds = 600\nlog_level = info\nthreads = 0\n");
+		/* the machine's best kernel, as the unit runs it (the tests'
+		 * supervisor runs the scalar one); $AOQ_KERNEL picks another */
+		const char *k = getenv("AOQ_KERNEL");
+		s.kernel = k && *k ? k : "auto";
+		sup_start(&s, aoqd_exe(), NULL, NULL, 0);
+		tail.path = s.log;
+	}
 	pthread_t tailer;
 	CHECK(pthread_create(&tailer, NULL, tail_run, NULL) == 0, "pthread_create");
 
@@ -318,7 +396,7 @@ int main(int argc, char **argv)
 	}
 	printf("bench-restart: %" PRIu64 " %s parameters in %u tensors, AdamW, %s (%.1f GB of state)\n", j.per * nt,
 	       j.dt == AOQ_FP32 ? "fp32" : "bf16", nt, mode, (double)(j.per * nt) * bpp * 1e-9);
-	CHECK(job_open(&j, s.sock) == 0, "a fresh job resumed");
+	CHECK(job_open(&j, sock) == 0, "a fresh job resumed");
 	double step_s = 1e9;
 	for (int k = 0; k < 4; k++) {
 		double t = now();
@@ -331,10 +409,10 @@ int main(int argc, char **argv)
 	printf("undisturbed step: %.3f s\n", step_s);
 
 	/* The fd store: SIGTERM mid-step. */
-	struct pause fds = restart(&s, &j, SIGTERM, false, step_s);
+	struct pause fds = restart(&s, &j, sock, SIGTERM, false, step_s);
 	report("fd store (SIGTERM)", &fds, step_s);
 	/* The fd store: SIGKILL mid-step, the journal replayed. */
-	struct pause kill = restart(&s, &j, SIGKILL, false, step_s);
+	struct pause kill = restart(&s, &j, sock, SIGKILL, false, step_s);
 	report("fd store (SIGKILL)", &kill, step_s);
 
 	/* A snapshot of the same state at its last completed step, then
@@ -343,21 +421,21 @@ int main(int argc, char **argv)
 	char path[4096];
 	uint64_t snap_step = 0;
 	double ts = now();
-	int sfd = aoqt_snapshot_ask(s.sock, session_id(s.sock));
+	int sfd = aoqt_snapshot_ask(sock, session_id(sock));
 	CHECK(sfd >= 0, "SnapshotRequest: %d", sfd);
 	struct timeval forever = { 0, 0 }; /* the write may take minutes */
 	setsockopt(sfd, SOL_SOCKET, SO_RCVTIMEO, &forever, sizeof(forever));
 	int r = aoqt_snapshot_wait(sfd, path, sizeof(path), &snap_step);
 	CHECK(r == 0, "snapshot: %d %s", r, path);
 	printf("snapshot at step %" PRIu64 " written in %.3f s: %s\n", snap_step, now() - ts, path);
-	struct pause snap = restart(&s, &j, SIGKILL, true, step_s);
+	struct pause snap = restart(&s, &j, sock, SIGKILL, true, step_s);
 	report("snapshot (SIGKILL)", &snap, step_s);
 	/* The fd store again, after the snapshot's run: the order's effect
 	 * (fresh memory, a host's background work) shows as the spread. */
-	struct pause fds2 = restart(&s, &j, SIGTERM, false, step_s);
+	struct pause fds2 = restart(&s, &j, sock, SIGTERM, false, step_s);
 	report("fd store again", &fds2, step_s);
 
-	const char *log = sup_log(&s);
+	const char *log = unit_log ? "" : sup_log(&s);
 	for (const char *l = log; (l = strstr(l, "aoqd info fdstore:")); l++) {
 		const char *e = strchr(l, '\n');
 		printf("  %.*s\n", e ? (int)(e - l) : (int)strlen(l), l);
@@ -370,9 +448,11 @@ int main(int argc, char **argv)
 		printf("  %.*s\n", e ? (int)(e - b) : (int)strlen(b), b);
 	}
 	aoq_close(j.c);
-	sup_kill(&s, SIGTERM);
 	tail.stop = true;
 	pthread_join(tailer, NULL);
+	if (unit_log)
+		return 0;
+	sup_kill(&s, SIGTERM);
 	char cmd[160];
 	snprintf(cmd, sizeof(cmd), "rm -rf '%s'", s.dir);
 	if (system(cmd) != 0)

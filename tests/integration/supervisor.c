@@ -132,7 +132,9 @@ void sup_start(struct sup *s, const char *exe, const int *extra, const char *con
 	static char env_ld[4200];
 	const char *ld = getenv("LD_LIBRARY_PATH");
 	snprintf(env_ld, sizeof(env_ld), "LD_LIBRARY_PATH=%s", ld ? ld : "");
-	char *envp[] = { env_fds, env_names, env_notify, env_pid, "AOQ_KERNEL=scalar", ld ? env_ld : NULL, NULL };
+	char env_kernel[64];
+	snprintf(env_kernel, sizeof(env_kernel), "AOQ_KERNEL=%s", s->kernel ? s->kernel : "scalar");
+	char *envp[] = { env_fds, env_names, env_notify, env_pid, env_kernel, ld ? env_ld : NULL, NULL };
 	char *argv[] = { (char *)exe, "--config", s->conf, NULL };
 	int logfd = open(s->log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
 	CHECK(logfd >= 0, "log: %s", strerror(errno));

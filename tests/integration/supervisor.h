@@ -25,6 +25,7 @@ struct sup {
 	int removes; /* FDSTOREREMOVE=1 seen */
 	bool ready;
 	bool nostore; /* keeps no fd (a unit without FileDescriptorStoreMax=) */
+	const char *kernel; /* aoqd's AOQ_KERNEL: "scalar" (sup_init) for the tests */
 };
 
 /* A temp dir with the sockets and aoqd.conf (threads, lease_seconds,
