@@ -14,8 +14,10 @@
  * for the snapshot restore, that kill and `systemctl stop` (the store
  * emptied) and `start`; aoqd's config is then unit-ns.sh's --conf.
  *
- *   bench-restart [PARAMS [TENSORS [PRECISION]]]
- *       (default 2^30 parameters, 16 tensors, fp32; PRECISION below)
+ *   bench-restart [PARAMS [TENSORS [PRECISION [nosnapshot]]]]
+ *       (default 2^30 parameters, 16 tensors, fp32; PRECISION below;
+ *       nosnapshot: the fd store's restarts only, where a snapshot's
+ *       write would not fit in memory beside the state)
  *
  * aoqd: $AOQD when set, else the build's (not under systemd), with the
  * kernel $AOQ_KERNEL names (default auto: the machine's best).
@@ -342,6 +344,12 @@ int main(int argc, char **argv)
 	uint64_t params = argc > 1 ? strtoull(argv[1], NULL, 0) : (1ull << 30);
 	unsigned nt = argc > 2 ? (unsigned)strtoul(argv[2], NULL, 0) : 16;
 	const char *mode = argc > 3 ? argv[3] : "fp32";
+	bool snapshot = true;
+	if (argc > 4) {
+		CHECK(argc == 5 && strcmp(argv[4], "nosnapshot") == 0,
+		      "usage: bench-restart [PARAMS [TENSORS [PRECISION [nosnapshot]]]]");
+		snapshot = false;
+	}
 	CHECK(params >= nt && nt >= 2, "PARAMS >= TENSORS >= 2");
 	/* PRECISION: fp32 (fp32 parameters and state, 12 B a parameter), q8
 	 * (bf16 parameters, the split master and q8 moments: the default for
@@ -418,18 +426,20 @@ int main(int argc, char **argv)
 	/* A snapshot of the same state at its last completed step, then
 	 * SIGKILL mid-step and the store emptied: the next aoqd reads the
 	 * snapshot. */
-	char path[4096];
-	uint64_t snap_step = 0;
-	double ts = now();
-	int sfd = aoqt_snapshot_ask(sock, session_id(sock));
-	CHECK(sfd >= 0, "SnapshotRequest: %d", sfd);
-	struct timeval forever = { 0, 0 }; /* the write may take minutes */
-	setsockopt(sfd, SOL_SOCKET, SO_RCVTIMEO, &forever, sizeof(forever));
-	int r = aoqt_snapshot_wait(sfd, path, sizeof(path), &snap_step);
-	CHECK(r == 0, "snapshot: %d %s", r, path);
-	printf("snapshot at step %" PRIu64 " written in %.3f s: %s\n", snap_step, now() - ts, path);
-	struct pause snap = restart(&s, &j, sock, SIGKILL, true, step_s);
-	report("snapshot (SIGKILL)", &snap, step_s);
+	if (snapshot) {
+		char path[4096];
+		uint64_t snap_step = 0;
+		double ts = now();
+		int sfd = aoqt_snapshot_ask(sock, session_id(sock));
+		CHECK(sfd >= 0, "SnapshotRequest: %d", sfd);
+		struct timeval forever = { 0, 0 }; /* the write may take minutes */
+		setsockopt(sfd, SOL_SOCKET, SO_RCVTIMEO, &forever, sizeof(forever));
+		int r = aoqt_snapshot_wait(sfd, path, sizeof(path), &snap_step);
+		CHECK(r == 0, "snapshot: %d %s", r, path);
+		printf("snapshot at step %" PRIu64 " written in %.3f s: %s\n", snap_step, now() - ts, path);
+		struct pause snap = restart(&s, &j, sock, SIGKILL, true, step_s);
+		report("snapshot (SIGKILL)", &snap, step_s);
+	}
 	/* The fd store again, after the snapshot's run: the order's effect
 	 * (fresh memory, a host's background work) shows as the spread. */
 	struct pause fds2 = restart(&s, &j, sock, SIGTERM, false, step_s);

@@ -14,7 +14,7 @@
 #include <stdbool.h>
 #include <sys/types.h>
 
-#define MAX_STORED 16
+#define MAX_STORED 64 /* aoqd.service: FileDescriptorStoreMax=4096 */
 struct sup {
 	char dir[64], sock[108], notify[108], log[128], state[128], conf[128];
 	int lfd, nfd;

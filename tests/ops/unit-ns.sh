@@ -3,7 +3,7 @@
 # The generated aoqd.service and aoqd.socket under a real systemd, booted as
 # PID 1 of its own PID and mount namespaces, then CMD run inside them:
 #
-#   unit-ns.sh AOQD_SERVICE AOQD_SOCKET AOQD [--conf FILE] -- CMD [ARG...]
+#   unit-ns.sh AOQD_SERVICE AOQD_SOCKET AOQD [--conf FILE] [--state DIR] -- CMD [ARG...]
 #
 # CMD runs as root in the namespaces' mounts with
 #   AOQ_SOCKET=/run/aoq/aoqd.sock    the socket unit's socket
@@ -25,17 +25,21 @@
 #     the few targets their default dependencies name, so nothing of the
 #     host's boot (tmpfiles, sysusers, journald) runs against its files;
 #   - the user aoq is added to bind-mounted copies of /etc/passwd and
-#     /etc/group; /var/lib (StateDirectory=) is a tmpfs.
+#     /etc/group; /var/lib (StateDirectory=) is a tmpfs, with DIR bind-mounted
+#     on /var/lib/aoq for --state DIR (snapshots on disk, not in memory).
 set -uo pipefail
 service=$1 socket_unit=$2 aoqd=$(realpath "$3")
 shift 3
-conf=
-if [[ ${1:-} == --conf ]]; then
-	conf=$(realpath "$2")
+conf= statedir=
+while [[ ${1:-} == --conf || ${1:-} == --state ]]; do
+	case $1 in
+	--conf) conf=$(realpath "$2") ;;
+	--state) statedir=$(realpath "$2") ;;
+	esac
 	shift 2
-fi
+done
 [[ ${1:-} == -- ]] && shift
-(($#)) || { echo "usage: unit-ns.sh SERVICE SOCKET AOQD [--conf FILE] -- CMD..." >&2; exit 2; }
+(($#)) || { echo "usage: unit-ns.sh SERVICE SOCKET AOQD [--conf FILE] [--state DIR] -- CMD..." >&2; exit 2; }
 
 skip() { echo "unit-ns: $*: skipped"; exit 77; }
 ((EUID == 0)) || skip "not root"
@@ -104,6 +108,7 @@ chmod 0755 /run/aoq-unit/aoqd && chmod 0644 /run/aoq-unit/aoqd.conf
 mount -t tmpfs -o mode=0755 tmpfs /usr/lib/systemd/system
 mount -t tmpfs -o mode=0755 tmpfs /etc/systemd/system
 mount -t tmpfs -o mode=0755 tmpfs /var/lib
+if [[ -n "$statedir" ]]; then mkdir /var/lib/aoq && mount --bind "$statedir" /var/lib/aoq; fi
 cp -r "$tmp/units/." /etc/systemd/system/
 mount --bind "$tmp/passwd" /etc/passwd
 mount --bind "$tmp/group" /etc/group
