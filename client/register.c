@@ -253,6 +253,10 @@ static int map_masters(struct aoq_client *c, const int *fds, uint32_t n)
 			return aoq_set_error(-EPROTO, "cannot map masters memfd %u of %u: %s", k + 1, n, strerror(e));
 		}
 	}
+	/* as aoqd's mappings of them: 2 MiB pages where the host's
+	 * shmem_enabled allows (docs/operating.md, "Huge pages") */
+	if (size >= (2u << 20))
+		madvise(q, (size_t)size, MADV_HUGEPAGE);
 	c->masters = q;
 	c->masters_size = size;
 	c->masters_n = n;

@@ -236,6 +236,8 @@ static void *map_state_master(int fd, uint64_t moff, size_t mlen, size_t whole, 
 		munmap(p, reserve);
 		return NULL;
 	}
+	if (mlen >= (2u << 20))
+		madvise(p, mlen, MADV_HUGEPAGE); /* the masters memfd's: where shmem_enabled allows */
 	if (whole - mlen >= (2u << 20))
 		madvise(p + mlen, whole - mlen, MADV_HUGEPAGE);
 	if ((*err = lock_state(p, whole, lock_memory, locked)) < 0) {
@@ -439,33 +441,17 @@ uint64_t aoqd_state_memfd_layout(const struct aoqd_state *st, uint64_t *off)
 	return pos;
 }
 
-/* Copies len bytes from `from` at off into `to` at toff, in pieces through
- * a buffer (a hostile source may be shorter: -EIO).  0 or -errno. */
-static int copy_fd(int from, off_t off, int to, off_t toff, size_t len)
+/* Reads len bytes of `from` at off into p (a hostile source may be
+ * shorter: -EIO).  0 or -errno. */
+static int read_into(int from, off_t off, uint8_t *p, size_t len)
 {
-	enum { PIECE = 1 << 20 };
-	uint8_t *buf = malloc(PIECE);
-	if (!buf)
-		return -ENOMEM;
-	int r = 0;
-	for (size_t done = 0; done < len && r == 0;) {
-		size_t n = len - done < PIECE ? len - done : PIECE;
-		ssize_t got = pread(from, buf, n, off + (off_t)done);
-		if (got <= 0) {
-			r = got < 0 ? -errno : -EIO;
-			break;
-		}
-		for (ssize_t w = 0; w < got && r == 0;) {
-			ssize_t k = pwrite(to, buf + w, (size_t)(got - w), toff + (off_t)done + w);
-			if (k <= 0)
-				r = k < 0 ? -errno : -EIO;
-			else
-				w += k;
-		}
+	for (size_t done = 0; done < len;) {
+		ssize_t got = pread(from, p + done, len - done, off + (off_t)done);
+		if (got <= 0)
+			return got < 0 ? -errno : -EIO;
 		done += (size_t)got;
 	}
-	free(buf);
-	return r;
+	return 0;
 }
 
 /* Tensor x's slot from st's memfd (at x->mem_off): `reserve` bytes, the
@@ -487,10 +473,21 @@ static void *map_state_memfd(struct aoqd_state *st, struct aoqd_tensor *x, size_
 		uint64_t moff;
 		uint32_t which;
 		int mfd = aoqd_state_masters_fd(st, x->master_off, &moff, &which);
+		/* The masters memfd's pages over the slot's head, asked for
+		 * huge pages before anything writes them: the copies below
+		 * write through this mapping, as a write(2) would fill the
+		 * memfd with 4 KiB pages under shmem_enabled=advise. */
+		if (mmap(p, mlen, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, mfd, (off_t)moff) == MAP_FAILED) {
+			*err = -errno;
+			munmap(p, reserve);
+			return NULL;
+		}
+		if (mlen >= (2u << 20))
+			madvise(p, mlen, MADV_HUGEPAGE);
 		if (adopt && st->masters_from_n) {
 			/* a killed aoqd's: the masters the store kept, as they
 			 * were (the journal's replay undoes the open step's) */
-			if ((*err = copy_fd(st->masters_from[which], (off_t)moff, mfd, (off_t)moff, mb)) < 0) {
+			if ((*err = read_into(st->masters_from[which], (off_t)moff, p, mb)) < 0) {
 				munmap(p, reserve);
 				return NULL;
 			}
@@ -506,19 +503,11 @@ static void *map_state_memfd(struct aoqd_state *st, struct aoqd_tensor *x, size_
 			off_t h = lseek(st->mem_fd, d, SEEK_HOLE);
 			if (h < 0 || h > end)
 				h = end;
-			ssize_t w = pwrite(mfd, p + (d - at), (size_t)(h - d), (off_t)moff + (d - at));
-			if (w <= 0) {
-				*err = w < 0 ? -errno : -EIO;
+			if ((*err = read_into(st->mem_fd, d, p + (d - at), (size_t)(h - d))) < 0) {
 				munmap(p, reserve);
 				return NULL;
 			}
-			pos = d + w;
-		}
-		if (mmap(p, mlen, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, mfd, (off_t)moff) ==
-		    MAP_FAILED) {
-			*err = -errno;
-			munmap(p, reserve);
-			return NULL;
+			pos = h;
 		}
 		if (adopt)
 			fallocate(st->mem_fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, at, (off_t)mlen);

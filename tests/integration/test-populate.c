@@ -174,11 +174,14 @@ static uint64_t settled_rss(pid_t pid)
 	return low;
 }
 
-/* The arena's mappings in pid's smaps (0: ours): how many, and how many
- * ask for huge pages (VmFlags "hg", MADV_HUGEPAGE), which both aoqd and
- * libaoq do, so that shmem_enabled=advise gives the arena huge pages. */
-static void arena_hints(pid_t pid, int *maps, int *hinted)
+/* The mappings of memfd `name` (aoq-arena, aoq-masters) in pid's smaps
+ * (0: ours): how many, and how many ask for huge pages (VmFlags "hg",
+ * MADV_HUGEPAGE), which both aoqd and libaoq do, so that
+ * shmem_enabled=advise gives the arena and the masters huge pages. */
+static void memfd_hints(pid_t pid, const char *name, int *maps, int *hinted)
 {
+	char tag[64];
+	snprintf(tag, sizeof(tag), "memfd:%s", name);
 	char p[64], line[512];
 	if (pid)
 		snprintf(p, sizeof(p), "/proc/%d/smaps", (int)pid);
@@ -193,7 +196,7 @@ static void arena_hints(pid_t pid, int *maps, int *hinted)
 			if (arena && strstr(line, " hg"))
 				(*hinted)++;
 			arena = false;
-		} else if (strchr(line, '-') && strstr(line, "memfd:aoq-arena")) {
+		} else if (strchr(line, '-') && strstr(line, tag)) {
 			arena = true;
 			(*maps)++;
 		}
@@ -216,11 +219,20 @@ static void populated(struct aoqt_daemon *d, const char *what, enum aoq_precisio
 	CHECK(rss0 && rss1 >= rss0 + want, "%s: aoqd's RSS grew by %lld bytes with the state faulted in, expected at "
 	      "least %llu", what, (long long)(rss1 - rss0), (unsigned long long)want);
 	int maps, hinted;
-	arena_hints(0, &maps, &hinted);
+	memfd_hints(0, "aoq-arena", &maps, &hinted);
 	CHECK(maps == 1 && hinted == 1, "%s: libaoq maps the arena %d time(s), %d with MADV_HUGEPAGE; 1 and 1 expected",
 	      what, maps, hinted);
-	arena_hints(d->pid, &maps, &hinted);
+	memfd_hints(d->pid, "aoq-arena", &maps, &hinted);
 	CHECK(maps >= 1 && hinted == maps, "%s: aoqd maps arenas %d time(s), %d with MADV_HUGEPAGE", what, maps, hinted);
+	/* the masters (the bf16 parameters are the masters' high halves in
+	 * both precisions): libaoq maps them whole, aoqd tensor by tensor,
+	 * and asks for huge pages where a tensor's masters reach 2 MiB */
+	memfd_hints(0, "aoq-masters", &maps, &hinted);
+	CHECK(maps >= 1 && hinted == maps, "%s: libaoq maps the masters %d time(s), %d with MADV_HUGEPAGE", what, maps,
+	      hinted);
+	memfd_hints(d->pid, "aoq-masters", &maps, &hinted);
+	CHECK(maps >= 3 && hinted >= 1, "%s: aoqd maps masters %d time(s), %d with MADV_HUGEPAGE (the 8 Mi tensor's)",
+	      what, maps, hinted);
 	check_and_step(&r, what);
 	close_run(&r);
 	printf("%s: ok (RSS +%.1f MiB)\n", what, (double)(rss1 - rss0) / (1 << 20));
