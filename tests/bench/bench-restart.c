@@ -157,7 +157,7 @@ struct job {
 	void **p, **g;
 };
 
-static double connected_s, pushed_s; /* the last job_open's connect, job_step's pushes */
+static double connected_s, registered_s, pushed_s; /* the last job_open's connect and register, job_step's pushes */
 
 static uint64_t job_open(struct job *j, const char *sock)
 {
@@ -189,7 +189,9 @@ static uint64_t job_open(struct job *j, const char *sock)
 		t.grad = j->g[i];
 		CHECK_OK(aoq_add_tensor(j->c, &t));
 	}
-	CHECK_OK(aoq_register(j->c));
+	double t_reg = now();
+	CHECK_OK(aoq_register(j->c)); /* a resume reads the parameters back in it */
+	registered_s = now() - t_reg;
 	uint64_t step = 0;
 	CHECK(aoq_resumed(j->c, &step) >= 0, "aoq_resumed");
 	return step;
@@ -234,7 +236,7 @@ static void *close_run(void *c)
 
 struct pause {
 	double stop, start, resume, redo, total;
-	double connect, push; /* of resume, of redo */
+	double connect, reg, push; /* of resume (reg: the parameters read back), of redo */
 	uint64_t at;
 };
 
@@ -309,6 +311,7 @@ static struct pause restart(struct sup *s, struct job *j, const char *sock, int 
 	p.resume = t3 - t2;
 	p.redo = t4 - t3;
 	p.connect = connected_s;
+	p.reg = registered_s;
 	p.push = pushed_s;
 	p.total = t4 - t0 - step_s;
 	return p;
@@ -327,14 +330,16 @@ static void *trainer_alloc(size_t bytes)
 }
 
 static double undisturbed_push_s;
+static uint64_t param_bytes; /* the trainer's parameters */
 
 static void report(const char *what, const struct pause *p, double step_s)
 {
 	printf("%-22s pause %7.3f s  (stop %6.3f, start to READY %6.3f, reconnect+resume %6.3f, step %6.3f vs %6.3f "
 	       "undisturbed), resumed at step %" PRIu64 "\n",
 	       what, p->total, p->stop, p->start, p->resume, p->redo, step_s, p->at);
-	printf("    reconnect %.3f s of the resume; the step's pushes %.3f s (undisturbed %.3f); aoqd's log:\n",
-	       p->connect, p->push, undisturbed_push_s);
+	printf("    of the resume: reconnect %.3f s, registration with the parameters read back %.3f s (%.2f GB/s); "
+	       "the step's pushes %.3f s (undisturbed %.3f); aoqd's log:\n",
+	       p->connect, p->reg, p->reg > 0 ? (double)param_bytes / p->reg * 1e-9 : 0.0, p->push, undisturbed_push_s);
 	tail_print();
 }
 
@@ -391,6 +396,7 @@ int main(int argc, char **argv)
 	pthread_t tailer;
 	CHECK(pthread_create(&tailer, NULL, tail_run, NULL) == 0, "pthread_create");
 
+	param_bytes = j.per * nt * (j.dt == AOQ_FP32 ? 4 : 2);
 	j.p = aoqt_xcalloc(nt, sizeof(*j.p));
 	j.g = aoqt_xcalloc(nt, sizeof(*j.g));
 	for (unsigned i = 0; i < nt; i++) {
