@@ -269,8 +269,10 @@ static int map_masters(struct aoq_client *c, const int *fds, uint32_t n)
  * the loads: by then aoqd has written every page, and pinning pages that
  * exist runs at 23-28 GB/s on the H200 host, where pinning a new memfd's
  * holes faults them in one by one at 2-2.6 GB/s (tests/bench/pin_bench.py;
- * RESULTS.md, "Pinning the masters after the load").  The loads and resumed
- * reads go through the arena, never through this mapping. */
+ * RESULTS.md, "Pinning the masters after the load").  The loads go through
+ * the arena, never through this mapping.  A resume's masters exist from
+ * the start: all are pinned at once, while the resume copies the
+ * parameters out of them (transfer.c). */
 struct pinner {
 	struct aoq_client *c;
 	pthread_mutex_t lock;
@@ -390,7 +392,12 @@ int aoq_register(struct aoq_client *c)
 	bool threaded = pinning && pthread_create(&pn.tid, NULL, pin_main, &pn) == 0;
 	if (c->resumed)
 		c->step = c->resumed_step + 1; /* the daemon's state is the truth: parameters come from it */
-	for (uint32_t i = 0, ready = 0; i < c->ntensors && r == 0; i++) {
+	/* A resume's masters are there already (it copies its parameters from
+	 * them): all pinned at once, while it copies. */
+	uint32_t pinned_from = c->resumed && threaded ? c->masters_n : 0;
+	if (pinned_from)
+		pin_ready(&pn, pinned_from);
+	for (uint32_t i = 0, ready = pinned_from; i < c->ntensors && r == 0; i++) {
 		r = c->resumed ? aoqc_load_resumed(c, i) : aoqc_load_initial(c, i);
 		while (ready < c->masters_n && last[ready] <= i)
 			ready++;

@@ -106,10 +106,15 @@ int aoqc_load_initial(struct aoq_client *c, uint32_t i)
 
 /* A resumed session: tensor i's parameter from the daemon's master, in
  * its param dtype (rounded as the updates round it); the daemon reads
- * piece k+1 into its window while piece k is copied out. */
+ * piece k+1 into its window while piece k is copied out.  A master that is
+ * the parameter (the masters memfds) is copied straight from our mapping
+ * of it: aoqd left it there at the resumed step, rolled back before it
+ * answered the registration, in the very bytes the updates copy out. */
 int aoqc_load_resumed(struct aoq_client *c, uint32_t i)
 {
 	struct tensor *x = &c->tensors[i];
+	if (x->master_area)
+		return x->d.numel ? c->ops->copy_to_device(c->be, x->d.param, x->master_area, x->d.numel * x->psize) : 0;
 	enum aoq_dtype dt = x->d.param_dtype;
 	struct windows w = windows_of(c);
 	uint64_t room = w.bytes / x->psize, end = x->d.numel;
