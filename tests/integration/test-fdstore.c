@@ -258,6 +258,46 @@ static void trainer_free(struct trainer *t)
 	}
 }
 
+/* The undisturbed run of the job, and its image after every step. */
+static void undisturbed(const char *sock, struct image at[STEPS + 1])
+{
+	struct trainer ref = { 0 };
+	CHECK(trainer_open(&ref, sock, "undisturbed", true) == 0, "a fresh job resumed");
+	for (uint64_t k = 1; k <= STEPS; k++) {
+		CHECK_OK(trainer_step(&ref, k, false));
+		image_take(&ref, &at[k]);
+	}
+	trainer_free(&ref);
+}
+
+/* The trainer meets its daemon gone in the rest of the open step, and
+ * lets go of its session. */
+static void gone(struct trainer *run)
+{
+	int r = aoq_push_grad(run->c, 2, 0, NULL);
+	if (r >= 0)
+		r = aoq_step_end(run->c);
+	if (r >= 0)
+		r = aoq_sync(run->c, NULL);
+	CHECK(r < 0, "a step went through a dead daemon");
+	trainer_close(run);
+}
+
+/* The resumed job: bit for bit the undisturbed run's at its resumed step,
+ * then trained to the end and so again. */
+static void finish(struct trainer *run, uint64_t resumed, struct image at[STEPS + 1])
+{
+	struct image now;
+	image_take(run, &now);
+	image_same(&now, &at[resumed], "at the resume");
+	image_free(&now);
+	for (uint64_t k = resumed + 1; k <= STEPS; k++)
+		CHECK_OK(trainer_step(run, k, false));
+	image_take(run, &now);
+	image_same(&now, &at[STEPS], "at the end");
+	image_free(&now);
+}
+
 /* ---- hostile fds beside the real ones ---- */
 
 static int sealed_copy(int src, off_t cut, off_t flip, bool seal)
@@ -331,14 +371,8 @@ static int unit_main(const char *mode)
 	CHECK(term || strcmp(mode, "unit-kill") == 0, "mode '%s': unit-term or unit-kill", mode);
 	int nmasters = precision == AOQ_STATE_Q8 ? 1 : 0;
 
-	struct trainer ref = { 0 };
 	static struct image at[STEPS + 1];
-	CHECK(trainer_open(&ref, sock, "undisturbed", true) == 0, "a fresh job resumed");
-	for (uint64_t k = 1; k <= STEPS; k++) {
-		CHECK_OK(trainer_step(&ref, k, false));
-		image_take(&ref, &at[k]);
-	}
-	trainer_free(&ref);
+	undisturbed(sock, at);
 
 	struct trainer run = { 0 };
 	CHECK(trainer_open(&run, sock, "restarted", true) == 0, "a fresh job resumed");
@@ -360,13 +394,7 @@ static int unit_main(const char *mode)
 		}
 		CHECK(back, "aoqd did not take the state back within 30 s of the kill:\n%s", unit_log(logp, before));
 	}
-	int r = aoq_push_grad(run.c, 2, 0, NULL);
-	if (r >= 0)
-		r = aoq_step_end(run.c);
-	if (r >= 0)
-		r = aoq_sync(run.c, NULL);
-	CHECK(r < 0, "a step went through a dead daemon");
-	trainer_close(&run);
+	gone(&run);
 
 	uint64_t resumed = trainer_open(&run, sock, "restarted", false);
 	const char *log = unit_log(logp, before);
@@ -380,15 +408,7 @@ static int unit_main(const char *mode)
 	CHECK(!strstr(log, "refused") && !strstr(log, "from its snapshot") && !strstr(log, "restored uid"),
 	      "a refusal or a snapshot read");
 	CHECK(resumed == KILL_AT - 1, "resumed at step %" PRIu64 ", want %d", resumed, KILL_AT - 1);
-	struct image now;
-	image_take(&run, &now);
-	image_same(&now, &at[resumed], "at the resume");
-	image_free(&now);
-	for (uint64_t k = resumed + 1; k <= STEPS; k++)
-		CHECK_OK(trainer_step(&run, k, false));
-	image_take(&run, &now);
-	image_same(&now, &at[STEPS], "at the end");
-	image_free(&now);
+	finish(&run, resumed, at);
 	held = unit_stored();
 	CHECK(held == 1 + nmasters, "systemd's store holds %d fd(s) after the restart, want %d", held, 1 + nmasters);
 	trainer_free(&run);
@@ -438,15 +458,8 @@ int main(int argc, char **argv)
 	      "shmem_enabled '%s': aoqd's start says %d time(s) that its memfds run on 4 KiB pages", thp,
 	      count(sup_log(&s), "run on 4 KiB pages"));
 
-	/* The undisturbed run, and its image after every step. */
-	struct trainer ref = { 0 };
 	static struct image at[STEPS + 1];
-	CHECK(trainer_open(&ref, s.sock, "undisturbed", true) == 0, "a fresh job resumed");
-	for (uint64_t k = 1; k <= STEPS; k++) {
-		CHECK_OK(trainer_step(&ref, k, false));
-		image_take(&ref, &at[k]);
-	}
-	trainer_free(&ref);
+	undisturbed(s.sock, at);
 
 	/* The same job, with aoqd going mid-step. */
 	struct trainer run = { 0 };
@@ -507,13 +520,7 @@ int main(int argc, char **argv)
 	if (term)
 		CHECK(strstr(log, "kept in the fd store"), "no 'kept in the fd store' in the log");
 	/* The trainer sees its daemon gone. */
-	int r = aoq_push_grad(run.c, 2, 0, NULL);
-	if (r >= 0)
-		r = aoq_step_end(run.c);
-	if (r >= 0)
-		r = aoq_sync(run.c, NULL);
-	CHECK(r < 0, "a step went through a dead daemon");
-	trainer_close(&run);
+	gone(&run);
 
 	int extra[6] = { -1, -1, -1, -1, -1, -1 };
 	/* q8: a masters memfd without a state (removed) */
@@ -604,15 +611,7 @@ int main(int argc, char **argv)
 		CHECK(resumed == KILL_AT - 1, "resumed at step %" PRIu64 ", want %d", resumed, KILL_AT - 1);
 	else
 		CHECK(resumed >= 1 && resumed < KILL_AT, "resumed at step %" PRIu64 " from the snapshots", resumed);
-	struct image now;
-	image_take(&run, &now);
-	image_same(&now, &at[resumed], "at the resume");
-	image_free(&now);
-	for (uint64_t k = resumed + 1; k <= STEPS; k++)
-		CHECK_OK(trainer_step(&run, k, false));
-	image_take(&run, &now);
-	image_same(&now, &at[STEPS], "at the end");
-	image_free(&now);
+	finish(&run, resumed, at);
 	if (!from_snapshot) {
 		/* No copy: the state trained since the restart is the stored
 		 * memfd's (tensor 0's fp32 master heads the first slot, at the
