@@ -65,6 +65,40 @@ def staging_window_for(params, staging_window=None, delayed_update=False):
     return 0 if need <= STAGING_BUDGET else STAGING_BUDGET
 
 
+def _take_over(params, new):
+    """Parameters that an earlier OffloadOptimizer of this process still
+    hooks (one whose aoqd restarted, or was left without close(), before
+    the optimizer was built again: README, "Lease and resume") become
+    `new`'s: the earlier one is closed, so that its hooks no longer see
+    their gradients."""
+    old = []
+    for p in params:
+        r = getattr(p, "_aoq_optimizer", None)
+        o = r() if r is not None else None
+        if o is not None and o is not new and o not in old:
+            old.append(o)
+        try:
+            p._aoq_optimizer = weakref.ref(new)
+        except (AttributeError, TypeError):
+            pass
+    for o in old:
+        if getattr(o, "_client", None) is None:
+            o._unhook()
+            continue
+        warnings.warn("aoq: parameters of an earlier OffloadOptimizer (job %s) are this one's now: the earlier one "
+                      "is closed" % (getattr(o, "job", None) or "?"), stacklevel=3)
+        try:
+            o.close()
+        except Exception:       # its daemon is gone: let go of what is left
+            o._unhook()
+            try:
+                o._client.close()
+            except Exception:
+                pass
+            o._client = None
+            o._slots = []
+
+
 @routed
 class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.optim.Optimizer):
     """torchao's CPUOffloadOptimizer constructor plus aoq's options.
@@ -200,6 +234,7 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
                             nesterov=bool(kwargs.pop("nesterov", False)))
 
         clean, names = _parse_params(params)
+        _take_over([p for g in clean for p in g["params"]], self)
         super().__init__(clean, defaults)
         for g in self.param_groups:
             _check_hp(kind, g)
@@ -412,8 +447,7 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
             # run a hidden zero-gradient step() to create it.
             for s in self._slots:
                 self.state[s.p] = {}
-            for s in self._slots:
-                s.p.register_post_accumulate_grad_hook(self._make_hook(s))
+            self._grad_handles = [s.p.register_post_accumulate_grad_hook(self._make_hook(s)) for s in self._slots]
         self._step_started = False
         self._hooks_pushed = False
         self._inflight_bytes = 0
@@ -609,16 +643,21 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
 
     def close(self):
         """Ends the daemon session (also done at exit)."""
-        self._remove_global_hooks()
-        _OPTIMIZERS.pop(getattr(self, "_oid", None), None)
-        for h in getattr(self, "_mod_handles", ()):
-            h.remove()
-        self._mod_handles = []
+        self._unhook()
         if self._client is not None:
             self.synchronize()
             self._client.close()
             self._client = None
             self._slots = []
+
+    def _unhook(self):
+        """Takes every hook of ours off the parameters and modules."""
+        self._remove_global_hooks()
+        _OPTIMIZERS.pop(getattr(self, "_oid", None), None)
+        for h in list(getattr(self, "_mod_handles", ())) + list(getattr(self, "_grad_handles", ())):
+            h.remove()
+        self._mod_handles = []
+        self._grad_handles = []
 
     # ------------------------------------------------------------------
     def _init_fallback(self, params, optimizer_class, kwargs):
