@@ -4,8 +4,8 @@
 #
 #   tests/gpu/run-gpu-tests.sh [BIN] [LOGDIR]
 #
-# BIN: a folder holding aoqd, aoqctl, test-cuda, test-cuda-nodev, bench-cuda and
-# lib/ (libaoq.so.N, its soname, plus any shared library the machine lacks), as made by
+# BIN: a folder holding aoqd, aoqctl, test-cuda, test-cuda-nodev, bench-cuda,
+# bench-restart, bench-shmem and lib/ (libaoq.so.N, its soname, plus any shared library the machine lacks), as made by
 # `run-gpu-tests.sh pack BUILD_DIR BIN`; without it the script builds with
 # meson into build-gpu (needs libuv, protobuf-c, nvcc).  Logs go to LOGDIR
 # (default $OUT, else ./gpu-logs): tests.log, sanitizer.log, bench.log and
@@ -21,6 +21,11 @@ if [ "${1:-}" = pack ]; then
 	mkdir -p "$bin/lib"
 	cp "$build/daemon/aoqd" "$build/client/tools/aoqctl" "$build/tests/gpu/test-cuda" \
 	   "$build/tests/gpu/test-cuda-nodev" "$build/tests/gpu/bench-cuda" "$bin/"
+	# the host-side benchmarks a GPU machine's cores and memory run too
+	# (tests/bench/restart_table.sh --bin BIN, bench-shmem)
+	for b in bench-restart bench-shmem; do
+		[ -x "$build/tests/bench/$b" ] && cp "$build/tests/bench/$b" "$bin/"
+	done
 	soname=$(objdump -p "$build/client/libaoq.so" | awk '/SONAME/ { print $2 }')
 	cp -L "$build/client/$soname" "$bin/lib/"
 	for l in libuv.so.1 libprotobuf-c.so.1 libze_loader.so.1 libjson-c.so.5; do
