@@ -11,11 +11,9 @@ final push" from the earlier one's hooks, the results torch.optim.AdamW's.
   gone:    the first optimizer's aoqd stopped after two steps, the second
            built on another aoqd.
 Exit 0 ok, 1 fail, 77 skip without torch (1 when CI / AOQ_REQUIRE_TORCH is set)."""
-import sys
-import traceback
 import warnings
 
-from testenv import require_torch  # sets sys.path: this folder and the package
+from testenv import exit_with, require_torch  # sets sys.path: this folder and the package
 
 torch = require_torch()
 import aoq  # noqa: E402
@@ -84,8 +82,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except Exception:
-        traceback.print_exc()
-        sys.exit(1)
+    exit_with(main)

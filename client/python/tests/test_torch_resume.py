@@ -10,10 +10,9 @@ Exit 0 ok, 1 fail, 77 skip without torch (1 when CI / AOQ_REQUIRE_TORCH is set).
 import os
 import subprocess
 import sys
-import traceback
 import warnings
 
-from testenv import require_torch  # sets sys.path: this folder and the package
+from testenv import exit_with, require_torch  # sets sys.path: this folder and the package
 
 torch = require_torch()
 import aoq  # noqa: E402
@@ -86,8 +85,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except Exception:
-        traceback.print_exc()
-        sys.exit(1)
+    exit_with(main)

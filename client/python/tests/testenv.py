@@ -4,6 +4,7 @@ the package on sys.path, and torch itself, or exit 77 (skip) without it, or
 1 where CI / AOQ_REQUIRE_TORCH says torch must be there."""
 import os
 import sys
+import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 for _p in (os.path.join(HERE, ".."), HERE):
@@ -22,3 +23,12 @@ def require_torch():
         print("SKIP: torch is not installed")
         sys.exit(77)
     return torch
+
+
+def exit_with(main):
+    """Exits with main()'s status, or 1 with the traceback of what it raised."""
+    try:
+        sys.exit(main())
+    except Exception:
+        traceback.print_exc()
+        sys.exit(1)
