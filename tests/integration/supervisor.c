@@ -3,10 +3,12 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -16,6 +18,8 @@
 
 #include "harness.h"
 #include "supervisor.h"
+
+static void *receiver(void *arg);
 
 void sup_init(struct sup *s, bool snapshots, const char *extra)
 {
@@ -47,33 +51,98 @@ void sup_init(struct sup *s, bool snapshots, const char *extra)
 	CHECK(s->nfd >= 0 && bind(s->nfd, (struct sockaddr *)&sa, sizeof(sa)) == 0, "notify: %s", strerror(errno));
 	int on = 1;
 	setsockopt(s->nfd, SOL_SOCKET, SO_PASSCRED, &on, sizeof(on));
+	pthread_mutex_init(&s->mu, NULL);
+	pthread_cond_init(&s->cv, NULL);
+	pthread_t t;
+	CHECK(pthread_create(&t, NULL, receiver, s) == 0 && pthread_detach(t) == 0, "pthread_create");
+}
+
+/* Takes one datagram off the notify socket into the ring, with s->mu held
+ * (the ring keeps the socket's order): false when none waits or the ring
+ * is full. */
+static bool take(struct sup *s)
+{
+	if (s->count == SUP_RING)
+		return false;
+	struct sup_note *m = &s->ring[(s->head + s->count) % SUP_RING];
+	union {
+		char buf[CMSG_SPACE(sizeof(int) * 32) + CMSG_SPACE(sizeof(struct ucred))];
+		struct cmsghdr align;
+	} cm;
+	struct iovec iov = { m->data, sizeof(m->data) - 1 };
+	struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = cm.buf, .msg_controllen = sizeof(cm.buf) };
+	m->n = recvmsg(s->nfd, &mh, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+	if (m->n < 0)
+		return false;
+	m->flags = mh.msg_flags;
+	m->nf = 0;
+	for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c))
+		if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+			int k = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+			memcpy(m->fds + m->nf, CMSG_DATA(c), sizeof(int) * (size_t)k);
+			m->nf += k;
+		}
+	s->count++;
+	return true;
+}
+
+/* The receiver: takes every datagram off the notify socket as it comes, as
+ * systemd does.  Without it a sender of more datagrams than the socket
+ * queues (net.unix.max_dgram_qlen, often 10) blocks in sendmsg until the
+ * test next calls sup_recv: aoqd storing a large session's masters memfds
+ * during a Register blocks its loop there, while the trainer waits for the
+ * Register's answer. */
+static void *receiver(void *arg)
+{
+	struct sup *s = arg;
+	for (;;) {
+		pthread_mutex_lock(&s->mu);
+		while (s->count == SUP_RING)
+			pthread_cond_wait(&s->cv, &s->mu);
+		pthread_mutex_unlock(&s->mu);
+		struct pollfd p = { .fd = s->nfd, .events = POLLIN };
+		if (poll(&p, 1, -1) <= 0)
+			continue;
+		pthread_mutex_lock(&s->mu);
+		while (take(s))
+			;
+		pthread_cond_broadcast(&s->cv);
+		pthread_mutex_unlock(&s->mu);
+	}
+	return NULL;
 }
 
 /* One notify datagram (waits up to timeout_ms): false when none came. */
 bool sup_recv(struct sup *s, int timeout_ms)
 {
-	struct pollfd p = { .fd = s->nfd, .events = POLLIN };
-	if (poll(&p, 1, timeout_ms) <= 0)
+	struct timespec until;
+	clock_gettime(CLOCK_REALTIME, &until);
+	until.tv_sec += timeout_ms / 1000;
+	until.tv_nsec += (long)(timeout_ms % 1000) * 1000000;
+	if (until.tv_nsec >= 1000000000) {
+		until.tv_sec++;
+		until.tv_nsec -= 1000000000;
+	}
+	struct sup_note m;
+	pthread_mutex_lock(&s->mu);
+	while (take(s)) /* what came since the receiver last looked */
+		;
+	while (!s->count && pthread_cond_timedwait(&s->cv, &s->mu, &until) == 0)
+		;
+	bool got = s->count > 0;
+	if (got) {
+		m = s->ring[s->head];
+		s->head = (s->head + 1) % SUP_RING;
+		s->count--;
+		pthread_cond_broadcast(&s->cv); /* room for the receiver */
+	}
+	pthread_mutex_unlock(&s->mu);
+	if (!got)
 		return false;
-	char data[4096];
-	union {
-		char buf[CMSG_SPACE(sizeof(int) * 32) + CMSG_SPACE(sizeof(struct ucred))];
-		struct cmsghdr align;
-	} cm;
-	struct iovec iov = { data, sizeof(data) - 1 };
-	struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = cm.buf, .msg_controllen = sizeof(cm.buf) };
-	ssize_t n = recvmsg(s->nfd, &mh, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
-	if (n < 0)
-		return false;
-	CHECK(!(mh.msg_flags & (MSG_CTRUNC | MSG_TRUNC)), "notify message truncated");
-	data[n] = '\0';
-	int fds[32], nf = 0;
-	for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c))
-		if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
-			int k = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
-			memcpy(fds + nf, CMSG_DATA(c), sizeof(int) * (size_t)k);
-			nf += k;
-		}
+	CHECK(!(m.flags & (MSG_CTRUNC | MSG_TRUNC)), "notify message truncated");
+	char *data = m.data;
+	int *fds = m.fds, nf = m.nf;
+	data[m.n] = '\0';
 	const char *name = strstr(data, "FDNAME=");
 	char nm[256] = "";
 	if (name) {
@@ -111,21 +180,19 @@ bool sup_recv(struct sup *s, int timeout_ms)
 void sup_start(struct sup *s, const char *exe, const int *extra, const char *const *extra_names, int nextra)
 {
 	int src[2 * MAX_STORED + 1], n = 0;
-	char names[4096] = "aoqd.socket";
+	/* "LISTEN_FDNAMES=aoqd.socket:NAME:..." */
+	static char env_names[16 + MAX_STORED * 2 * 257];
+	size_t at = (size_t)snprintf(env_names, sizeof(env_names), "LISTEN_FDNAMES=aoqd.socket");
 	src[n++] = s->lfd;
-	for (int i = 0; i < s->nstored; i++) {
-		src[n++] = s->stored_fd[i];
-		strcat(names, ":");
-		strcat(names, s->stored_name[i]);
+	for (int i = 0; i < s->nstored + nextra; i++) {
+		CHECK(n < 2 * MAX_STORED + 1, "more than %d fds to pass", 2 * MAX_STORED);
+		src[n++] = i < s->nstored ? s->stored_fd[i] : extra[i - s->nstored];
+		at += (size_t)snprintf(env_names + at, sizeof(env_names) - at, ":%s",
+				       i < s->nstored ? s->stored_name[i] : extra_names[i - s->nstored]);
+		CHECK(at < sizeof(env_names), "LISTEN_FDNAMES too long");
 	}
-	for (int i = 0; i < nextra; i++) {
-		src[n++] = extra[i];
-		strcat(names, ":");
-		strcat(names, extra_names[i]);
-	}
-	char env_fds[32], env_names[4200], env_notify[160], env_pid[32] = "LISTEN_PID=";
+	char env_fds[32], env_notify[160], env_pid[32] = "LISTEN_PID=";
 	snprintf(env_fds, sizeof(env_fds), "LISTEN_FDS=%d", n);
-	snprintf(env_names, sizeof(env_names), "LISTEN_FDNAMES=%s", names);
 	snprintf(env_notify, sizeof(env_notify), "NOTIFY_SOCKET=%s", s->notify);
 	/* LD_LIBRARY_PATH passed on: a packed aoqd on a machine without its
 	 * shared libraries (tests/gpu/run-gpu-tests.sh pack) finds them there */

@@ -11,10 +11,12 @@
 #ifndef AOQ_TEST_SUPERVISOR_H
 #define AOQ_TEST_SUPERVISOR_H
 
+#include <pthread.h>
 #include <stdbool.h>
 #include <sys/types.h>
 
-#define MAX_STORED 64 /* aoqd.service: FileDescriptorStoreMax=4096 */
+#define MAX_STORED 640 /* aoqd.service: FileDescriptorStoreMax=4096 */
+#define SUP_RING 64    /* datagrams received, not yet read */
 struct sup {
 	char dir[64], sock[108], notify[108], log[128], state[128], conf[128];
 	int lfd, nfd;
@@ -26,13 +28,25 @@ struct sup {
 	bool ready;
 	bool nostore; /* keeps no fd (a unit without FileDescriptorStoreMax=) */
 	const char *kernel; /* aoqd's AOQ_KERNEL: "scalar" (sup_init) for the tests */
+	/* datagrams taken off the socket by sup_init's receiver thread, not
+	 * yet read by sup_recv (the only user of the fields above) */
+	pthread_mutex_t mu;
+	pthread_cond_t cv;
+	unsigned head, count;
+	struct sup_note {
+		ssize_t n;
+		int flags, nf;
+		int fds[32];
+		char data[4096];
+	} ring[SUP_RING];
 };
 
 /* A temp dir with the sockets and aoqd.conf (threads, lease_seconds,
  * state_dir; snapshot_every_steps = 1 with snapshots; `extra` appended
  * when not NULL). */
 void sup_init(struct sup *s, bool snapshots, const char *extra);
-/* One notify datagram (waits up to timeout_ms): false when none came. */
+/* The next notify datagram (waits up to timeout_ms): false when none came.
+ * A thread sup_init starts takes each off the socket as it comes. */
 bool sup_recv(struct sup *s, int timeout_ms);
 /* Starts aoqd --config: the socket at fd 3, then the stored fds and
  * `extra` with their names; waits for READY=1. */

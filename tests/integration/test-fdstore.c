@@ -32,6 +32,15 @@
  *         the state is refused, never taken with zeros for masters, and
  *         the trainer resumes from its snapshot.
  *
+ *   flood: the supervisor itself: a sender stores more fds, one datagram
+ *         each, than the notify socket queues (net.unix.max_dgram_qlen,
+ *         10 where systemd did not raise it) while the test reads none,
+ *         as aoqd does storing the masters memfds of a session of more
+ *         than 640 MiB of them inside a Register; every send must return
+ *         (a supervisor that drained the socket only when the test asked
+ *         left aoqd's loop and the trainer waiting for each other) and the
+ *         store must hold every fd, in order.
+ *
  *   unit-term, unit-kill: the same job against the real aoqd.service and
  *         aoqd.socket under systemd (tests/ops/unit-ns.sh runs this inside
  *         a namespace whose PID 1 is systemd; $AOQ_SOCKET and $AOQ_UNIT_LOG
@@ -423,6 +432,74 @@ static int unit_main(const char *mode)
 	return 0;
 }
 
+/* flood (above): 16 datagrams of FDSTORE=1 with a memfd each more than
+ * the socket queues. */
+static int flood_main(void)
+{
+	int qlen = 10;
+	FILE *f = fopen("/proc/sys/net/unix/max_dgram_qlen", "r");
+	if (f) {
+		if (fscanf(f, "%d", &qlen) != 1)
+			qlen = 10;
+		fclose(f);
+	}
+	const int FLOOD = qlen + 16 < MAX_STORED ? qlen + 16 : MAX_STORED;
+	struct sup s;
+	sup_init(&s, false, NULL);
+	pid_t pid = fork();
+	CHECK(pid >= 0, "fork: %s", strerror(errno));
+	if (pid == 0) {
+		int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+		struct sockaddr_un sa = { .sun_family = AF_UNIX };
+		snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", s.notify);
+		for (int i = 0; i < FLOOD; i++) {
+			char msg[64];
+			int n = snprintf(msg, sizeof(msg), "FDSTORE=1\nFDNAME=flood-%d", i);
+			int mfd = memfd_create("flood", MFD_CLOEXEC);
+			union {
+				char buf[CMSG_SPACE(sizeof(int))];
+				struct cmsghdr align;
+			} cm;
+			struct iovec iov = { msg, (size_t)n };
+			struct msghdr mh = { .msg_name = &sa, .msg_namelen = sizeof(sa), .msg_iov = &iov, .msg_iovlen = 1,
+					     .msg_control = cm.buf, .msg_controllen = sizeof(cm.buf) };
+			struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
+			c->cmsg_level = SOL_SOCKET;
+			c->cmsg_type = SCM_RIGHTS;
+			c->cmsg_len = CMSG_LEN(sizeof(int));
+			memcpy(CMSG_DATA(c), &mfd, sizeof(int));
+			if (fd < 0 || mfd < 0 || sendmsg(fd, &mh, 0) != n) /* blocks while the queue is full */
+				_exit(1);
+			close(mfd);
+		}
+		_exit(0);
+	}
+	int st = 0;
+	pid_t w = 0;
+	for (int t = 0; t < 300 && w == 0; t++) { /* reads nothing meanwhile */
+		w = waitpid(pid, &st, WNOHANG);
+		if (w == 0)
+			usleep(20000);
+	}
+	if (w == 0) {
+		kill(pid, SIGKILL);
+		waitpid(pid, &st, 0);
+	}
+	CHECK(w == pid && WIFEXITED(st) && WEXITSTATUS(st) == 0,
+	      "the sender of %d FDSTORE datagrams (the socket queues %d) did not finish within 6 s (status %#x): the notify "
+	      "socket is not drained", FLOOD, qlen, st);
+	while (sup_recv(&s, 0))
+		;
+	CHECK(s.nstored == FLOOD, "%d fds stored of %d sent", s.nstored, FLOOD);
+	for (int i = 0; i < FLOOD; i++) {
+		char want[32];
+		snprintf(want, sizeof(want), "flood-%d", i);
+		CHECK(strcmp(s.stored_name[i], want) == 0, "stored fd %d is '%s', want '%s'", i, s.stored_name[i], want);
+	}
+	printf("ok: flood, %d fds stored in order while the test read none (the socket queues %d)\n", FLOOD, qlen);
+	return 0;
+}
+
 int main(int argc, char **argv)
 {
 	aoqt_init("integration-fdstore");
@@ -433,6 +510,8 @@ int main(int argc, char **argv)
 	signal(SIGPIPE, SIG_IGN);
 	if (strncmp(mode, "unit-", 5) == 0)
 		return unit_main(mode);
+	if (strcmp(mode, "flood") == 0)
+		return flood_main();
 	bool nomasters = strcmp(mode, "nomasters") == 0;
 	bool term = strcmp(mode, "term") == 0, nostore = strcmp(mode, "nostore") == 0;
 	bool sigterm = term || nomasters, snapshots = !term, from_snapshot = nostore || nomasters;
