@@ -32,26 +32,34 @@ static struct windows windows_of(const struct aoq_client *c)
 	return w;
 }
 
+/* env: a LoadState (load) or ReadState of n elements from off, through the
+ * transfer area at byte `at`; l and rd hold the message. */
+static void xfer_fill(Aoq__Envelope *env, Aoq__LoadState *l, Aoq__ReadState *rd, bool load, uint32_t i, int what,
+                      enum aoq_dtype dt, uint64_t off, uint64_t n, uint64_t at)
+{
+	/* the two messages have the same fields */
+#define XFER_FIELDS(m)                                                                               \
+	((m)->tensor = i, (m)->what = (Aoq__StateKind)what, (m)->dtype = (Aoq__DType)dt, (m)->offset = off, \
+	 (m)->count = n, (m)->at = at)
+	if (load) {
+		XFER_FIELDS(l);
+		env->msg_case = AOQ__ENVELOPE__MSG_LOAD_STATE;
+		env->load_state = l;
+	} else {
+		XFER_FIELDS(rd);
+		env->msg_case = AOQ__ENVELOPE__MSG_READ_STATE;
+		env->read_state = rd;
+	}
+#undef XFER_FIELDS
+}
+
 static int xfer_send(struct aoq_client *c, bool load, uint32_t i, int what, enum aoq_dtype dt, uint64_t off,
                      uint64_t n, uint64_t at)
 {
 	Aoq__Envelope env = AOQ__ENVELOPE__INIT;
 	Aoq__LoadState l = AOQ__LOAD_STATE__INIT;
 	Aoq__ReadState rd = AOQ__READ_STATE__INIT;
-	/* the two messages have the same fields */
-#define XFER_FIELDS(m)                                                                              \
-	((m).tensor = i, (m).what = (Aoq__StateKind)what, (m).dtype = (Aoq__DType)dt, (m).offset = off, \
-	 (m).count = n, (m).at = at)
-	if (load) {
-		XFER_FIELDS(l);
-		env.msg_case = AOQ__ENVELOPE__MSG_LOAD_STATE;
-		env.load_state = &l;
-	} else {
-		XFER_FIELDS(rd);
-		env.msg_case = AOQ__ENVELOPE__MSG_READ_STATE;
-		env.read_state = &rd;
-	}
-#undef XFER_FIELDS
+	xfer_fill(&env, &l, &rd, load, i, what, dt, off, n, at);
 	return aoqc_ctl_send(c, &env);
 }
 
@@ -178,16 +186,9 @@ static int transfer(struct aoq_client *c, bool load, uint32_t t, int what, enum 
 		Aoq__Envelope env = AOQ__ENVELOPE__INIT;
 		Aoq__LoadState lm = AOQ__LOAD_STATE__INIT;
 		Aoq__ReadState rm = AOQ__READ_STATE__INIT;
-		if (load) {
+		if (load)
 			memcpy(xfer, p, n * dsize);
-			lm.tensor = t, lm.what = what, lm.dtype = (Aoq__DType)dtype, lm.offset = offset + done, lm.count = n;
-			env.msg_case = AOQ__ENVELOPE__MSG_LOAD_STATE;
-			env.load_state = &lm;
-		} else {
-			rm.tensor = t, rm.what = what, rm.dtype = (Aoq__DType)dtype, rm.offset = offset + done, rm.count = n;
-			env.msg_case = AOQ__ENVELOPE__MSG_READ_STATE;
-			env.read_state = &rm;
-		}
+		xfer_fill(&env, &lm, &rm, load, t, what, dtype, offset + done, n, 0);
 		r = aoqc_ctl_call(c, &env, AOQ__ENVELOPE__MSG_DONE, NULL);
 		if (r == 0 && !load)
 			memcpy(p, xfer, n * dsize);
