@@ -402,13 +402,78 @@ out:
 		goto out;                         \
 	} while (0)
 
+/* ---- the journal's ranges undone in parallel ---- */
+
+struct undo {
+	uint32_t tensor;
+	uint64_t off, count;
+};
+
+struct undoer {
+	struct aoqd_state *st;
+	const struct undo *u;
+	size_t n;
+};
+
+static void *undo_run(void *arg)
+{
+	const struct undoer *w = arg;
+	for (size_t i = 0; i < w->n; i++)
+		aoqd_state_unsave(&w->st->tensors[w->u[i].tensor], w->u[i].off, w->u[i].count);
+	return NULL;
+}
+
+/* The checked ranges back from the undo copy, split by elements over up to
+ * `threads` threads (this one included; FILL_THREADS at most): after a
+ * kill mid-step at 1 G fp32 parameters one thread copied the 12.9 GB of a
+ * whole step back in 1.2 s on the H200 host (RESULTS.md, "Restart under
+ * systemd").  A step saves each range once (dataplane.c), so the ranges
+ * are disjoint. */
+static void undo_all(struct aoqd_state *st, const struct undo *u, size_t n, unsigned threads)
+{
+	uint64_t total = 0;
+	for (size_t i = 0; i < n; i++)
+		total += u[i].count;
+	/* (a thread's start is tens of microseconds: worth it from a few
+	 * ranges on, and the small states of the tests take this path too) */
+	if (threads > FILL_THREADS)
+		threads = FILL_THREADS;
+	if (threads > n)
+		threads = (unsigned)n;
+	if (threads < 1)
+		threads = 1;
+	struct undoer w[FILL_THREADS];
+	pthread_t tid[FILL_THREADS];
+	bool started[FILL_THREADS] = { false };
+	uint64_t per = (total + threads - 1) / threads, acc = 0;
+	size_t at = 0;
+	for (unsigned k = 0; k < threads; k++) {
+		size_t b = at;
+		/* the ranges that begin in the k-th share of the elements */
+		while (at < n && (k + 1 == threads || acc < (uint64_t)(k + 1) * per))
+			acc += u[at++].count;
+		w[k] = (struct undoer){ st, u + b, at - b };
+		if (k > 0)
+			started[k] = pthread_create(&tid[k], NULL, undo_run, &w[k]) == 0;
+	}
+	undo_run(&w[0]);
+	for (unsigned k = 1; k < threads; k++) {
+		if (started[k])
+			pthread_join(tid[k], NULL);
+		else
+			undo_run(&w[k]);
+	}
+}
+
 /* The journal of st, mapped in place (hostile: each word read once, then
  * checked): st goes back to its last boundary, as aoqd_state_rollback
  * takes a live state back.  After a stop the log is empty and this takes
- * the counters and hyperparameters the stop wrote. */
-static int replay(struct aoqd_state *st, char *why, size_t wlen)
+ * the counters and hyperparameters the stop wrote.  Every entry is checked
+ * before any range is undone. */
+static int replay(struct aoqd_state *st, unsigned threads, char *why, size_t wlen)
 {
 	int r = 0;
+	struct undo *undos = NULL;
 	struct aoqd_journal *jh = st->jh;
 	uint64_t boundary = atomic_load_explicit(&jh->boundary, memory_order_acquire);
 	uint64_t n = atomic_load_explicit(&jh->log_n, memory_order_acquire);
@@ -429,6 +494,9 @@ static int replay(struct aoqd_state *st, char *why, size_t wlen)
 		    stopped ? "written at a stop that left its masters in their memfds" : "not written at a stop");
 	enum aoqk_precision p = (enum aoqk_precision)st->precision;
 	uint64_t blk = aoqk_block(p) ? aoqk_block(p) : 1, undone = 0;
+	undos = n ? malloc(n * sizeof(*undos)) : NULL;
+	if (n && !undos)
+		BAD("journal: no memory for its %" PRIu64 " entries", n);
 	for (uint64_t i = 0; i < n; i++) {
 		const struct aoqd_journal_entry *e = &st->jlog[i];
 		if (atomic_load_explicit(&e->step, memory_order_acquire) != boundary + 1)
@@ -441,8 +509,7 @@ static int replay(struct aoqd_state *st, char *why, size_t wlen)
 		if (cnt == 0 || off >= t->numel || cnt > t->numel - off || off % blk)
 			BAD("journal: entry %" PRIu64 ": elements %" PRIu64 "+%" PRIu64 " of tensor %u (%" PRIu64 ")", i, off,
 			    cnt, ti, t->numel);
-		aoqd_state_unsave(t, off, cnt);
-		undone++;
+		undos[undone++] = (struct undo){ ti, off, cnt };
 	}
 	const uint64_t *js = st->jsteps + (boundary & 1) * (uint64_t)st->ntensors;
 	for (uint32_t i = 0; i < st->ntensors; i++) {
@@ -477,6 +544,7 @@ static int replay(struct aoqd_state *st, char *why, size_t wlen)
 		tmp.moments = st->groups[g].moments;
 		st->groups[g] = tmp;
 	}
+	undo_all(st, undos, undone, threads);
 	st->last_step = boundary;
 	/* at the boundary: the log empties, no stop wrote what follows */
 	aoqd_state_journal_boundary(st);
@@ -485,6 +553,7 @@ static int replay(struct aoqd_state *st, char *why, size_t wlen)
 		aoqd_info("fdstore", "journal replayed: back at step %" PRIu64 ", %" PRIu64 " range(s) of step %" PRIu64
 		          " undone", boundary, undone, boundary + 1);
 out:
+	free(undos);
 	return r;
 }
 
@@ -688,7 +757,7 @@ int aoqd_fdstore_decode_masters(int fd, const char *name, const int *mfds, uint3
 		goto out;
 	}
 	uint64_t t1 = now_ns();
-	if ((r = replay(st, why, wlen)) < 0)
+	if ((r = replay(st, threads, why, wlen)) < 0)
 		goto out;
 	uint64_t t2 = now_ns();
 	size_t nfill = 0, capfill = 0;
