@@ -15,7 +15,7 @@
 #include <stdbool.h>
 #include <sys/types.h>
 
-#define MAX_STORED 640 /* aoqd.service: FileDescriptorStoreMax=4096 */
+#define MAX_STORED 64 /* aoqd.service: FileDescriptorStoreMax=4096 */
 #define SUP_RING 64    /* datagrams received, not yet read */
 struct sup {
 	char dir[64], sock[108], notify[108], log[128], state[128], conf[128];
