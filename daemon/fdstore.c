@@ -402,69 +402,6 @@ out:
 		goto out;                         \
 	} while (0)
 
-/* ---- the journal's ranges undone in parallel ---- */
-
-struct undo {
-	uint32_t tensor;
-	uint64_t off, count;
-};
-
-struct undoer {
-	struct aoqd_state *st;
-	const struct undo *u;
-	size_t n;
-};
-
-static void *undo_run(void *arg)
-{
-	const struct undoer *w = arg;
-	for (size_t i = 0; i < w->n; i++)
-		aoqd_state_unsave(&w->st->tensors[w->u[i].tensor], w->u[i].off, w->u[i].count);
-	return NULL;
-}
-
-/* The checked ranges back from the undo copy, split by elements over up to
- * `threads` threads (this one included; FILL_THREADS at most): after a
- * kill mid-step at 1 G fp32 parameters one thread copied the 12.9 GB of a
- * whole step back in 1.2 s on the H200 host (RESULTS.md, "Restart under
- * systemd").  A step saves each range once (dataplane.c), so the ranges
- * are disjoint. */
-static void undo_all(struct aoqd_state *st, const struct undo *u, size_t n, unsigned threads)
-{
-	uint64_t total = 0;
-	for (size_t i = 0; i < n; i++)
-		total += u[i].count;
-	/* (a thread's start is tens of microseconds: worth it from a few
-	 * ranges on, and the small states of the tests take this path too) */
-	if (threads > FILL_THREADS)
-		threads = FILL_THREADS;
-	if (threads > n)
-		threads = (unsigned)n;
-	if (threads < 1)
-		threads = 1;
-	struct undoer w[FILL_THREADS];
-	pthread_t tid[FILL_THREADS];
-	bool started[FILL_THREADS] = { false };
-	uint64_t per = (total + threads - 1) / threads, acc = 0;
-	size_t at = 0;
-	for (unsigned k = 0; k < threads; k++) {
-		size_t b = at;
-		/* the ranges that begin in the k-th share of the elements */
-		while (at < n && (k + 1 == threads || acc < (uint64_t)(k + 1) * per))
-			acc += u[at++].count;
-		w[k] = (struct undoer){ st, u + b, at - b };
-		if (k > 0)
-			started[k] = pthread_create(&tid[k], NULL, undo_run, &w[k]) == 0;
-	}
-	undo_run(&w[0]);
-	for (unsigned k = 1; k < threads; k++) {
-		if (started[k])
-			pthread_join(tid[k], NULL);
-		else
-			undo_run(&w[k]);
-	}
-}
-
 /* The journal of st, mapped in place (hostile: each word read once, then
  * checked): st goes back to its last boundary, as aoqd_state_rollback
  * takes a live state back.  After a stop the log is empty and this takes
@@ -473,7 +410,7 @@ static void undo_all(struct aoqd_state *st, const struct undo *u, size_t n, unsi
 static int replay(struct aoqd_state *st, unsigned threads, char *why, size_t wlen)
 {
 	int r = 0;
-	struct undo *undos = NULL;
+	struct aoqd_undo *undos = NULL;
 	struct aoqd_journal *jh = st->jh;
 	uint64_t boundary = atomic_load_explicit(&jh->boundary, memory_order_acquire);
 	uint64_t n = atomic_load_explicit(&jh->log_n, memory_order_acquire);
@@ -509,7 +446,7 @@ static int replay(struct aoqd_state *st, unsigned threads, char *why, size_t wle
 		if (cnt == 0 || off >= t->numel || cnt > t->numel - off || off % blk)
 			BAD("journal: entry %" PRIu64 ": elements %" PRIu64 "+%" PRIu64 " of tensor %u (%" PRIu64 ")", i, off,
 			    cnt, ti, t->numel);
-		undos[undone++] = (struct undo){ ti, off, cnt };
+		undos[undone++] = (struct aoqd_undo){ ti, off, cnt };
 	}
 	const uint64_t *js = st->jsteps + (boundary & 1) * (uint64_t)st->ntensors;
 	for (uint32_t i = 0; i < st->ntensors; i++) {
@@ -544,7 +481,7 @@ static int replay(struct aoqd_state *st, unsigned threads, char *why, size_t wle
 		tmp.moments = st->groups[g].moments;
 		st->groups[g] = tmp;
 	}
-	undo_all(st, undos, undone, threads);
+	aoqd_state_unsave_all(st, undos, undone, threads);
 	st->last_step = boundary;
 	/* at the boundary: the log empties, no stop wrote what follows */
 	aoqd_state_journal_boundary(st);
@@ -1026,7 +963,7 @@ void aoqd_fdstore_describe(struct aoqd_session *s)
 #if AOQ_HAVE_SYSTEMD
 /* Keeps s's state in the fd store at a stop, if a restart should have it
  * (storable). */
-static void store_one(struct aoqd_session *s, int *stored, uint64_t *bytes)
+static void store_one(struct aoqd_session *s, unsigned threads, int *stored, uint64_t *bytes)
 {
 	if (!storable(s)) {
 		if ((s->state == AOQD_READY || s->state == AOQD_LEASED) && !s->hub)
@@ -1039,7 +976,7 @@ static void store_one(struct aoqd_session *s, int *stored, uint64_t *bytes)
 		return;
 	}
 	if (s->state == AOQD_READY)
-		aoqd_state_rollback(&s->st); /* the open step goes back, as for a dead trainer */
+		aoqd_state_rollback(&s->st, threads); /* the open step goes back, as for a dead trainer */
 	struct aoqd_snap_key key = key_of(s);
 	int r = aoqd_fdstore_write(&key, &s->st, true);
 	if (r < 0) {
@@ -1079,9 +1016,9 @@ int aoqd_fdstore_save(struct aoqd_server *srv)
 	uint64_t bytes = 0;
 	/* the sessions (leased groups among them), then the live groups' hubs */
 	for (struct aoqd_session *s = srv->sessions; s; s = s->next)
-		store_one(s, &stored, &bytes);
+		store_one(s, copy_threads(srv), &stored, &bytes);
 	for (struct aoqd_session *h = srv->hubs; h; h = h->next)
-		store_one(h, &stored, &bytes);
+		store_one(h, copy_threads(srv), &stored, &bytes);
 	if (stored)
 		aoqd_info("fdstore", "%d state(s), %" PRIu64 " bytes, kept in the fd store in %.3f s", stored, bytes,
 		          (double)(now_ns() - t0) / 1e9);

@@ -38,7 +38,7 @@ void aoqd_lease_settle(struct aoqd_session *s)
 {
 	if (s->state != AOQD_LEASED || s->settled || aoqd_session_refcount(s) != 1)
 		return;
-	aoqd_state_rollback(&s->st);
+	aoqd_state_rollback(&s->st, 1); /* on the loop thread, beside the workers */
 	if (s->arena.size && s->st.account) {
 		uint64_t n = aoqd_page_round(s->arena.size);
 		aoqd_account_uncharge(s->st.account, n);

@@ -9,6 +9,8 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <math.h>
+#include <pthread.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -950,10 +952,62 @@ void aoqd_state_save_logged(struct aoqd_state *st, struct aoqd_tensor *t, uint64
 	atomic_store_explicit(&e->step, step, memory_order_release);
 }
 
-void aoqd_state_unsave(struct aoqd_tensor *t, uint64_t b, uint64_t n)
+struct unsaver {
+	struct aoqd_state *st;
+	const struct aoqd_undo *u;
+	size_t n;
+};
+
+static void *unsave_run(void *arg)
 {
-	if (t->undo_off)
-		undo_copy(t, b, n, false);
+	const struct unsaver *w = arg;
+	for (size_t i = 0; i < w->n; i++) {
+		struct aoqd_tensor *t = &w->st->tensors[w->u[i].tensor];
+		if (t->undo_off)
+			undo_copy(t, w->u[i].off, w->u[i].count, false);
+	}
+	return NULL;
+}
+
+#define UNSAVE_THREADS 8u
+
+/* One thread copied back a whole step of 1 G fp32 parameters (12.9 GB) in
+ * 1.2 s on the H200 host, most of a restart's pause after a kill
+ * (RESULTS.md, "Restart under systemd").  A thread's start is tens of
+ * microseconds: worth it from a few ranges on (the tests' small states
+ * take this path too). */
+void aoqd_state_unsave_all(struct aoqd_state *st, const struct aoqd_undo *u, size_t n, unsigned threads)
+{
+	uint64_t total = 0;
+	for (size_t i = 0; i < n; i++)
+		total += u[i].count;
+	if (threads > UNSAVE_THREADS)
+		threads = UNSAVE_THREADS;
+	if (threads > n)
+		threads = (unsigned)n;
+	if (threads < 1)
+		threads = 1;
+	struct unsaver w[UNSAVE_THREADS];
+	pthread_t tid[UNSAVE_THREADS];
+	bool started[UNSAVE_THREADS] = { false };
+	uint64_t per = (total + threads - 1) / threads, acc = 0;
+	size_t at = 0;
+	for (unsigned k = 0; k < threads; k++) {
+		size_t b = at;
+		/* the ranges that begin in the k-th share of the elements */
+		while (at < n && (k + 1 == threads || acc < (uint64_t)(k + 1) * per))
+			acc += u[at++].count;
+		w[k] = (struct unsaver){ st, u + b, at - b };
+		if (k > 0)
+			started[k] = pthread_create(&tid[k], NULL, unsave_run, &w[k]) == 0;
+	}
+	unsave_run(&w[0]);
+	for (unsigned k = 1; k < threads; k++) {
+		if (started[k])
+			pthread_join(tid[k], NULL);
+		else
+			unsave_run(&w[k]);
+	}
 }
 
 void aoqd_state_journal_boundary(struct aoqd_state *st)
@@ -1119,21 +1173,34 @@ int aoqd_state_add_undo(struct aoqd_state *st, _Atomic uint64_t *locked_total)
 	return err;
 }
 
-void aoqd_state_rollback(struct aoqd_state *st)
+void aoqd_state_rollback(struct aoqd_state *st, unsigned threads)
 {
 	uint64_t open = st->last_step + 1;
+	/* the ranges the open step changed, copied back together (in turn
+	 * where there is no memory for their list) */
+	size_t n = 0, cap = 0;
+	for (uint32_t i = 0; i < st->ntensors; i++)
+		if (st->tensors[i].cur_step >= open && st->tensors[i].undo_off)
+			cap += st->tensors[i].ndone;
+	struct aoqd_undo *u = cap ? malloc(cap * sizeof(*u)) : NULL;
 	for (uint32_t i = 0; i < st->ntensors; i++) {
 		struct aoqd_tensor *t = &st->tensors[i];
 		if (t->acc_step >= open)
 			t->acc_step = 0; /* the micro-batches of the open step are gone */
 		if (t->cur_step < open)
 			continue;
-		for (uint32_t k = 0; k < t->ndone && t->undo_off; k++)
-			undo_copy(t, t->done[k].b, t->done[k].e - t->done[k].b, false);
+		for (uint32_t k = 0; k < t->ndone && t->undo_off; k++) {
+			if (u)
+				u[n++] = (struct aoqd_undo){ i, t->done[k].b, t->done[k].e - t->done[k].b };
+			else
+				undo_copy(t, t->done[k].b, t->done[k].e - t->done[k].b, false);
+		}
 		t->steps--; /* the open step counted it */
 		t->cur_step = 0;
 		t->ndone = 0;
 	}
+	aoqd_state_unsave_all(st, u, n, threads);
+	free(u);
 	/* back at last_step: the journal says so, its log empties */
 	aoqd_state_journal_boundary(st);
 }

@@ -293,9 +293,17 @@ uint64_t aoqd_state_memfd_data_off(const struct aoqd_state *st);
 void aoqd_state_journal_boundary(struct aoqd_state *st);
 void aoqd_state_journal_dirty(struct aoqd_state *st);
 void aoqd_state_journal_hp(struct aoqd_state *st, uint32_t g);
-/* Copies elements [b, b + n) of t back from its undo copy (a killed
- * aoqd's save log replayed: fdstore.c; b on a q8 block). */
-void aoqd_state_unsave(struct aoqd_tensor *t, uint64_t b, uint64_t n);
+/* Elements [off, off + count) of tensor `tensor`, to come back from its
+ * undo copy (off on a q8 block). */
+struct aoqd_undo {
+	uint32_t tensor;
+	uint64_t off, count;
+};
+/* Copies the ranges u[0..n) back from their tensors' undo copies, split
+ * by elements over up to `threads` threads (this one included; 8 at most):
+ * a killed aoqd's save log replayed (fdstore.c), a rollback.  The ranges
+ * are disjoint (a step saves each range once). */
+void aoqd_state_unsave_all(struct aoqd_state *st, const struct aoqd_undo *u, size_t n, unsigned threads);
 /* Maps st's tensors in place from fd, a memfd of this layout that a
  * stopping aoqd wrote (fdstore.c validated it), with the undo copy kept:
  * no array is copied but a master that is a parameter, which goes into
@@ -332,7 +340,7 @@ void aoqd_state_copy_out(const struct aoqd_tensor *t, uint64_t b, uint64_t n, vo
  * 0, or -EDQUOT / -errno with the state as it was.  Loop thread, nothing
  * in flight. */
 int aoqd_state_add_undo(struct aoqd_state *st, _Atomic uint64_t *locked_total);
-void aoqd_state_rollback(struct aoqd_state *st);
+void aoqd_state_rollback(struct aoqd_state *st, unsigned threads);
 /* Whether st (a new registration's tables) has the layout of the leased
  * state `old`: 0, or -EINVAL with the first difference in why. */
 int aoqd_state_same_layout(const struct aoqd_state *st, const struct aoqd_state *old, char *why, size_t len);
