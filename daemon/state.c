@@ -456,6 +456,69 @@ static int read_into(int from, off_t off, uint8_t *p, size_t len)
 	return 0;
 }
 
+/* Threads of the copies a restart makes (the undo ranges, the stored
+ * masters). */
+#define UNSAVE_THREADS 8u
+
+struct masters_copy {
+	int from, to;
+	uint64_t len;
+	int err;
+};
+
+/* One stored masters memfd into its new one, through a mapping that asks
+ * for huge pages before anything writes it (as a write(2) would fill the
+ * memfd with 4 KiB pages under shmem_enabled=advise). */
+static void *masters_copy_run(void *arg)
+{
+	struct masters_copy *c = arg;
+	if (!c->len)
+		return NULL;
+	uint8_t *p = mmap(NULL, c->len, PROT_READ | PROT_WRITE, MAP_SHARED, c->to, 0);
+	if (p == MAP_FAILED) {
+		c->err = -errno;
+		return NULL;
+	}
+	if (c->len >= (2u << 20))
+		madvise(p, c->len, MADV_HUGEPAGE);
+	c->err = read_into(c->from, 0, p, c->len);
+	munmap(p, c->len);
+	return NULL;
+}
+
+/* The masters the store kept (a restart's: st->masters_from, of st's
+ * layout: aoqd_state_masters_check) into the new masters memfds, a thread
+ * per memfd (8 at most at a time): new pages of a memfd per thread fault
+ * in about three times as fast as of one (RESULTS.md, "Faulting shared
+ * memory"); one thread took 1.6-1.8 s for 2.1 GB of masters at a restart
+ * on the H200 host.  0 or -errno. */
+static int copy_stored_masters(struct aoqd_state *st)
+{
+	struct masters_copy c[AOQ_MASTER_MEMFDS];
+	pthread_t tid[AOQ_MASTER_MEMFDS];
+	bool started[AOQ_MASTER_MEMFDS] = { false };
+	uint32_t n = st->masters_n;
+	for (uint32_t k = 0; k < n; k++)
+		c[k] = (struct masters_copy){ st->masters_from[k], st->masters_fd[k],
+		                              st->masters_end[k] - (k ? st->masters_end[k - 1] : 0), 0 };
+	int err = 0;
+	for (uint32_t b = 0; b < n; b += UNSAVE_THREADS) {
+		uint32_t e = b + UNSAVE_THREADS < n ? b + UNSAVE_THREADS : n;
+		for (uint32_t k = b + 1; k < e; k++)
+			started[k] = pthread_create(&tid[k], NULL, masters_copy_run, &c[k]) == 0;
+		masters_copy_run(&c[b]);
+		for (uint32_t k = b + 1; k < e; k++) {
+			if (started[k])
+				pthread_join(tid[k], NULL);
+			else
+				masters_copy_run(&c[k]);
+		}
+	}
+	for (uint32_t k = 0; k < n && !err; k++)
+		err = c[k].err;
+	return err;
+}
+
 /* Tensor x's slot from st's memfd (at x->mem_off): `reserve` bytes, the
  * first `whole` used (arrays, and undo copy when kept); a master that is
  * the parameter gets the masters memfd's pages over its first mlen bytes,
@@ -486,15 +549,11 @@ static void *map_state_memfd(struct aoqd_state *st, struct aoqd_tensor *x, size_
 		}
 		if (mlen >= (2u << 20))
 			madvise(p, mlen, MADV_HUGEPAGE);
-		if (adopt && st->masters_from_n) {
-			/* a killed aoqd's: the masters the store kept, as they
-			 * were (the journal's replay undoes the open step's) */
-			if ((*err = read_into(st->masters_from[which], (off_t)moff, p, mb)) < 0) {
-				munmap(p, reserve);
-				return NULL;
-			}
+		/* a killed aoqd's: the masters the store kept, as they were
+		 * (the journal's replay undoes the open step's), are in the
+		 * new memfds already (copy_stored_masters) */
+		if (adopt && st->masters_from_n)
 			st->masters_restored = true;
-		}
 		/* after a stop: only what the slot holds, a hole stays a hole
 		 * (zeros), so that a hostile memfd makes aoqd allocate no more
 		 * than it holds */
@@ -598,6 +657,8 @@ static int alloc(struct aoqd_state *st, int fd, const char *name, int lock_memor
 		err = -errno;
 	if (err == 0 && (adopt || memfd_on) && (err = make_memfd(st, fd, name)) < 0 && adopt)
 		close(fd);
+	if (err == 0 && adopt && st->masters_from_n)
+		err = copy_stored_masters(st);
 	if (err < 0) {
 		*failed_len = 0;
 		return err;
@@ -968,8 +1029,6 @@ static void *unsave_run(void *arg)
 	}
 	return NULL;
 }
-
-#define UNSAVE_THREADS 8u
 
 /* One thread copied back a whole step of 1 G fp32 parameters (12.9 GB) in
  * 1.2 s on the H200 host, most of a restart's pause after a kill
