@@ -552,8 +552,15 @@ static void *map_state_memfd(struct aoqd_state *st, struct aoqd_tensor *x, size_
 		/* a killed aoqd's: the masters the store kept, as they were
 		 * (the journal's replay undoes the open step's), are in the
 		 * new memfds already (copy_stored_masters) */
-		if (adopt && st->masters_from_n)
+		if (adopt && st->masters_from_n) {
 			st->masters_restored = true;
+#ifdef MADV_POPULATE_WRITE
+			/* this mapping's page tables, which the copy's own
+			 * mapping did not fill: else the journal's replay and
+			 * the redone step trap on them */
+			madvise(p, mlen, MADV_POPULATE_WRITE);
+#endif
+		}
 		/* after a stop: only what the slot holds, a hole stays a hole
 		 * (zeros), so that a hostile memfd makes aoqd allocate no more
 		 * than it holds */
