@@ -57,7 +57,6 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -160,23 +159,13 @@ static unsigned fill_all(const struct range *r, size_t nr, unsigned threads)
 	 * than 15 on the H200 host (RESULTS.md, "Faulting shared memory") */
 	if (threads > FILL_THREADS)
 		threads = FILL_THREADS;
-	struct filler w[16];
-	pthread_t tid[16];
-	bool started[16] = { false };
+	struct filler w[FILL_THREADS];
 	uint64_t per = (total + threads - 1) / threads;
 	for (unsigned k = 0; k < threads; k++) {
 		uint64_t b = (uint64_t)k * per, e = b + per < total ? b + per : total;
 		w[k] = (struct filler){ r, nr, b < total ? b : total, e };
-		if (k > 0)
-			started[k] = pthread_create(&tid[k], NULL, fill_run, &w[k]) == 0;
 	}
-	fill_run(&w[0]);
-	for (unsigned k = 1; k < threads; k++) {
-		if (started[k])
-			pthread_join(tid[k], NULL);
-		else
-			fill_run(&w[k]);
-	}
+	aoqd_threads_run(fill_run, w, sizeof(w[0]), threads);
 	return threads;
 }
 

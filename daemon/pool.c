@@ -384,3 +384,21 @@ void aoqd_pool_step_close(struct aoqd_pool *p)
 		pthread_cond_broadcast(&p->idle_cond);
 	pthread_mutex_unlock(&p->lock);
 }
+
+void aoqd_threads_run(void *(*fn)(void *), void *args, size_t size, unsigned n)
+{
+	pthread_t tid[16];
+	bool started[16] = { false };
+	if (n > 16)
+		n = 16;
+	for (unsigned k = 1; k < n; k++)
+		started[k] = pthread_create(&tid[k], NULL, fn, (char *)args + k * size) == 0;
+	if (n)
+		fn(args);
+	for (unsigned k = 1; k < n; k++) {
+		if (started[k])
+			pthread_join(tid[k], NULL);
+		else
+			fn((char *)args + k * size);
+	}
+}

@@ -61,6 +61,12 @@ struct aoqd_pool *aoqd_pool_new(unsigned n, const int *cpus, uint64_t spin_ns);
 void aoqd_pool_free(struct aoqd_pool *p);
 unsigned aoqd_pool_threads(const struct aoqd_pool *p);
 
+/* Runs fn(args + k * size) for k < n, each on a thread of its own, the
+ * first on this one (16 at most), and waits for them; a thread that cannot
+ * start leaves its part to this one.  For the one-off copies of a start or
+ * stop, outside the pool (fdstore.c, state.c). */
+void aoqd_threads_run(void *(*fn)(void *), void *args, size_t size, unsigned n);
+
 /* Queues the chain first..last (n tasks, linked by next) in q, after every
  * chain whose key is smaller or equal and before the others. */
 void aoqd_pool_submit(struct aoqd_pool *p, struct aoqd_queue *q, struct aoqd_key key,

@@ -9,7 +9,6 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <math.h>
-#include <pthread.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -27,6 +26,7 @@
 #include "convert.h"
 #include "held.h"
 #include "log.h"
+#include "pool.h"
 #include "state.h"
 #include "wire.h"
 
@@ -495,25 +495,13 @@ static void *masters_copy_run(void *arg)
 static int copy_stored_masters(struct aoqd_state *st)
 {
 	struct masters_copy c[AOQ_MASTER_MEMFDS];
-	pthread_t tid[AOQ_MASTER_MEMFDS];
-	bool started[AOQ_MASTER_MEMFDS] = { false };
 	uint32_t n = st->masters_n;
 	for (uint32_t k = 0; k < n; k++)
 		c[k] = (struct masters_copy){ st->masters_from[k], st->masters_fd[k],
 		                              st->masters_end[k] - (k ? st->masters_end[k - 1] : 0), 0 };
+	for (uint32_t b = 0; b < n; b += UNSAVE_THREADS)
+		aoqd_threads_run(masters_copy_run, c + b, sizeof(c[0]), n - b < UNSAVE_THREADS ? n - b : UNSAVE_THREADS);
 	int err = 0;
-	for (uint32_t b = 0; b < n; b += UNSAVE_THREADS) {
-		uint32_t e = b + UNSAVE_THREADS < n ? b + UNSAVE_THREADS : n;
-		for (uint32_t k = b + 1; k < e; k++)
-			started[k] = pthread_create(&tid[k], NULL, masters_copy_run, &c[k]) == 0;
-		masters_copy_run(&c[b]);
-		for (uint32_t k = b + 1; k < e; k++) {
-			if (started[k])
-				pthread_join(tid[k], NULL);
-			else
-				masters_copy_run(&c[k]);
-		}
-	}
 	for (uint32_t k = 0; k < n && !err; k++)
 		err = c[k].err;
 	return err;
@@ -1054,8 +1042,6 @@ void aoqd_state_unsave_all(struct aoqd_state *st, const struct aoqd_undo *u, siz
 	if (threads < 1)
 		threads = 1;
 	struct unsaver w[UNSAVE_THREADS];
-	pthread_t tid[UNSAVE_THREADS];
-	bool started[UNSAVE_THREADS] = { false };
 	uint64_t per = (total + threads - 1) / threads, acc = 0;
 	size_t at = 0;
 	for (unsigned k = 0; k < threads; k++) {
@@ -1064,16 +1050,8 @@ void aoqd_state_unsave_all(struct aoqd_state *st, const struct aoqd_undo *u, siz
 		while (at < n && (k + 1 == threads || acc < (uint64_t)(k + 1) * per))
 			acc += u[at++].count;
 		w[k] = (struct unsaver){ st, u + b, at - b };
-		if (k > 0)
-			started[k] = pthread_create(&tid[k], NULL, unsave_run, &w[k]) == 0;
 	}
-	unsave_run(&w[0]);
-	for (unsigned k = 1; k < threads; k++) {
-		if (started[k])
-			pthread_join(tid[k], NULL);
-		else
-			unsave_run(&w[k]);
-	}
+	aoqd_threads_run(unsave_run, w, sizeof(w[0]), threads);
 }
 
 void aoqd_state_journal_boundary(struct aoqd_state *st)
