@@ -524,8 +524,7 @@ static void *map_state_memfd(struct aoqd_state *st, struct aoqd_tensor *x, size_
 	if (x->master_off != AOQ_NO_MASTER) {
 		size_t mb = x->numel * 2;
 		uint64_t moff;
-		uint32_t which;
-		int mfd = aoqd_state_masters_fd(st, x->master_off, &moff, &which);
+		int mfd = aoqd_state_masters_fd(st, x->master_off, &moff, NULL);
 		/* The masters memfd's pages over the slot's head, asked for
 		 * huge pages before anything writes them: the copies below
 		 * write through this mapping, as a write(2) would fill the
