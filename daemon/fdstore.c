@@ -391,6 +391,38 @@ out:
 		goto out;                         \
 	} while (0)
 
+static int undo_order(const void *a, const void *b)
+{
+	const struct aoqd_undo *x = a, *y = b;
+	if (x->tensor != y->tensor)
+		return x->tensor < y->tensor ? -1 : 1;
+	return x->off < y->off ? -1 : x->off > y->off;
+}
+
+/* The ranges in tensor and element order, those that overlap made one
+ * (ranges that only touch stay apart, each a piece for a thread): the
+ * threads of aoqd_state_unsave_all then never copy the same bytes.  aoqd logs each range of a step once, but the log is another
+ * process's memory; copying a union back is what copying each of its
+ * ranges in turn does, as they all come from the one undo copy. */
+static uint64_t undo_merge(struct aoqd_undo *u, uint64_t n)
+{
+	if (n < 2)
+		return n;
+	qsort(u, n, sizeof(*u), undo_order);
+	uint64_t k = 0;
+	for (uint64_t i = 1; i < n; i++) {
+		struct aoqd_undo *last = &u[k];
+		if (u[i].tensor == last->tensor && u[i].off < last->off + last->count) {
+			uint64_t end = u[i].off + u[i].count;
+			if (end > last->off + last->count)
+				last->count = end - last->off;
+		} else {
+			u[++k] = u[i];
+		}
+	}
+	return k + 1;
+}
+
 /* The journal of st, mapped in place (hostile: each word read once, then
  * checked): st goes back to its last boundary, as aoqd_state_rollback
  * takes a live state back.  After a stop the log is empty and this takes
@@ -470,6 +502,7 @@ static int replay(struct aoqd_state *st, unsigned threads, char *why, size_t wle
 		tmp.moments = st->groups[g].moments;
 		st->groups[g] = tmp;
 	}
+	undone = undo_merge(undos, undone);
 	aoqd_state_unsave_all(st, undos, undone, threads);
 	st->last_step = boundary;
 	/* at the boundary: the log empties, no stop wrote what follows */

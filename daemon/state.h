@@ -301,8 +301,9 @@ struct aoqd_undo {
 };
 /* Copies the ranges u[0..n) back from their tensors' undo copies, split
  * by elements over up to `threads` threads (this one included; 8 at most):
- * a killed aoqd's save log replayed (fdstore.c), a rollback.  The ranges
- * are disjoint (a step saves each range once). */
+ * a killed aoqd's save log replayed (fdstore.c, which merges the ranges
+ * that overlap), a rollback.  The ranges must be disjoint: a step saves
+ * each range once. */
 void aoqd_state_unsave_all(struct aoqd_state *st, const struct aoqd_undo *u, size_t n, unsigned threads);
 /* Maps st's tensors in place from fd, a memfd of this layout that a
  * stopping aoqd wrote (fdstore.c validated it), with the undo copy kept:
