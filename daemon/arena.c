@@ -279,6 +279,17 @@ int aoqd_arena_lock(struct aoqd_arena *a, _Atomic uint64_t *locked_total)
 	return 0;
 }
 
+/* The client may keep its fd and mapping (and reads its rings' last
+ * counters and the Error after a failure): what the memfd holds stays
+ * charged to the uid until no description of it is left (held.h). */
+static void held_release(struct aoqd_arena *a)
+{
+	struct stat sb;
+	if (a->fd >= 0 && a->owner && fstat(a->fd, &sb) == 0)
+		aoqd_held_release(a->held_wd, a->account, (uint64_t)sb.st_blocks * 512);
+	a->owner = false;
+}
+
 void aoqd_arena_free(struct aoqd_arena *a)
 {
 	if (a->locked && a->locked_total)
@@ -288,13 +299,7 @@ void aoqd_arena_free(struct aoqd_arena *a)
 	a->slots = NULL;
 	if (a->base)
 		munmap(a->base, a->size);
-	/* The client may keep its fd and mapping (and reads its rings' last
-	 * counters and the Error after a failure): what the memfd holds stays
-	 * charged to the uid until no description of it is left (held.h). */
-	struct stat sb;
-	if (a->fd >= 0 && a->owner && fstat(a->fd, &sb) == 0)
-		aoqd_held_release(a->held_wd, a->account, (uint64_t)sb.st_blocks * 512);
-	a->owner = false;
+	held_release(a);
 	if (a->fd >= 0)
 		close(a->fd);
 	if (a->doorbell_in >= 0)
@@ -305,6 +310,24 @@ void aoqd_arena_free(struct aoqd_arena *a)
 	a->base = NULL;
 	a->fd = a->doorbell_in = a->doorbell_out = -1;
 	pthread_mutex_destroy(&a->ring_lock);
+}
+
+void aoqd_arena_free_but_pages(struct aoqd_arena *a, struct aoqd_arena_pages *p)
+{
+	held_release(a);
+	*p = (struct aoqd_arena_pages){ a->base, a->size, a->fd };
+	a->base = NULL;
+	a->fd = -1;
+	aoqd_arena_free(a);
+}
+
+void aoqd_arena_pages_free(struct aoqd_arena_pages *p)
+{
+	if (p->base)
+		munmap(p->base, p->size);
+	if (p->fd >= 0)
+		close(p->fd);
+	*p = (struct aoqd_arena_pages){ NULL, 0, -1 };
 }
 
 void aoqd_arena_sent(struct aoqd_arena *a)

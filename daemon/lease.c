@@ -5,16 +5,19 @@
  * rollback of its interrupted step once nothing of the dead connection
  * runs (settle), the end of a lease, and the takeover of a leased state by
  * the trainer that comes back with the same key and layout.  Expiry runs on
- * the rate timer (events.c).  Loop thread.
+ * the rate timer (events.c).  Loop thread; the rollback of a large step
+ * runs on a thread of its own.
  */
 #include <errno.h>
 #include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "arena.h"
 #include "lease.h"
 #include "log.h"
+#include "pool.h"
 #include "server.h"
 #include "session.h"
 #include "snapshot.h"
@@ -31,20 +34,67 @@ uint64_t aoqd_lease_for(const struct aoqd_session *s)
 	return s->lease_ns < cap ? s->lease_ns : cap;
 }
 
+/* The interrupted step's rollback, off the loop: copying back what a
+ * step changed in a large state takes a second or more on one thread
+ * (1.2 s for a whole step of 1 G fp32 parameters on the H200 host,
+ * RESULTS.md), and freeing a large arena's pages some 0.2 s a GiB, which
+ * on the loop would hold every other session of the node.  The thread
+ * has the state to itself: nothing of the dead connection runs, a resume
+ * waits for `settled`, and a lease that ends meanwhile leaves the memory
+ * to the thread's reference. */
+struct rollback {
+	struct aoqd_session *s; /* a reference */
+	struct aoqd_arena_pages pages;
+};
+
+static void *rollback_run(void *arg)
+{
+	struct rollback *r = arg;
+	aoqd_arena_pages_free(&r->pages);
+	aoqd_state_rollback(&r->s->st, 1); /* one thread, beside the workers */
+	aoqd_session_unref(r->s); /* wakes the loop, which settles the lease */
+	free(r);
+	return NULL;
+}
+
+static bool rollback_off_loop(struct aoqd_session *s, struct aoqd_arena_pages *pages)
+{
+	struct rollback *r = malloc(sizeof(*r));
+	if (!r)
+		return false;
+	*r = (struct rollback){ s, *pages };
+	aoqd_session_ref(s);
+	if (aoqd_thread_detached(rollback_run, r) != 0) {
+		aoqd_session_unref(s);
+		free(r);
+		return false;
+	}
+	return true;
+}
+
 /* Once nothing of the dead connection runs (only the list's reference is
- * left): the interrupted step goes back, the arena goes (a trainer that
- * resumes gets a new one) and stops counting against the quota. */
+ * left): the arena goes (a trainer that resumes gets a new one) and stops
+ * counting against the quota, and the interrupted step goes back, both on
+ * a thread of its own but at a stop (the fd store keeps only settled
+ * states).  The thread's end brings this back to mark the lease settled. */
 void aoqd_lease_settle(struct aoqd_session *s)
 {
 	if (s->state != AOQD_LEASED || s->settled || aoqd_session_refcount(s) != 1)
 		return;
-	aoqd_state_rollback(&s->st, 1); /* on the loop thread, beside the workers */
+	if (s->rolling_back) {
+		s->rolling_back = false; /* its thread is gone with its reference */
+		s->settled = true;
+		aoqd_debug("session", "session %" PRIu64 ": lease settled at step %" PRIu64 " (rolled back off the loop)",
+		           s->id, s->st.last_step);
+		return;
+	}
 	if (s->arena.size && s->st.account) {
 		uint64_t n = aoqd_page_round(s->arena.size);
 		aoqd_account_uncharge(s->st.account, n);
 		s->st.charged -= n;
 	}
-	aoqd_arena_free(&s->arena);
+	struct aoqd_arena_pages pages;
+	aoqd_arena_free_but_pages(&s->arena, &pages);
 	aoqd_arena_init(&s->arena);
 	if (s->rep) {
 		/* A leased group: its members are closed, their rings unused. */
@@ -54,8 +104,32 @@ void aoqd_lease_settle(struct aoqd_session *s)
 				s->rep->members[k] = NULL;
 			}
 	}
+	if (!s->srv->stopping && (pages.base || aoqd_state_open_step(&s->st)) && rollback_off_loop(s, &pages)) {
+		s->rolling_back = true;
+		return;
+	}
+	aoqd_arena_pages_free(&pages);
+	aoqd_state_rollback(&s->st, 1);
 	s->settled = true;
 	aoqd_debug("session", "session %" PRIu64 ": lease settled at step %" PRIu64, s->id, s->st.last_step);
+}
+
+void aoqd_leases_settle_all(struct aoqd_server *srv)
+{
+	for (int waited = 0;; waited++) {
+		bool busy = false;
+		for (struct aoqd_session *s = srv->sessions; s; s = s->next) {
+			aoqd_lease_settle(s);
+			busy |= s->state == AOQD_LEASED && s->rolling_back;
+		}
+		if (!busy)
+			return;
+		if (waited == 60000) {
+			aoqd_warn("session", "a leased state's rollback has not ended within 60 s");
+			return;
+		}
+		usleep(1000);
+	}
 }
 
 /* Ends a leased session for good: its memory and quota go back. */

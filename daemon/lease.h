@@ -55,9 +55,14 @@ int64_t aoqd_lease_adopt(struct aoqd_server *srv, const struct aoqd_lease_key *k
  * its undo copy and no load since its last step, and while the configured
  * lease (reloadable) is on; 0: no lease. */
 uint64_t aoqd_lease_for(const struct aoqd_session *s);
-/* Once only the list's reference is left: the interrupted step goes back,
- * the arena goes and stops counting against the quota.  No-op otherwise. */
+/* Once only the list's reference is left: the arena goes and stops
+ * counting against the quota, the interrupted step goes back (on a thread
+ * of its own unless the server is stopping; the wake after it settles the
+ * lease: `settled`, as at once when no step was open).  No-op otherwise. */
 void aoqd_lease_settle(struct aoqd_session *s);
+/* At a stop: settles every lease that can be, waiting (60 s at most) for
+ * the rollbacks under way off the loop. */
+void aoqd_leases_settle_all(struct aoqd_server *srv);
 /* Ends a leased session for good: its memory and quota go back; with
  * `forget` (expired, dropped, a resume that failed) its key's snapshot
  * file goes too (aoqd_session_forget_snapshot). */

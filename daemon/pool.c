@@ -402,3 +402,17 @@ void aoqd_threads_run(void *(*fn)(void *), void *args, size_t size, unsigned n)
 			fn((char *)args + k * size);
 	}
 }
+
+int aoqd_thread_detached(void *(*fn)(void *), void *arg)
+{
+	pthread_t t;
+	pthread_attr_t at;
+	int e = pthread_attr_init(&at);
+	if (e != 0)
+		return e;
+	e = pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+	if (e == 0)
+		e = pthread_create(&t, &at, fn, arg);
+	pthread_attr_destroy(&at);
+	return e;
+}

@@ -66,6 +66,10 @@ unsigned aoqd_pool_threads(const struct aoqd_pool *p);
  * start leaves its part to this one.  For the one-off copies of a start or
  * stop, outside the pool (fdstore.c, state.c). */
 void aoqd_threads_run(void *(*fn)(void *), void *args, size_t size, unsigned n);
+/* Starts fn(arg) on a detached thread of its own, outside the pool (a
+ * large registration's build, a dead trainer's rollback): 0, or the
+ * error pthread gave (nothing started). */
+int aoqd_thread_detached(void *(*fn)(void *), void *arg);
 
 /* Queues the chain first..last (n tasks, linked by next) in q, after every
  * chain whose key is smaller or equal and before the others. */

@@ -8,7 +8,6 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <math.h>
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,6 +15,7 @@
 #include "arena.h"
 #include "fdstore.h"
 #include "log.h"
+#include "pool.h"
 #include "populate.h"
 #include "register.h"
 #include "server.h"
@@ -288,15 +288,7 @@ int aoqd_register_finish(struct aoqd_session *s, uv_poll_cb on_doorbell, aoqd_ad
 		s->building = true;
 		atomic_store(&s->build_done, false);
 		s->steps.ops->hold(s);
-		pthread_t t;
-		pthread_attr_t at;
-		int e = pthread_attr_init(&at);
-		if (e == 0)
-			e = pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
-		if (e == 0)
-			e = pthread_create(&t, &at, build_run, b);
-		pthread_attr_destroy(&at);
-		if (e == 0)
+		if (aoqd_thread_detached(build_run, b) == 0)
 			return AOQD_BUILDING;
 		/* no thread: built here, as a small one */
 		s->building = false;

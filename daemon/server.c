@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include "aoq-config.h"
+#include "lease.h"
 #include "log.h"
 #include "server.h"
 #include "events.h"
@@ -561,6 +562,10 @@ void aoqd_server_stop(struct aoqd_server *srv)
 		aoqd_populate_stop(s);
 	for (struct aoqd_session *h = srv->hubs; h; h = h->next)
 		aoqd_populate_stop(h);
+	/* the rollbacks of dead trainers' steps under way end (their threads
+	 * hold the states), so the fd store keeps those leases, and no thread
+	 * outlives the daemon */
+	aoqd_leases_settle_all(srv);
 	aoqd_fdstore_save(srv); /* a restart loses no step (fdstore.h) */
 	aoqd_sessions_close_all(srv);
 	aoqd_snapshotter_free(srv->snapshotter); /* finishes the snapshot being written */

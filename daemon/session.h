@@ -124,6 +124,9 @@ struct aoqd_session {
 	bool snap_forget;
 	uint64_t lease_until;
 	bool settled;
+	/* The interrupted step being rolled back on a thread of its own
+	 * (lease.c), which holds a reference: settled once it is gone. */
+	bool rolling_back;
 	uint64_t adopt_wait;
 	uint64_t resumed_from;
 	/* Bytes of the arena charged to st before a resume took a leased

@@ -1216,6 +1216,16 @@ int aoqd_state_add_undo(struct aoqd_state *st, _Atomic uint64_t *locked_total)
 	return err;
 }
 
+bool aoqd_state_open_step(const struct aoqd_state *st)
+{
+	for (uint32_t i = 0; i < st->ntensors; i++) {
+		const struct aoqd_tensor *t = &st->tensors[i];
+		if (t->cur_step > st->last_step && t->ndone && t->undo_off)
+			return true;
+	}
+	return false;
+}
+
 void aoqd_state_rollback(struct aoqd_state *st, unsigned threads)
 {
 	uint64_t open = st->last_step + 1;

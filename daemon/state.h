@@ -342,6 +342,9 @@ void aoqd_state_copy_out(const struct aoqd_tensor *t, uint64_t b, uint64_t n, vo
  * in flight. */
 int aoqd_state_add_undo(struct aoqd_state *st, _Atomic uint64_t *locked_total);
 void aoqd_state_rollback(struct aoqd_state *st, unsigned threads);
+/* Whether aoqd_state_rollback would copy anything back: a range of the
+ * open step changed in a state with its undo copy. */
+bool aoqd_state_open_step(const struct aoqd_state *st);
 /* Whether st (a new registration's tables) has the layout of the leased
  * state `old`: 0, or -EINVAL with the first difference in why. */
 int aoqd_state_same_layout(const struct aoqd_state *st, const struct aoqd_state *old, char *why, size_t len);

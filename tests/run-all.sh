@@ -313,18 +313,19 @@ for phase in $phases; do
 		# references dropped on two threads, a new state faulted in
 		# beside its loads, libaoq's
 		# progress thread against the daemon's workers, a killed aoqd's
-		# journal replayed on threads (both built with
+		# journal replayed on threads, dead trainers' steps rolled back
+		# off the loop beside two other trainers (both built with
 		# TSan; a report makes aoqd or the test exit 66).  integration-train
 		# and demo-deterministic add little beyond these and take minutes
 		# under TSan; push-stress runs 15 steps instead of 60 (and again
 		# with the loop's spin, loop_spin_us).
 		tsan_tests="unit-ring unit-pool unit-fdstore unit-wire unit-account unit-snapshot-pace unit-session-refs unit-populate integration-push-stress
 			integration-push-stress-spin integration-loop-spin integration-accumulate integration-modes integration-optimizers integration-timeout
-			integration-populate demo"
+			integration-populate faults-kill demo"
 		tsan_targets="daemon/aoqd client/examples/aoq-demo tests/unit/test-ring tests/unit/test-pool tests/unit/test-fdstore
 			tests/unit/test-wire tests/unit/test-account tests/unit/test-snapshot-pace tests/unit/test-session-refs tests/unit/test-populate tests/integration/test-push-stress tests/integration/test-loop-spin
 			tests/integration/test-accumulate tests/integration/test-modes tests/integration/test-optimizers
-			tests/integration/test-timeout tests/integration/test-populate"
+			tests/integration/test-timeout tests/integration/test-populate tests/faults/test-faults"
 		# Not -Dwerror, and -Wno-tsan: gcc warns that TSan does not model
 		# atomic_thread_fence, which the rings use (proto/aoq-arena.h)
 		# next to acquire/release atomics that TSan does see (a fence it

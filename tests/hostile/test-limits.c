@@ -30,7 +30,13 @@
  *              the slowest alone (the last Register frame's state and arena
  *              are built off the loop; on it they held every session some
  *              0.5-0.8 s on a 2-core machine; the machine is shared, hence
- *              the margin).
+ *              the margin);
+ *   rollstall  another connection's Stats round trips while the step a
+ *              trainer was killed in is rolled back (256 Mi fp32
+ *              parameters, 3 GiB of state copied back from the undo copy;
+ *              AOQT_ROLLSTALL_MI sets the size): the slowest stays within
+ *              300 ms plus twice the slowest alone (the rollback runs off
+ *              the loop; on it, it held every session for the copy).
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -384,7 +390,7 @@ static void case_held(void)
 /* ---- regstall ---- */
 
 static _Atomic int rs_phase; /* 0 alone, 1 registering, 2 stop */
-static double rs_worst[2];
+static double rs_worst[2], rs_worst_at;
 
 /* Another connection's round trips on the loop (StatsRequest, Stats). */
 static void *rs_pinger(void *arg)
@@ -403,8 +409,10 @@ static void *rs_pinger(void *arg)
 		      "pinger: no Stats");
 		aoq_envelope_free(rep);
 		double dt = aoqt_now() - t0;
-		if (atomic_load(&rs_phase) == p && dt > rs_worst[p])
+		if (atomic_load(&rs_phase) == p && dt > rs_worst[p]) {
 			rs_worst[p] = dt;
+			rs_worst_at = t0;
+		}
 		usleep(2000);
 	}
 	close(fd);
@@ -425,12 +433,7 @@ static void case_regstall(void)
 	o.device = "cpu";
 	o.lease_seconds = AOQ_LEASE_NONE;
 	CHECK_OK(aoq_connect(&big, &o));
-	struct aoq_group g = AOQ_GROUP_INIT;
-	g.kind = AOQ_ADAMW;
-	g.lr = 1e-3;
-	g.beta1 = 0.9;
-	g.beta2 = 0.999;
-	g.eps = 1e-8;
+	struct aoq_group g = aoqt_adamw(1e-3);
 	CHECK_OK(aoq_add_group(big, &g));
 	float *p = aoqt_xcalloc(n, sizeof(float)), *gr = aoqt_xcalloc(n, sizeof(float));
 	for (uint32_t i = 0; i < n; i++) {
@@ -461,6 +464,109 @@ static void case_regstall(void)
 	stop();
 }
 
+/* ---- rollstall ---- */
+
+/* The trainer that dies (a child, forked before any thread): a step of
+ * its big tensor, then the next step's gradient of it alone pushed (the
+ * small tensor's never comes); 'p' on `out`, then it waits to be killed. */
+static void rollstall_trainer(int out, uint64_t n)
+{
+	struct aoq_client *c;
+	struct aoq_options o = AOQ_OPTIONS_INIT;
+	o.socket = daemon_.socket;
+	o.job = "dies";
+	o.device = "cpu";
+	o.lease_seconds = 60;
+	o.timeout_ms = 120000;
+	CHECK_OK(aoq_connect(&c, &o));
+	struct aoq_group g = aoqt_adamw(1e-3);
+	CHECK_OK(aoq_add_group(c, &g));
+	uint64_t numel[2] = { n, 1 };
+	for (int t = 0; t < 2; t++) {
+		float *p = aoqt_xcalloc(numel[t], sizeof(float)), *gr = aoqt_xmalloc(numel[t] * sizeof(float));
+		for (uint64_t i = 0; i < numel[t]; i++)
+			gr[i] = 1e-3f * (float)(i % 97);
+		struct aoq_tensor d = AOQ_TENSOR_INIT;
+		d.name = t ? "small" : "big";
+		d.numel = numel[t];
+		d.param_dtype = AOQ_FP32;
+		d.grad_dtype = AOQ_FP32;
+		d.param = p;
+		d.grad = gr;
+		CHECK_OK(aoq_add_tensor(c, &d));
+	}
+	CHECK_OK(aoq_register(c));
+	for (uint32_t step = 1; step <= 2; step++) {
+		for (uint32_t t = 0; t < (step == 1 ? 2u : 1u); t++) {
+			CHECK_OK(aoq_push_grad(c, t, 0, NULL));
+			CHECK_OK(aoq_grad_copied(c, t));
+		}
+		if (step == 1) {
+			CHECK_OK(aoq_step_end(c));
+			CHECK_OK(aoq_sync(c, NULL));
+		}
+	}
+	CHECK(write(out, "p", 1) == 1, "rollstall: trainer: write");
+	for (;;)
+		pause();
+}
+
+/* Whether the daemon's log has `what` from byte `from` on. */
+static bool log_has(size_t from, const char *what)
+{
+	char *log = aoqt_daemon_log(&daemon_);
+	bool has = log && strlen(log) > from && strstr(log + from, what);
+	free(log);
+	return has;
+}
+
+static void case_rollstall(void)
+{
+	/* 12 bytes of fp32 state a parameter, changed by the open step and
+	 * copied back from the undo copy: 3 GiB at the default 256 Mi */
+	const char *mi = getenv("AOQT_ROLLSTALL_MI");
+	uint64_t n = (uint64_t)(mi ? atoi(mi) : 256) << 20;
+	start_with("lock_memory = no\nlease_seconds = 60\nlog_level = debug\n");
+	int pfd[2];
+	CHECK(pipe(pfd) == 0, "pipe: %s", strerror(errno));
+	pid_t pid = fork();
+	CHECK(pid >= 0, "fork: %s", strerror(errno));
+	if (pid == 0) {
+		close(pfd[0]);
+		rollstall_trainer(pfd[1], n);
+		_exit(0);
+	}
+	close(pfd[1]);
+	char b = 0;
+	CHECK(read(pfd[0], &b, 1) == 1 && b == 'p', "rollstall: the trainer died before its second step");
+	close(pfd[0]);
+	atomic_store(&rs_phase, 0);
+	rs_worst[0] = rs_worst[1] = 0;
+	pthread_t th;
+	CHECK(pthread_create(&th, NULL, rs_pinger, NULL) == 0, "pthread_create");
+	usleep(1000000);
+	atomic_store(&rs_phase, 1);
+	size_t from = aoqt_daemon_log_size(&daemon_);
+	double t0 = aoqt_now();
+	kill(pid, SIGKILL);
+	CHECK(waitpid(pid, NULL, 0) == pid, "waitpid");
+	/* the step's update of the big tensor ends on the worker, then the
+	 * lease settles: the update's ranges copied back */
+	while (!log_has(from, "lease settled at step 1")) {
+		CHECK(aoqt_now() - t0 < 120, "rollstall: the lease did not settle at step 1 within 120 s");
+		usleep(5000);
+	}
+	double settle = aoqt_now() - t0;
+	atomic_store(&rs_phase, 2);
+	pthread_join(th, NULL);
+	printf("rollstall: %" PRIu64 " Mi fp32 parameters' step rolled back %.2f s after the kill; another connection's "
+	       "slowest Stats round trip alone %.1f ms, during it %.1f ms (%.2f s after the kill)\n", n >> 20, settle,
+	       1e3 * rs_worst[0], 1e3 * rs_worst[1], rs_worst_at - t0);
+	CHECK(rs_worst[1] < 0.300 + 2 * rs_worst[0], "rollstall: the rollback of a dead trainer's step held the loop "
+	      "%.1f ms (a round trip alone: at most %.1f ms)", 1e3 * rs_worst[1], 1e3 * rs_worst[0]);
+	stop();
+}
+
 int main(int argc, char **argv)
 {
 	aoqt_init("limits");
@@ -483,6 +589,8 @@ int main(int argc, char **argv)
 		case_held();
 	if (all || strcmp(c, "regstall") == 0)
 		case_regstall();
+	if (all || strcmp(c, "rollstall") == 0)
+		case_rollstall();
 	unlink(conf);
 	printf("ok\n");
 	return 0;

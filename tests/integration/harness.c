@@ -1287,3 +1287,14 @@ int aoqt_drop(const char *path, uint64_t id, char *msg, size_t len)
 	close(fd);
 	return r;
 }
+
+struct aoq_group aoqt_adamw(double lr)
+{
+	struct aoq_group g = AOQ_GROUP_INIT;
+	g.kind = AOQ_ADAMW;
+	g.lr = lr;
+	g.beta1 = 0.9;
+	g.beta2 = 0.999;
+	g.eps = 1e-8;
+	return g;
+}

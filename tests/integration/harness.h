@@ -310,6 +310,8 @@ int aoqt_raw_pop(struct aoqt_raw *s, struct aoq_rec *rec, int timeout_ms);
 int aoqt_stats(const char *path, Aoq__Envelope **env);
 
 /* ---- misc -------------------------------------------------------------- */
+/* An AdamW group: lr, betas 0.9 and 0.999, eps 1e-8, no weight decay. */
+struct aoq_group aoqt_adamw(double lr);
 double aoqt_now(void); /* seconds, CLOCK_MONOTONIC */
 void *aoqt_xmalloc(size_t n);
 void *aoqt_xcalloc(size_t n, size_t sz);

@@ -218,6 +218,17 @@ static void expect_refused(const char *what, const uint8_t *d, size_t n, bool un
 	close(fd);
 }
 
+/* A state of three tensors with its undo copy, described in its memfd
+ * under job `job`: its journal is what a live aoqd writes. */
+static void journal_state(struct aoqd_state *st, const char *job)
+{
+	make_state(st, 0, 3);
+	EXPECT(aoqd_state_add_undo(st, &locked) == 0, "undo copy");
+	struct aoqd_snap_key key = { .uid = 7, .rank = 0 };
+	snprintf(key.job, sizeof(key.job), "%s", job);
+	EXPECT(aoqd_fdstore_write(&key, st, false) == 0, "describe");
+}
+
 int main(void)
 {
 	rs = (uint64_t)getpid() * 0x100000001b3ull ^ (uint64_t)time(NULL);
@@ -363,11 +374,7 @@ int main(void)
 	 * boundary's, the hyperparameters the last set. */
 	{
 		struct aoqd_state st;
-		make_state(&st, 0, 3);
-		EXPECT(aoqd_state_add_undo(&st, &locked) == 0, "undo copy");
-		struct aoqd_snap_key key = { .uid = 7, .rank = 0 };
-		snprintf(key.job, sizeof(key.job), "journal");
-		EXPECT(aoqd_fdstore_write(&key, &st, false) == 0, "describe");
+		journal_state(&st, "journal");
 		uint64_t nt = st.ntensors, ng = st.ngroups, open = st.last_step + 1, steps0[3];
 		size_t mb = st.tensors[0].numel * 4;
 		uint8_t *before = malloc(mb);
@@ -436,11 +443,7 @@ int main(void)
 	 * this). */
 	{
 		struct aoqd_state st;
-		make_state(&st, 0, 3);
-		EXPECT(aoqd_state_add_undo(&st, &locked) == 0, "undo copy");
-		struct aoqd_snap_key key = { .uid = 7, .rank = 0 };
-		snprintf(key.job, sizeof(key.job), "overlap");
-		EXPECT(aoqd_fdstore_write(&key, &st, false) == 0, "describe");
+		journal_state(&st, "overlap");
 		uint64_t open = st.last_step + 1;
 		struct aoqd_tensor *t = &st.tensors[0];
 		uint64_t n = t->numel;
