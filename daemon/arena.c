@@ -12,6 +12,7 @@
 
 #include "arena.h"
 #include "held.h"
+#include "pool.h"
 
 void aoqd_arena_init(struct aoqd_arena *a)
 {
@@ -312,22 +313,14 @@ void aoqd_arena_free(struct aoqd_arena *a)
 	pthread_mutex_destroy(&a->ring_lock);
 }
 
-void aoqd_arena_free_but_pages(struct aoqd_arena *a, struct aoqd_arena_pages *p)
+void aoqd_arena_free_later(struct aoqd_arena *a, struct aoqd_release *later)
 {
-	held_release(a);
-	*p = (struct aoqd_arena_pages){ a->base, a->size, a->fd };
-	a->base = NULL;
-	a->fd = -1;
+	held_release(a); /* before the fd goes: it reads the memfd's size */
+	if (later && a->base && aoqd_release_add(later, a->base, a->size, a->fd)) {
+		a->base = NULL;
+		a->fd = -1;
+	}
 	aoqd_arena_free(a);
-}
-
-void aoqd_arena_pages_free(struct aoqd_arena_pages *p)
-{
-	if (p->base)
-		munmap(p->base, p->size);
-	if (p->fd >= 0)
-		close(p->fd);
-	*p = (struct aoqd_arena_pages){ NULL, 0, -1 };
 }
 
 void aoqd_arena_sent(struct aoqd_arena *a)

@@ -81,17 +81,12 @@ void aoqd_arena_pause(struct aoqd_arena *a);
 bool aoqd_arena_unwatch(struct aoqd_arena *a, uv_close_cb closed_cb);
 /* Unmaps and closes everything (after the handle closed). */
 void aoqd_arena_free(struct aoqd_arena *a);
-/* The arena's mapping and memfd, to be let go on another thread: the
- * pages of a large arena take some 0.2 s a GiB to free. */
-struct aoqd_arena_pages {
-	void *base;
-	size_t size;
-	int fd;
-};
-/* aoqd_arena_free, but the mapping and the memfd go to *p (the memfd
- * accounted as aoqd_arena_free does), for aoqd_arena_pages_free. */
-void aoqd_arena_free_but_pages(struct aoqd_arena *a, struct aoqd_arena_pages *p);
-void aoqd_arena_pages_free(struct aoqd_arena_pages *p);
+/* aoqd_arena_free, but the mapping and the memfd (whose pages go with
+ * them) are added to `later` (pool.h; NULL: now), so that they are let go
+ * off the loop.  What the memfd holds stays charged to the uid until its
+ * pages are gone (held.h), as with aoqd_arena_free. */
+struct aoqd_release;
+void aoqd_arena_free_later(struct aoqd_arena *a, struct aoqd_release *later);
 /* The client's ends of the doorbells are sent: closes the daemon's copies. */
 void aoqd_arena_sent(struct aoqd_arena *a);
 /* Consumes the client's rings: 0, or -ECONNRESET when the client closed

@@ -37,36 +37,24 @@ uint64_t aoqd_lease_for(const struct aoqd_session *s)
 /* The interrupted step's rollback, off the loop: copying back what a
  * step changed in a large state takes a second or more on one thread
  * (1.2 s for a whole step of 1 G fp32 parameters on the H200 host,
- * RESULTS.md), and freeing a large arena's pages some 0.2 s a GiB, which
- * on the loop would hold every other session of the node.  The thread
+ * RESULTS.md), which on the loop would hold every other session of the
+ * node (and so would freeing a large arena: aoqd_release_start).  The thread
  * has the state to itself: nothing of the dead connection runs, a resume
  * waits for `settled`, and a lease that ends meanwhile leaves the memory
  * to the thread's reference. */
-struct rollback {
-	struct aoqd_session *s; /* a reference */
-	struct aoqd_arena_pages pages;
-};
-
 static void *rollback_run(void *arg)
 {
-	struct rollback *r = arg;
-	aoqd_arena_pages_free(&r->pages);
-	aoqd_state_rollback(&r->s->st, 1); /* one thread, beside the workers */
-	aoqd_session_unref(r->s); /* wakes the loop, which settles the lease */
-	free(r);
+	struct aoqd_session *s = arg;
+	aoqd_state_rollback(&s->st, 1); /* one thread, beside the workers */
+	aoqd_session_unref(s); /* wakes the loop, which settles the lease */
 	return NULL;
 }
 
-static bool rollback_off_loop(struct aoqd_session *s, struct aoqd_arena_pages *pages)
+static bool rollback_off_loop(struct aoqd_session *s)
 {
-	struct rollback *r = malloc(sizeof(*r));
-	if (!r)
-		return false;
-	*r = (struct rollback){ s, *pages };
 	aoqd_session_ref(s);
-	if (aoqd_thread_detached(rollback_run, r) != 0) {
+	if (aoqd_thread_detached(rollback_run, s) != 0) {
 		aoqd_session_unref(s);
-		free(r);
 		return false;
 	}
 	return true;
@@ -74,8 +62,8 @@ static bool rollback_off_loop(struct aoqd_session *s, struct aoqd_arena_pages *p
 
 /* Once nothing of the dead connection runs (only the list's reference is
  * left): the arena goes (a trainer that resumes gets a new one) and stops
- * counting against the quota, and the interrupted step goes back, both on
- * a thread of its own but at a stop (the fd store keeps only settled
+ * counting against the quota, and the interrupted step goes back, on a
+ * thread of its own but at a stop (the fd store keeps only settled
  * states).  The thread's end brings this back to mark the lease settled. */
 void aoqd_lease_settle(struct aoqd_session *s)
 {
@@ -93,8 +81,9 @@ void aoqd_lease_settle(struct aoqd_session *s)
 		aoqd_account_uncharge(s->st.account, n);
 		s->st.charged -= n;
 	}
-	struct aoqd_arena_pages pages;
-	aoqd_arena_free_but_pages(&s->arena, &pages);
+	struct aoqd_release later = AOQD_RELEASE_INIT;
+	aoqd_arena_free_later(&s->arena, s->arena.size >= AOQD_RELEASE_OFF_LOOP_BYTES ? &later : NULL);
+	aoqd_release_start(&later); /* a large arena's pages, off the loop */
 	aoqd_arena_init(&s->arena);
 	if (s->rep) {
 		/* A leased group: its members are closed, their rings unused. */
@@ -104,11 +93,10 @@ void aoqd_lease_settle(struct aoqd_session *s)
 				s->rep->members[k] = NULL;
 			}
 	}
-	if (!s->srv->stopping && (pages.base || aoqd_state_open_step(&s->st)) && rollback_off_loop(s, &pages)) {
+	if (!s->srv->stopping && aoqd_state_open_step(&s->st) && rollback_off_loop(s)) {
 		s->rolling_back = true;
 		return;
 	}
-	aoqd_arena_pages_free(&pages);
 	aoqd_state_rollback(&s->st, 1);
 	s->settled = true;
 	aoqd_debug("session", "session %" PRIu64 ": lease settled at step %" PRIu64, s->id, s->st.last_step);

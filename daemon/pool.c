@@ -1,9 +1,12 @@
 /* SPDX-License-Identifier: MIT */
 #include <errno.h>
 #include <sched.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "aoq-arena.h"
 #include "log.h"
@@ -415,4 +418,69 @@ int aoqd_thread_detached(void *(*fn)(void *), void *arg)
 		e = pthread_create(&t, &at, fn, arg);
 	pthread_attr_destroy(&at);
 	return e;
+}
+
+bool aoqd_release_add(struct aoqd_release *r, void *p, size_t len, int fd)
+{
+	if (r->n == r->cap) {
+		size_t cap = r->cap ? 2 * r->cap : 16;
+		struct aoqd_release_item *v = realloc(r->v, cap * sizeof(*v));
+		if (!v)
+			return false;
+		r->v = v;
+		r->cap = cap;
+	}
+	r->v[r->n++] = (struct aoqd_release_item){ p, len, fd };
+	return true;
+}
+
+static _Atomic int releasing;
+
+/* Lets go of r's items and frees its list. */
+static void release_items(struct aoqd_release *r)
+{
+	for (size_t i = 0; i < r->n; i++) {
+		if (r->v[i].p)
+			munmap(r->v[i].p, r->v[i].len);
+		if (r->v[i].fd >= 0)
+			close(r->v[i].fd);
+	}
+	free(r->v);
+	*r = (struct aoqd_release)AOQD_RELEASE_INIT;
+}
+
+static void *release_run(void *arg)
+{
+	release_items(arg);
+	free(arg);
+	atomic_fetch_sub_explicit(&releasing, 1, memory_order_release);
+	return NULL;
+}
+
+void aoqd_release_start(struct aoqd_release *r)
+{
+	struct aoqd_release *mine = r->n ? malloc(sizeof(*mine)) : NULL;
+	if (!mine) {
+		release_items(r); /* nothing, or no memory: here */
+		return;
+	}
+	*mine = *r;
+	*r = (struct aoqd_release)AOQD_RELEASE_INIT;
+	atomic_fetch_add_explicit(&releasing, 1, memory_order_acq_rel);
+	if (aoqd_thread_detached(release_run, mine) != 0) {
+		atomic_fetch_sub_explicit(&releasing, 1, memory_order_release);
+		release_items(mine);
+		free(mine);
+	}
+}
+
+void aoqd_release_wait(void)
+{
+	for (int waited = 0; atomic_load_explicit(&releasing, memory_order_acquire) > 0; waited++) {
+		if (waited == 60000) {
+			aoqd_warn("pool", "memory still being let go after 60 s");
+			return;
+		}
+		usleep(1000);
+	}
 }

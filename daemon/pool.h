@@ -71,6 +71,31 @@ void aoqd_threads_run(void *(*fn)(void *), void *args, size_t size, unsigned n);
  * error pthread gave (nothing started). */
 int aoqd_thread_detached(void *(*fn)(void *), void *arg);
 
+/*
+ * Mappings to unmap and fds to close on a thread of its own: freeing the
+ * pages of a large state or arena (shared memory above all: 0.375 s for a
+ * 2 GiB arena on a 2-core machine) would otherwise hold the loop, and
+ * every session with it.  The accounting is the caller's, done at once.
+ * add: false without memory (then the caller lets go itself, now).
+ * start: the list goes to a detached thread (or is let go here, if none
+ * starts), and r is empty again.  wait: until every such thread is done
+ * (60 s at most), before the process exits.
+ */
+struct aoqd_release {
+	size_t n, cap;
+	struct aoqd_release_item {
+		void *p; /* NULL: fd alone */
+		size_t len;
+		int fd;  /* -1: mapping alone */
+	} *v;
+};
+#define AOQD_RELEASE_INIT { 0, 0, NULL }
+/* What is worth a thread: a state and arena of this many bytes or more. */
+#define AOQD_RELEASE_OFF_LOOP_BYTES (64ull << 20)
+bool aoqd_release_add(struct aoqd_release *r, void *p, size_t len, int fd);
+void aoqd_release_start(struct aoqd_release *r);
+void aoqd_release_wait(void);
+
 /* Queues the chain first..last (n tasks, linked by next) in q, after every
  * chain whose key is smaller or equal and before the others. */
 void aoqd_pool_submit(struct aoqd_pool *p, struct aoqd_queue *q, struct aoqd_key key,

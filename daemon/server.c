@@ -21,6 +21,7 @@
 #include "aoq-config.h"
 #include "lease.h"
 #include "log.h"
+#include "pool.h"
 #include "server.h"
 #include "events.h"
 #include "held.h"
@@ -588,6 +589,7 @@ void aoqd_server_fini(struct aoqd_server *srv)
 {
 	aoqd_pool_free(srv->pool);
 	srv->pool = NULL;
+	aoqd_release_wait(); /* no thread outlives the daemon */
 	aoqd_account_free_all(&srv->accounts);
 	aoqd_fdstore_barrier(); /* the store's removals read before we exit */
 	/* Only our own socket: a failed bind may have met a live daemon's. */

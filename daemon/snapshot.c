@@ -599,12 +599,17 @@ int aoqd_snapshot_prepare(struct aoqd_snapshotter *w, struct aoqd_state *st, aoq
 
 void aoqd_snapshot_state_free(struct aoqd_state *st)
 {
+	aoqd_snapshot_state_free_later(st, NULL);
+}
+
+void aoqd_snapshot_state_free_later(struct aoqd_state *st, struct aoqd_release *later)
+{
 	struct aoqd_capture *c = st->snap;
 	if (!c)
 		return;
 	capture_release(c);
 	for (uint32_t i = 0; c->spare && i < st->ntensors; i++)
-		if (c->spare[i])
+		if (c->spare[i] && !(later && aoqd_release_add(later, c->spare[i], c->spare_len[i], -1)))
 			munmap(c->spare[i], c->spare_len[i]);
 	free(c->spare);
 	free(c->spare_len);

@@ -223,6 +223,9 @@ bool aoqd_snapshot_busy(const struct aoqd_state *st);
 /* Frees what captures of st keep (the state is being freed; no capture
  * runs). */
 void aoqd_snapshot_state_free(struct aoqd_state *st);
+/* The same, the spare mappings added to `later` (pool.h; NULL: now). */
+struct aoqd_release;
+void aoqd_snapshot_state_free_later(struct aoqd_state *st, struct aoqd_release *later);
 
 void aoqd_snapshot_capture(struct aoqd_state *st, uint32_t tensor, uint64_t step, uint64_t begin, uint64_t count);
 

@@ -773,15 +773,31 @@ int aoqd_tensor_mark_done(struct aoqd_tensor *t, uint64_t b, uint64_t n)
 	return t->ndone == 1 && t->done[0].b == 0 && t->done[0].e == t->numel;
 }
 
+/* A mapping or fd let go now, or added to `later`. */
+static void let_go(struct aoqd_release *later, void *p, size_t len, int fd)
+{
+	if (later && aoqd_release_add(later, p, len, fd))
+		return;
+	if (p)
+		munmap(p, len);
+	if (fd >= 0)
+		close(fd);
+}
+
 void aoqd_state_free(struct aoqd_state *st, _Atomic uint64_t *locked_total)
+{
+	aoqd_state_free_later(st, locked_total, NULL);
+}
+
+void aoqd_state_free_later(struct aoqd_state *st, _Atomic uint64_t *locked_total, struct aoqd_release *later)
 {
 	for (uint32_t i = 0; i < st->ntensors; i++) {
 		struct aoqd_tensor *t = &st->tensors[i];
 		if (t->state_mem)
-			munmap(t->state_mem, t->map_len ? t->map_len : t->state_len);
+			let_go(later, t->state_mem, t->map_len ? t->map_len : t->state_len, -1);
 		t->state_mem = NULL;
 		if (t->acc)
-			munmap(t->acc, t->numel * sizeof(float));
+			let_go(later, t->acc, t->numel * sizeof(float), -1);
 		free(t->name);
 		free(t->done);
 	}
@@ -804,7 +820,7 @@ void aoqd_state_free(struct aoqd_state *st, _Atomic uint64_t *locked_total)
 		struct stat sb;
 		if (fstat(st->masters_fd[k], &sb) == 0)
 			aoqd_held_release(st->masters_wd[k], st->account, (uint64_t)sb.st_blocks * 512);
-		close(st->masters_fd[k]);
+		let_go(later, NULL, 0, st->masters_fd[k]);
 	}
 	st->masters_n = 0;
 	st->masters_size = 0;
@@ -823,10 +839,10 @@ void aoqd_state_free(struct aoqd_state *st, _Atomic uint64_t *locked_total)
 				store_notify(msg, -1);
 			}
 		}
-		close(st->mem_fd);
+		let_go(later, NULL, 0, st->mem_fd);
 	}
 	if (st->jh)
-		munmap(st->jh, st->jmap_len);
+		let_go(later, st->jh, st->jmap_len, -1);
 	st->jh = NULL;
 	st->jsteps = NULL;
 	st->jhp = NULL;

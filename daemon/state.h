@@ -318,6 +318,10 @@ int aoqd_state_adopt(struct aoqd_state *st, int fd, const char *name, int lock_m
 int aoqd_state_alloc(struct aoqd_state *st, int lock_memory, _Atomic uint64_t *locked_total, uint64_t *failed_len);
 /* Frees every tensor and array; gives the locked bytes back. */
 void aoqd_state_free(struct aoqd_state *st, _Atomic uint64_t *locked_total);
+/* aoqd_state_free, the accounting done now, but the state's mappings and
+ * its memfd added to `later` (pool.h), to be let go off the loop. */
+struct aoqd_release;
+void aoqd_state_free_later(struct aoqd_state *st, _Atomic uint64_t *locked_total, struct aoqd_release *later);
 /* The tensor's accumulator, mapped on first use.  0, -EDQUOT (past the
  * uid's quota) or -ENOMEM. */
 int aoqd_state_acc(struct aoqd_state *st, struct aoqd_tensor *t);

@@ -307,6 +307,7 @@ static int trainer_main(char **argv)
 		FILE *f = fopen(argv[6], "wb");
 		CHECK(f && fwrite(im.bytes, 1, im.len, f) == im.len && fclose(f) == 0, "trainer: image: %s",
 		      strerror(errno));
+		free(im.bytes);
 	}
 	trainer_close(&tr);
 	atomic_store(&sh->done, 1);
@@ -513,12 +514,16 @@ static void case_kill(int kills)
 	resumed_compare(kp, kills);
 	free(kp);
 	image_compare("victim", &got, &want);
+	free(got.bytes);
+	free(want.bytes);
 	for (int i = 0; i < 2; i++) {
 		struct image b;
 		char job[32];
 		snprintf(job, sizeof(job), "base-other-%d", i);
 		baseline(job, AOQ_STATE_FP32, others[i].steps, &b);
 		image_compare(others[i].job, &others[i].im, &b);
+		free(b.bytes);
+		free(others[i].im.bytes);
 	}
 	printf("kill: the victim and both others equal their undisturbed runs bit for bit\n");
 }
