@@ -235,9 +235,10 @@ for phase in $phases; do
 	minimal)
 		if build minimal build-minimal -Dcuda=disabled -Dlevel_zero=disabled \
 			-Dsystemd=disabled "${side_kernels[@]}" "${werror_arg[@]}" "${python_arg[@]}"; then
-			# The python suite and the kernels run the same code as in
-			# main (no optional feature reaches them): not run twice.
-			run_tests minimal build-minimal --no-suite python --no-suite kernels
+			# The python suite, the kernels and the loop's stall tests
+			# run the same code as in main (no optional feature reaches
+			# them): not run twice.
+			run_tests minimal build-minimal --no-suite python --no-suite kernels --no-suite stall
 		fi
 		;;
 	fuzz)
@@ -318,7 +319,8 @@ for phase in $phases; do
 		# TSan; a report makes aoqd or the test exit 66).  integration-train
 		# and demo-deterministic add little beyond these and take minutes
 		# under TSan; push-stress runs 15 steps instead of 60 (and again
-		# with the loop's spin, loop_spin_us).
+		# with the loop's spin, loop_spin_us), faults-kill 20 kills
+		# instead of 100.
 		tsan_tests="unit-ring unit-pool unit-fdstore unit-wire unit-account unit-snapshot-pace unit-session-refs unit-populate integration-push-stress
 			integration-push-stress-spin integration-loop-spin integration-accumulate integration-modes integration-optimizers integration-timeout
 			integration-populate faults-kill demo"
@@ -335,7 +337,7 @@ for phase in $phases; do
 			-Dlevel_zero=disabled -Dsystemd=disabled -Dwerror=false -Dc_args=-Wno-tsan "${side_kernels[@]}"; then
 			# shellcheck disable=SC2086 # the tests are words
 			TSAN_OPTIONS="suppressions=$PWD/tests/tsan.supp second_deadlock_stack=1 ${TSAN_OPTIONS:-}" \
-				AOQ_STRESS_STEPS=${AOQ_STRESS_STEPS:-15} \
+				AOQ_STRESS_STEPS=${AOQ_STRESS_STEPS:-15} AOQT_KILLS=${AOQT_KILLS:-20} \
 				run_tests tsan build-tsan --no-rebuild --timeout-multiplier 3 $tsan_tests
 		fi
 		;;

@@ -3,7 +3,8 @@
  * Faults: a trainer's state outlives it (README, "Lease and resume").
  *
  *   kill     a trainer (this binary re-executed, --trainer) is killed with
- *            SIGKILL mid-step KILLS times while two other sessions train;
+ *            SIGKILL mid-step KILLS times (100; 20 under AOQ_TEST_SLOW;
+ *            AOQT_KILLS sets it) while two other sessions train;
  *            each new trainer resumes the leased state at the last completed
  *            step (the interrupted one rolled back); at the end its state
  *            (parameters, master, both moments, step counters) equals an
@@ -1420,7 +1421,7 @@ int main(int argc, char **argv)
 	CHECK_OK(aoqt_daemon_start(&daemon_, exe, args));
 	bool all = strcmp(c, "all") == 0;
 	if (all || strcmp(c, "kill") == 0)
-		case_kill(getenv("AOQ_TEST_SLOW") ? 20 : 100);
+		case_kill(getenv("AOQT_KILLS") ? atoi(getenv("AOQT_KILLS")) : getenv("AOQ_TEST_SLOW") ? 20 : 100);
 	if (all || strcmp(c, "unloaded") == 0)
 		case_unloaded();
 	if (all || strcmp(c, "bye") == 0)
