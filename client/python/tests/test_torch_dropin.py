@@ -189,6 +189,16 @@ def case_import_swap():
     regional_compile()
     if torch.device(DEV).type == "cuda":
         compiled_waits_per_module("inductor")      # CPU inductor needs a C++ toolchain and minutes: GPU only
+    # the swap as a user may write it: `from aoq import OffloadOptimizer`,
+    # while `import aoq` alone leaves torch unloaded
+    assert aoq.OffloadOptimizer is OffloadOptimizer, "aoq.OffloadOptimizer is not aoq.torch's"
+    import subprocess
+    code = ("import sys, aoq; assert 'torch' not in sys.modules, 'import aoq loaded torch'; "
+            "from aoq import OffloadOptimizer; assert 'torch' in sys.modules; "
+            "assert OffloadOptimizer.__module__ == 'aoq.torch', OffloadOptimizer.__module__")
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),
+                       capture_output=True, text=True)
+    assert r.returncode == 0, ("from aoq import OffloadOptimizer", r.stderr[-2000:])
     print("ok: import swap (per-module waits, compile with %d frame(s))" % frames_ref)
 
 
