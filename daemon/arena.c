@@ -316,7 +316,8 @@ void aoqd_arena_free(struct aoqd_arena *a)
 void aoqd_arena_free_later(struct aoqd_arena *a, struct aoqd_release *later)
 {
 	held_release(a); /* before the fd goes: it reads the memfd's size */
-	if (later && a->base && aoqd_release_add(later, a->base, a->size, a->fd)) {
+	if (later && a->base) {
+		aoqd_release(later, a->base, a->size, a->fd);
 		a->base = NULL;
 		a->fd = -1;
 	}

@@ -1034,7 +1034,7 @@ int aoqd_fdstore_save(struct aoqd_server *srv)
 		aoqd_warn("fdstore", "the workers did not finish within 30 s: no state kept in the fd store");
 		return 0;
 	}
-	aoqd_leases_settle_all(srv); /* those whose last jobs have just ended */
+	aoqd_leases_settle_all(srv, true); /* those whose last jobs have just ended too */
 	int stored = 0;
 	uint64_t bytes = 0;
 	/* the sessions (leased groups among them), then the live groups' hubs */

@@ -102,12 +102,13 @@ void aoqd_lease_settle(struct aoqd_session *s)
 	aoqd_debug("session", "session %" PRIu64 ": lease settled at step %" PRIu64, s->id, s->st.last_step);
 }
 
-void aoqd_leases_settle_all(struct aoqd_server *srv)
+void aoqd_leases_settle_all(struct aoqd_server *srv, bool all)
 {
 	for (int waited = 0;; waited++) {
 		bool busy = false;
 		for (struct aoqd_session *s = srv->sessions; s; s = s->next) {
-			aoqd_lease_settle(s);
+			if (all || s->rolling_back)
+				aoqd_lease_settle(s);
 			busy |= s->state == AOQD_LEASED && s->rolling_back;
 		}
 		if (!busy)

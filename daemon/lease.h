@@ -60,9 +60,10 @@ uint64_t aoqd_lease_for(const struct aoqd_session *s);
  * of its own unless the server is stopping; the wake after it settles the
  * lease: `settled`, as at once when no step was open).  No-op otherwise. */
 void aoqd_lease_settle(struct aoqd_session *s);
-/* At a stop: settles every lease that can be, waiting (60 s at most) for
- * the rollbacks under way off the loop. */
-void aoqd_leases_settle_all(struct aoqd_server *srv);
+/* At a stop: waits (60 s at most) for the rollbacks under way off the loop
+ * and settles their leases; with `all` (the fd store keeps what is
+ * settled) every other lease that can be settled too. */
+void aoqd_leases_settle_all(struct aoqd_server *srv, bool all);
 /* Ends a leased session for good: its memory and quota go back; with
  * `forget` (expired, dropped, a resume that failed) its key's snapshot
  * file goes too (aoqd_session_forget_snapshot). */

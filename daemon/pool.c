@@ -420,18 +420,29 @@ int aoqd_thread_detached(void *(*fn)(void *), void *arg)
 	return e;
 }
 
-bool aoqd_release_add(struct aoqd_release *r, void *p, size_t len, int fd)
+static void let_go(const struct aoqd_release_item *it)
 {
-	if (r->n == r->cap) {
+	if (it->p)
+		munmap(it->p, it->len);
+	if (it->fd >= 0)
+		close(it->fd);
+}
+
+void aoqd_release(struct aoqd_release *r, void *p, size_t len, int fd)
+{
+	struct aoqd_release_item it = { p, len, fd };
+	if (r && r->n == r->cap) {
 		size_t cap = r->cap ? 2 * r->cap : 16;
 		struct aoqd_release_item *v = realloc(r->v, cap * sizeof(*v));
-		if (!v)
-			return false;
-		r->v = v;
-		r->cap = cap;
+		if (v) {
+			r->v = v;
+			r->cap = cap;
+		}
 	}
-	r->v[r->n++] = (struct aoqd_release_item){ p, len, fd };
-	return true;
+	if (r && r->n < r->cap)
+		r->v[r->n++] = it;
+	else
+		let_go(&it);
 }
 
 static _Atomic int releasing;
@@ -439,12 +450,8 @@ static _Atomic int releasing;
 /* Lets go of r's items and frees its list. */
 static void release_items(struct aoqd_release *r)
 {
-	for (size_t i = 0; i < r->n; i++) {
-		if (r->v[i].p)
-			munmap(r->v[i].p, r->v[i].len);
-		if (r->v[i].fd >= 0)
-			close(r->v[i].fd);
-	}
+	for (size_t i = 0; i < r->n; i++)
+		let_go(&r->v[i]);
 	free(r->v);
 	*r = (struct aoqd_release)AOQD_RELEASE_INIT;
 }

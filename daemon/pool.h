@@ -76,7 +76,8 @@ int aoqd_thread_detached(void *(*fn)(void *), void *arg);
  * pages of a large state or arena (shared memory above all: 0.375 s for a
  * 2 GiB arena on a 2-core machine) would otherwise hold the loop, and
  * every session with it.  The accounting is the caller's, done at once.
- * add: false without memory (then the caller lets go itself, now).
+ * aoqd_release: p (len bytes; NULL: none) and fd (-1: none) added to r,
+ * or let go now when r is NULL or there is no memory for the list.
  * start: the list goes to a detached thread (or is let go here, if none
  * starts), and r is empty again.  wait: until every such thread is done
  * (60 s at most), before the process exits.
@@ -92,7 +93,7 @@ struct aoqd_release {
 #define AOQD_RELEASE_INIT { 0, 0, NULL }
 /* What is worth a thread: a state and arena of this many bytes or more. */
 #define AOQD_RELEASE_OFF_LOOP_BYTES (64ull << 20)
-bool aoqd_release_add(struct aoqd_release *r, void *p, size_t len, int fd);
+void aoqd_release(struct aoqd_release *r, void *p, size_t len, int fd);
 void aoqd_release_start(struct aoqd_release *r);
 void aoqd_release_wait(void);
 

@@ -566,7 +566,7 @@ void aoqd_server_stop(struct aoqd_server *srv)
 	/* the rollbacks of dead trainers' steps under way end (their threads
 	 * hold the states), so the fd store keeps those leases, and no thread
 	 * outlives the daemon */
-	aoqd_leases_settle_all(srv);
+	aoqd_leases_settle_all(srv, false);
 	aoqd_fdstore_save(srv); /* a restart loses no step (fdstore.h) */
 	aoqd_sessions_close_all(srv);
 	aoqd_snapshotter_free(srv->snapshotter); /* finishes the snapshot being written */

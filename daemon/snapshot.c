@@ -609,8 +609,8 @@ void aoqd_snapshot_state_free_later(struct aoqd_state *st, struct aoqd_release *
 		return;
 	capture_release(c);
 	for (uint32_t i = 0; c->spare && i < st->ntensors; i++)
-		if (c->spare[i] && !(later && aoqd_release_add(later, c->spare[i], c->spare_len[i], -1)))
-			munmap(c->spare[i], c->spare_len[i]);
+		if (c->spare[i])
+			aoqd_release(later, c->spare[i], c->spare_len[i], -1);
 	free(c->spare);
 	free(c->spare_len);
 	pthread_mutex_destroy(&c->lock);

@@ -773,17 +773,6 @@ int aoqd_tensor_mark_done(struct aoqd_tensor *t, uint64_t b, uint64_t n)
 	return t->ndone == 1 && t->done[0].b == 0 && t->done[0].e == t->numel;
 }
 
-/* A mapping or fd let go now, or added to `later`. */
-static void let_go(struct aoqd_release *later, void *p, size_t len, int fd)
-{
-	if (later && aoqd_release_add(later, p, len, fd))
-		return;
-	if (p)
-		munmap(p, len);
-	if (fd >= 0)
-		close(fd);
-}
-
 void aoqd_state_free(struct aoqd_state *st, _Atomic uint64_t *locked_total)
 {
 	aoqd_state_free_later(st, locked_total, NULL);
@@ -794,10 +783,10 @@ void aoqd_state_free_later(struct aoqd_state *st, _Atomic uint64_t *locked_total
 	for (uint32_t i = 0; i < st->ntensors; i++) {
 		struct aoqd_tensor *t = &st->tensors[i];
 		if (t->state_mem)
-			let_go(later, t->state_mem, t->map_len ? t->map_len : t->state_len, -1);
+			aoqd_release(later, t->state_mem, t->map_len ? t->map_len : t->state_len, -1);
 		t->state_mem = NULL;
 		if (t->acc)
-			let_go(later, t->acc, t->numel * sizeof(float), -1);
+			aoqd_release(later, t->acc, t->numel * sizeof(float), -1);
 		free(t->name);
 		free(t->done);
 	}
@@ -820,7 +809,7 @@ void aoqd_state_free_later(struct aoqd_state *st, _Atomic uint64_t *locked_total
 		struct stat sb;
 		if (fstat(st->masters_fd[k], &sb) == 0)
 			aoqd_held_release(st->masters_wd[k], st->account, (uint64_t)sb.st_blocks * 512);
-		let_go(later, NULL, 0, st->masters_fd[k]);
+		aoqd_release(later, NULL, 0, st->masters_fd[k]);
 	}
 	st->masters_n = 0;
 	st->masters_size = 0;
@@ -839,10 +828,10 @@ void aoqd_state_free_later(struct aoqd_state *st, _Atomic uint64_t *locked_total
 				store_notify(msg, -1);
 			}
 		}
-		let_go(later, NULL, 0, st->mem_fd);
+		aoqd_release(later, NULL, 0, st->mem_fd);
 	}
 	if (st->jh)
-		let_go(later, st->jh, st->jmap_len, -1);
+		aoqd_release(later, st->jh, st->jmap_len, -1);
 	st->jh = NULL;
 	st->jsteps = NULL;
 	st->jhp = NULL;
