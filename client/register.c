@@ -227,8 +227,8 @@ int aoq_resumed(struct aoq_client *c, uint64_t *step)
 }
 
 /* The masters memfds (aoq-arena.h), mapped read-only end to end at
- * c->masters.  The daemon's own pages, which only it writes (sealed
- * against writable mappings).  0 or -EPROTO. */
+ * c->masters.  The daemon's own pages, which only it writes (read-only
+ * descriptions of memfds of mode 0400).  0 or -EPROTO. */
 static int map_masters(struct aoq_client *c, const int *fds, uint32_t n)
 {
 	uint64_t size = 0, pg = (uint64_t)sysconf(_SC_PAGESIZE);

@@ -910,6 +910,12 @@ int aoqd_fdstore_adopt(struct aoqd_server *srv)
 			struct aoqd_lease_key lk = { .uid = (uid_t)key.uid, .job = key.job, .rank = key.rank,
 				                     .local_world = key.local_world };
 			uint64_t step = st.last_step, bytes = st.mem_data_len;
+			char masters[96] = "";
+			if (st.masters_restored) {
+				uint32_t in_place = (uint32_t)__builtin_popcount(st.masters_adopted);
+				snprintf(masters, sizeof(masters), ", its masters: %u stored memfd(s) in place, %u copied",
+				         in_place, st.masters_n - in_place);
+			}
 			int64_t id = aoqd_lease_adopt(srv, &lk, &st, (uint64_t)srv->cfg.lease_seconds * 1000000000u, &err);
 			if (id < 0) {
 				aoqd_warn("fdstore", "stored state %s (uid %u job '%s' rank %u) not taken back: %s", k->name,
@@ -919,9 +925,9 @@ int aoqd_fdstore_adopt(struct aoqd_server *srv)
 				made++;
 				note_taken(&key);
 				aoqd_info("fdstore", "session %" PRId64 ": uid %u job '%s' rank %u taken back from the fd store "
-				          "(%s, %" PRIu64 " bytes mapped in place) at step %" PRIu64 " in %.3f s, leased for %u s",
-				          id, key.uid, key.job, key.rank, k->name, bytes, step, (double)(now_ns() - t0) / 1e9,
-				          srv->cfg.lease_seconds);
+				          "(%s, %" PRIu64 " bytes mapped in place%s) at step %" PRIu64 " in %.3f s, leased for %u s",
+				          id, key.uid, key.job, key.rank, k->name, bytes, masters, step,
+				          (double)(now_ns() - t0) / 1e9, srv->cfg.lease_seconds);
 			}
 		}
 		close(k->fd);

@@ -127,6 +127,12 @@ void aoqd_held_poll(void)
 				e->open++;
 			if (ev->mask & (IN_CLOSE_WRITE | IN_CLOSE_NOWRITE))
 				e->open--;
+			/* aoqd's own description is open until it lets go: a
+			 * close below it is of one opened before the watch (a
+			 * masters memfd a restart took back, which the
+			 * trainers of the aoqd before had open) */
+			if (!e->released && e->open < 1)
+				e->open = 1;
 			if (ev->mask & IN_IGNORED) {
 				drop(e);
 				continue;

@@ -317,14 +317,30 @@ int aoqd_register_built(struct aoqd_session *s, uv_poll_cb on_doorbell, struct a
 }
 
 /* The arena built (r: its result): charged, locked, watched, sent. */
-/* Registered's fds: the arena, its doorbells, then the masters memfds. */
-static void registered_fds(int fds[AOQ_MAX_FDS], const struct aoqd_arena *a, const struct aoqd_state *st)
+/* Registered's fds: the arena, its doorbells, then read-only descriptions
+ * of the masters memfds (closed by registered_fds_close once sent).  0 or
+ * -errno. */
+static int registered_fds(int fds[AOQ_MAX_FDS], const struct aoqd_arena *a, const struct aoqd_state *st)
 {
 	fds[0] = a->fd;
 	fds[1] = a->peer_in;
 	fds[2] = a->peer_out;
+	for (uint32_t k = 0; k < st->masters_n; k++) {
+		fds[3 + k] = aoqd_state_masters_reopen(st, k);
+		if (fds[3 + k] < 0) {
+			int e = fds[3 + k];
+			while (k-- > 0)
+				close(fds[3 + k]);
+			return e;
+		}
+	}
+	return 0;
+}
+
+static void registered_fds_close(int fds[AOQ_MAX_FDS], const struct aoqd_state *st)
+{
 	for (uint32_t k = 0; k < st->masters_n; k++)
-		fds[3 + k] = st->masters_fd[k];
+		close(fds[3 + k]);
 }
 
 static int arena_made(struct aoqd_session *s, uv_poll_cb on_doorbell, int r, struct aoqd_error *err)
@@ -364,8 +380,10 @@ static int arena_made(struct aoqd_session *s, uv_poll_cb on_doorbell, int r, str
 	reply.msg_case = AOQ__ENVELOPE__MSG_REGISTERED;
 	reply.registered = &reg;
 	int fds[AOQ_MAX_FDS];
-	registered_fds(fds, &s->arena, st);
+	if ((r = registered_fds(fds, &s->arena, st)) < 0)
+		return AOQD_FAIL(err, INTERNAL, "cannot open the masters for the client: %s", strerror(-r));
 	r = aoqd_conn_send_with_fds(&s->conn, &reply, fds, (int)reg.fds);
+	registered_fds_close(fds, st);
 	aoqd_arena_sent(&s->arena);
 	if (r < 0 && s->resumed_from && (r == -EPIPE || r == -ECONNRESET)) {
 		/* The trainer died while resuming: it went away like any other
@@ -483,8 +501,10 @@ int aoqd_register_member(struct aoqd_session *s, struct aoqd_session *hub, uv_po
 	reply.msg_case = AOQ__ENVELOPE__MSG_REGISTERED;
 	reply.registered = &reg;
 	int fds[AOQ_MAX_FDS];
-	registered_fds(fds, &s->arena, &hub->st);
+	if ((r = registered_fds(fds, &s->arena, &hub->st)) < 0)
+		return AOQD_FAIL(err, INTERNAL, "cannot open the masters for the client: %s", strerror(-r));
 	r = aoqd_conn_send_with_fds(&s->conn, &reply, fds, (int)reg.fds);
+	registered_fds_close(fds, &hub->st);
 	aoqd_arena_sent(&s->arena);
 	if (r < 0)
 		return AOQD_FAIL(err, INTERNAL, "cannot send the arena: %s", strerror(-r));

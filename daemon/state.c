@@ -254,6 +254,11 @@ static void *map_state_master(int fd, uint64_t moff, size_t mlen, size_t whole, 
  * client maps and pins). */
 #define MASTERS_MEMFD_MIN (64u << 20)
 
+/* A masters memfd's mode: aoqd's uid may read it (its read-only
+ * descriptions for clients are reopened through /proc), nobody else may
+ * open it at all. */
+#define MASTERS_MODE 0400
+
 /* The masters' layout for every tensor whose master becomes its
  * parameter: their offsets in x->master_off (AOQ_NO_MASTER for the
  * others), in up to AOQ_MASTER_MEMFDS memfds of about equal size
@@ -313,24 +318,55 @@ int aoqd_state_masters_check(struct aoqd_state *st, const int *fds, uint32_t n, 
 	return 0;
 }
 
-/* The masters memfds of st's layout (masters_layout), made.  0 or -errno
- * (none made then). */
+/* Whether a stored masters memfd can be the new state's own, trained in
+ * place: aoqd's read-write description (a client only ever gets read-only
+ * ones: aoqd_state_masters_reopen), sealed against resizing, so that
+ * nobody cuts it under the mappings, and not against writes (an older
+ * aoqd sealed its masters F_SEAL_FUTURE_WRITE: they are copied), with
+ * the mode aoqd gives its own (a client of another uid cannot reopen it
+ * for writing through /proc). */
+static bool masters_adoptable(int fd)
+{
+	int fl = fcntl(fd, F_GETFL), seals = fcntl(fd, F_GET_SEALS);
+	int need = F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL;
+	return fl >= 0 && (fl & O_ACCMODE) == O_RDWR && seals >= 0 && (seals & need) == need &&
+	       !(seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE)) && fchmod(fd, MASTERS_MODE) == 0;
+}
+
+/* The masters memfds of st's layout (masters_layout), made, or at a
+ * restart the stored ones (st->masters_from) taken where they can be
+ * (masters_adoptable; st->masters_adopted).  0 or -errno (none made
+ * then). */
 static int make_masters(struct aoqd_state *st)
 {
 	masters_layout(st);
 	uint32_t k = st->masters_n;
 	st->masters_n = 0;
+	st->masters_adopted = 0;
 	if (!k)
 		return 0;
 	uint64_t size = st->masters_size;
 	st->masters_size = 0;
+	uint32_t adopted = 0;
 	for (uint32_t j = 0; j < k; j++) {
 		uint64_t b = j ? st->masters_end[j - 1] : 0;
-		int fd = memfd_create("aoq-masters", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-		if (fd < 0 || ftruncate(fd, (off_t)(st->masters_end[j] - b)) < 0) {
-			int e = -errno;
-			if (fd >= 0)
+		int fd = -1;
+		if (st->masters_from_n == k && masters_adoptable(st->masters_from[j])) {
+			fd = fcntl(st->masters_from[j], F_DUPFD_CLOEXEC, 3);
+			adopted |= fd >= 0 ? 1u << j : 0;
+		} else {
+			fd = memfd_create("aoq-masters", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+			/* read and written by aoqd alone: no reopen for writing
+			 * through /proc by another uid */
+			if (fd >= 0 && (ftruncate(fd, (off_t)(st->masters_end[j] - b)) < 0 || fchmod(fd, MASTERS_MODE) < 0)) {
+				int e = errno;
 				close(fd);
+				errno = e;
+				fd = -1;
+			}
+		}
+		if (fd < 0) {
+			int e = -errno;
 			while (j-- > 0)
 				close(st->masters_fd[j]);
 			return e;
@@ -341,7 +377,16 @@ static int make_masters(struct aoqd_state *st)
 		st->masters_wd[j] = aoqd_held_watch(st->masters_fd[j]);
 	st->masters_n = k;
 	st->masters_size = size;
+	st->masters_adopted = adopted;
 	return 0;
+}
+
+int aoqd_state_masters_reopen(const struct aoqd_state *st, uint32_t k)
+{
+	char path[64];
+	snprintf(path, sizeof(path), "/proc/self/fd/%d", st->masters_fd[k]);
+	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	return fd >= 0 ? fd : -errno;
 }
 
 void aoqd_state_masters_name(const char *state_name, uint32_t k, char *buf, size_t len)
@@ -496,9 +541,14 @@ static int copy_stored_masters(struct aoqd_state *st)
 {
 	struct masters_copy c[AOQ_MASTER_MEMFDS];
 	uint32_t n = st->masters_n;
-	for (uint32_t k = 0; k < n; k++)
+	if (st->masters_adopted == (n >= 32 ? UINT32_MAX : (1u << n) - 1))
+		return 0;
+	for (uint32_t k = 0; k < n; k++) {
+		uint64_t len = st->masters_end[k] - (k ? st->masters_end[k - 1] : 0);
+		/* an adopted memfd is the stored one: nothing to copy */
 		c[k] = (struct masters_copy){ st->masters_from[k], st->masters_fd[k],
-		                              st->masters_end[k] - (k ? st->masters_end[k - 1] : 0), 0 };
+		                              st->masters_adopted & (1u << k) ? 0 : len, 0 };
+	}
 	for (uint32_t b = 0; b < n; b += UNSAVE_THREADS)
 		aoqd_threads_run(masters_copy_run, c + b, sizeof(c[0]), n - b < UNSAVE_THREADS ? n - b : UNSAVE_THREADS);
 	int err = 0;
@@ -706,11 +756,15 @@ static int alloc(struct aoqd_state *st, int fd, const char *name, int lock_memor
 		x->st.v_scale = aoqk_precision_blocked(prec) ? (float *)(p + off[4]) : NULL;
 		x->st.master_lo = aoqd_tensor_wants_split(st, x) ? p + off[5] : NULL;
 	}
-	/* The daemon's mappings are made: nobody maps the masters writable
-	 * again, nor changes their size (the client's mapping is read-only). */
+	/* The daemon's mappings are made: nobody changes the masters' size.
+	 * Clients get read-only descriptions (aoqd_state_masters_reopen); a
+	 * state outside the fd store also seals them against writable
+	 * mappings, for good, while one in the store leaves that to the mode
+	 * and the descriptions, so that the next aoqd can take them as they
+	 * are and train them in place (the adopted ones are sealed so). */
+	int seals = F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL | (st->memfd ? 0 : F_SEAL_FUTURE_WRITE);
 	for (uint32_t k = 0; k < st->masters_n; k++)
-		if (fcntl(st->masters_fd[k], F_ADD_SEALS, F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL) <
-		    0) {
+		if (!(st->masters_adopted & (1u << k)) && fcntl(st->masters_fd[k], F_ADD_SEALS, seals) < 0) {
 			*failed_len = 0;
 			return -errno;
 		}

@@ -135,11 +135,15 @@ struct aoqd_state {
 	uint64_t masters_end[AOQ_MASTER_MEMFDS];
 	uint32_t masters_n;
 	uint64_t masters_size;
-	/* Taking back a killed aoqd's state (fdstore.c): the masters memfds
-	 * the fd store kept for it, checked (aoqd_state_masters_check) and
-	 * read into the new masters; masters_restored: they were. */
+	/* Taking back a killed or stopped aoqd's state (fdstore.c): the
+	 * masters memfds the fd store kept for it, checked
+	 * (aoqd_state_masters_check), each taken as the state's own where it
+	 * can be trained in place (masters_adopted, bit k: aoqd's
+	 * read-write description, sealed against resizing, not against
+	 * writes), else read into a new one; masters_restored: they were. */
 	const int *masters_from;
 	uint32_t masters_from_n;
+	uint32_t masters_adopted;
 	bool masters_restored;
 	/* Every masters memfd went to the fd store (aoqd_state_store_masters):
 	 * a stop then leaves the masters there and copies none into the
@@ -272,6 +276,11 @@ void aoqd_state_masters_name(const char *state_name, uint32_t k, char *buf, size
 /* Puts st's masters memfds in the fd store (when st's memfd is there);
  * a state taken back stores its new ones once the old ones left. */
 void aoqd_state_store_masters(struct aoqd_state *st);
+/* A read-only description of st's masters memfd k, for a client (a new
+ * fd, or -errno): it can map it read-only, not write it, resize it, punch
+ * holes in it or seal it, and the memfd's mode (0400, aoqd's uid) keeps
+ * another uid from reopening it for writing through /proc. */
+int aoqd_state_masters_reopen(const struct aoqd_state *st, uint32_t k);
 /* Lays out st's masters (its tables valid) and checks n stored masters
  * memfds against it: as many, each a regular file of its memfd's size.
  * 0, or -EBADFD with the reason in why. */

@@ -96,8 +96,9 @@ struct aoq_arena_tensor {
  * with a bf16 master and bf16 parameters, aoqd keeps
  * each such tensor's master in the session's masters: 1 to
  * AOQ_MASTER_MEMFDS memfds, each of whole tensors' masters and a multiple
- * of AOQ_MASTER_ALIGN bytes, sealed against new writable mappings
- * (F_SEAL_FUTURE_WRITE), sent as Registered's fds from the fourth on.
+ * of AOQ_MASTER_ALIGN bytes, sealed against resizing, of mode 0400, sent
+ * as Registered's fds from the fourth on as read-only descriptions (the
+ * client cannot map them writable, write, resize or seal them).
  * Laid end to end in that order they are masters_size bytes, which
  * master_off counts in.  The client maps them read-only, end to end, and
  * copies parameters straight from them: the update writes no separate

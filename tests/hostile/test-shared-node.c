@@ -53,7 +53,10 @@
  *              non-admin uid sees no daemon-wide figures;
  *   requests   (6) Register without groups or tensors (INVALID), TensorSteps
  *              of 2^64-1 (refused), two final records of the same half of a
- *              tensor (BAD_RECORD), admin_gid through a supplementary group.
+ *              tensor (BAD_RECORD), admin_gid through a supplementary group,
+ *              and every way to write its own masters memfd (a reopen for
+ *              writing through /proc, chmod, a writable mapping, write,
+ *              resize, a punched hole, a seal) refused.
  *
  * Needs root (setpriv to other uids); exits 77 (skip) otherwise.
  */
@@ -956,6 +959,41 @@ static int att_requests(void)
 		}
 		say("twice %s", res);
 	}
+	/* (e) its own masters memfd (a bf16 master that is the parameter),
+	 * writable by no way open to another uid than aoqd's: reopened
+	 * read-write through /proc, its mode changed, mapped writable,
+	 * written, resized, a hole punched, sealed. */
+	{
+		struct aoqt_raw s;
+		uint64_t n2[2] = { 4097, 100 };
+		char res[256] = "open-failed";
+		if (aoqt_raw_open_bf16(&s, att_sock, "att-masters", n2, 2) == 0) {
+			char path[64];
+			snprintf(path, sizeof(path), "/proc/self/fd/%d", s.masters_fd);
+			size_t len = (size_t)s.hdr.masters_size;
+			int rw = open(path, O_RDWR | O_CLOEXEC);
+			int e_reopen = rw < 0 ? errno : 0;
+			if (rw >= 0)
+				close(rw);
+			int e_chmod = fchmod(s.masters_fd, 0666) < 0 ? errno : 0;
+			void *w = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, s.masters_fd, 0);
+			int e_map = w == MAP_FAILED ? errno : 0;
+			if (w != MAP_FAILED)
+				munmap(w, len);
+			uint16_t junk = 0x7fc0;
+			int e_write = pwrite(s.masters_fd, &junk, 2, 0) < 0 ? errno : 0;
+			int e_trunc = ftruncate(s.masters_fd, 0) < 0 ? errno : 0;
+			int e_punch = fallocate(s.masters_fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, 4096) < 0 ? errno : 0;
+			int e_seal = fcntl(s.masters_fd, F_ADD_SEALS, F_SEAL_WRITE) < 0 ? errno : 0;
+			snprintf(res, sizeof(res), "reopen:%s chmod:%s map:%s write:%s truncate:%s punch:%s seal:%s",
+			         e_reopen ? strerrorname_np(e_reopen) : "ok", e_chmod ? strerrorname_np(e_chmod) : "ok",
+			         e_map ? strerrorname_np(e_map) : "ok", e_write ? strerrorname_np(e_write) : "ok",
+			         e_trunc ? strerrorname_np(e_trunc) : "ok", e_punch ? strerrorname_np(e_punch) : "ok",
+			         e_seal ? strerrorname_np(e_seal) : "ok");
+			aoqt_raw_close(&s);
+		}
+		say("masters %s", res);
+	}
 	hold_until_eof();
 	return 0;
 }
@@ -1395,6 +1433,9 @@ static void case_requests(const char *exe)
 	CHECK(strcmp(line, "tensorsteps INVALID") == 0, "requests: TensorSteps 2^64-1: '%s'", line);
 	att_line(&a, line, sizeof(line), 60000, "requests");
 	CHECK(strcmp(line, "twice BAD_RECORD") == 0, "requests: two final records of the same half: '%s'", line);
+	att_line(&a, line, sizeof(line), 60000, "requests");
+	CHECK(strncmp(line, "masters ", 8) == 0 && !strstr(line, "open-failed") && !strstr(line, ":ok"),
+	      "requests: another uid wrote its way into its masters memfd: '%s'", line);
 	char groups[32];
 	snprintf(groups, sizeof(groups), "--groups=%u", ADMIN_GID);
 	att_start(&adm, "observer", OTHER_UID, groups, NULL);

@@ -26,6 +26,10 @@
  *   nostore: the same kill under a supervisor that keeps no fd (a unit
  *         without FileDescriptorStoreMax=): the restart falls back to the
  *         periodic snapshots, as without systemd.
+ *   oldmasters (with q8): term, with the stored masters memfd replaced by
+ *         a copy sealed F_SEAL_FUTURE_WRITE, as an older aoqd stored them:
+ *         it cannot be trained in place, so it is copied into a new one
+ *         (the log says so) and the trainer resumes bit for bit.
  *   nomasters (with q8): SIGTERM mid-step with periodic snapshots, and the
  *         supervisor loses the stored masters memfd before the restart:
  *         the stop left the masters there (none in the state's memfd), so
@@ -57,9 +61,10 @@
  * master is then split (kernels/README.md, "The split master"), its high
  * half the parameter in a masters memfd, which the store keeps beside the
  * state's from the registration on (aoq-masters-<n>-0): left there at a
- * stop as after a kill (the journal's stop mark says so), read from the
- * stored masters memfd into the new masters memfd at the restart, which
- * then stores it in the old one's place.
+ * stop as after a kill (the journal's stop mark says so), sealed against
+ * resizing but not against writes, of mode 0400, and taken back at the
+ * restart as it is: the same memfd (its inode) holds the trained master
+ * at the end, no copy made.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -510,12 +515,13 @@ int main(int argc, char **argv)
 		return unit_main(mode);
 	if (strcmp(mode, "flood") == 0)
 		return flood_main();
-	bool nomasters = strcmp(mode, "nomasters") == 0;
-	bool term = strcmp(mode, "term") == 0, nostore = strcmp(mode, "nostore") == 0;
+	bool nomasters = strcmp(mode, "nomasters") == 0, oldmasters = strcmp(mode, "oldmasters") == 0;
+	bool term = strcmp(mode, "term") == 0 || oldmasters, nostore = strcmp(mode, "nostore") == 0;
 	bool sigterm = term || nomasters, snapshots = !term, from_snapshot = nostore || nomasters;
-	CHECK(term || nostore || nomasters || strcmp(mode, "kill") == 0, "mode '%s': term, kill, nostore or nomasters",
+	CHECK(term || nostore || nomasters || strcmp(mode, "kill") == 0,
+	      "mode '%s': term, kill, nostore, nomasters or oldmasters", mode);
+	CHECK((!nomasters && !oldmasters) || precision == AOQ_STATE_Q8, "%s needs q8 (a master that is a parameter)",
 	      mode);
-	CHECK(!nomasters || precision == AOQ_STATE_Q8, "nomasters needs q8 (a master that is a parameter)");
 
 	struct sup s;
 	sup_init(&s, snapshots, NULL);
@@ -596,6 +602,27 @@ int main(int argc, char **argv)
 	}
 	if (term)
 		CHECK(strstr(log, "kept in the fd store"), "no 'kept in the fd store' in the log");
+	/* the stored masters memfd: resizing sealed, writes not (the next
+	 * aoqd trains it in place), readable by aoqd's uid alone */
+	ino_t masters_ino = 0;
+	int mi = -1;
+	if (nmasters && !nostore) {
+		CHECK(stored(&s, "aoq-masters-", &mi) == 1, "no stored masters memfd");
+		struct stat sb;
+		int seals = fcntl(s.stored_fd[mi], F_GET_SEALS);
+		CHECK(fstat(s.stored_fd[mi], &sb) == 0 && (sb.st_mode & 07777) == 0400, "stored masters of mode %o",
+		      (unsigned)(sb.st_mode & 07777));
+		CHECK(seals == (F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL), "stored masters sealed %#x", (unsigned)seals);
+		masters_ino = sb.st_ino;
+	}
+	if (oldmasters) {
+		/* as an older aoqd stored them: sealed against writes too */
+		int old = sealed_copy(s.stored_fd[mi], 0, -1, false);
+		CHECK(fcntl(old, F_ADD_SEALS, F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL) == 0,
+		      "seal: %s", strerror(errno));
+		close(s.stored_fd[mi]);
+		s.stored_fd[mi] = old;
+	}
 	/* The trainer sees its daemon gone. */
 	gone(&run);
 
@@ -652,6 +679,10 @@ int main(int argc, char **argv)
 			CHECK(strstr(log, reasons[i]), "no '%s' among the refusals:\n%s", reasons[i], log);
 		CHECK(strstr(log, "taken back from the fd store"), "the stored state was not taken back:\n%s", log);
 		CHECK(strstr(log, "mapped in place"), "the stored state was not mapped in place:\n%s", log);
+		if (nmasters)
+			CHECK(strstr(log, oldmasters ? "its masters: 0 stored memfd(s) in place, 1 copied"
+			                             : "its masters: 1 stored memfd(s) in place, 0 copied"),
+			      "the stored masters were not %s:\n%s", oldmasters ? "copied" : "taken in place", log);
 		/* the hostile fds left the store; the state's memfd stays, now the
 		 * live state's, its header cleared */
 		if (nmasters)
@@ -666,6 +697,8 @@ int main(int argc, char **argv)
 		/* the killed aoqd's state: its journal replayed, mapped in place */
 		CHECK(strstr(log, "journal replayed") && strstr(log, "taken back from the fd store"),
 		      "the killed aoqd's state was not taken back:\n%s", log);
+		CHECK(!nmasters || strstr(log, "its masters: 1 stored memfd(s) in place, 0 copied"),
+		      "the stored masters were not taken in place:\n%s", log);
 		CHECK(!strstr(log, "refused"), "a refusal:\n%s", log);
 		CHECK(s.removes - removes == nmasters && s.nstored == 1 + nmasters && stored(&s, "aoq-state-", &si) == 1 &&
 		      strcmp(s.stored_name[si], stored_name) == 0, "%d FDSTOREREMOVE (the old masters: %d); %d stored",
@@ -701,6 +734,19 @@ int main(int argc, char **argv)
 		CHECK(pread(s.stored_fd[si], m, mb, (off_t)data_off) == (ssize_t)mb, "pread");
 		CHECK(memcmp(m, at[STEPS].v[0][1], mb) == 0, "the live state is not the stored memfd's");
 		free(m);
+		if (nmasters) {
+			/* the bf16 tensor's parameter, the masters' first bytes:
+			 * trained in the stored memfd itself, unless it had to
+			 * be copied (oldmasters) */
+			struct stat sb;
+			uint16_t p[64];
+			size_t pb = sizes[2] * 2;
+			CHECK(stored(&s, "aoq-masters-", &mi) == 1 && fstat(s.stored_fd[mi], &sb) == 0, "no stored masters");
+			CHECK((sb.st_ino == masters_ino) == !oldmasters, "the stored masters memfd is %s one",
+			      sb.st_ino == masters_ino ? "the old" : "a new");
+			CHECK(pb <= sizeof(p) && pread(s.stored_fd[mi], p, pb, 0) == (ssize_t)pb, "pread");
+			CHECK(memcmp(p, at[STEPS].v[2][0], pb) == 0, "the live masters are not the stored memfd's");
+		}
 	}
 	trainer_free(&run);
 	for (int k = 0; k <= STEPS; k++)
