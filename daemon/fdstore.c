@@ -4,7 +4,7 @@
  * file-descriptor store (fdstore.h; docs/design.md, "The fd store").
  *
  * Under systemd with the fd store, a session's state lives in one memfd
- * from its allocation on (state.c, aoqd_state_set_memfd), stored as
+ * from its allocation on (statemem.c, aoqd_state_set_memfd), stored as
  * `aoq-state-<n>` and removed when the state ends.  The stored form is
  * that memfd as a stopping aoqd leaves it (little-endian, this host's
  * byte order; aoqd writes and reads it on one host):
@@ -886,7 +886,7 @@ int aoqd_fdstore_adopt(struct aoqd_server *srv)
 		int mfds[AOQ_MASTER_MEMFDS];
 		uint32_t nm = used ? masters_of(k->name, mfds, used) : 0;
 		/* Taken, the memfd is the state's, and stays in the store under
-		 * its name (state.c removes it when the state ends); refused, it
+		 * its name (statemem.c removes it when the state ends); refused, it
 		 * leaves the store.  Its stored masters leave the store either
 		 * way: a state taken back has new ones, stored below. */
 		int r = aoqd_fdstore_decode_masters(k->fd, k->name, mfds, nm,

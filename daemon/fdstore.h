@@ -3,7 +3,7 @@
  * A restart that loses no step (docs/design.md, "The fd store"): under
  * systemd (NOTIFY_SOCKET set) with a lease, every session's state lives in
  * a memfd that systemd's file-descriptor store holds from its allocation
- * (state.c: FDSTORE=1, FDNAME=aoq-state-<n>) to its end (FDSTOREREMOVE=1).
+ * (statemem.c: FDSTORE=1, FDNAME=aoq-state-<n>) to its end (FDSTOREREMOVE=1).
  * A registered state's memfd holds its descriptor and a journal that
  * makes it whole at every instant; at a stop every trainer's state is
  * rolled back in place to its last completed step.  The next aoqd, after a

@@ -7,7 +7,7 @@
  * is made, counts the descriptions (IN_OPEN: a reopen through
  * /proc/PID/fd; IN_CLOSE: the last reference of one, fd or mapping, gone).
  * Any thread, but aoqd_held_poll (loop thread).  A masters memfd a restart
- * took back from the fd store (state.c) is watched from then on:
+ * took back from the fd store (statemem.c) is watched from then on:
  * descriptions opened before (the trainers of the aoqd before had them)
  * are not counted, so one a client keeps open past its session after a
  * restart is not charged; each restart can leave at most one such memfd

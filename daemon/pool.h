@@ -64,7 +64,7 @@ unsigned aoqd_pool_threads(const struct aoqd_pool *p);
 /* Runs fn(args + k * size) for k < n, each on a thread of its own, the
  * first on this one (16 at most), and waits for them; a thread that cannot
  * start leaves its part to this one.  For the one-off copies of a start or
- * stop, outside the pool (fdstore.c, state.c). */
+ * stop, outside the pool (fdstore.c, statemem.c). */
 void aoqd_threads_run(void *(*fn)(void *), void *args, size_t size, unsigned n);
 /* Starts fn(arg) on a detached thread of its own, outside the pool (a
  * large registration's build, a dead trainer's rollback): 0, or the

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * A new state's memory faulted in on the worker pool (populate.c), ahead
- * of its first use: the state is mapped unpopulated (state.c, lock_state),
+ * of its first use: the state is mapped unpopulated (statemem.c, lock_state),
  * so without this each LoadState waits for the kernel to zero the master's
  * fresh pages, and the first step for the moments'.
  */

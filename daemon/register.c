@@ -146,7 +146,7 @@ static int charge_state(struct aoqd_session *s, struct aoqd_error *err)
 		uint64_t off[AOQD_STATE_ARRAYS];
 		uint64_t len = aoqd_state_tensor_len(st, &st->tensors[i], off);
 		/* the undo copy of a session that may be leased, on its own
-		 * pages (state.c, aoqd_state_alloc) */
+		 * pages (statemem.c, aoqd_state_alloc) */
 		uint64_t pages = st->undo ? 2 * aoqd_page_round(len) : aoqd_page_round(len);
 		if (st->undo)
 			len *= 2;

@@ -4,7 +4,7 @@
  * have one owner (docs/design.md, "Where things live"):
  *
  *   conn    the control connection                  conn.c
- *   st      the optimizer state                     state.c (register.c fills it)
+ *   st      the optimizer state                     state.c, statemem.c (register.c fills it)
  *   arena   the shared memory, rings, doorbells     arena.c
  *   steps   steps and transfers in flight           steps.c, dataplane.c, transfer.c
  *   stats   counters and histograms                 stats.c

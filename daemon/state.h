@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The optimizer state of a session (state.c): groups and their
+ * The optimizer state of a session (state.c; its memory statemem.c): groups and their
  * hyperparameters, tensors and their state arrays, the registration's
  * choices.  It knows nothing of connections, arenas or steps in flight, so
  * that it can outlive a connection or serve several (docs/design.md,
@@ -292,6 +292,9 @@ int aoqd_state_masters_check(struct aoqd_state *st, const int *fds, uint32_t n, 
 uint64_t aoqd_state_memfd_layout(const struct aoqd_state *st, uint64_t *off);
 /* The journal of st's tables: its save log's entries, its length; the
  * data's offset in the memfd (the header page, the journal's pages). */
+/* Threads of the copies a restart makes (the undo ranges a rollback or a
+ * journal copies back, the stored masters). */
+#define AOQD_UNSAVE_THREADS 8u
 uint32_t aoqd_journal_cap(const struct aoqd_state *st);
 uint64_t aoqd_journal_len(const struct aoqd_state *st);
 uint64_t aoqd_state_memfd_data_off(const struct aoqd_state *st);
