@@ -102,23 +102,30 @@ void aoqd_lease_settle(struct aoqd_session *s)
 	aoqd_debug("session", "session %" PRIu64 ": lease settled at step %" PRIu64, s->id, s->st.last_step);
 }
 
+struct settle_all {
+	struct aoqd_server *srv;
+	bool all;
+};
+
+/* One pass over the leases: settled where they can be; true when no
+ * rollback is under way. */
+static bool settled_all(void *arg)
+{
+	const struct settle_all *a = arg;
+	bool busy = false;
+	for (struct aoqd_session *s = a->srv->sessions; s; s = s->next) {
+		if (a->all || s->rolling_back)
+			aoqd_lease_settle(s);
+		busy |= s->state == AOQD_LEASED && s->rolling_back;
+	}
+	return !busy;
+}
+
 void aoqd_leases_settle_all(struct aoqd_server *srv, bool all)
 {
-	for (int waited = 0;; waited++) {
-		bool busy = false;
-		for (struct aoqd_session *s = srv->sessions; s; s = s->next) {
-			if (all || s->rolling_back)
-				aoqd_lease_settle(s);
-			busy |= s->state == AOQD_LEASED && s->rolling_back;
-		}
-		if (!busy)
-			return;
-		if (waited == 60000) {
-			aoqd_warn("session", "a leased state's rollback has not ended within 60 s");
-			return;
-		}
-		usleep(1000);
-	}
+	struct settle_all a = { srv, all };
+	if (!aoqd_poll_until(settled_all, &a, 60000))
+		aoqd_warn("session", "a leased state's rollback has not ended within 60 s");
 }
 
 /* Ends a leased session for good: its memory and quota go back. */

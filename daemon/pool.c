@@ -481,13 +481,24 @@ void aoqd_release_start(struct aoqd_release *r)
 	}
 }
 
-void aoqd_release_wait(void)
+bool aoqd_poll_until(bool (*done)(void *), void *arg, unsigned ms)
 {
-	for (int waited = 0; atomic_load_explicit(&releasing, memory_order_acquire) > 0; waited++) {
-		if (waited == 60000) {
-			aoqd_warn("pool", "memory still being let go after 60 s");
-			return;
-		}
+	for (unsigned waited = 0; !done(arg); waited++) {
+		if (waited == ms)
+			return false;
 		usleep(1000);
 	}
+	return true;
+}
+
+static bool released(void *arg)
+{
+	(void)arg;
+	return atomic_load_explicit(&releasing, memory_order_acquire) == 0;
+}
+
+void aoqd_release_wait(void)
+{
+	if (!aoqd_poll_until(released, NULL, 60000))
+		aoqd_warn("pool", "memory still being let go after 60 s");
 }

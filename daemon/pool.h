@@ -70,6 +70,9 @@ void aoqd_threads_run(void *(*fn)(void *), void *args, size_t size, unsigned n);
  * large registration's build, a dead trainer's rollback): 0, or the
  * error pthread gave (nothing started). */
 int aoqd_thread_detached(void *(*fn)(void *), void *arg);
+/* Asks done(arg) every millisecond until it says true (true), or for `ms`
+ * milliseconds at most (false): a stop waiting for detached threads. */
+bool aoqd_poll_until(bool (*done)(void *), void *arg, unsigned ms);
 
 /*
  * Mappings to unmap and fds to close on a thread of its own: freeing the
