@@ -9,8 +9,9 @@
  * that memfd as a stopping aoqd leaves it (little-endian, this host's
  * byte order; aoqd writes and reads it on one host):
  *
- *   0     "AOQFDST2"          magic (zeros: no stop wrote it)
- *   8     u32 version (2)
+ *   0     "AOQFDST3"          magic (zeros: no stop wrote it)
+ *   8     u32 version (3: a master that is the parameter puts its slot at
+ *                             its phase modulo 2 MiB; 2 did not)
  *   12    u32 crc             CRC-32 of bytes [16, 64) and the descriptor
  *   16    u64 data_off        4096 + the journal's pages (aoqd_state_memfd_data_off)
  *   24    u64 data_len        the tensors' slots (aoqd_state_memfd_layout)
@@ -86,8 +87,8 @@
 #error "the stored form is little-endian"
 #endif
 
-#define MAGIC "AOQFDST2"
-#define VERSION 2u
+#define MAGIC "AOQFDST3"
+#define VERSION 3u
 #define HEAD 64u
 /* The descriptor of 2^24 tensors with 4 KiB names is 64 GiB; no aoqd
  * writes more than this (max_tensors is at most 2^24, names are short). */

@@ -286,10 +286,12 @@ int aoqd_state_masters_reopen(const struct aoqd_state *st, uint32_t k);
  * 0, or -EBADFD with the reason in why. */
 int aoqd_state_masters_check(struct aoqd_state *st, const int *fds, uint32_t n, char *why, size_t wlen);
 /* The bytes of st's memfd slots (every tensor's arrays and undo room,
- * each on pages of its own), with each tensor's offset from the data's in
- * off[] (NULL: not wanted); UINT64_MAX when the sum overflows.  The tables
- * (groups, tensors) must be valid. */
-uint64_t aoqd_state_memfd_layout(const struct aoqd_state *st, uint64_t *off);
+ * each on pages of its own; a large master that is the parameter puts its
+ * slot at the phase modulo 2 MiB of its offset in its masters memfd, holes
+ * between), with each tensor's offset from the data's in off[] (NULL: not
+ * wanted); UINT64_MAX when the sum overflows.  The tables (groups,
+ * tensors) must be valid; lays out the masters (master_off). */
+uint64_t aoqd_state_memfd_layout(struct aoqd_state *st, uint64_t *off);
 /* The journal of st's tables: its save log's entries, its length; the
  * data's offset in the memfd (the header page, the journal's pages). */
 /* Threads of the copies a restart makes (the undo ranges a rollback or a

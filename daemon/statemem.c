@@ -113,6 +113,31 @@ static void *map_state(size_t len, int lock_memory, bool *locked, int *err)
 	return p;
 }
 
+/* A huge page: the unit in which a file's pages map by 2 MiB, where they
+ * are huge (shmem_enabled=advise and MADV_HUGEPAGE), only at addresses
+ * congruent to their file offset modulo it. */
+#define HUGE_PAGE (2u << 20)
+
+/* `len` bytes of address space (PROT_NONE, nothing behind them) at an
+ * address congruent to `phase` modulo HUGE_PAGE, for a file's pages at an
+ * offset of that phase to be mapped over (MAP_FIXED): a master that is the
+ * parameter lands at its masters memfd's offset, which the kernel's own
+ * choice of address would not follow.  NULL with *err on failure. */
+static uint8_t *reserve_at_phase(size_t len, uint64_t phase, int *err)
+{
+	size_t span = len + HUGE_PAGE;
+	uint8_t *r = mmap(NULL, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+	if (r == MAP_FAILED) {
+		*err = -errno;
+		return NULL;
+	}
+	size_t d = (size_t)((phase % HUGE_PAGE + HUGE_PAGE - (uintptr_t)r % HUGE_PAGE) % HUGE_PAGE);
+	if (d)
+		munmap(r, d);
+	munmap(r + d + len, span - d - len);
+	return r + d;
+}
+
 /* A tensor whose master is its parameter: `reserve` bytes of address space
  * (room for an undo copy, aoqd_state_add_undo), the masters memfd's pages
  * from moff over the first mlen bytes, private pages for the rest of
@@ -120,11 +145,9 @@ static void *map_state(size_t len, int lock_memory, bool *locked, int *err)
 static void *map_state_master(int fd, uint64_t moff, size_t mlen, size_t whole, size_t reserve, int lock_memory,
                               bool *locked, int *err)
 {
-	uint8_t *p = mmap(NULL, reserve, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-	if (p == MAP_FAILED) {
-		*err = -errno;
+	uint8_t *p = reserve_at_phase(reserve, moff, err);
+	if (!p)
 		return NULL;
-	}
 	if (mmap(p, mlen, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, (off_t)moff) == MAP_FAILED ||
 	    (whole > mlen &&
 	     mmap(p + mlen, whole - mlen, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) ==
@@ -369,15 +392,34 @@ uint64_t aoqd_state_memfd_data_off(const struct aoqd_state *st)
 	return AOQD_STATE_MEMFD_JOURNAL + aoqd_page_round(aoqd_journal_len(st));
 }
 
-uint64_t aoqd_state_memfd_layout(const struct aoqd_state *st, uint64_t *off)
+/* Where tensor x's slot starts, at pos or after it (holes between): a
+ * master that is the parameter, of a huge page or more, starts at the
+ * phase modulo HUGE_PAGE of its offset in its masters memfd, so that one
+ * address (reserve_at_phase) maps both the masters memfd's pages and the
+ * slot's by 2 MiB where they are huge.  The masters laid out
+ * (masters_layout). */
+static uint64_t slot_start(const struct aoqd_state *st, const struct aoqd_tensor *x, uint64_t pos, uint64_t doff)
 {
-	uint64_t pos = 0;
+	if (x->master_off == AOQ_NO_MASTER || x->numel * 2 < HUGE_PAGE)
+		return pos;
+	uint64_t local;
+	aoqd_state_masters_fd(st, x->master_off, &local, NULL);
+	return pos + (local % HUGE_PAGE + HUGE_PAGE - (doff + pos) % HUGE_PAGE) % HUGE_PAGE;
+}
+
+uint64_t aoqd_state_memfd_layout(struct aoqd_state *st, uint64_t *off)
+{
+	masters_layout(st);
+	uint64_t pos = 0, doff = aoqd_state_memfd_data_off(st);
 	for (uint32_t i = 0; i < st->ntensors; i++) {
 		uint64_t o[AOQD_STATE_ARRAYS];
 		uint64_t len = aoqd_state_tensor_len(st, &st->tensors[i], o);
+		if (len > (UINT64_MAX >> 2) || pos > (UINT64_MAX >> 2))
+			return UINT64_MAX;
+		pos = slot_start(st, &st->tensors[i], pos, doff);
 		if (off)
 			off[i] = pos;
-		if (len > (UINT64_MAX >> 2) || __builtin_add_overflow(pos, slot_len(len), &pos))
+		if (__builtin_add_overflow(pos, slot_len(len), &pos))
 			return UINT64_MAX;
 	}
 	return pos;
@@ -458,9 +500,14 @@ static void *map_state_memfd(struct aoqd_state *st, struct aoqd_tensor *x, size_
                              bool adopt, int lock_memory, bool *locked, int *err)
 {
 	off_t at = (off_t)(st->mem_data_off + x->mem_off);
-	uint8_t *p = mmap(NULL, reserve, PROT_READ | PROT_WRITE, MAP_SHARED, st->mem_fd, at);
-	if (p == MAP_FAILED) {
+	/* at the slot's phase, which the layout made its master's too
+	 * (slot_start) */
+	uint8_t *p = reserve_at_phase(reserve, (uint64_t)at, err);
+	if (!p)
+		return NULL;
+	if (mmap(p, reserve, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, st->mem_fd, at) == MAP_FAILED) {
 		*err = -errno;
+		munmap(p, reserve);
 		return NULL;
 	}
 	if (x->master_off != AOQ_NO_MASTER) {
@@ -613,7 +660,7 @@ static int alloc(struct aoqd_state *st, int fd, const char *name, int lock_memor
 		uint8_t *p;
 		if (st->memfd) {
 			x->in_memfd = true;
-			x->mem_off = pos;
+			x->mem_off = pos = slot_start(st, x, pos, st->mem_data_off);
 			pos += slot_len(len);
 			x->map_len = aoqd_page_round(len) + len;
 			p = map_state_memfd(st, x, off[1], whole, x->map_len, adopt, lock_memory, &locked, &err);

@@ -590,7 +590,7 @@ int main(int argc, char **argv)
 		      s.nstored, term ? "SIGTERM" : "SIGKILL", nmasters);
 		snprintf(stored_name, sizeof(stored_name), "%s", s.stored_name[si]);
 		uint8_t magic[8];
-		CHECK(pread(s.stored_fd[si], magic, 8, 0) == 8 && memcmp(magic, "AOQFDST2", 8) == 0,
+		CHECK(pread(s.stored_fd[si], magic, 8, 0) == 8 && memcmp(magic, "AOQFDST3", 8) == 0,
 		      "no stored-form header after %s", sigterm ? "SIGTERM" : "SIGKILL");
 		/* the journal's stop mark (daemon/state.h, struct aoqd_journal):
 		 * 0 after a kill; after a stop 1, or 2 when the masters that are

@@ -1,6 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * The fd store's stored form (daemon/fdstore.c) without a daemon:
+ *  - masters that are parameters land at addresses of their memfd
+ *    offsets' phase modulo 2 MiB, privately and in the store's memfd;
  *  - states allocated in memfds (aoqd_state_set_memfd), their descriptor
  *    written, then taken back in place: every array of the taken state is
  *    the written one's, byte for byte, and is the same memory (a write to
@@ -229,10 +231,65 @@ static void journal_state(struct aoqd_state *st, const char *job)
 	EXPECT(aoqd_fdstore_write(&key, st, false) == 0, "describe");
 }
 
+/* Masters that are parameters, of 2 MiB and more, at addresses congruent
+ * modulo 2 MiB to their offsets in their masters memfds (so that huge
+ * shmem pages can map them by 2 MiB), in private mappings and in the fd
+ * store's memfd, whose slots then start at the same phase. */
+static void masters_phase(bool memfd)
+{
+	const uint64_t huge = 2u << 20;
+	const uint64_t sizes[6] = { 1536u << 10, (3u << 20) + 7, 700000, (2u << 20) + 1000, 5u << 20, 1u << 20 };
+	struct aoqd_state st;
+	memset(&st, 0, sizeof(st));
+	st.precision = AOQ__STATE_PRECISION__STATE_Q8;
+	st.ngroups = 1;
+	st.groups = calloc(1, sizeof(*st.groups));
+	Aoq__Hyperparams h = AOQ__HYPERPARAMS__INIT;
+	h.lr = 1e-3;
+	h.beta1 = 0.9;
+	h.beta2 = 0.999;
+	h.eps = 1e-8;
+	aoqd_group_set(&st.groups[0], AOQ__OPTIMIZER_KIND__ADAMW, &h);
+	st.groups[0].moments = aoqd_group_moments(&st.groups[0]);
+	st.ntensors = 6;
+	st.tensors = calloc(6, sizeof(*st.tensors));
+	for (uint32_t i = 0; i < 6; i++) {
+		struct aoqd_tensor *t = &st.tensors[i];
+		t->name = strdup("w");
+		t->numel = sizes[i];
+		t->param_dtype = AOQK_BF16;
+		t->grad_dtype = AOQK_BF16;
+		st.parameters += t->numel;
+	}
+	aoqd_state_set_memfd(memfd);
+	uint64_t failed;
+	EXPECT(aoqd_state_alloc(&st, 0, &locked, &failed) == 0, "alloc");
+	EXPECT(st.memfd == memfd && st.masters_n >= 1, "memfd %d, %u masters memfds", st.memfd, st.masters_n);
+	int checked = 0;
+	for (uint32_t i = 0; i < 6; i++) {
+		const struct aoqd_tensor *t = &st.tensors[i];
+		uint64_t local;
+		if (t->master_off == AOQ_NO_MASTER || t->numel * 2 < huge)
+			continue;
+		aoqd_state_masters_fd(&st, t->master_off, &local, NULL);
+		EXPECT((uintptr_t)t->st.master % huge == local % huge,
+		       "%s: tensor %u's master at %#" PRIxPTR ", its memfd offset %#" PRIx64 ": another phase",
+		       memfd ? "memfd" : "private", i, (uintptr_t)t->st.master, local);
+		if (memfd)
+			EXPECT((st.mem_data_off + t->mem_off) % huge == local % huge, "tensor %u's slot at another phase", i);
+		checked++;
+	}
+	EXPECT(checked == 5, "%d masters of 2 MiB or more checked, want 5", checked);
+	aoqd_state_free(&st, &locked);
+	aoqd_state_set_memfd(true);
+}
+
 int main(void)
 {
 	rs = (uint64_t)getpid() * 0x100000001b3ull ^ (uint64_t)time(NULL);
 	printf("seed %" PRIu64 "\n", rs);
+	masters_phase(false);
+	masters_phase(true);
 	aoqd_state_set_memfd(true);
 	uint8_t *keep = NULL;
 	size_t keep_n = 0;
@@ -303,8 +360,11 @@ int main(void)
 	d[doff + 3] ^= 1;
 	expect_refused("descriptor byte", d, keep_n, false, "checksum mismatch");
 	memcpy(d, keep, keep_n);
-	d[8] = 3;
-	expect_refused("version", d, keep_n, false, "version 3");
+	d[8] = 4;
+	expect_refused("version", d, keep_n, false, "version 4");
+	/* an older aoqd's layout (its slots without the masters' phase) */
+	d[8] = 2;
+	expect_refused("older version", d, keep_n, false, "version 2");
 	memcpy(d, keep, keep_n);
 	d[0] = 'X';
 	expect_refused("magic", d, keep_n, false, "magic");
