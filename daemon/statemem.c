@@ -119,18 +119,21 @@ static void *map_state(size_t len, int lock_memory, bool *locked, int *err)
 #define HUGE_PAGE (2u << 20)
 
 /* `len` bytes of address space (PROT_NONE, nothing behind them) at an
- * address congruent to `phase` modulo HUGE_PAGE, for a file's pages at an
- * offset of that phase to be mapped over (MAP_FIXED): a master that is the
- * parameter lands at its masters memfd's offset, which the kernel's own
- * choice of address would not follow.  NULL with *err on failure. */
-static uint8_t *reserve_at_phase(size_t len, uint64_t phase, int *err)
+ * address congruent to `phase` modulo HUGE_PAGE when `phased`, for a
+ * file's pages at an offset of that phase to be mapped over (MAP_FIXED): a
+ * master that is the parameter lands at its masters memfd's offset, which
+ * the kernel's own choice of address would not follow.  NULL with *err on
+ * failure. */
+static uint8_t *reserve_at_phase(size_t len, uint64_t phase, bool phased, int *err)
 {
-	size_t span = len + HUGE_PAGE;
+	size_t span = len + (phased ? HUGE_PAGE : 0);
 	uint8_t *r = mmap(NULL, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
 	if (r == MAP_FAILED) {
 		*err = -errno;
 		return NULL;
 	}
+	if (!phased)
+		return r; /* one mmap for the many small tensors of a large model */
 	size_t d = (size_t)((phase % HUGE_PAGE + HUGE_PAGE - (uintptr_t)r % HUGE_PAGE) % HUGE_PAGE);
 	if (d)
 		munmap(r, d);
@@ -145,7 +148,8 @@ static uint8_t *reserve_at_phase(size_t len, uint64_t phase, int *err)
 static void *map_state_master(int fd, uint64_t moff, size_t mlen, size_t whole, size_t reserve, int lock_memory,
                               bool *locked, int *err)
 {
-	uint8_t *p = reserve_at_phase(reserve, moff, err);
+	/* a master smaller than a huge page has none: any address */
+	uint8_t *p = reserve_at_phase(reserve, mlen >= HUGE_PAGE ? moff : 0, mlen >= HUGE_PAGE, err);
 	if (!p)
 		return NULL;
 	if (mmap(p, mlen, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, (off_t)moff) == MAP_FAILED ||
@@ -500,14 +504,18 @@ static void *map_state_memfd(struct aoqd_state *st, struct aoqd_tensor *x, size_
                              bool adopt, int lock_memory, bool *locked, int *err)
 {
 	off_t at = (off_t)(st->mem_data_off + x->mem_off);
-	/* at the slot's phase, which the layout made its master's too
-	 * (slot_start) */
-	uint8_t *p = reserve_at_phase(reserve, (uint64_t)at, err);
-	if (!p)
+	/* a large master: at the slot's phase, which the layout made the
+	 * master's too (slot_start); else where the kernel puts a mapping of
+	 * the file (at the slot's phase where huge pages can be had) */
+	bool phased = x->master_off != AOQ_NO_MASTER && x->numel * 2 >= HUGE_PAGE;
+	uint8_t *r = phased ? reserve_at_phase(reserve, (uint64_t)at, true, err) : NULL;
+	if (phased && !r)
 		return NULL;
-	if (mmap(p, reserve, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, st->mem_fd, at) == MAP_FAILED) {
+	uint8_t *p = mmap(r, reserve, PROT_READ | PROT_WRITE, MAP_SHARED | (phased ? MAP_FIXED : 0), st->mem_fd, at);
+	if (p == MAP_FAILED) {
 		*err = -errno;
-		munmap(p, reserve);
+		if (r)
+			munmap(r, reserve);
 		return NULL;
 	}
 	if (x->master_off != AOQ_NO_MASTER) {
