@@ -396,6 +396,13 @@ uint64_t aoqd_state_memfd_data_off(const struct aoqd_state *st)
 	return AOQD_STATE_MEMFD_JOURNAL + aoqd_page_round(aoqd_journal_len(st));
 }
 
+/* Whether x's master is the parameter and at least a huge page: mapped at
+ * its memfd offset's phase (slot_start, map_state_memfd). */
+static bool master_phased(const struct aoqd_tensor *x)
+{
+	return x->master_off != AOQ_NO_MASTER && x->numel * 2 >= HUGE_PAGE;
+}
+
 /* Where tensor x's slot starts, at pos or after it (holes between): a
  * master that is the parameter, of a huge page or more, starts at the
  * phase modulo HUGE_PAGE of its offset in its masters memfd, so that one
@@ -404,7 +411,7 @@ uint64_t aoqd_state_memfd_data_off(const struct aoqd_state *st)
  * (masters_layout). */
 static uint64_t slot_start(const struct aoqd_state *st, const struct aoqd_tensor *x, uint64_t pos, uint64_t doff)
 {
-	if (x->master_off == AOQ_NO_MASTER || x->numel * 2 < HUGE_PAGE)
+	if (!master_phased(x))
 		return pos;
 	uint64_t local;
 	aoqd_state_masters_fd(st, x->master_off, &local, NULL);
@@ -507,7 +514,7 @@ static void *map_state_memfd(struct aoqd_state *st, struct aoqd_tensor *x, size_
 	/* a large master: at the slot's phase, which the layout made the
 	 * master's too (slot_start); else where the kernel puts a mapping of
 	 * the file (at the slot's phase where huge pages can be had) */
-	bool phased = x->master_off != AOQ_NO_MASTER && x->numel * 2 >= HUGE_PAGE;
+	bool phased = master_phased(x);
 	uint8_t *r = phased ? reserve_at_phase(reserve, (uint64_t)at, true, err) : NULL;
 	if (phased && !r)
 		return NULL;
