@@ -976,20 +976,13 @@ static int att_requests(void)
 			if (rw >= 0)
 				close(rw);
 			int e_chmod = fchmod(s.masters_fd, 0666) < 0 ? errno : 0;
-			void *w = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, s.masters_fd, 0);
-			int e_map = w == MAP_FAILED ? errno : 0;
-			if (w != MAP_FAILED)
-				munmap(w, len);
-			uint16_t junk = 0x7fc0;
-			int e_write = pwrite(s.masters_fd, &junk, 2, 0) < 0 ? errno : 0;
-			int e_trunc = ftruncate(s.masters_fd, 0) < 0 ? errno : 0;
-			int e_punch = fallocate(s.masters_fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, 4096) < 0 ? errno : 0;
-			int e_seal = fcntl(s.masters_fd, F_ADD_SEALS, F_SEAL_WRITE) < 0 ? errno : 0;
-			snprintf(res, sizeof(res), "reopen:%s chmod:%s map:%s write:%s truncate:%s punch:%s seal:%s",
-			         e_reopen ? strerrorname_np(e_reopen) : "ok", e_chmod ? strerrorname_np(e_chmod) : "ok",
-			         e_map ? strerrorname_np(e_map) : "ok", e_write ? strerrorname_np(e_write) : "ok",
-			         e_trunc ? strerrorname_np(e_trunc) : "ok", e_punch ? strerrorname_np(e_punch) : "ok",
-			         e_seal ? strerrorname_np(e_seal) : "ok");
+			int e[AOQT_MW_N];
+			aoqt_masters_write_attempts(s.masters_fd, len, e);
+			int n = snprintf(res, sizeof(res), "reopen:%s chmod:%s", e_reopen ? strerrorname_np(e_reopen) : "ok",
+			                 e_chmod ? strerrorname_np(e_chmod) : "ok");
+			for (int i = 0; i < AOQT_MW_N && n > 0 && (size_t)n < sizeof(res); i++)
+				n += snprintf(res + n, sizeof(res) - (size_t)n, " %s:%s", aoqt_mw_names[i],
+				              e[i] ? strerrorname_np(e[i]) : "ok");
 			aoqt_raw_close(&s);
 		}
 		say("masters %s", res);

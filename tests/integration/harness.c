@@ -840,6 +840,21 @@ int aoqt_raw_expect_close(int fd, int timeout_ms, char *msg, size_t msglen)
 static int raw_open(struct aoqt_raw *s, const char *path, const char *job, const uint64_t *numel, uint32_t n,
                     uint32_t world, uint32_t rank, bool bf16);
 
+const char *const aoqt_mw_names[AOQT_MW_N] = { "map", "write", "truncate", "punch", "seal" };
+
+void aoqt_masters_write_attempts(int fd, size_t len, int e[AOQT_MW_N])
+{
+	void *w = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	e[AOQT_MW_MAP] = w == MAP_FAILED ? errno : 0;
+	if (w != MAP_FAILED)
+		munmap(w, len);
+	uint16_t junk[8] = { 0x7fc0, 0x7fc0, 0x7fc0, 0x7fc0, 0x7fc0, 0x7fc0, 0x7fc0, 0x7fc0 };
+	e[AOQT_MW_WRITE] = pwrite(fd, junk, sizeof(junk), 0) < 0 ? errno : 0;
+	e[AOQT_MW_TRUNCATE] = ftruncate(fd, 0) < 0 ? errno : 0;
+	e[AOQT_MW_PUNCH] = fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, 4096) < 0 ? errno : 0;
+	e[AOQT_MW_SEAL] = fcntl(fd, F_ADD_SEALS, F_SEAL_WRITE) < 0 ? errno : 0;
+}
+
 int aoqt_raw_open(struct aoqt_raw *s, const char *path, const char *job, const uint64_t *numel, uint32_t n)
 {
 	return raw_open(s, path, job, numel, n, 0, 0, false);

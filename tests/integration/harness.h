@@ -300,6 +300,13 @@ int aoqt_raw_open_group(struct aoqt_raw *s, const char *path, const char *job, c
  * daemon sends the masters memfd too (s->masters_fd; the first of a large model's). */
 int aoqt_raw_open_bf16(struct aoqt_raw *s, const char *path, const char *job, const uint64_t *numel, uint32_t n);
 void aoqt_raw_close(struct aoqt_raw *s);
+/* Every way a holder of a masters memfd's description might write it: a
+ * writable shared mapping, write(2), a shrink, a punched hole, a write
+ * seal.  e[i] is each attempt's errno, 0 where it succeeded (the first
+ * 4 KiB may then be changed). */
+enum { AOQT_MW_MAP, AOQT_MW_WRITE, AOQT_MW_TRUNCATE, AOQT_MW_PUNCH, AOQT_MW_SEAL, AOQT_MW_N };
+extern const char *const aoqt_mw_names[AOQT_MW_N];
+void aoqt_masters_write_attempts(int fd, size_t len, int e[AOQT_MW_N]);
 /* Pushes one record and rings the doorbell. */
 int aoqt_raw_push(struct aoqt_raw *s, const struct aoq_rec *rec);
 /* Waits for a daemon->client record (poll on the doorbell). 1, 0 timeout,
