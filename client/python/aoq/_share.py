@@ -131,12 +131,17 @@ def _first_ranks(dist, chosen, slots):
 def _auto_choice(numels, costs, late, cap, margin=1.1):
     """gpu_state_budget="auto": indices (into push order) of the parameters
     to keep on the device: the parameters pushed last first, until they hold
-    margin x late parameters or the next one's state (costs, bytes) does not
-    fit in cap bytes."""
+    margin x late parameters; one whose state (costs, bytes) does not fit in
+    what is left of cap bytes is passed over for those pushed before it (a
+    large embedding pushed last must not keep the first layers, which fit,
+    on the host: every parameter moved is host work the step no longer
+    waits for)."""
     need, got, used, chosen = late * margin, 0, 0, []
     for i in reversed(range(len(numels))):
-        if got >= need or used + costs[i] > cap:
+        if got >= need:
             break
+        if used + costs[i] > cap:
+            continue
         chosen.append(i)
         got += numels[i]
         used += costs[i]

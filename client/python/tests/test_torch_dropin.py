@@ -753,6 +753,10 @@ def case_gpu_share():
     assert sh._auto_choice([10, 10, 10, 10], [80] * 4, 20, float("inf")) == [3, 2, 1]
     assert sh._auto_choice([10, 10, 10, 10], [80] * 4, 20, 200) == [3, 2]
     assert sh._auto_choice([10, 10, 10, 10], [80] * 4, 0, float("inf")) == []
+    # the last pushed does not fit: the ones before it still move, in push order back
+    assert sh._auto_choice([10, 10, 10, 40], [80, 80, 80, 320], 100, 200) == [2, 1]
+    assert sh._auto_choice([10, 40, 10, 10], [80, 320, 80, 80], 100, 250) == [3, 2, 0]
+    assert sh._auto_choice([40, 10, 10, 10], [320, 80, 80, 80], 15, 200) == [3, 2]
     # how many are late: the tail's share without a window (B0 = B)...
     assert sh._auto_late(1000, 0.3, 0.1) == (250, 0.3)
     assert sh._auto_late(1000, 0.3, 0.0005) == (0, 0.3)
