@@ -302,8 +302,8 @@ int aoqt_raw_open_bf16(struct aoqt_raw *s, const char *path, const char *job, co
 void aoqt_raw_close(struct aoqt_raw *s);
 /* Every way a holder of a masters memfd's description might write it: a
  * writable shared mapping, write(2), a shrink, a punched hole, a write
- * seal.  e[i] is each attempt's errno, 0 where it succeeded (the first
- * 4 KiB may then be changed). */
+ * seal.  e[i] is each attempt's errno, 0 where it succeeded (the memfd
+ * may then have changed: its first bytes, a hole, its size). */
 enum { AOQT_MW_MAP, AOQT_MW_WRITE, AOQT_MW_TRUNCATE, AOQT_MW_PUNCH, AOQT_MW_SEAL, AOQT_MW_N };
 extern const char *const aoqt_mw_names[AOQT_MW_N];
 void aoqt_masters_write_attempts(int fd, size_t len, int e[AOQT_MW_N]);

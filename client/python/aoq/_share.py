@@ -39,6 +39,7 @@ DEFAULT_SHARE = 0.015
 _AUTO_PROBE_STEP = 3      # "auto" measures the third step: the first learns the pushes, the second streams
 _AUTO_ROUNDS = 3          # "auto" probes at most this often, two steps apart (the step after a move settles)
 _AUTO_MIN_LATE = 0.01     # ...and again only while more than this share of the offloaded parameters was late
+_AUTO_MIN_PASSED = 1 << 20  # past a tensor too large for the cap, smaller ones stay on the host (_auto_choice)
 _AUTO_LATE_S = 1e-3       # a tail shorter than this is none
 
 
@@ -135,12 +136,18 @@ def _auto_choice(numels, costs, late, cap, margin=1.1):
     what is left of cap bytes is passed over for those pushed before it (a
     large embedding pushed last must not keep the first layers, which fit,
     on the host: every parameter moved is host work the step no longer
-    waits for)."""
-    need, got, used, chosen = late * margin, 0, 0, []
+    waits for).  Past such a gap only tensors of _AUTO_MIN_PASSED elements
+    or more move: there a small one (a layer norm) no longer shortens the
+    step's tail, and its host update costs less than its own step on the
+    device's side (a Python loop turn and kernel launches per tensor)."""
+    need, got, used, chosen, gap = late * margin, 0, 0, [], False
     for i in reversed(range(len(numels))):
         if got >= need:
             break
         if used + costs[i] > cap:
+            gap = True
+            continue
+        if gap and numels[i] < _AUTO_MIN_PASSED:
             continue
         chosen.append(i)
         got += numels[i]

@@ -754,9 +754,13 @@ def case_gpu_share():
     assert sh._auto_choice([10, 10, 10, 10], [80] * 4, 20, 200) == [3, 2]
     assert sh._auto_choice([10, 10, 10, 10], [80] * 4, 0, float("inf")) == []
     # the last pushed does not fit: the ones before it still move, in push order back
-    assert sh._auto_choice([10, 10, 10, 40], [80, 80, 80, 320], 100, 200) == [2, 1]
-    assert sh._auto_choice([10, 40, 10, 10], [80, 320, 80, 80], 100, 250) == [3, 2, 0]
-    assert sh._auto_choice([40, 10, 10, 10], [320, 80, 80, 80], 15, 200) == [3, 2]
+    # (M elements each: past such a gap only tensors of _AUTO_MIN_PASSED or more move)
+    M = sh._AUTO_MIN_PASSED
+    assert sh._auto_choice([10 * M, 10 * M, 10 * M, 40 * M], [80, 80, 80, 320], 100 * M, 200) == [2, 1]
+    assert sh._auto_choice([10 * M, 40 * M, 10 * M, 10 * M], [80, 320, 80, 80], 100 * M, 250) == [3, 2, 0]
+    assert sh._auto_choice([40 * M, 10 * M, 10 * M, 10 * M], [320, 80, 80, 80], 15 * M, 200) == [3, 2]
+    # ...and a small one before the gap moves, one past it stays
+    assert sh._auto_choice([M, M - 1, 40 * M, 10, M], [8, 8, 320, 8, 8], 100 * M, 200) == [4, 3, 0]
     # how many are late: the tail's share without a window (B0 = B)...
     assert sh._auto_late(1000, 0.3, 0.1) == (250, 0.3)
     assert sh._auto_late(1000, 0.3, 0.0005) == (0, 0.3)
