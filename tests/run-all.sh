@@ -11,8 +11,9 @@
 #                  (AOQ_ASAN_KERNELS), with ASan only (kernels/meson.build)
 #   build          again, `meson test --setup valgrind --suite unit`
 #   build-minimal  every optional feature off (cuda, level_zero, systemd),
-#                  every suite but python and kernels (which no optional
-#                  feature reaches); its kernels plain C only, as in
+#                  the suites their absence reaches (unit, faults, ops,
+#                  layers, with the demo and a group's restart; the phase
+#                  says why); its kernels plain C only, as in
 #                  build-fuzz and build-tsan (AOQ_SIDE_KERNELS)
 #   build-fuzz     clang, -Dfuzz=true, address+undefined: the libFuzzer
 #                  targets of tests/fuzz replay their seed corpus (suite
@@ -32,7 +33,7 @@
 # Environment:
 #   AOQ_PHASES   which phases to run (default "main asan valgrind minimal
 #                fuzz tsan")
-#   AOQ_FUZZ_SECONDS  how long the fuzz phase fuzzes (default 60): the
+#   AOQ_FUZZ_SECONDS  how long the fuzz phase fuzzes (default 40): the
 #                session target for 1.5x that, the frame target for 0.5x
 #                and then the ring target for 1x, the two lines at once
 #   AOQ_FUZZ_KEEP     a directory: the fuzz phase leaves there the inputs it
@@ -235,10 +236,21 @@ for phase in $phases; do
 	minimal)
 		if build minimal build-minimal -Dcuda=disabled -Dlevel_zero=disabled \
 			-Dsystemd=disabled "${side_kernels[@]}" "${werror_arg[@]}" "${python_arg[@]}"; then
-			# The python suite, the kernels and the loop's stall tests
-			# run the same code as in main (no optional feature reaches
-			# them): not run twice.
-			run_tests minimal build-minimal --no-suite python --no-suite kernels --no-suite stall
+			# What the optional features reach: libsystemd's calls
+			# (daemon/server.c, fdstore.c, statemem.c: notify, the
+			# watchdog, socket activation, the fd store; the states are
+			# memfds only under systemd's NOTIFY_SOCKET, which no test
+			# but the fd store's sets) and the GPU backends (client/,
+			# the stub without them).  So the suites where their absence
+			# shows: unit, faults (a restart then restores the
+			# snapshots), ops (the units built without libsystemd, the
+			# README's install and quick start, the demo's errors for a
+			# missing backend) and layers, with the demo and a replica
+			# group's restart.  The other integration and hostile
+			# tests, the python suite, the kernels and the loop's stall
+			# tests run the same code as in main: not run twice.
+			run_tests minimal build-minimal --suite unit --suite faults --suite ops --suite layers
+			run_tests minimal-demo build-minimal --no-rebuild demo integration-shared-restart
 		fi
 		;;
 	fuzz)
@@ -251,7 +263,7 @@ for phase in $phases; do
 			-Dsystemd=disabled "${side_kernels[@]}"; then
 			# The seeds and the crashes found before must pass.
 			run_tests fuzz-corpus build-fuzz --no-rebuild --suite fuzz
-			secs=${AOQ_FUZZ_SECONDS:-60}
+			secs=${AOQ_FUZZ_SECONDS:-40}
 			log "fuzz: fuzzing for about $((secs * 3 / 2)) s, two targets at a time"
 			fuzz_run session $((secs * 3 / 2)) &
 			pid_session=$!
