@@ -211,60 +211,79 @@ static int roundtrip(const char *aoqd)
 	const char *names[] = { "fp32", "bf16", "q8", "bf16_all", "q4", "bf16_q4" };
 	char path[4096];
 	uint64_t step;
+	/* Asked between steps, a capture with a lease waits for the next
+	 * step's undo swap, and copies the state once the session stayed idle
+	 * for 2-3 s (aoqd_snapshot_tick): the six are asked at once so that
+	 * they wait side by side. */
+	struct trainer tp[6];
+	int fds[6];
 	for (int p = 0; p < 6; p++) {
-		struct trainer t;
 		char job[64];
 		snprintf(job, sizeof(job), "snap-%s", names[p]);
-		trainer_open(&t, d.socket, job, precs[p]);
-		train(&t, 4);
-		int r = aoqt_snapshot(d.socket, t.id, path, sizeof(path), &step);
+		trainer_open(&tp[p], d.socket, job, precs[p]);
+		train(&tp[p], 4);
+	}
+	for (int p = 0; p < 6; p++)
+		fds[p] = aoqt_snapshot_ask(d.socket, tp[p].id);
+	for (int p = 0; p < 6; p++) {
+		int r = aoqt_snapshot_wait(fds[p], path, sizeof(path), &step);
 		CHECK(r == 0, "%s: snapshot refused: %s", names[p], path);
 		CHECK(strncmp(path, sd, strlen(sd)) == 0, "%s: snapshot at %s, not in %s", names[p], path, sd);
-		check_file(&t, path, 4, names[p]);
-		if (p == 0) {
-			/* mid-step: one gradient of step 5 is in, no StepEnd yet */
-			t.step++;
-			fill(&t, NT - 1);
-			CHECK_OK(aoq_push_grad(t.c, NT - 1, 0, NULL));
-			CHECK_OK(aoq_sync_param(t.c, NT - 1));
-			int fd = aoqt_snapshot_ask(d.socket, t.id);
-			for (int i = NT - 2; i >= 0; i--) {
-				fill(&t, i);
-				CHECK_OK(aoq_push_grad(t.c, (uint32_t)i, 0, NULL));
-			}
-			CHECK_OK(aoq_step_end(t.c));
-			struct aoq_step_result res = AOQ_STEP_RESULT_INIT;
-			CHECK_OK(aoq_sync(t.c, &res));
-			CHECK(aoqt_snapshot_wait(fd, path, sizeof(path), &step) == 0, "mid-step snapshot refused: %s", path);
-			check_file(&t, path, 5, "mid-step");
-			/* the next step's updates waited for nothing they need */
-			train(&t, 3);
-			CHECK(aoqt_snapshot(d.socket, t.id, path, sizeof(path), &step) == 0 && step == 8, "after: %s", path);
-			check_file(&t, path, 8, "after more steps");
-		}
-		trainer_close(&t);
+		check_file(&tp[p], path, 4, names[p]);
 	}
+	{
+		struct trainer *t = &tp[0];
+		/* mid-step: one gradient of step 5 is in, no StepEnd yet */
+		t->step++;
+		fill(t, NT - 1);
+		CHECK_OK(aoq_push_grad(t->c, NT - 1, 0, NULL));
+		CHECK_OK(aoq_sync_param(t->c, NT - 1));
+		int fd = aoqt_snapshot_ask(d.socket, t->id);
+		for (int i = NT - 2; i >= 0; i--) {
+			fill(t, i);
+			CHECK_OK(aoq_push_grad(t->c, (uint32_t)i, 0, NULL));
+		}
+		CHECK_OK(aoq_step_end(t->c));
+		struct aoq_step_result res = AOQ_STEP_RESULT_INIT;
+		CHECK_OK(aoq_sync(t->c, &res));
+		CHECK(aoqt_snapshot_wait(fd, path, sizeof(path), &step) == 0, "mid-step snapshot refused: %s", path);
+		check_file(t, path, 5, "mid-step");
+		/* the next step's updates waited for nothing they need */
+		train(t, 3);
+		CHECK(aoqt_snapshot(d.socket, t->id, path, sizeof(path), &step) == 0 && step == 8, "after: %s", path);
+		check_file(t, path, 8, "after more steps");
+	}
+	for (int p = 0; p < 6; p++)
+		trainer_close(&tp[p]);
 	/* Overlap: the snapshot is asked between steps and the trainer goes
 	 * on at once.  With a lease (rounds 0-3) the step after the boundary
 	 * ends with the undo swap (snapshot.c); in round 3 that step skips
 	 * tensor 2, whose state the swap copies from the live state.  Without
 	 * (rounds 4-6) the updates meet the block copies (the writer's or the
 	 * workers' own, snapshot.h's guard).  The file is the state at the
-	 * boundary either way. */
+	 * boundary either way.  Each round is a session of its own, all open
+	 * at once: the first snapshots of rounds 0-3 wait side by side. */
 	numel[0] = 3u << 20;
 	numel[1] = 1u << 20;
+	struct trainer tr[7];
 	for (int round = 0; round < 7; round++) {
-		struct trainer t;
+		char job[64];
+		snprintf(job, sizeof(job), "snap-overlap-%d", round);
 		no_lease = round >= 4;
-		trainer_open(&t, d.socket, "snap-overlap", AOQ_STATE_FP32);
+		trainer_open(&tr[round], d.socket, job, AOQ_STATE_FP32);
 		no_lease = false;
-		train(&t, 1);
-		/* A session's first undo swap touches its spares before the
-		 * capture is armed (aoqd_snapshot_prepare); asked while the
-		 * trainer waits, it is still the state of the step asked at.
-		 * The overlap below is then the swap with its spares. */
-		if (round < 4)
-			CHECK(aoqt_snapshot(d.socket, t.id, path, sizeof(path), &step) == 0 && step == 1, "first: %s", path);
+		train(&tr[round], 1);
+	}
+	/* A session's first undo swap touches its spares before the capture
+	 * is armed (aoqd_snapshot_prepare); asked while the trainer waits, it
+	 * is still the state of the step asked at.  The overlap below is then
+	 * the swap with its spares. */
+	for (int round = 0; round < 4; round++)
+		fds[round] = aoqt_snapshot_ask(d.socket, tr[round].id);
+	for (int round = 0; round < 4; round++)
+		CHECK(aoqt_snapshot_wait(fds[round], path, sizeof(path), &step) == 0 && step == 1, "first: %s", path);
+	for (int round = 0; round < 7; round++) {
+		struct trainer t = tr[round];
 		train(&t, 1);
 		float *want[NT][3];
 		for (int i = 0; i < NT; i++)
