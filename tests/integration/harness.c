@@ -451,11 +451,20 @@ static double round_fmt(double x, int p, int emin, int emax)
 	uint64_t xb;
 	memcpy(&xb, &x, 8);
 	int lead = (int)((xb >> 52) & 0x7ff) - 1023; /* x = 1.f * 2^lead */
-	if (lead < emin)
-		lead = emin; /* subnormal: the quantum stops shrinking */
+	double y, max = (2.0 - pow2(1 - p)) * pow2(emax);
+	if (lead >= emin) {
+		/* a normal result: x's own bits rounded to p significand bits,
+		 * ties to even (a carry out of the significand steps the exponent;
+		 * the same values as the scaled nearbyint below, without its
+		 * libm call and two multiplies) */
+		int drop = 53 - p;
+		uint64_t yb = (xb + (1ull << (drop - 1)) - 1 + ((xb >> drop) & 1)) & ~((1ull << drop) - 1);
+		memcpy(&y, &yb, 8);
+		return fabs(y) > max ? copysign(INFINITY, x) : y;
+	}
+	lead = emin; /* subnormal: the quantum stops shrinking */
 	int qe = lead - (p - 1);
-	double y = nearbyint(x * pow2(-qe)) * pow2(qe); /* FE_TONEAREST: ties to even */
-	double max = (2.0 - pow2(1 - p)) * pow2(emax);
+	y = nearbyint(x * pow2(-qe)) * pow2(qe); /* FE_TONEAREST: ties to even */
 	if (fabs(y) > max)
 		return copysign(INFINITY, x);
 	return y;
