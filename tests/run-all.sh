@@ -133,6 +133,10 @@ run_tests() {
 		# meson test itself failed (unknown setup, build error, ...).
 		f=1
 		summary+=("$label: meson test failed with status $rc before reporting results")
+	elif ((p + f + skip == 0)); then
+		# a selection that matches no test ("No suitable tests defined.")
+		f=1
+		summary+=("$label: no test ran (a suite or test name that matches nothing?)")
 	fi
 	total_pass=$((total_pass + p))
 	total_fail=$((total_fail + f))
