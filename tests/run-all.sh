@@ -253,7 +253,9 @@ for phase in $phases; do
 			# group's restart.  The other integration and hostile
 			# tests, the python suite, the kernels and the loop's stall
 			# tests run the same code as in main: not run twice.
-			run_tests minimal build-minimal --suite unit --suite faults --suite ops --suite layers
+			# (ops-readme-install, suite install, builds from the
+			# source tree with options of its own: the same as in main.)
+			run_tests minimal build-minimal --suite unit --suite faults --suite ops --suite layers --no-suite install
 			run_tests minimal-demo build-minimal --no-rebuild demo integration-shared-restart
 		fi
 		;;
