@@ -248,13 +248,12 @@ for phase in $phases; do
 			# the stub without them).  So the suites where their absence
 			# shows: unit, faults (a restart then restores the
 			# snapshots), ops (the units built without libsystemd, the
-			# README's install and quick start, the demo's errors for a
-			# missing backend) and layers, with the demo and a replica
-			# group's restart.  The other integration and hostile
-			# tests, the python suite, the kernels and the loop's stall
-			# tests run the same code as in main: not run twice.
-			# (ops-readme-install, suite install, builds from the
-			# source tree with options of its own: the same as in main.)
+			# quick start, the demo's errors for a missing backend) and
+			# layers, with the demo and a replica group's restart.  The
+			# other integration and hostile tests, the python suite, the
+			# kernels, the loop's stall tests and ops-readme-install
+			# (suite install: it builds from the source tree with options
+			# of its own) run the same code as in main: not run twice.
 			run_tests minimal build-minimal --suite unit --suite faults --suite ops --suite layers --no-suite install
 			run_tests minimal-demo build-minimal --no-rebuild demo integration-shared-restart
 		fi

@@ -442,8 +442,9 @@ static inline double pow2(int e)
 }
 
 /* x rounded to p significand bits with smallest normal exponent emin and
- * largest exponent emax, ties to even: scale so that the quantum is 1 and
- * round to an integer (exact in double, since x has at most 53 bits). */
+ * largest exponent emax, ties to even.  A subnormal result: scale so that
+ * the quantum is 1 and round to an integer (exact in double, since x has
+ * at most 53 bits). */
 static double round_fmt(double x, int p, int emin, int emax)
 {
 	if (x == 0 || !isfinite(x))
@@ -460,11 +461,11 @@ static double round_fmt(double x, int p, int emin, int emax)
 		int drop = 53 - p;
 		uint64_t yb = (xb + (1ull << (drop - 1)) - 1 + ((xb >> drop) & 1)) & ~((1ull << drop) - 1);
 		memcpy(&y, &yb, 8);
-		return fabs(y) > max ? copysign(INFINITY, x) : y;
+	} else {
+		/* subnormal: the quantum stops shrinking at emin's */
+		int qe = emin - (p - 1);
+		y = nearbyint(x * pow2(-qe)) * pow2(qe); /* FE_TONEAREST: ties to even */
 	}
-	lead = emin; /* subnormal: the quantum stops shrinking */
-	int qe = lead - (p - 1);
-	y = nearbyint(x * pow2(-qe)) * pow2(qe); /* FE_TONEAREST: ties to even */
 	if (fabs(y) > max)
 		return copysign(INFINITY, x);
 	return y;
