@@ -4,6 +4,12 @@
  *
  *   bench-kernels [-n PARAMS] [-t THREADS] [-r REPS] [-c CHUNK] [-k VARIANT,...]
  *   bench-kernels --resident[=N] [-r REPS] [-c CHUNK] [-k VARIANT,...]
+ *   bench-kernels --triad [-n PARAMS] [-t THREADS] [-r REPS]
+ *
+ * --triad: the host's memory bandwidth alone (the copies and triads below),
+ * ending with the line "TRIAD nt <GB/s> plain <GB/s>", for a benchmark that
+ * wants the ceiling of the moment beside its own figures
+ * (tests/bench/train_gpt.py --host-triad).
  *
  * --resident: compute only, one thread: every Adam state precision (bf16
  * grad in, bf16 param out) on one N-element tensor (default 64 Ki: all of
@@ -712,6 +718,8 @@ static const char bench_usage[] =
 	"             (-k, default: the best) and the MODE lines\n"
 	"  --resident[=N]  compute only: one thread, one N-element tensor (default 65536)\n"
 	"             updated over and over in cache; per precision G params/s, ns and cycles\n"
+	"  --triad    only the copies and triads, then one line: TRIAD nt <GB/s> plain <GB/s>\n"
+	"             (the host's memory bandwidth beside another benchmark)\n"
 	"  --shmem    buffers in a memfd (shmem pages, MAP_SHARED), not anonymous memory\n"
 	"  -h, --help this text\n";
 
@@ -769,7 +777,7 @@ int main(int argc, char **argv)
 {
 	const char *klist = NULL;
 	int opt;
-	bool resident = false, modes_only = false;
+	bool resident = false, modes_only = false, triad_only = false;
 	size_t res_n = 0;
 	cpu_set_t set;
 
@@ -782,6 +790,7 @@ int main(int argc, char **argv)
 		{ "help", no_argument, NULL, 'h' },
 		{ "resident", optional_argument, NULL, 'R' },
 		{ "modes", no_argument, NULL, 'M' },
+		{ "triad", no_argument, NULL, 'T' },
 		{ "shmem", no_argument, NULL, 'S' },
 		{ NULL, 0, NULL, 0 },
 	};
@@ -814,6 +823,9 @@ int main(int argc, char **argv)
 		case 'M':
 			modes_only = true;
 			break;
+		case 'T':
+			triad_only = true;
+			break;
 		case 'S':
 			use_shmem = true;
 			break;
@@ -833,6 +845,10 @@ int main(int argc, char **argv)
 	}
 	if (optind < argc) {
 		fprintf(stderr, "bench-kernels: unexpected argument '%s'\n", argv[optind]);
+		return 2;
+	}
+	if (resident && triad_only) {
+		fputs("bench-kernels: --resident and --triad do not go together\n", stderr);
 		return 2;
 	}
 	if (resident) {
@@ -904,7 +920,10 @@ int main(int argc, char **argv)
 		return 0;
 	}
 
+	const struct aoqk_kernel *best = aoqk_select(NULL);
 	stream_all("");
+	if (triad_only)
+		goto done;
 
 	size_t nv;
 	const struct aoqk_variant *vars = aoqk_variants(&nv);
@@ -954,7 +973,6 @@ int main(int argc, char **argv)
 	}
 
 	/* where the headline job's time goes, with the default kernel */
-	const struct aoqk_kernel *best = aoqk_select(NULL);
 	if (modes_only)
 		goto again;
 	bench_kernel(best, AOQK_STATE_FP32, AOQK_BF16, AOQK_BF16, 1, CHUNK, "_prescan");
@@ -995,11 +1013,20 @@ int main(int argc, char **argv)
 again:
 	stream_all("_again");
 
+done:
 	quit = 1;
 	pthread_barrier_wait(&bar_start);
 	for (int i = 0; i < T; i++)
 		pthread_join(th[i], NULL);
 
+	if (triad_only) {
+		const struct result *nt = find_result("stream_triad_nt"), *pl = find_result("stream_triad");
+		for (int i = 0; i < nresults; i++)
+			printf("RESULT %s gparams_per_s=%.4f gbps=%.2f\n", results[i].name, results[i].gps,
+			       results[i].gbps);
+		printf("TRIAD nt %.1f plain %.1f\n", nt ? nt->gbps : 0.0, pl ? pl->gbps : 0.0);
+		return 0;
+	}
 	double triad = 0, triad_end = 0;
 	for (int i = 0; i < nresults; i++) {
 		if (!strcmp(results[i].name, "stream_triad_nt"))

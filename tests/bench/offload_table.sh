@@ -22,7 +22,11 @@
 # tests/gpu/run-gpu-tests.sh pack makes it); else $AOQD / $AOQ_LIBRARY or the
 # build tree.  The log goes to $OUT/offload-SIZE.log when OUT is set (and to
 # stdout).  MODES, STEPS, WARMUP override the mode list and the step counts,
-# PYTHON the interpreter (python3).
+# PYTHON the interpreter (python3).  The host's memory bandwidth is measured
+# before and after each mode (train_gpt.py --host-triad: bench-kernels --triad,
+# from --bin DIR, else the build tree; HOST_TRIAD=PATH to name another, or
+# HOST_TRIAD= to skip it), a column of the table: aoq's host-bound steps follow
+# it, and on a shared host it moves within minutes.
 set -u
 here=$(cd "$(dirname "$0")" && pwd); root=$(cd "$here/../.." && pwd)
 if [ "${1:-}" = "--bin" ]; then
@@ -30,6 +34,8 @@ if [ "${1:-}" = "--bin" ]; then
 	export LD_LIBRARY_PATH=$bin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 	export AOQ_LIBRARY=$(ls "$bin"/lib/libaoq.so.* | head -n 1) AOQD=$bin/aoqd
 fi
+triad=${HOST_TRIAD-${bin:-$root/build/kernels/cpu}/bench-kernels}
+[ -n "$triad" ] && [ ! -x "$triad" ] && triad=
 size=${1:?usage: offload_table.sh [--bin DIR] 0.94|3.48 [train_gpt.py options]}; shift
 case $size in
 0.94)
@@ -58,7 +64,7 @@ log=/dev/null
 	"$py" -c 'import deepspeed; print("deepspeed", deepspeed.__version__)' 2>&1 | tail -n 1
 	start=$(date +%s)
 	"$py" "$root/tests/bench/train_gpt.py" --device cuda --spawn-daemon "${shape[@]}" --lr 3e-4 \
-		--warmup "${WARMUP:-8}" --steps "$steps" --loss-tail "$steps" --mode-timeout 150 --mode "$modes" "$@"
+		--warmup "${WARMUP:-8}" --steps "$steps" --loss-tail "$steps" --mode-timeout 150 --mode "$modes" ${triad:+--host-triad "$triad"} "$@"
 	rc=$?
 	echo "== $size: $(( $(date +%s) - start )) s, exit $rc"
 	exit $rc

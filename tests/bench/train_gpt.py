@@ -22,7 +22,10 @@ when it does not import here.  An aoq mode ending in -auto adds gpu_state_budget
 (with --max-device, max_device_bytes=), one ending in -off gpu_state_budget=0 (everything
 offloaded; without either, aoq's default share, docs/python.md "The default share").  The last table: s/step, the ratio to gpu-adamw,
 the device peaks over the whole run (max_memory_allocated and max_memory_reserved), the
-final loss and the mean loss of the last --loss-tail steps against --loss-ref's.  The
+final loss and the mean loss of the last --loss-tail steps against --loss-ref's, and with
+--host-triad BENCH_KERNELS the host's memory bandwidth (bench-kernels --triad) before and
+after each mode: an offloaded step is the host's memory traffic, and on a shared host the
+bandwidth moves within minutes.  The
 default against the fp32 master over a long run (the loss curve's tail):
 
     python3 tests/bench/train_gpt.py --spawn-daemon --mode gpu-adamw,aoq-default,aoq-fp32 --steps 200 \
@@ -716,7 +719,7 @@ def run_child(mode, args, socket):
     """One mode in a fresh process: its peak device memory is its own."""
     import subprocess
     argv = [sys.executable, os.path.abspath(__file__), "--child", "--mode", mode]
-    skip = {"mode", "spawn_daemon", "json", "child", "socket", "in_process", "attach", "mode_timeout"}
+    skip = {"mode", "spawn_daemon", "json", "child", "socket", "in_process", "attach", "mode_timeout", "host_triad"}
     for k, v in vars(args).items():
         if k in skip or v is None or v is False:
             continue
@@ -735,6 +738,24 @@ def run_child(mode, args, socket):
         return dict(mode=mode, failed="exit status %d" % proc.returncode)
     # the last JSON line (a peer may print on stdout too)
     return json.loads([ln for ln in proc.stdout.decode().splitlines() if ln.startswith("{")][-1])
+
+
+def host_triad(path):
+    """The host's memory bandwidth now: bench-kernels --triad's non-temporal
+    triad in GB/s (64 Mi elements, every core, median of 3), or None.  A
+    host-bound step follows it, and on a shared host it moves within
+    minutes."""
+    import subprocess
+    if not path:
+        return None
+    try:
+        out = subprocess.run([path, "--triad", "-n", "67108864", "-r", "3"], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, timeout=120).stdout.decode()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        print("host triad: %s did not run (%s)" % (path, e), flush=True)
+        return None
+    line = next((ln.split() for ln in out.splitlines() if ln.startswith("TRIAD nt ")), None)
+    return float(line[2]) if line else None
 
 
 def run_or_say(mode, args, socket):
@@ -794,6 +815,9 @@ def main():
                     help="-auto modes: max_device_bytes=, GiB above 1, else a fraction of free device memory")
     ap.add_argument("--mode-timeout", type=int, default=None, metavar="S",
                     help="each mode's process is killed after S seconds (its row says so)")
+    ap.add_argument("--host-triad", default=None, metavar="BENCH_KERNELS",
+                    help="bench-kernels to measure the host's memory bandwidth (--triad) before and after "
+                         "each mode; the table gets a column of it")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--in-process", action="store_true", help="every mode in this process (default: one each)")
@@ -834,8 +858,13 @@ def main():
     results, missing = [], []
     try:
         for m in modes:
+            triad = host_triad(args.host_triad)
             with RssPeak(daemon.proc.pid if daemon is not None and m.startswith("aoq") else None) as rss:
                 r = run_or_say(m, args, socket) if args.in_process or len(modes) == 1 else run_child(m, args, socket)
+            if args.host_triad:
+                r["triad_gbps"] = (triad, host_triad(args.host_triad))
+                print("%-16s host triad %s GB/s before, %s after" % (
+                    m, *("%.1f" % t if t else "?" for t in r["triad_gbps"])), flush=True)
             if rss.peak and not r.get("failed"):
                 r["daemon_rss_gib"] = rss.peak / 2 ** 30
                 print("%-16s aoqd peak RSS %.2f GiB = %.2f B per parameter" % (
@@ -881,16 +910,18 @@ def peer_table(results, missing, args):
     loss of the last --loss-tail steps, against --loss-ref's."""
     base = next((r for r in results if r["mode"] == "gpu-adamw"), None)
     ref = next((r for r in results if r["mode"] == args.loss_ref), None)
+    tri = bool(args.host_triad)
     print("| mode | s/step | x on-GPU AdamW | device peak GiB (allocated) | reserved GiB | final loss | "
-          "loss, mean of the last steps | vs %s |" % args.loss_ref)
-    print("|---|---|---|---|---|---|---|---|")
+          "loss, mean of the last steps | vs %s |%s" % (args.loss_ref, " host triad GB/s, before / after |" * tri))
+    print("|---|---|---|---|---|---|---|---|" + "---|" * tri)
     for r in results:
-        print("| %s | %.3f | %s | %.2f | %.2f | %.4f | %.4f (%d) | %s |" % (
+        print("| %s | %.3f | %s | %.2f | %.2f | %.4f | %.4f (%d) | %s |%s" % (
             r["mode"], r["step_s"], "%.2f" % (r["step_s"] / base["step_s"]) if base else "-",
             r["run_peak_gib"], r["reserved_gib"], r["loss"], r["loss_tail"], r["loss_tail_steps"],
-            "%+.2f%%" % (100 * (r["loss_tail"] / ref["loss_tail"] - 1)) if ref else "-"))
+            "%+.2f%%" % (100 * (r["loss_tail"] / ref["loss_tail"] - 1)) if ref else "-",
+            " %s |" % " / ".join("%.1f" % t if t else "?" for t in r.get("triad_gbps", (None, None))) * tri))
     for r in missing:
-        print("| %s | not run: %s | | | | | | |" % (r["mode"], r.get("unavailable") or r.get("failed")))
+        print("| %s | not run: %s | | | | | | |%s" % (r["mode"], r.get("unavailable") or r.get("failed"), " |" * tri))
 
 
 def targets(results):

@@ -5,7 +5,7 @@
 #   tests/gpu/run-gpu-tests.sh [BIN] [LOGDIR]
 #
 # BIN: a folder holding aoqd, aoqctl, test-cuda, test-cuda-nodev, bench-cuda,
-# bench-restart, bench-shmem and lib/ (libaoq.so.N, its soname, plus any shared library the machine lacks), as made by
+# bench-restart, bench-shmem, bench-kernels and lib/ (libaoq.so.N, its soname, plus any shared library the machine lacks), as made by
 # `run-gpu-tests.sh pack BUILD_DIR BIN`; without it the script builds with
 # meson into build-gpu (needs libuv, protobuf-c, nvcc).  Logs go to LOGDIR
 # (default $OUT, else ./gpu-logs): tests.log, sanitizer.log, bench.log and
@@ -22,9 +22,10 @@ if [ "${1:-}" = pack ]; then
 	cp "$build/daemon/aoqd" "$build/client/tools/aoqctl" "$build/tests/gpu/test-cuda" \
 	   "$build/tests/gpu/test-cuda-nodev" "$build/tests/gpu/bench-cuda" "$bin/"
 	# the host-side benchmarks a GPU machine's cores and memory run too
-	# (tests/bench/restart_table.sh --bin BIN, bench-shmem)
-	for b in bench-restart bench-shmem; do
-		[ -x "$build/tests/bench/$b" ] && cp "$build/tests/bench/$b" "$bin/"
+	# (tests/bench/restart_table.sh --bin BIN, bench-shmem; bench-kernels,
+	# which tests/bench/offload_table.sh --bin BIN runs for the host's triad)
+	for b in tests/bench/bench-restart tests/bench/bench-shmem kernels/cpu/bench-kernels; do
+		[ -x "$build/$b" ] && cp "$build/$b" "$bin/"
 	done
 	soname=$(objdump -p "$build/client/libaoq.so" | awk '/SONAME/ { print $2 }')
 	cp -L "$build/client/$soname" "$bin/lib/"
