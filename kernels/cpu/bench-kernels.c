@@ -1019,14 +1019,6 @@ done:
 	for (int i = 0; i < T; i++)
 		pthread_join(th[i], NULL);
 
-	if (triad_only) {
-		const struct result *nt = find_result("stream_triad_nt"), *pl = find_result("stream_triad");
-		for (int i = 0; i < nresults; i++)
-			printf("RESULT %s gparams_per_s=%.4f gbps=%.2f\n", results[i].name, results[i].gps,
-			       results[i].gbps);
-		printf("TRIAD nt %.1f plain %.1f\n", nt ? nt->gbps : 0.0, pl ? pl->gbps : 0.0);
-		return 0;
-	}
 	double triad = 0, triad_end = 0;
 	for (int i = 0; i < nresults; i++) {
 		if (!strcmp(results[i].name, "stream_triad_nt"))
@@ -1041,6 +1033,8 @@ done:
 	/* the triad moves within one run (on the H200 host 159.5 -> 114.5
 	 * GB/s): the ratio to the triad at the start, at the end, and to the
 	 * better of the two */
+	if (triad_only)
+		goto results;
 	double triad_best = triad > triad_end ? triad : triad_end;
 	printf("MODE triad_nt start %.1f GB/s, end %.1f GB/s\n", triad, triad_end);
 	printf("MODE %-10s %14s %10s %8s %8s %8s %8s\n", "precision", "bytes/param", "Gparam/s", "GB/s",
@@ -1063,8 +1057,13 @@ done:
 			       prec_name((enum aoqk_precision)p), mr->gps, mr->gbps,
 			       triad_best > 0 ? mr->gbps / triad_best : 0.0, kr->gps / mr->gps);
 	}
+results:
 	for (int i = 0; i < nresults; i++)
 		printf("RESULT %s gparams_per_s=%.4f gbps=%.2f ratio_to_triad=%.3f\n", results[i].name,
 		       results[i].gps, results[i].gbps, triad > 0 ? results[i].gbps / triad : 0.0);
+	if (triad_only) {
+		const struct result *pl = find_result("stream_triad");
+		printf("TRIAD nt %.1f plain %.1f\n", triad, pl ? pl->gbps : 0.0);
+	}
 	return 0;
 }

@@ -35,6 +35,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "aoq-convert.h"
 #include "harness.h"
 
 #define NT 4
@@ -113,10 +114,7 @@ static void grad_fill(uint16_t *g, size_t n, struct aoqt_rng *rng)
 	for (size_t i = 0; i < n; i++) {
 		if (i % 4 == 0)
 			x = aoqt_next(rng);
-		float f = ((float)(uint16_t)(x >> (i % 4 * 16)) * 0x1p-15f - 1.5f) * 0.1f;
-		uint32_t b;
-		memcpy(&b, &f, 4);
-		g[i] = (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16); /* to nearest even */
+		g[i] = aoqk_f32_to_bf16(((float)(uint16_t)(x >> (i % 4 * 16)) * 0x1p-15f - 1.5f) * 0.1f);
 	}
 }
 
