@@ -107,8 +107,14 @@ def routed(cls):
 
     dele = cls.__del__
 
-    def __del__(self):
-        if _is_owner(self):
+    # is_owner bound here: at interpreter exit the module's globals may be
+    # None before the last optimizer is collected
+    def __del__(self, is_owner=_is_owner):
+        try:
+            owner = is_owner(self)
+        except Exception:
+            return
+        if owner:
             dele(self)
     cls.__del__ = __del__
     return cls

@@ -936,22 +936,23 @@ def case_master_param():
 
 
 def case_q4():
-    """state_precision="q4" (kernels/README.md, "q4 moments") with an fp32 and
-    with a bf16 master: the optimizer says what it keeps, state_dict() holds
-    fp32 moments, and loaded into a second optimizer with the same seed it
-    reads back bit for bit (every value read is its own nearest code) and
-    both train on to the same parameters bit for bit."""
-    for master in ("fp32", "bf16"):
+    """state_precision="q4" (kernels/README.md, "q4 moments") with an fp32
+    master (fp32 parameters; bf16 parameters, where aoqd splits the master:
+    kernels/README.md, "The split master") and with a bf16 master: the
+    optimizer says what it keeps, state_dict() holds fp32 moments (and an
+    fp32 master whose bf16 rounding is the parameter), and loaded into a
+    second optimizer with the same seed it reads back bit for bit (every
+    value read is its own nearest code) and both train on to the same
+    parameters bit for bit."""
+    for master, pdt in (("fp32", torch.float32), ("fp32", torch.bfloat16), ("bf16", torch.bfloat16)):
         runs, sds = [], []
         for k in range(2):
-            m = make_model(W, DEV)
-            if master == "bf16":
-                m = m.to(torch.bfloat16)
+            m = make_model(W, DEV).to(pdt)
             o = OffloadOptimizer(m.named_parameters(), torch.optim.AdamW, socket=SOCKET, lr=1e-2,
                                  master_dtype=master, state_precision="q4", seed=99)
             assert o.state_precision == "q4" and o.master_dtype == master, (o.state_precision, o.master_dtype)
             data = batches(8, DEV)
-            dt = torch.bfloat16 if master == "bf16" else torch.float32
+            dt = pdt
 
             def train(first, n, m=m, o=o, data=data, dt=dt):    # this run's model and optimizer
                 for i in range(first, first + n):
@@ -964,6 +965,21 @@ def case_q4():
                 train(0, 4)
                 sd = saved(o.state_dict())
                 model_sd = {n_: t.clone() for n_, t in m.state_dict().items()}
+                if master == "fp32" and pdt == torch.bfloat16:
+                    # the split master: fp32 in state_dict(), the parameter its
+                    # rounding (parameters the daemon steps; the rest have no master)
+                    split = 0
+                    for i, p_ in enumerate(m.parameters()):
+                        mst = sd["state"].get(i, {}).get("master")
+                        if mst is None:
+                            continue
+                        split += 1
+                        assert mst.dtype == torch.float32, mst.dtype
+                        assert torch.equal(mst.to(torch.bfloat16).reshape(p_.shape).cpu(), p_.detach().cpu()), \
+                            "q4 split master %d: the parameter is not the master's rounding" % i
+                        assert not torch.equal(mst, mst.to(torch.bfloat16).float()), \
+                            "q4 split master %d: no low half kept" % i
+                    assert split > 0, "q4, bf16 parameters: no master in state_dict()"
             else:
                 m.load_state_dict(model_sd)
                 o.load_state_dict(sd)
@@ -983,14 +999,32 @@ def case_q4():
                 o0.close()
                 o.close()
             runs.append((m, o, train))
-        print("ok: q4 moments with %s master: state_dict round trip bit for bit, then the same training"
-              % ("an fp32" if master == "fp32" else "a bf16"))
+        print("ok: q4 moments with %s master, %s parameters: state_dict round trip bit for bit, then the same "
+              "training" % ("an fp32" if master == "fp32" else "a bf16", str(pdt).split(".")[-1]))
+
+
+def case_exit():
+    """A script that ends with optimizers alive in its globals (closed or
+    not) exits quietly: their __del__ runs while the interpreter clears
+    the modules' globals, and must not print "Exception ignored"."""
+    import subprocess
+    code = ("import sys, torch, aoq, aoq.torch as at\n"
+            "m = torch.nn.Linear(8, 8)\n"
+            "opt = at.OffloadOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-3, socket=sys.argv[1])\n"
+            "m(torch.randn(2, 8)).sum().backward(); opt.step()\n"
+            "opt2 = at.OffloadOptimizer(torch.nn.Linear(4, 4).parameters(), torch.optim.AdamW, socket=sys.argv[1])\n"
+            "opt.close()\n")
+    r = subprocess.run([sys.executable, "-c", code, SOCKET], env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "Exception ignored" not in r.stderr and "Traceback" not in r.stderr, \
+        ("a script with live optimizers at exit", r.returncode, r.stderr[-2000:])
+    print("ok: interpreter exit with optimizers alive, closed and not: nothing printed")
 
 
 CASES = {"grad-edits": case_grad_edits, "import-swap": case_import_swap, "other-classes": case_other_classes,
          "reads-after-step": case_reads_after_step, "checkpoints": case_checkpoints, "dcp": case_dcp, "add-param-group": case_add_param_group,
          "errors": case_errors, "gpu-share": case_gpu_share, "two-optimizers": case_two_optimizers,
-         "master-param": case_master_param, "q4": case_q4}
+         "master-param": case_master_param, "q4": case_q4, "exit": case_exit}
 DEFAULT = list(CASES)
 
 
