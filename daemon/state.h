@@ -227,7 +227,7 @@ uint64_t aoqd_state_len(enum aoqk_precision p, uint64_t n, unsigned moments, boo
 uint64_t aoqd_state_tensor_len(const struct aoqd_state *st, const struct aoqd_tensor *x,
                                uint64_t off[AOQD_STATE_ARRAYS]);
 /* Whether aoqd_state_alloc splits x's master (kernels/README.md, "The split
- * master"): q8 state with a bf16 parameter, where masters are parameters
+ * master"): q8 or q4 state with a bf16 parameter, where masters are parameters
  * (master_param).  The high half is then x's parameter in the masters
  * memfd, and the low half a private array (st.master_lo).  Snapshots, the
  * fd store and state transfers see the fp32 master. */

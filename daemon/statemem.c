@@ -45,16 +45,16 @@ bool aoqd_state_master_param(void)
 
 bool aoqd_tensor_wants_split(const struct aoqd_state *st, const struct aoqd_tensor *x)
 {
-	return master_param_on && st->precision == AOQ__STATE_PRECISION__STATE_Q8 && x->param_dtype == AOQK_BF16;
+	return master_param_on && x->param_dtype == AOQK_BF16 &&
+	       (st->precision == AOQ__STATE_PRECISION__STATE_Q8 || st->precision == AOQ__STATE_PRECISION__STATE_Q4);
 }
 
 /* Whether x's master goes to the masters memfd (before the allocation):
  * a bf16 master, or the split master's high half. */
 static bool wants_master_param(const struct aoqd_state *st, const struct aoqd_tensor *x)
 {
-	return master_param_on && x->param_dtype == AOQK_BF16 &&
-	       (aoqk_master_size((enum aoqk_precision)st->precision) == 2 ||
-	        st->precision == AOQ__STATE_PRECISION__STATE_Q8);
+	return aoqk_master_size((enum aoqk_precision)st->precision) == 2 ? master_param_on && x->param_dtype == AOQK_BF16
+	                                                                 : aoqd_tensor_wants_split(st, x);
 }
 
 uint64_t aoqd_state_tensor_len(const struct aoqd_state *st, const struct aoqd_tensor *x,

@@ -159,13 +159,14 @@ struct aoqk_state {
 	void *v;
 	float *m_scale;
 	float *v_scale;
-	/* AOQK_STATE_Q8 only, NULL otherwise: the fp32 master split in two
-	 * (kernels/README.md, "The split master"): master is then uint16_t[n],
-	 * the master rounded to nearest bf16 (the parameter), and master_lo
-	 * uint16_t[n] its low 16 bits, never exactly 0x8000.  The update is
-	 * AOQK_STATE_Q8's bit for bit: same moments, same random bits, the
-	 * same master but where its low half would be 0x8000 (it moves one
-	 * ulp toward the side it rounds to). */
+	/* AOQK_STATE_Q8 and AOQK_STATE_Q4 only, NULL otherwise: the fp32
+	 * master split in two (kernels/README.md, "The split master"):
+	 * master is then uint16_t[n], the master rounded to nearest bf16 (the
+	 * parameter), and master_lo uint16_t[n] its low 16 bits, never
+	 * exactly 0x8000.  The update is the precision's with an fp32 master
+	 * bit for bit: same moments, same random bits, the same master but
+	 * where its low half would be 0x8000 (it moves one ulp toward the
+	 * side it rounds to). */
 	void *master_lo;
 };
 

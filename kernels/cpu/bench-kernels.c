@@ -260,7 +260,7 @@ static enum aoqk_precision cur_prec;
 static enum aoqk_dtype cur_gd, cur_pd;
 static int cur_skip;
 static int cur_noparam; /* no parameter out: the bf16 master is the parameter (docs/decisions.md) */
-static int cur_split;   /* q8's master split, m16 its low halves (kernels/README.md, "The split master") */
+static int cur_split;   /* q8's or q4's master split, m16 its low halves (kernels/README.md, "The split master") */
 static struct aoqk_hparams cur_hp;
 static size_t cur_chunk;
 enum { OPT_ADAM, OPT_SGD, OPT_LION };
@@ -904,6 +904,7 @@ int main(int argc, char **argv)
 				bench_resident(k, (enum aoqk_precision)p, ghz);
 			cur_split = cur_noparam = 1;
 			bench_resident(k, AOQK_STATE_Q8, ghz);
+			bench_resident(k, AOQK_STATE_Q4, ghz);
 			cur_split = cur_noparam = 0;
 		}
 		for (size_t i = 0; i < NDROPS; i++) {
@@ -912,6 +913,11 @@ int main(int argc, char **argv)
 				continue;
 			bench_resident(x, AOQK_STATE_Q8, ghz);
 			bench_resident(x, AOQK_STATE_BF16_Q8, ghz);
+			bench_resident(x, AOQK_STATE_Q4, ghz);
+			bench_resident(x, AOQK_STATE_BF16_Q4, ghz);
+			cur_split = cur_noparam = 1;
+			bench_resident(x, AOQK_STATE_Q8, ghz);
+			cur_split = cur_noparam = 0;
 		}
 		printf("resident: core clock %.2f GHz after the runs\n", core_ghz());
 		quit = 1;
@@ -943,10 +949,12 @@ int main(int argc, char **argv)
 		for (int p = AOQK_STATE_BF16; p <= AOQK_STATE_BF16_Q4; p++)
 			if (aoqk_precision_bf16_master((enum aoqk_precision)p))
 				bench_kernel(k, (enum aoqk_precision)p, AOQK_BF16, AOQK_BF16, 0, CHUNK, "_noparam");
-		/* q8 with the master split, its high half the parameter: 2 B
-		 * less than q8 (the parameter is not written apart) */
+		/* q8 and q4 with the master split, its high half the
+		 * parameter: 2 B less than q8, q4 (the parameter is not
+		 * written apart) */
 		cur_split = 1;
 		bench_kernel(k, AOQK_STATE_Q8, AOQK_BF16, AOQK_BF16, 0, CHUNK, "_split");
+		bench_kernel(k, AOQK_STATE_Q4, AOQK_BF16, AOQK_BF16, 0, CHUNK, "_split");
 		cur_split = 0;
 		cur_noparam = 0;
 		if (modes_only)
@@ -1045,6 +1053,7 @@ done:
 		if (aoqk_precision_bf16_master((enum aoqk_precision)p))
 			mode_line(best, (enum aoqk_precision)p, "_noparam", "  (no param out)", triad, triad_end);
 	mode_line(best, AOQK_STATE_Q8, "_split", "  (split master)", triad, triad_end);
+	mode_line(best, AOQK_STATE_Q4, "_split", "  (split master)", triad, triad_end);
 	/* the q8 kernels against their own loads and stores without math */
 	for (int p = AOQK_STATE_Q8; p <= AOQK_STATE_BF16_Q8; p += 2) {
 		char kname[96], mname[64];

@@ -645,17 +645,20 @@ struct kblock {
 
 static double scan_sumsq(const void *grad, enum aoqk_dtype gd, const float *acc, float scale, size_t n);
 
-/* The split master's table entries (chunk_sel): AOQK_STATE_Q8 with
- * aoqk_state.master_lo. */
+/* The split master's table entries (chunk_sel): AOQK_STATE_Q8 and
+ * AOQK_STATE_Q4 with aoqk_state.master_lo. */
 #define PREC_SPLIT_Q8 7
+#define PREC_SPLIT_Q4 8
 
 static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const struct aoqk_state *st,
                                          const struct aoqk_chunk *c, int want_ss, double *ssum,
                                          const int table_prec, const int gd, const int pd, const int nt)
 {
-	/* the split master: q8's update with the master in two halves */
-	const int split = table_prec == PREC_SPLIT_Q8;
-	const int prec = split ? AOQK_STATE_Q8 : table_prec;
+	/* the split master: q8's or q4's update with the master in two
+	 * halves */
+	const int split = table_prec == PREC_SPLIT_Q8 || table_prec == PREC_SPLIT_Q4;
+	const int prec = table_prec == PREC_SPLIT_Q8 ? AOQK_STATE_Q8
+	                 : table_prec == PREC_SPLIT_Q4 ? AOQK_STATE_Q4 : table_prec;
 	/* q8 or q4 (vstep); q4's codes are half a byte each */
 	const int q8 = aoqk_precision_blocked(prec);
 	const int q4 = aoqk_precision_q4(prec);
@@ -997,7 +1000,7 @@ typedef void chunk_fn(const struct aoqk_consts *k, const struct aoqk_state *st,
                       const struct aoqk_chunk *c, int want_ss, double *ssum);
 
 #define CHUNK_SEL(P, G, D) ((P) * 12 + (G) * 4 + (D))
-#define CHUNK_SELS 96
+#define CHUNK_SELS 108
 
 /* X(P, G, D, NT, ...) for every gradient dtype G and parameter dtype D of
  * precision P: D = PD_NONE only without non-temporal stores */
@@ -1006,11 +1009,13 @@ typedef void chunk_fn(const struct aoqk_consts *k, const struct aoqk_state *st,
 #define FOR_PD_NONE(X, P, G, NT, ...) FOR_PD(X, P, G, NT, __VA_ARGS__) X(P, G, 3, NT, __VA_ARGS__)
 #define FOR_G(F, X, P, NT, ...) F(X, P, 0, NT, __VA_ARGS__) F(X, P, 1, NT, __VA_ARGS__) \
 	F(X, P, 2, NT, __VA_ARGS__)
-/* precisions 0..6 are AOQK_STATE_FP32 .. AOQK_STATE_BF16_Q4, 7 the split
- * master (PREC_SPLIT_Q8) (literals: they are pasted into names) */
+/* precisions 0..6 are AOQK_STATE_FP32 .. AOQK_STATE_BF16_Q4, 7 and 8 the
+ * split master (PREC_SPLIT_Q8, PREC_SPLIT_Q4) (literals: they are pasted
+ * into names) */
 #define FOR_ADAM_P(F, X, NT, ...) FOR_G(F, X, 0, NT, __VA_ARGS__) FOR_G(F, X, 1, NT, __VA_ARGS__) \
 	FOR_G(F, X, 2, NT, __VA_ARGS__) FOR_G(F, X, 3, NT, __VA_ARGS__) FOR_G(F, X, 4, NT, __VA_ARGS__) \
-	FOR_G(F, X, 5, NT, __VA_ARGS__) FOR_G(F, X, 6, NT, __VA_ARGS__) FOR_G(F, X, 7, NT, __VA_ARGS__)
+	FOR_G(F, X, 5, NT, __VA_ARGS__) FOR_G(F, X, 6, NT, __VA_ARGS__) FOR_G(F, X, 7, NT, __VA_ARGS__) \
+	FOR_G(F, X, 8, NT, __VA_ARGS__)
 /* SGD and Lion: no q8 (precisions 1 and 3) */
 #define FOR_SL_P(F, X, NT, ...) FOR_G(F, X, 0, NT, __VA_ARGS__) FOR_G(F, X, 2, NT, __VA_ARGS__) \
 	FOR_G(F, X, 4, NT, __VA_ARGS__)
@@ -1038,7 +1043,10 @@ static inline int chunk_sel(const struct aoqk_state *st, const struct aoqk_chunk
 	int pd = c->param ? (int)c->param_dtype : PD_NONE;
 
 	*nt_ok = pd != PD_NONE && (uintptr_t)c->param % (W * (pd == PD_FP32 ? 4 : 2)) == 0;
-	return CHUNK_SEL(st->master_lo ? PREC_SPLIT_Q8 : (int)st->precision, (int)c->grad_dtype, pd);
+	int p = (int)st->precision;
+	if (st->master_lo)
+		p = p == AOQK_STATE_Q4 ? PREC_SPLIT_Q4 : PREC_SPLIT_Q8;
+	return CHUNK_SEL(p, (int)c->grad_dtype, pd);
 }
 
 static AOQK_ALWAYS_INLINE int adam_common(const struct aoqk_hparams *hp, const struct aoqk_state *st,

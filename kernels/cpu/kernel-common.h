@@ -204,7 +204,7 @@ static inline int aoqk_check(const struct aoqk_hparams *hp, const struct aoqk_st
 		return -EINVAL;
 	if ((unsigned)st->precision > AOQK_STATE_BF16_Q4)
 		return -EINVAL;
-	if (st->master_lo && st->precision != AOQK_STATE_Q8)
+	if (st->master_lo && st->precision != AOQK_STATE_Q8 && st->precision != AOQK_STATE_Q4)
 		return -EINVAL;
 	if (!aoqk_dtype_ok(c->grad_dtype) || (c->param && !aoqk_dtype_ok(c->param_dtype)))
 		return -EINVAL;

@@ -1266,26 +1266,27 @@ static void huge_index_case(void)
 }
 
 /* The split master (aoqk_state.master_lo): every variant's update of a
- * split state is q8's with an fp32 master, chunk for chunk: the same codes
- * and scales, and (hi, lo) = aoqk_split(q8's master) for every element (a
+ * split state is its precision's (q8 or q4) with an fp32 master, chunk for
+ * chunk: the same codes and scales, and (hi, lo) = aoqk_split(that
+ * master) for every element (a
  * tie moved, NaN only as NaN).  Over n elements and three steps, chunks of
  * a few blocks and a tail, random gradient and parameter dtypes; the
  * masters start as split values (q8's from aoqk_split_join) with some
  * infinities, huge and subnormal values among them. */
-static void split_case(const struct aoqk_kernel *k, size_t n)
+static void split_case(const struct aoqk_kernel *k, enum aoqk_precision prec, size_t n)
 {
-	struct tcase t = { .prec = AOQK_STATE_Q8, .gd = (enum aoqk_dtype)(rnd() % 3), .pd = (int)(rnd() % 4), .n = n };
+	struct tcase t = { .prec = prec, .gd = (enum aoqk_dtype)(rnd() % 3), .pd = (int)(rnd() % 4), .n = n };
 	random_hparams(&t);
 	t.hp.decoupled = (rnd() & 1) != 0;
-	size_t nb = aoqk_scale_count(AOQK_STATE_Q8, n), psz = t.pd == AOQK_FP32 ? 4 : 2;
+	size_t nb = aoqk_scale_count(prec, n), mb = aoqk_moment_bytes(prec, n), psz = t.pd == AOQK_FP32 ? 4 : 2;
 	float *mst = calloc(n, 4), *ms[2], *vs[2], *g32 = calloc(n, 4);
 	uint16_t *hi = calloc(n, 2), *lo = calloc(n, 2), *g16 = calloc(n, 2);
 	uint8_t *m[2], *v[2], *par[2];
 	for (int i = 0; i < 2; i++) {
 		ms[i] = calloc(nb, 4);
 		vs[i] = calloc(nb, 4);
-		m[i] = calloc(n, 1);
-		v[i] = calloc(n, 1);
+		m[i] = calloc(mb, 1);
+		v[i] = calloc(mb, 1);
 		par[i] = calloc(n, psz);
 	}
 	for (size_t i = 0; i < n; i++) {
@@ -1305,11 +1306,11 @@ static void split_case(const struct aoqk_kernel *k, size_t n)
 		const void *grad = t.gd == AOQK_FP32 ? (const void *)g32 : (const void *)g16;
 		for (int w = 0; w < 2; w++) {
 			struct aoqk_state st = {
-				.precision = AOQK_STATE_Q8, .n = n, .master = w ? (void *)hi : (void *)mst,
+				.precision = prec, .n = n, .master = w ? (void *)hi : (void *)mst,
 				.m = m[w], .v = v[w], .m_scale = ms[w], .v_scale = vs[w], .master_lo = w ? lo : NULL,
 			};
 			for (size_t b = 0; b < n;) {
-				size_t cnt = (1 + rnd() % 4) * AOQK_Q8_BLOCK;
+				size_t cnt = (1 + rnd() % 4) * aoqk_block(prec);
 				cnt = cnt > n - b ? n - b : cnt;
 				struct aoqk_chunk c = {
 					.begin = b, .count = cnt, .grad = (const char *)grad + b * gsize(t.gd),
@@ -1330,8 +1331,8 @@ static void split_case(const struct aoqk_kernel *k, size_t n)
 			ties += (x & 0xffffu) == 0x8000u;
 			if (isnan(mst[i]) ? !isnan(u2f((uint32_t)hi[i] << 16)) : (h != hi[i] || l != lo[i])) {
 				if (bad++ < 3)
-					fprintf(stderr, "%s: element %zu step %d: q8 master %08x, split %04x %04x\n", k->name, i,
-					        step, x, hi[i], lo[i]);
+					fprintf(stderr, "%s: element %zu step %d: %s master %08x, split %04x %04x\n", k->name, i,
+					        step, prec == AOQK_STATE_Q4 ? "q4" : "q8", x, hi[i], lo[i]);
 			}
 			/* the parameter written beside the master: bf16 is hi
 			 * (which rounds subnormals where avx512bf16's conversion
@@ -1344,11 +1345,12 @@ static void split_case(const struct aoqk_kernel *k, size_t n)
 			/* continue from the split's master: ties moved */
 			mst[i] = u2f(aoqk_split_join(hi[i], lo[i]));
 		}
-		CHECK(!memcmp(m[0], m[1], n) && !memcmp(v[0], v[1], n) && !memcmp(ms[0], ms[1], nb * 4) &&
-		      !memcmp(vs[0], vs[1], nb * 4), "%s: split: the moments differ from q8's (step %d)", k->name, step);
+		CHECK(!memcmp(m[0], m[1], mb) && !memcmp(v[0], v[1], mb) && !memcmp(ms[0], ms[1], nb * 4) &&
+		      !memcmp(vs[0], vs[1], nb * 4), "%s: split: the moments differ from %s's (step %d)", k->name,
+		      prec == AOQK_STATE_Q4 ? "q4" : "q8", step);
 	}
-	CHECK(bad == 0, "%s: split master: %zu elements differ from aoqk_split of q8's (n %zu, grad %d, param %d)",
-	      k->name, bad, n, (int)t.gd, t.pd);
+	CHECK(bad == 0, "%s: split master: %zu elements differ from aoqk_split of %s's (n %zu, grad %d, param %d)",
+	      k->name, bad, prec == AOQK_STATE_Q4 ? "q4" : "q8", n, (int)t.gd, t.pd);
 	split_ties += ties;
 	free(mst);
 	free(g32);
@@ -1437,10 +1439,12 @@ static int test_numerics(void)
 				accumulate_case(k, (enum aoqk_dtype)gd, lens[li]);
 		contract_cases(k);
 		contract_cases_sl(k);
-		for (int rep = 0; rep < 4; rep++)
-			split_case(k, rep ? 1 + rnd() % 5000 : (1u << 20) + 37);
+		for (int rep = 0; rep < 4; rep++) {
+			split_case(k, AOQK_STATE_Q8, rep ? 1 + rnd() % 5000 : (1u << 20) + 37);
+			split_case(k, AOQK_STATE_Q4, rep ? 1 + rnd() % 5000 : (1u << 20) + 37);
+		}
 	}
-	/* a million elements, three steps: about 48 ties per variant */
+	/* two million elements, three steps: about 96 ties per variant */
 	CHECK(split_ties > 0, "split master: no tie met, the nudge is untested");
 	huge_index_case();
 	/* the selector */

@@ -57,7 +57,7 @@
  *         snapshot read, the trainer resumes at step 5 bit for bit, and
  *         the store is empty once every trainer said Bye.
  *
- * A third argument "q8" trains q8 state instead of fp32: the bf16 tensor's
+ * A third argument "q8" (or "q4") trains q8 (q4) state instead of fp32: the bf16 tensor's
  * master is then split (kernels/README.md, "The split master"), its high
  * half the parameter in a masters memfd, which the store keeps beside the
  * state's from the registration on (aoq-masters-<n>-0): left there at a
@@ -94,6 +94,13 @@
 static const uint64_t sizes[NT] = { 1000, 4097, 33, 70001 };
 static const enum aoq_dtype pdt[NT] = { AOQ_FP32, AOQ_FP32, AOQ_BF16, AOQ_FP32 };
 static enum aoq_precision precision = AOQ_STATE_FP32;
+
+/* q8 and q4 state split their fp32 masters: the high halves are the
+ * parameters, in a masters memfd of their own */
+static bool split_master(void)
+{
+	return precision == AOQ_STATE_Q8 || precision == AOQ_STATE_Q4;
+}
 
 /* The stored fds whose names start with prefix; *at: the last one's index. */
 static int stored(const struct sup *s, const char *prefix, int *at)
@@ -384,7 +391,7 @@ static int unit_main(const char *mode)
 	CHECK(sock && logp, "%s runs under tests/ops/unit-ns.sh ($AOQ_SOCKET and $AOQ_UNIT_LOG)", mode);
 	bool term = strcmp(mode, "unit-term") == 0;
 	CHECK(term || strcmp(mode, "unit-kill") == 0, "mode '%s': unit-term or unit-kill", mode);
-	int nmasters = precision == AOQ_STATE_Q8 ? 1 : 0;
+	int nmasters = split_master() ? 1 : 0;
 
 	static struct image at[STEPS + 1];
 	undisturbed(sock, at);
@@ -433,7 +440,8 @@ static int unit_main(const char *mode)
 	for (int i = 0; i < 50 && (held = unit_stored()) != 0; i++)
 		usleep(100000);
 	CHECK(held == 0, "systemd's store holds %d fd(s) after every trainer said Bye", held);
-	printf("ok: %s%s, resumed at step %" PRIu64 ", bit-exact after %d steps\n", mode, nmasters ? " q8" : "", resumed,
+	printf("ok: %s%s, resumed at step %" PRIu64 ", bit-exact after %d steps\n", mode,
+	       !nmasters ? "" : precision == AOQ_STATE_Q4 ? " q4" : " q8", resumed,
 	       STEPS);
 	return 0;
 }
@@ -510,6 +518,10 @@ int main(int argc, char **argv)
 	const char *mode = argc > 2 ? argv[2] : "term";
 	if (argc > 3 && strcmp(argv[3], "q8") == 0)
 		precision = AOQ_STATE_Q8;
+	else if (argc > 3 && strcmp(argv[3], "q4") == 0)
+		precision = AOQ_STATE_Q4;
+	else if (argc > 3)
+		CHECK(0, "precision '%s': q8 or q4", argv[3]);
 	signal(SIGPIPE, SIG_IGN);
 	if (strncmp(mode, "unit-", 5) == 0)
 		return unit_main(mode);
@@ -520,7 +532,7 @@ int main(int argc, char **argv)
 	bool sigterm = term || nomasters, snapshots = !term, from_snapshot = nostore || nomasters;
 	CHECK(term || nostore || nomasters || strcmp(mode, "kill") == 0,
 	      "mode '%s': term, kill, nostore, nomasters or oldmasters", mode);
-	CHECK((!nomasters && !oldmasters) || precision == AOQ_STATE_Q8, "%s needs q8 (a master that is a parameter)",
+	CHECK((!nomasters && !oldmasters) || split_master(), "%s needs q8 or q4 (a master that is a parameter)",
 	      mode);
 
 	struct sup s;
@@ -581,7 +593,7 @@ int main(int argc, char **argv)
 	char stored_name[256] = "";
 	/* q8: the bf16 tensor's master is its parameter, in a masters memfd
 	 * the store keeps beside the state's */
-	int nmasters = precision == AOQ_STATE_Q8 ? 1 : 0, si = 0;
+	int nmasters = split_master() ? 1 : 0, si = 0;
 	if (nostore) {
 		CHECK(s.nstored == 0, "%d states kept by a supervisor that keeps none", s.nstored);
 	} else {
@@ -755,7 +767,8 @@ int main(int argc, char **argv)
 	/* Every session ended with a Bye: the next stop stores nothing. */
 	sup_kill(&s, SIGTERM);
 	CHECK(s.nstored == 0, "%d states stored after every trainer said Bye", s.nstored);
-	printf("ok: %s, resumed at step %" PRIu64 ", bit-exact after %d steps\n", mode, resumed, STEPS);
+	printf("ok: %s%s, resumed at step %" PRIu64 ", bit-exact after %d steps\n", mode,
+	       !split_master() ? "" : precision == AOQ_STATE_Q4 ? " q4" : " q8", resumed, STEPS);
 	char cmd[256];
 	snprintf(cmd, sizeof(cmd), "rm -rf '%s'", s.dir);
 	if (system(cmd) != 0)

@@ -20,7 +20,7 @@
  * bf16) gets no masters memfd and trains as well.  Last, a model of 144 MiB
  * of masters, which come in two memfds (aoq-arena.h), trains the same way.
  *
- * q8 state with an fp32 master and bf16 parameters: the first daemon splits
+ * q8 and q4 state with an fp32 master and bf16 parameters: the first daemon splits
  * the master (kernels/README.md, "The split master"; its high half is the
  * parameter in the memfd), the second keeps it whole.  The parameters are
  * equal bit for bit, and so are the fp32 masters read back but for the
@@ -235,7 +235,7 @@ static void compare(const char *what, struct aoqt_daemon *on, struct aoqt_daemon
 			      lag ? " of the step before" : "");
 			memcpy(prev[t], m, sizes[t] * 2);
 		}
-		if (prec == AOQ_STATE_Q8)
+		if (prec == AOQ_STATE_Q8 || prec == AOQ_STATE_Q4)
 			ties = split_masters(what, &a, &b, k, tied);
 	}
 	for (int t = 0; t < NT; t++)
@@ -296,6 +296,7 @@ int main(int argc, char **argv)
 		const char *name;
 		enum aoq_precision prec;
 	} precs[] = { { "q8", AOQ_STATE_Q8 },
+	              { "q4", AOQ_STATE_Q4 },
 	              { "bf16", AOQ_STATE_BF16 },
 	              { "bf16q8", AOQ_STATE_BF16_Q8 },
 	              { "bf16all", AOQ_STATE_BF16_ALL },
