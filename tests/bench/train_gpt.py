@@ -13,7 +13,7 @@ down and every parameter up through pinned buffers, measured in the same run.
 The peers and the default (tests/bench/offload_table.sh runs them all at the two sizes):
 aoq-default is the import swap with no aoq argument at all (OffloadOptimizer(model.parameters(),
 torch.optim.AdamW, lr=, weight_decay=): the default precision for the parameters' dtype);
-every other aoq mode names its precision (aoq-fp32, aoq-q8, aoq-delayed*: an fp32 master;
+every other aoq mode names its precision (aoq-fp32, aoq-q8, aoq-q4, aoq-delayed*: an fp32 master;
 aoq-bf16: a bf16 master beside fp32 moments; aoq-bf16master: all bf16; aoq-*bf16-q8 / -q4: a bf16
 master with 8- or 4-bit moments; gpu-adamw-sr: the bf16 master's numerics done by torch on the device).
 torchao is torchao's CPUOffloadOptimizer (fused CPU AdamW), deepspeed DeepSpeed ZeRO-2 with
@@ -75,8 +75,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "client", "python"))
 
-MODES = ["gpu-adamw", "gpu-adamw-master", "gpu-adamw-sr", "aoq-default", "aoq-fp32", "aoq-q8", "aoq-bf16", "aoq-bf16master", "aoq-delayed",
-         "aoq-delayed-q8", "aoq-bf16-q8", "aoq-delayed-bf16-q8", "aoq-bf16-q4", "aoq-delayed-bf16-q4", "torchao",
+MODES = ["gpu-adamw", "gpu-adamw-master", "gpu-adamw-sr", "aoq-default", "aoq-fp32", "aoq-q8", "aoq-q4", "aoq-bf16",
+         "aoq-bf16master", "aoq-delayed", "aoq-delayed-q8", "aoq-bf16-q8", "aoq-delayed-bf16-q8", "aoq-bf16-q4", "aoq-delayed-bf16-q4", "torchao",
          "deepspeed"]
 VARIANTS = ("swap", "attach", "compile", "rcompile", "auto", "off")
 DROPIN = ["gpu-adamw", "gpu-adamw-compile", "gpu-adamw-rcompile", "aoq-fp32-swap", "aoq-fp32-attach",
