@@ -20,7 +20,9 @@
  *           must equal, bit for bit, those of the same model trained
  *           through the host backend ("cpu") with every step synchronous.
  *           With AOQT_RACE_BF16 set, both keep a bf16 master: the bf16
- *           tensors' parameters are copied from the masters memfd.  With
+ *           tensors' parameters are copied from the masters memfd; with
+ *           AOQT_RACE_Q8 (AOQT_RACE_Q4), q8 (q4) state whose bf16 tensors'
+ *           fp32 masters are split, their high halves in that memfd.  With
  *           AOQT_RACE_DELAYED set, both take the delayed update (with a
  *           bf16 master: each copy out of a master lands before the
  *           gradient whose update rewrites it is posted).
@@ -394,10 +396,10 @@ static void race_open(struct race_side *r, const char *sock, bool gpu, cudaStrea
 		 * daemon's masters memfd (pinned read-only) */
 		o.precision = AOQ_STATE_BF16;
 		o.seed = 0x5eed;
-	} else if (getenv("AOQT_RACE_Q8")) {
-		/* q8 state: the bf16 tensors' fp32 masters are split, their
-		 * high halves the parameters in the masters memfd */
-		o.precision = AOQ_STATE_Q8;
+	} else if (getenv("AOQT_RACE_Q8") || getenv("AOQT_RACE_Q4")) {
+		/* q8 (q4) state: the bf16 tensors' fp32 masters are split,
+		 * their high halves the parameters in the masters memfd */
+		o.precision = getenv("AOQT_RACE_Q4") ? AOQ_STATE_Q4 : AOQ_STATE_Q8;
 		o.seed = 0x5eed;
 	}
 	o.delayed_update = getenv("AOQT_RACE_DELAYED") != NULL;
