@@ -57,14 +57,15 @@
  *         snapshot read, the trainer resumes at step 5 bit for bit, and
  *         the store is empty once every trainer said Bye.
  *
- * A third argument "q8" (or "q4") trains q8 (q4) state instead of fp32: the bf16 tensor's
- * master is then split (kernels/README.md, "The split master"), its high
- * half the parameter in a masters memfd, which the store keeps beside the
- * state's from the registration on (aoq-masters-<n>-0): left there at a
- * stop as after a kill (the journal's stop mark says so), sealed against
- * resizing but not against writes, of mode 0400, and taken back at the
- * restart as it is: the same memfd (its inode) holds the trained master
- * at the end, no copy made.
+ * A third argument "q8" (or "q4") trains q8 (q4) state instead of fp32
+ * (the default, or "fp32"): the bf16 tensor's master is then split
+ * (kernels/README.md, "The split master"), its high half the parameter in
+ * a masters memfd, which the store keeps beside the state's from the
+ * registration on (aoq-masters-<n>-0): left there at a stop as after a kill
+ * (the journal's stop mark says so), sealed against resizing but not
+ * against writes, of mode 0400, and taken back at the restart as it is:
+ * the same memfd (its inode) holds the trained master at the end, no copy
+ * made.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -521,7 +522,7 @@ int main(int argc, char **argv)
 	else if (argc > 3 && strcmp(argv[3], "q4") == 0)
 		precision = AOQ_STATE_Q4;
 	else if (argc > 3)
-		CHECK(0, "precision '%s': q8 or q4", argv[3]);
+		CHECK(strcmp(argv[3], "fp32") == 0, "precision '%s': fp32, q8 or q4", argv[3]);
 	signal(SIGPIPE, SIG_IGN);
 	if (strncmp(mode, "unit-", 5) == 0)
 		return unit_main(mode);
