@@ -23,7 +23,9 @@
  *    jobs of a step), the minimum rate off, the settling time 200 ms (not
  *    the default 2 ms: this host's scheduler can hold the submitting
  *    thread back a few ms): in 1 s no chunk is written (a writer that took
- *    every idle moment writes them all); once the tasks stop, all are;
+ *    every idle moment writes them all); once the tasks stop, all are.  A
+ *    round in which the host held the trainer back for 100 ms (a real
+ *    idle moment) is not counted, and another is run, five at most;
  *  - cache: with the worker idle, 256 KiB chunks: once written, at most
  *    three chunks of the file are left in the page cache (write-behind;
  *    skipped on tmpfs, which has no writeback);
@@ -121,12 +123,14 @@ struct busy {
 	struct aoqd_task t;
 	_Atomic bool release, done;
 	unsigned ms;
+	_Atomic double started, ended; /* now_s() on the worker */
 };
 
 static void busy_run(struct aoqd_task *t, unsigned worker)
 {
 	(void)worker;
 	struct busy *b = (struct busy *)t;
+	atomic_store(&b->started, now_s());
 	if (b->ms) {
 		double end = now_s() + b->ms / 1e3;
 		while (now_s() < end) /* a compute loop, not a sleep */
@@ -135,6 +139,7 @@ static void busy_run(struct aoqd_task *t, unsigned worker)
 		while (!atomic_load(&b->release))
 			sleep_ms(1);
 	}
+	atomic_store(&b->ended, now_s());
 	atomic_store(&b->done, true);
 }
 
@@ -329,6 +334,7 @@ struct trainer {
 	unsigned busy_ms, gap_ms;
 	_Atomic bool stop;
 	unsigned steps;
+	double max_gap; /* s, the longest the worker waited for the next task */
 };
 
 /* Tasks of busy_ms, gap_ms apart (0: the next submitted as the last one
@@ -337,6 +343,7 @@ static void *train(void *arg)
 {
 	struct trainer *t = arg;
 	struct busy b;
+	double last_end = 0;
 	while (!atomic_load(&t->stop)) {
 		submit(t->pool, &b, t->busy_ms);
 		if (t->gap_ms) {
@@ -348,6 +355,9 @@ static void *train(void *arg)
 			while (!atomic_load(&b.done))
 				;
 		}
+		if (last_end > 0 && atomic_load(&b.started) - last_end > t->max_gap)
+			t->max_gap = atomic_load(&b.started) - last_end;
+		last_end = atomic_load(&b.ended);
 		t->steps++;
 	}
 	return NULL;
@@ -376,26 +386,41 @@ static void gap(uv_loop_t *loop, struct aoqd_pool *pool, struct aoqd_snapshotter
 	       s1.forced - s0.forced);
 }
 
+/* The check holds while the trainer keeps the worker fed: a host that
+ * holds the submitting thread back for half the settling time (a loaded
+ * machine under a sanitizer) makes a real idle moment, in which writing is
+ * right.  Such a round is not counted and the next one tries again. */
 static void settle(uv_loop_t *loop, struct aoqd_pool *pool, struct aoqd_snapshotter *w, struct aoqd_state *st)
 {
-	struct outcome o;
+	const double settle_s = 0.2;
 	aoqd_snapshotter_set_pace(w, &(struct aoqd_snap_pace){ 64u << 10, 1, 60000000000ull, 200000000u });
-	struct trainer t = { .pool = pool, .busy_ms = 2 };
-	pthread_t th;
-	pthread_create(&th, NULL, train, &t);
-	sleep_ms(50);
-	struct stats s0 = stats(w);
-	arm(w, st, &o);
-	run_until(loop, &o, 1.0);
-	struct stats s1 = stats(w);
-	atomic_store(&t.stop, true);
-	pthread_join(th, NULL);
-	printf("settle: %" PRIu64 " of 96 chunks written in 1 s of %u back-to-back tasks\n", s1.chunks - s0.chunks,
-	       t.steps);
-	EXPECT(!o.called && s1.chunks == s0.chunks,
-	       "settle: %" PRIu64 " of 96 chunks written between back-to-back tasks", s1.chunks - s0.chunks);
-	EXPECT(run_until(loop, &o, 30), "settle: no snapshot 30 s after the tasks stopped");
-	check_file("settle", &o, st);
+	bool checked = false;
+	for (int round = 0; round < 5 && !checked; round++) {
+		struct outcome o;
+		struct trainer t = { .pool = pool, .busy_ms = 2 };
+		pthread_t th;
+		pthread_create(&th, NULL, train, &t);
+		sleep_ms(50);
+		struct stats s0 = stats(w);
+		arm(w, st, &o);
+		run_until(loop, &o, 1.0);
+		struct stats s1 = stats(w);
+		atomic_store(&t.stop, true);
+		pthread_join(th, NULL);
+		printf("settle: %" PRIu64 " of 96 chunks written in 1 s of %u back-to-back tasks, "
+		       "the longest wait for a task %.1f ms\n",
+		       s1.chunks - s0.chunks, t.steps, t.max_gap * 1e3);
+		if (t.max_gap < settle_s / 2) {
+			checked = true;
+			EXPECT(!o.called && s1.chunks == s0.chunks,
+			       "settle: %" PRIu64 " of 96 chunks written between back-to-back tasks",
+			       s1.chunks - s0.chunks);
+		}
+		EXPECT(run_until(loop, &o, 30), "settle: no snapshot 30 s after the tasks stopped");
+		check_file("settle", &o, st);
+	}
+	if (!checked)
+		printf("settle: not checked: the host held the trainer back in every round\n");
 }
 
 /* Pages of the file at path in the page cache, and its pages. */
