@@ -108,6 +108,7 @@ step memcheck-kernels "$S" 120 0 "$cs" --tool memcheck "${csargs[@]}" "$bin/test
 step memcheck-correct "$S" 120 0 "$cs" --tool memcheck "${csargs[@]}" "$bin/test-cuda" correct "$aoqd" small
 step memcheck-race "$S" 120 0 "$cs" --tool memcheck "${csargs[@]}" "$bin/test-cuda" race "$aoqd" small
 step memcheck-race-q8 "$S" 120 0 env AOQT_RACE_Q8=1 "$cs" --tool memcheck "${csargs[@]}" "$bin/test-cuda" race "$aoqd" small
+step memcheck-race-q4 "$S" 120 0 env AOQT_RACE_Q4=1 "$cs" --tool memcheck "${csargs[@]}" "$bin/test-cuda" race "$aoqd" small
 step racecheck-race "$S" 120 0 "$cs" --tool racecheck "${csargs[@]}" "$bin/test-cuda" race "$aoqd" small
 step racecheck-kernels "$S" 120 0 "$cs" --tool racecheck "${csargs[@]}" "$bin/test-cuda" kernels "$aoqd" small
 
