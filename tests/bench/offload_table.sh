@@ -20,8 +20,8 @@
 # with pip --target and PYTHONPATH); a peer that does not import gets a row
 # saying why.  --bin DIR: a packed build (DIR/aoqd, DIR/lib/libaoq.so.*, as
 # tests/gpu/run-gpu-tests.sh pack makes it); else $AOQD / $AOQ_LIBRARY or the
-# build tree.  The log goes to $OUT/offload-SIZE.log when OUT is set (and to
-# stdout).  MODES, STEPS, WARMUP override the mode list and the step counts,
+# build tree.  The log goes to $OUT/offload-SIZE.log when OUT is set (made if
+# missing; and to stdout).  MODES, STEPS, WARMUP override the mode list and the step counts,
 # PYTHON the interpreter (python3).  The host's memory bandwidth is measured
 # before and after each mode (train_gpt.py --host-triad: bench-kernels --triad,
 # from --bin DIR, else the build tree; HOST_TRIAD=PATH to name another, or
@@ -54,7 +54,7 @@ esac
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$root/client/python${PYTHONPATH:+:$PYTHONPATH}
 log=/dev/null
-[ -n "${OUT:-}" ] && log=$OUT/offload-$size.log
+[ -n "${OUT:-}" ] && mkdir -p "$OUT" && log=$OUT/offload-$size.log
 {
 	echo "== offload_table.sh $size at $(git -C "$root" rev-parse --short HEAD 2>/dev/null) on $(hostname)," \
 	     "$(nproc) cores, $(date -u +%FT%TZ)"
