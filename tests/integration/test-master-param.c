@@ -29,6 +29,11 @@
  * left the whole master's low half 0x8000, by one ulp, and stays within
  * 2^-20 of it from then on, or of four learning rates where the master is
  * small beside its updates (a step's rounding is an ulp of the update).
+ *
+ * Built with AddressSanitizer (tests/run-all.sh's asan phase, for memory
+ * errors), the run leaves out the bf16 master alone, all bf16 and bf16 + q4:
+ * their daemon path is bf16 + q8's (the masters memfd, no split), and their
+ * kernels are kernels-numerics'.  The main build runs every case.
  */
 #include <errno.h>
 #include <math.h>
@@ -302,6 +307,11 @@ int main(int argc, char **argv)
 	              { "bf16all", AOQ_STATE_BF16_ALL },
 	              { "bf16q4", AOQ_STATE_BF16_Q4 } };
 	for (size_t p = 0; p < sizeof(precs) / sizeof(precs[0]); p++) {
+#ifdef __SANITIZE_ADDRESS__
+		if (precs[p].prec == AOQ_STATE_BF16 || precs[p].prec == AOQ_STATE_BF16_ALL ||
+		    precs[p].prec == AOQ_STATE_BF16_Q4)
+			continue;
+#endif
 		char what[64];
 		snprintf(what, sizeof(what), "%s-slots", precs[p].name);
 		compare(what, &on, &off, precs[p].prec, 0, false);
