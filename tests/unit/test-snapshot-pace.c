@@ -360,6 +360,10 @@ static void *train(void *arg)
 		last_end = atomic_load(&b.ended);
 		t->steps++;
 	}
+	/* the wait the stop cut short (a trainer held back as the round
+	 * ended submits no task whose start would count it) */
+	if (last_end > 0 && now_s() - last_end > t->max_gap)
+		t->max_gap = now_s() - last_end;
 	return NULL;
 }
 
