@@ -26,7 +26,7 @@ import torch_cases  # noqa: E402
 
 
 def main():
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)
     cases = os.environ.get("AOQ_TORCH_CASES")
     with aoq.Daemon(threads=2) as d:
         try:

@@ -1030,7 +1030,7 @@ DEFAULT = list(CASES)
 
 def main():
     global SOCKET, DAEMON, DEV
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)
     import argparse
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu", help="cpu (CI) or cuda:N")
