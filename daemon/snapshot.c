@@ -292,19 +292,22 @@ static struct aoqd_capture *capture_get(struct aoqd_state *st)
 	return st->snap;
 }
 
-/* Whether a capture of st can be an undo swap: every tensor has its undo
- * copy on private pages of its own.  A state in a memfd (state.h,
+/* Whether a capture of st is an undo swap: every tensor has its undo
+ * copy on private pages of its own, and the state is large enough for a
+ * copy of it to matter (AOQD_SNAPSHOT_SWAP_MIN).  A state in a memfd (state.h,
  * aoqd_state_set_memfd) cannot give its pages away: its captures copy
  * blocks. */
 static bool swap_possible(const struct aoqd_state *st)
 {
 	long page = sysconf(_SC_PAGESIZE);
 	bool swap = st->undo && st->ntensors > 0;
+	uint64_t bytes = 0;
 	for (uint32_t i = 0; i < st->ntensors && swap; i++) {
 		const struct aoqd_tensor *t = &st->tensors[i];
 		swap = t->undo_off && t->undo_off % (uint64_t)page == 0 && t->state_len > t->undo_off && !t->in_memfd;
+		bytes += t->undo_off;
 	}
-	return swap;
+	return swap && bytes >= AOQD_SNAPSHOT_SWAP_MIN;
 }
 
 int aoqd_snapshot_arm(struct aoqd_snapshotter *w, struct aoqd_state *st, const struct aoqd_snap_key *key,

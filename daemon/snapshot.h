@@ -161,6 +161,11 @@ struct aoqd_snap_pace {
  * most for a moment no task runs (a gap between the step's gradients)
  * before it is written beside running updates. */
 #define AOQD_SNAPSHOT_GAP_WAIT_MS 20
+/* A state (master and moments, undo copy not counted) smaller than this is
+ * captured by block copies even where the undo swap is possible: copying
+ * 16 MiB beside a step takes a few ms, where the swap waits for the next
+ * step's end, 2-3 s when the trainer is idle (aoqd_snapshot_tick). */
+#define AOQD_SNAPSHOT_SWAP_MIN (16ull << 20)
 /* Tests: sets the pacing of the writes to come. */
 void aoqd_snapshotter_set_pace(struct aoqd_snapshotter *w, const struct aoqd_snap_pace *pace);
 /* Since the writer started: chunks written (counted as each begins), those

@@ -213,8 +213,9 @@ static int roundtrip(const char *aoqd)
 	uint64_t step;
 	/* Asked between steps, a capture with a lease waits for the next
 	 * step's undo swap, and copies the state once the session stayed idle
-	 * for 2-3 s (aoqd_snapshot_tick): the six are asked at once so that
-	 * they wait side by side. */
+	 * for 2-3 s (aoqd_snapshot_tick), where the undo swap can be taken:
+	 * each tensor's undo copy on pages of its own (not these tensors'),
+	 * and a state of AOQD_SNAPSHOT_SWAP_MIN or more (below). */
 	struct trainer tp[6];
 	int fds[6];
 	for (int p = 0; p < 6; p++) {
@@ -230,6 +231,28 @@ static int roundtrip(const char *aoqd)
 		CHECK(r == 0, "%s: snapshot refused: %s", names[p], path);
 		CHECK(strncmp(path, sd, strlen(sd)) == 0, "%s: snapshot at %s, not in %s", names[p], path, sd);
 		check_file(&tp[p], path, 4, names[p]);
+	}
+	/* A state under AOQD_SNAPSHOT_SWAP_MIN whose tensors could swap
+	 * (their undo copies on pages of their own) is copied at once: an
+	 * idle trainer's snapshot is written well within the 2 s the idle
+	 * wait takes at least. */
+	{
+		numel[0] = 4096;
+		numel[1] = 2048;
+		numel[2] = 1024;
+		struct trainer t;
+		trainer_open(&t, d.socket, "snap-small", AOQ_STATE_FP32);
+		train(&t, 2);
+		double t0 = aoqt_now();
+		CHECK(aoqt_snapshot(d.socket, t.id, path, sizeof(path), &step) == 0 && step == 2, "small: %s", path);
+		double took = aoqt_now() - t0;
+		printf("a small state's snapshot, trainer idle: %.3f s\n", took);
+		CHECK(took < 2.0, "a small state's snapshot took %.2f s: it waited for an undo swap", took);
+		check_file(&t, path, 2, "small");
+		trainer_close(&t);
+		numel[0] = 1000;
+		numel[1] = 777;
+		numel[2] = 300;
 	}
 	{
 		struct trainer *t = &tp[0];
