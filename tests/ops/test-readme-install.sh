@@ -4,8 +4,8 @@
 # copy of the source tree, the quick start's build directory is configured
 # as deploy/quickstart.sh configures it (build/, prefix /usr/local), then the
 # commands of "As a system service" run as README.md has them, with three
-# changes: each `meson setup` gets $fast (no SIMD kernel variants, no CUDA:
-# compile time; the prefixes are what is tested), `ninja ... install` gets
+# changes: each `meson setup` gets $fast (no SIMD kernel variants, no CUDA,
+# no test programs: compile time; the prefixes are what is tested), `ninja ... install` gets
 # DESTDIR, and systemd-sysusers, systemd-tmpfiles and systemctl get --root
 # (systemctl: enable only, no daemon-reload or --now; usermod is left out).
 # Then aoqd and aoqctl are under /usr, nothing under /usr/local, the unit's
@@ -16,7 +16,7 @@ src=$(cd "$1" && pwd)
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/aoq-readme.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
 dest=$tmp/root
-fast="-Dkernel_variants=none -Dcuda=disabled"
+fast="-Dkernel_variants=none -Dcuda=disabled -Dtests=false"
 fail=0
 say() { echo "test-readme-install: $*"; }
 
