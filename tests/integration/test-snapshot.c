@@ -237,6 +237,8 @@ static int roundtrip(const char *aoqd)
 	 * idle trainer's snapshot is written well within the 2 s the idle
 	 * wait takes at least. */
 	{
+		uint64_t keep[NT];
+		memcpy(keep, numel, sizeof(keep));
 		numel[0] = 4096;
 		numel[1] = 2048;
 		numel[2] = 1024;
@@ -250,9 +252,7 @@ static int roundtrip(const char *aoqd)
 		CHECK(took < 2.0, "a small state's snapshot took %.2f s: it waited for an undo swap", took);
 		check_file(&t, path, 2, "small");
 		trainer_close(&t);
-		numel[0] = 1000;
-		numel[1] = 777;
-		numel[2] = 300;
+		memcpy(numel, keep, sizeof(keep));
 	}
 	{
 		struct trainer *t = &tp[0];

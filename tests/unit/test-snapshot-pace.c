@@ -355,15 +355,17 @@ static void *train(void *arg)
 			while (!atomic_load(&b.done))
 				;
 		}
-		if (last_end > 0 && atomic_load(&b.started) - last_end > t->max_gap)
-			t->max_gap = atomic_load(&b.started) - last_end;
+		double gap = atomic_load(&b.started) - last_end;
+		if (last_end > 0 && gap > t->max_gap)
+			t->max_gap = gap;
 		last_end = atomic_load(&b.ended);
 		t->steps++;
 	}
 	/* the wait the stop cut short (a trainer held back as the round
 	 * ended submits no task whose start would count it) */
-	if (last_end > 0 && now_s() - last_end > t->max_gap)
-		t->max_gap = now_s() - last_end;
+	double gap = now_s() - last_end;
+	if (last_end > 0 && gap > t->max_gap)
+		t->max_gap = gap;
 	return NULL;
 }
 
