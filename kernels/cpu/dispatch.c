@@ -49,7 +49,7 @@ static unsigned cpu_features(void)
 	if (!os_avx || __get_cpuid_max(0, NULL) < 7)
 		return 0;
 	__cpuid_count(7, 0, a, b, c, d);
-	bool avx2 = b & (1u << 5), avx512f = b & (1u << 16), avx512bw = b & (1u << 30),
+	bool avx2 = b & (1u << 5), avx512f = b & (1u << 16), avx512dq = b & (1u << 17), avx512bw = b & (1u << 30),
 	     avx512vl = b & (1u << 31), vbmi = c & (1u << 1),
 	     vaes = c & (1u << 9);
 	unsigned sub_max = a;
@@ -66,8 +66,9 @@ static unsigned cpu_features(void)
 		f |= F_AVX512;
 	/* avx512bf16 also packs q8 codes with VBMI and draws their random
 	 * bits with VAES: every CPU with BF16 but Cooper Lake has both, and
-	 * Cooper Lake runs avx512 */
-	if ((f & F_AVX512) && bf16 && vbmi && vaes)
+	 * Cooper Lake runs avx512; and classifies floats with DQ (the split
+	 * master's pair loop), which every CPU with BF16 has */
+	if ((f & F_AVX512) && avx512dq && bf16 && vbmi && vaes)
 		f |= F_AVX512BF16;
 #endif
 	return f;

@@ -118,6 +118,16 @@ KI int vf_split_plain(vf x)
 	return _mm256_testz_si256(_mm256_or_si256(t, n), _mm256_set1_epi32(-1));
 }
 
+KI int vf_split_plain2(vf a, vf b) { return vf_split_plain(a) & vf_split_plain(b); }
+
+/* The low 16 bits of each lane of a, then of b: 16 words in element order */
+KI vi vi_pack_lo16(vi a, vi b)
+{
+	const vi m = _mm256_set1_epi32(0xffff);
+	return _mm256_permute4x64_epi64(_mm256_packus_epi32(_mm256_and_si256(a, m), _mm256_and_si256(b, m)), 0xd8);
+}
+#define KROUND_HI16_GENERIC 1 /* kernel-body.h's vi_round_hi16 */
+
 /* The top 16 bits of each lane of a, then of b: 16 bf16 in element order */
 KI vi vi_pack_hi16(vi a, vi b)
 {

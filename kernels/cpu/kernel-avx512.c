@@ -153,6 +153,31 @@ KI int vf_split_plain(vf x)
 	return (n | t) == 0;
 }
 
+/* The split pair loop's plain case for two vectors (run_chunk): 1 where
+ * vf_split_plain holds for both and, with AVX512_BF16, no lane is
+ * denormal either (vcvtne2ps2bf16 takes those as zero; vi_round_hi16).
+ * One fpclass (DQ) finds NaNs and denormals at once. */
+KI int vf_split_plain2(vf a, vf b)
+{
+#ifdef AOQK_AVX512BF16
+	const vi tie = _mm512_set1_epi16((short)0x8000);
+	__mmask16 n = _mm512_fpclass_ps_mask(a, 0xa1) | _mm512_fpclass_ps_mask(b, 0xa1);
+	__mmask32 t = _mm512_mask_cmpeq_epi16_mask(0x55555555u, _mm512_castps_si512(a), tie) |
+	              _mm512_mask_cmpeq_epi16_mask(0x55555555u, _mm512_castps_si512(b), tie);
+	return (n | t) == 0;
+#else
+	return vf_split_plain(a) & vf_split_plain(b);
+#endif
+}
+
+/* The low 16 bits of each lane of a, then of b: 32 words in element order */
+KI vi vi_pack_lo16(vi a, vi b)
+{
+	const vi idx = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32, 30, 28, 26,
+	                                24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+	return _mm512_permutex2var_epi16(a, idx, b);
+}
+
 /* The top 16 bits of each lane of a, then of b: 32 bf16 in element order
  * (one two-table permute: bytes with VBMI, words without) */
 KI vi vi_pack_hi16(vi a, vi b)
@@ -169,6 +194,14 @@ KI vi vi_pack_hi16(vi a, vi b)
 	return _mm512_permutex2var_epi16(a, idx, b);
 #endif
 }
+/* a and b rounded to nearest even bf16, 32 in element order, where
+ * vf_split_plain2 holds (no NaN, no denormal, no tie): one conversion of
+ * both; without AVX512_BF16 kernel-body.h's rounding sums */
+#ifdef AOQK_AVX512BF16
+KI vi vi_round_hi16(vi a, vi b) { return (vi)_mm512_cvtne2ps_pbh(_mm512_castsi512_ps(b), _mm512_castsi512_ps(a)); }
+#else
+#define KROUND_HI16_GENERIC 1
+#endif
 KI void vi_stream(uint32_t *p, vi x) { _mm512_stream_si512((void *)p, x); }
 KI vh vh_zero(void) { return _mm256_setzero_si256(); }
 KI vh vh_loadu(const uint16_t *p) { return _mm256_loadu_si256((const __m256i *)(const void *)p); }

@@ -112,6 +112,50 @@ static AOQK_ALWAYS_INLINE void split_halves(vf x, vh *hi, vh *lo)
 	vi_halves(vi_bitsel(vi_set1(0xffffu), d, top), lo, hi);
 }
 
+#if W >= 8
+#ifdef KROUND_HI16_GENERIC
+/* a and b rounded to nearest even bf16, 2 W in element order, where
+ * vf_split_plain2 holds: the rounding sums' top halves */
+static AOQK_ALWAYS_INLINE vi vi_round_hi16(vi a, vi b)
+{
+	vi sa = vi_add(vi_add(a, vi_set1(0x7fffu)), vi_and(vi_srli(a, 16), vi_set1(1u)));
+	vi sb = vi_add(vi_add(b, vi_set1(0x7fffu)), vi_and(vi_srli(b, 16), vi_set1(1u)));
+	return vi_pack_hi16(sa, sb);
+}
+#endif
+
+/* split_halves for two vectors (bits a, then b; run_chunk's pair loop):
+ * the high halves to hi (and the parameter), the low ones to lo.  Where
+ * no lane of either is NaN, a tie or (AVX512_BF16) denormal, the low
+ * halves are the bits' own and the high ones their rounding, 2 W of each
+ * in one register: no per-vector halving. */
+static AOQK_ALWAYS_INLINE void split_store2(vi a, vi b, uint16_t *hi, uint16_t *lo, uint16_t *param,
+                                            const int pd, const int nt)
+{
+	vi h2;
+	if (vf_split_plain2(vi_as_vf(a), vi_as_vf(b))) {
+		h2 = vi_round_hi16(a, b);
+		vi_storeu((uint32_t *)(void *)hi, h2);
+		vi_storeu((uint32_t *)(void *)lo, vi_pack_lo16(a, b));
+	} else {
+		vh hh, ll;
+		split_halves(vi_as_vf(a), &hh, &ll);
+		vh_storeu(hi, hh);
+		vh_storeu(lo, ll);
+		split_halves(vi_as_vf(b), &hh, &ll);
+		vh_storeu(hi + W, hh);
+		vh_storeu(lo + W, ll);
+		h2 = vi_loadu((const uint32_t *)(const void *)hi);
+	}
+	if (pd == PD_BF16) {
+		if (nt)
+			vi_stream((uint32_t *)(void *)param, h2);
+		else
+			vi_storeu((uint32_t *)(void *)param, h2);
+	}
+}
+#endif
+
 /* Stochastic rounding of x to bf16 with the hash of global index i0 + lane. */
 /* aoqk_fmix32 of (global index i0 + lane) + key, lane-wise. */
 static AOQK_ALWAYS_INLINE vi sr_hash(uint32_t key, uint64_t i0)
@@ -402,6 +446,8 @@ static AOQK_ALWAYS_INLINE vi vstep(const struct kvec kc, const struct kptrs *p,
 	}
 	if (bfm && fast == 2)
 		return vi_add(vf_as_vi(pw), vi_srli(h, 16));
+	if (split && fast == 2)
+		return vf_as_vi(pw); /* the pair loop splits two at once (split_store2) */
 	if (bfm) {
 		vi s = sr_bf16(pw, vi_srli(h, 16));
 		vh sh = vi_to_vh(s);
@@ -722,8 +768,11 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 	 * is quiet (the result of arithmetic), so its sum with r < 2^16 has
 	 * the same top half as sr_bf16's.  Unless a constant is itself NaN
 	 * (with any payload): then the loop of one vector runs (a NaN block
-	 * scale fails q8_fma_ok: its block takes the loop with the flags). */
-	const int pair = (prec == AOQK_STATE_BF16_Q8 || prec == AOQK_STATE_BF16_Q4) && gd == AOQK_BF16 &&
+	 * scale fails q8_fma_ok: its block takes the loop with the flags).
+	 * The split master (q8 or q4) pairs its vectors too: split_store2
+	 * halves both with two permutes (or one conversion) where each
+	 * vector took three operations and two stores of each half. */
+	const int pair = (prec == AOQK_STATE_BF16_Q8 || prec == AOQK_STATE_BF16_Q4 || split) && gd == AOQK_BF16 &&
 	                 (pd == PD_BF16 || pd == PD_NONE);
 	const int pair_ok = pair && fast && !isnan(k->gscale) && !isnan(k->decay) && !isnan(k->w1) &&
 	                    !isnan(k->b2) && !isnan(k->w2) && !isnan(k->bc2s) && !isnan(k->eps) &&
@@ -798,6 +847,12 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 					             &ss, bmh + t + W, buh + t + W, hbh + t + W, xs, s1, &sq[s1], sm,
 					             su, nkm, nku, &mx_m, &mx_u, 2, jb + t + W, q4g ? cb : NULL, q4m,
 					             q4v, split);
+					if (split) {
+						split_store2(a, b, (uint16_t *)d.master + jb + t,
+						             (uint16_t *)d.lo + jb + t,
+						             pd == PD_BF16 ? (uint16_t *)d.param + jb + t : NULL, pd, nt);
+						continue;
+					}
 					vi h2 = vi_pack_hi16(a, b);
 					uint16_t *pm = (uint16_t *)d.master + jb + t;
 					vi_storeu((uint32_t *)(void *)pm, h2);
