@@ -15,7 +15,8 @@ aoq-default is the import swap with no aoq argument at all (OffloadOptimizer(mod
 torch.optim.AdamW, lr=, weight_decay=): the default precision for the parameters' dtype);
 every other aoq mode names its precision (aoq-fp32, aoq-q8, aoq-q4, aoq-delayed*: an fp32 master;
 aoq-bf16: a bf16 master beside fp32 moments; aoq-bf16master: all bf16; aoq-*bf16-q8 / -q4: a bf16
-master with 8- or 4-bit moments; gpu-adamw-sr: the bf16 master's numerics done by torch on the device).
+master with 8- or 4-bit moments; gpu-adamw-sr: the bf16 master's numerics done by torch on the device;
+gpu-adamw-sr24: the same with a master of 24 bits beside each bf16 parameter, its rounding).
 torchao is torchao's CPUOffloadOptimizer (fused CPU AdamW), deepspeed DeepSpeed ZeRO-2 with
 offload_optimizer to the CPU (pinned), a process group of one; either prints a row saying why
 when it does not import here.  An aoq mode ending in -auto adds gpu_state_budget="auto"
@@ -75,7 +76,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "client", "python"))
 
-MODES = ["gpu-adamw", "gpu-adamw-master", "gpu-adamw-sr", "aoq-default", "aoq-fp32", "aoq-q8", "aoq-q4", "aoq-bf16",
+MODES = ["gpu-adamw", "gpu-adamw-master", "gpu-adamw-sr", "gpu-adamw-sr24", "aoq-default", "aoq-fp32", "aoq-q8", "aoq-q4", "aoq-bf16",
          "aoq-bf16master", "aoq-delayed", "aoq-delayed-q8", "aoq-bf16-q8", "aoq-delayed-bf16-q8", "aoq-bf16-q4", "aoq-delayed-bf16-q4", "torchao",
          "deepspeed"]
 VARIANTS = ("swap", "attach", "compile", "rcompile", "auto", "off")
@@ -224,11 +225,16 @@ class SRAdamW:
     (master_dtype="bf16", state_precision="fp32") computed by torch, which
     tells what the rounding costs apart from the offload."""
 
-    def __init__(self, params, lr, weight_decay, betas=(0.9, 0.999), eps=1e-8):
+    def __init__(self, params, lr, weight_decay, betas=(0.9, 0.999), eps=1e-8, low_bits=16):
         self.params = [p for p in params if p.requires_grad]
         self.lr, self.wd, (self.b1, self.b2), self.eps = lr, weight_decay, betas, eps
         self.m = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
         self.v = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
+        # low_bits < 16 (gpu-adamw-sr24): a master of 32 - low_bits bits
+        # beside each bf16 parameter, which is its rounding to nearest
+        self.low = low_bits
+        self.master = [p.detach().float() if low_bits < 16 and p.dtype == torch.bfloat16 else None
+                       for p in self.params]
         self.t = 0
         self.state = {}
 
@@ -236,17 +242,19 @@ class SRAdamW:
     def step(self):
         self.t += 1
         bc1, bc2 = 1 - self.b1 ** self.t, 1 - self.b2 ** self.t
-        for p, m, v in zip(self.params, self.m, self.v):
+        for p, m, v, w in zip(self.params, self.m, self.v, self.master):
             if p.grad is None:
                 continue
             g = p.grad.float()
             m.lerp_(g, 1 - self.b1)
             v.mul_(self.b2).addcmul_(g, g, value=1 - self.b2)
-            x = p.float().mul_(1 - self.lr * self.wd)
+            x = (p.float() if w is None else w).mul_(1 - self.lr * self.wd)
             x.addcdiv_(m, (v / bc2).sqrt_().add_(self.eps), value=-self.lr / bc1)
             if p.dtype == torch.bfloat16:
-                r = torch.randint(0, 1 << 16, x.shape, device=x.device, dtype=torch.int32)
-                x = ((x.view(torch.int32) + r) & -65536).view(torch.float32)
+                r = torch.randint(0, 1 << self.low, x.shape, device=x.device, dtype=torch.int32)
+                x = ((x.view(torch.int32) + r) & -(1 << self.low)).view(torch.float32)
+                if w is not None:
+                    w.copy_(x)
             p.copy_(x)
 
     def zero_grad(self, set_to_none=True):
@@ -342,6 +350,8 @@ def make_optimizer(mode, model, args, socket):
                            fused=torch.device(args.device).type == "cuda")
     if mode == "gpu-adamw-sr":
         return SRAdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    if mode == "gpu-adamw-sr24":
+        return SRAdamW(model.parameters(), lr=args.lr, weight_decay=0.1, low_bits=8)
     if mode == "gpu-adamw":
         fused = torch.device(args.device).type == "cuda"
         return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=fused)
