@@ -168,6 +168,16 @@ struct aoqk_state {
 	 * where its low half would be 0x8000 (it moves one ulp toward the
 	 * side it rounds to). */
 	void *master_lo;
+	/* AOQK_STATE_Q8 and AOQK_STATE_Q4 only, instead of master_lo: a
+	 * master of 24 bits split in two (kernels/README.md, "The 24-bit
+	 * master"): master uint16_t[n], the master rounded half away from
+	 * zero to bf16 (the parameter), master_lo8 int8_t[n] the master less
+	 * it in units of 2^8 fp32 ulps (aoqk_split8_join, aoqk_split8).  The
+	 * update is the precision's with an fp32 master, whose result is
+	 * rounded to 24 bits stochastically (8 random bits, bits 16..23 of
+	 * the word A that rounds a bf16 master) before the split: same
+	 * moments, same random bits. */
+	void *master_lo8;
 };
 
 /* The split master: the fp32 bits of a (hi, lo) pair: hi's, plus lo as a
@@ -188,6 +198,34 @@ static inline void aoqk_split(uint32_t b, uint16_t *hi, uint16_t *lo)
 	int32_t d = (int32_t)(b - top);
 	*hi = (uint16_t)(top >> 16);
 	*lo = (uint16_t)(d > 0x7fff ? 0x7fff : d < -0x7fff ? -0x7fff : d);
+}
+
+/* The 24-bit master: the fp32 bits of (hi, lo8), hi's plus lo8 * 2^8,
+ * and back.  b (whose low 8 bits are zero but for a NaN) splits exactly:
+ * hi is b rounded half away from zero to bf16 (the top of b + 0x8000; a
+ * NaN stays a quiet NaN), lo8 the difference in units of 2^8, which is
+ * b's second byte taken as signed (-128..127; 0 for a NaN).  Unlike the
+ * 16-bit split (aoqk_split), whose ties +0x8000 cannot be held, no
+ * master moves: a tie rounds the parameter up instead of to even. */
+static inline uint32_t aoqk_split8_join(uint16_t hi, int8_t lo8)
+{
+	return ((uint32_t)hi << 16) + (uint32_t)((int32_t)lo8 * 256);
+}
+
+static inline void aoqk_split8(uint32_t b, uint16_t *hi, int8_t *lo8)
+{
+	bool nan = (b & 0x7f800000u) == 0x7f800000u && (b & 0x7fffffu);
+	*hi = (uint16_t)((nan ? b | 0x400000u : b + 0x8000u) >> 16);
+	*lo8 = nan ? 0 : (int8_t)(uint8_t)(b >> 8);
+}
+
+/* b rounded to 24 bits with the 8 random bits r (0..255): b + r with its
+ * low 8 bits cleared, so that it rounds up with probability (b & 0xff) /
+ * 256; a NaN is quieted instead (the sum could carry out of it). */
+static inline uint32_t aoqk_sr24(uint32_t b, uint32_t r)
+{
+	bool nan = (b & 0x7f800000u) == 0x7f800000u && (b & 0x7fffffu);
+	return nan ? (b | 0x400000u) & ~0xffu : (b + (r & 0xffu)) & ~0xffu;
 }
 
 /* The chunk to update and where its data is. */

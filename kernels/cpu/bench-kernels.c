@@ -260,7 +260,8 @@ static enum aoqk_precision cur_prec;
 static enum aoqk_dtype cur_gd, cur_pd;
 static int cur_skip;
 static int cur_noparam; /* no parameter out: the bf16 master is the parameter (docs/decisions.md) */
-static int cur_split;   /* q8's or q4's master split, m16 its low halves (kernels/README.md, "The split master") */
+static int cur_split;   /* q8's or q4's master split, m16 its low halves (kernels/README.md, "The split master");
+                         * 2: the 24-bit master, m16's bytes its low bytes ("The 24-bit master") */
 static struct aoqk_hparams cur_hp;
 static size_t cur_chunk;
 enum { OPT_ADAM, OPT_SGD, OPT_LION };
@@ -284,7 +285,8 @@ static void kernel_job(int tid)
 		.v = cur_opt != OPT_ADAM ? NULL : moment_ptr(cur_prec, v32, vq, v16),
 		.m_scale = ms,
 		.v_scale = vs,
-		.master_lo = cur_split ? (void *)m16 : NULL,
+		.master_lo = cur_split == 1 ? (void *)m16 : NULL,
+		.master_lo8 = cur_split == 2 ? (void *)m16 : NULL,
 	};
 	int (*fn)(const struct aoqk_hparams *, const struct aoqk_state *, const struct aoqk_chunk *,
 	          struct aoqk_report *) = cur_opt == OPT_SGD    ? cur_k->sgd
@@ -643,7 +645,8 @@ static void bench_kernel(const struct aoqk_kernel *k, enum aoqk_precision p, enu
 		if (*c == '-')
 			*c = '_';
 	record(name, t, (double)N,
-	       job_bytes_opt(p, gd, pd, cur_opt) - (cur_noparam ? (double)aoqk_dtype_size(pd) : 0.0));
+	       job_bytes_opt(p, gd, pd, cur_opt) - (cur_noparam ? (double)aoqk_dtype_size(pd) : 0.0) -
+	               (cur_split == 2 ? 2.0 : 0.0));
 }
 
 /* One variant x precision on the resident tensor: REPS timed runs of
@@ -671,7 +674,8 @@ static void bench_resident(const struct aoqk_kernel *k, enum aoqk_precision p, d
 		t[i] = res_seconds / ((double)res_passes * (double)N);
 	}
 	qsort(t, (size_t)reps, sizeof(double), cmp_double);
-	snprintf(name, sizeof(name), "%s_%s_bf16_bf16%s", k->name, prec_name(p), cur_split ? "_split" : "");
+	snprintf(name, sizeof(name), "%s_%s_bf16_bf16%s", k->name, prec_name(p),
+	         cur_split == 2 ? "_split8" : cur_split ? "_split" : "");
 	for (char *c = name; *c; c++)
 		if (*c == '-')
 			*c = '_';
@@ -905,6 +909,9 @@ int main(int argc, char **argv)
 			cur_split = cur_noparam = 1;
 			bench_resident(k, AOQK_STATE_Q8, ghz);
 			bench_resident(k, AOQK_STATE_Q4, ghz);
+			cur_split = 2;
+			bench_resident(k, AOQK_STATE_Q8, ghz);
+			bench_resident(k, AOQK_STATE_Q4, ghz);
 			cur_split = cur_noparam = 0;
 		}
 		for (size_t i = 0; i < NDROPS; i++) {
@@ -955,6 +962,11 @@ int main(int argc, char **argv)
 		cur_split = 1;
 		bench_kernel(k, AOQK_STATE_Q8, AOQK_BF16, AOQK_BF16, 0, CHUNK, "_split");
 		bench_kernel(k, AOQK_STATE_Q4, AOQK_BF16, AOQK_BF16, 0, CHUNK, "_split");
+		/* the 24-bit master: 2 B less again (one byte beside the
+		 * parameter, read and written) */
+		cur_split = 2;
+		bench_kernel(k, AOQK_STATE_Q8, AOQK_BF16, AOQK_BF16, 0, CHUNK, "_split8");
+		bench_kernel(k, AOQK_STATE_Q4, AOQK_BF16, AOQK_BF16, 0, CHUNK, "_split8");
 		cur_split = 0;
 		cur_noparam = 0;
 		if (modes_only)
@@ -1054,6 +1066,8 @@ done:
 			mode_line(best, (enum aoqk_precision)p, "_noparam", "  (no param out)", triad, triad_end);
 	mode_line(best, AOQK_STATE_Q8, "_split", "  (split master)", triad, triad_end);
 	mode_line(best, AOQK_STATE_Q4, "_split", "  (split master)", triad, triad_end);
+	mode_line(best, AOQK_STATE_Q8, "_split8", "  (24-bit master)", triad, triad_end);
+	mode_line(best, AOQK_STATE_Q4, "_split8", "  (24-bit master)", triad, triad_end);
 	/* the q8 kernels against their own loads and stores without math */
 	for (int p = AOQK_STATE_Q8; p <= AOQK_STATE_BF16_Q8; p += 2) {
 		char kname[96], mname[64];

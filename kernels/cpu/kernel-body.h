@@ -52,6 +52,7 @@ struct kptrs {
 	float *acc;
 	void *master;
 	void *lo; /* the split master's low halves (aoqk_state.master_lo) */
+	void *lo8; /* the 24-bit master's low bytes (aoqk_state.master_lo8) */
 	void *m;
 	void *v;
 	void *param;
@@ -155,6 +156,27 @@ static AOQK_ALWAYS_INLINE void split_store2(vi a, vi b, uint16_t *hi, uint16_t *
 	}
 }
 #endif
+
+/* The 24-bit master (aoq-kernel.h, aoqk_split8_join, aoqk_sr24 and
+ * aoqk_split8), lane-wise: its fp32 value from hi and the low bytes at
+ * p ... */
+static AOQK_ALWAYS_INLINE vf split8_join(vh hi, const int8_t *p)
+{
+	return vi_as_vf(vi_add(vf_as_vi(vh_bf16_to_f(hi)), vi_slli(vb_load_i8(p), 8)));
+}
+
+/* ... and x rounded to 24 bits with the random bits 16..23 of h (*tr),
+ * split: the high half returned (the top of t + 0x8000, a NaN's quieted),
+ * t's second byte, which is the signed rest, stored at lo8 (0 for a
+ * NaN) */
+static AOQK_ALWAYS_INLINE vh split8_store(vf x, vi h, int8_t *lo8, vf *tr)
+{
+	vi t = vi_and(vi_add_or_quiet(x, vf_as_vi(x), vi_and(vi_srli(h, 16), vi_set1(0xffu))), vi_set1(~0xffu));
+	vi top = vi_select_nan(vi_as_vf(t), t, vi_add(t, vi_set1(0x8000u)));
+	vb_store_u8((uint8_t *)lo8, vi_select_nan(vi_as_vf(t), vi_zero(), vi_srli(t, 8)));
+	*tr = vi_as_vf(t);
+	return vi_to_vh(vi_srli(top, 16));
+}
 
 /* Stochastic rounding of x to bf16 with the hash of global index i0 + lane. */
 /* aoqk_fmix32 of (global index i0 + lane) + key, lane-wise. */
@@ -354,7 +376,9 @@ static AOQK_ALWAYS_INLINE vi vstep(const struct kvec kc, const struct kptrs *p,
 	else if (want_ss)
 		vacc_add_sq(ss, g);
 
-	if (split)
+	if (split == 2)
+		pw = split8_join(vh_loadu((const uint16_t *)p->master + j), (const int8_t *)p->lo8 + j);
+	else if (split)
 		pw = split_join(vh_loadu((const uint16_t *)p->master + j), vh_loadu((const uint16_t *)p->lo + j));
 	else if (bfm)
 		pw = vh_bf16_to_f(vh_loadu((const uint16_t *)p->master + j));
@@ -426,11 +450,11 @@ static AOQK_ALWAYS_INLINE vi vstep(const struct kvec kc, const struct kptrs *p,
 	 * q8_encode, which draws m's from B); with an fp32 master q8_encode
 	 * steps it, with a bf16 master this does and hands A on through hb. */
 	vi h = vi_zero();
-	if (q8 && bfm && !AOQK_DROP_HASH)
+	if (q8 && (bfm || split == 2) && !AOQK_DROP_HASH)
 		h = rng_step(xs, slot);
 	else if (bfm && !q8 && !AOQK_DROP_HASH)
 		h = sr_hash(kc.srkey, gi);
-	if (q8 && bfm) {
+	if (q8 && (bfm || split == 2)) {
 #if W == 1
 		/* q8_encode's rng_second reads the state's four words */
 		if (slot % 4 == 0)
@@ -446,7 +470,7 @@ static AOQK_ALWAYS_INLINE vi vstep(const struct kvec kc, const struct kptrs *p,
 	}
 	if (bfm && fast == 2)
 		return vi_add(vf_as_vi(pw), vi_srli(h, 16));
-	if (split && fast == 2)
+	if (split == 1 && fast == 2)
 		return vf_as_vi(pw); /* the pair loop splits two at once (split_store2) */
 	if (bfm) {
 		vi s = sr_bf16(pw, vi_srli(h, 16));
@@ -454,6 +478,12 @@ static AOQK_ALWAYS_INLINE vi vstep(const struct kvec kc, const struct kptrs *p,
 		vh_storeu((uint16_t *)p->master + j, sh);
 		if (pd != PD_NONE)
 			store_param(p->param, j, vi_as_vf(vi_slli(s, 16)), sh, pd, 1, nt);
+	} else if (split == 2) {
+		vf t;
+		vh hh = split8_store(pw, h, (int8_t *)p->lo8 + j, &t);
+		vh_storeu((uint16_t *)p->master + j, hh);
+		if (pd != PD_NONE)
+			store_param(p->param, j, t, hh, pd, 1, nt);
 	} else if (split) {
 		vh hh, lo;
 		split_halves(pw, &hh, &lo);
@@ -573,24 +603,24 @@ static AOQK_ALWAYS_INLINE void q4_store(uint8_t *cm, uint8_t *cu, vi c0, vi q0, 
  * TOP / the block's scales; e0 is the block's first element in the
  * tensor.  With an fp32 master the random words A are drawn here (xs);
  * q4 pads the buffers to whole groups. */
-static AOQK_ALWAYS_INLINE void encode_block(const int prec, uint8_t *cm, uint8_t *cu, size_t len, float *bm,
-                                            float *bu, uint32_t *hb, vi *xs, uint32_t *bc, uint32_t srkey,
-                                            uint64_t e0, vf im, vf iu)
+static AOQK_ALWAYS_INLINE void encode_block(const int prec, const int upd_rng, uint8_t *cm, uint8_t *cu,
+                                            size_t len, float *bm, float *bu, uint32_t *hb, vi *xs, uint32_t *bc,
+                                            uint32_t srkey, uint64_t e0, vf im, vf iu)
 {
 	const int q4 = aoqk_precision_q4(prec);
 
-	if (!aoqk_precision_bf16_master(prec))
+	if (!upd_rng)
 		for (unsigned g = 0; g < XS_N; g++)
 			xs[g] = sr_hash(srkey, e0 + g * W);
 	/* the random bits: A is the update's with a bf16 master (it
 	 * rounded the master with its top half), else steps here; B is
 	 * computed here */
 #define Q8_A(e) \
-	(aoqk_precision_bf16_master(prec) ? vi_loadu(hb + (e)) \
+	(upd_rng ? vi_loadu(hb + (e)) \
 	 : AOQK_DROP_HASH ? vi_zero() : rng_step(xs, ((e) / W) % XS_N))
 	/* plain C: the four words of the element's AES state */
 #define Q8_LANE(e) \
-	(aoqk_precision_bf16_master(prec) ? hb + ((e) & ~(size_t)3) \
+	(upd_rng ? hb + ((e) & ~(size_t)3) \
 	 : (const uint32_t *)(const void *)&xs[((e) / W) % XS_N & ~3u])
 	if (q4) {
 		/* whole groups: the last one's elements past the end
@@ -692,19 +722,28 @@ struct kblock {
 static double scan_sumsq(const void *grad, enum aoqk_dtype gd, const float *acc, float scale, size_t n);
 
 /* The split master's table entries (chunk_sel): AOQK_STATE_Q8 and
- * AOQK_STATE_Q4 with aoqk_state.master_lo. */
+ * AOQK_STATE_Q4 with aoqk_state.master_lo, then with master_lo8. */
 #define PREC_SPLIT_Q8 7
 #define PREC_SPLIT_Q4 8
+#define PREC_SPLIT8_Q8 9
+#define PREC_SPLIT8_Q4 10
 
 static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const struct aoqk_state *st,
                                          const struct aoqk_chunk *c, int want_ss, double *ssum,
                                          const int table_prec, const int gd, const int pd, const int nt)
 {
 	/* the split master: q8's or q4's update with the master in two
-	 * halves */
-	const int split = table_prec == PREC_SPLIT_Q8 || table_prec == PREC_SPLIT_Q4;
-	const int prec = table_prec == PREC_SPLIT_Q8 ? AOQK_STATE_Q8
-	                 : table_prec == PREC_SPLIT_Q4 ? AOQK_STATE_Q4 : table_prec;
+	 * halves, split 1 (16 + 16 bits) or 2 (16 + 8, the 24-bit master,
+	 * whose random bits the update draws as a bf16 master's) */
+	const int split = table_prec == PREC_SPLIT_Q8 || table_prec == PREC_SPLIT_Q4       ? 1
+	                  : table_prec == PREC_SPLIT8_Q8 || table_prec == PREC_SPLIT8_Q4 ? 2
+	                                                                                 : 0;
+	const int prec = table_prec == PREC_SPLIT_Q8 || table_prec == PREC_SPLIT8_Q8   ? AOQK_STATE_Q8
+	                 : table_prec == PREC_SPLIT_Q4 || table_prec == PREC_SPLIT8_Q4 ? AOQK_STATE_Q4
+	                                                                               : table_prec;
+	/* the update draws the random words A (a bf16 or 24-bit master):
+	 * encode_block reads them from hb */
+	const int upd_rng = aoqk_precision_bf16_master(prec) || split == 2;
 	/* q8 or q4 (vstep); q4's codes are half a byte each */
 	const int q8 = aoqk_precision_blocked(prec);
 	const int q4 = aoqk_precision_q4(prec);
@@ -720,7 +759,8 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 		.grad = c->grad,
 		.acc = c->acc,
 		.master = (char *)st->master + b0 * sz.master,
-		.lo = split ? (char *)st->master_lo + b0 * 2 : NULL,
+		.lo = split == 1 ? (char *)st->master_lo + b0 * 2 : NULL,
+		.lo8 = split == 2 ? (char *)st->master_lo8 + b0 : NULL,
 		.m = (char *)st->m + (q4 ? b0 / 2 : b0 * sz.mom),
 		.v = (char *)st->v + (q4 ? b0 / 2 : b0 * sz.mom),
 		.param = c->param,
@@ -772,7 +812,7 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 	 * The split master (q8 or q4) pairs its vectors too: split_store2
 	 * halves both with two permutes (or one conversion) where each
 	 * vector took three operations and two stores of each half. */
-	const int pair = (prec == AOQK_STATE_BF16_Q8 || prec == AOQK_STATE_BF16_Q4 || split) && gd == AOQK_BF16 &&
+	const int pair = (prec == AOQK_STATE_BF16_Q8 || prec == AOQK_STATE_BF16_Q4 || split == 1) && gd == AOQK_BF16 &&
 	                 (pd == PD_BF16 || pd == PD_NONE);
 	const int pair_ok = pair && fast && !isnan(k->gscale) && !isnan(k->decay) && !isnan(k->w1) &&
 	                    !isnan(k->b2) && !isnan(k->w2) && !isnan(k->bc2s) && !isnan(k->eps) &&
@@ -796,7 +836,7 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 
 		if (q8) {
 			/* with an fp32 master encode_block draws A */
-			if (aoqk_precision_bf16_master(prec))
+			if (upd_rng)
 				for (unsigned g = 0; g < XS_N; g++)
 					xs[g] = sr_hash(kc.srkey, b0 + jb + g * W);
 			/* fu: sqrt(v)'s decode times sqrt(beta2) (vstep) */
@@ -882,7 +922,7 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 			size_t j = jb + t;
 			/* the tail: run the same step on zero-padded copies */
 			size_t r = len - t < W ? len - t : W;
-			_Alignas(64) unsigned char lg[W * 4], la[W * 4], lmst[W * 4], llo[W * 2], lm[W * 4],
+			_Alignas(64) unsigned char lg[W * 4], la[W * 4], lmst[W * 4], llo[W * 2], llo8[W], lm[W * 4],
 				lv[W * 4], lp[W * 4];
 			memset(lg, 0, sizeof(lg));
 			memset(la, 0, sizeof(la));
@@ -894,8 +934,11 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 				memcpy(la, d.acc + j, r * 4);
 			memcpy(lmst, (char *)d.master + j * sz.master, r * sz.master);
 			memset(llo, 0, sizeof(llo));
-			if (split)
+			memset(llo8, 0, sizeof(llo8));
+			if (split == 1)
 				memcpy(llo, (char *)d.lo + j * 2, r * 2);
+			else if (split == 2)
+				memcpy(llo8, (char *)d.lo8 + j, r);
 			memcpy(lm, (char *)d.m + j * sz.mom, r * sz.mom);
 			memcpy(lv, (char *)d.v + j * sz.mom, r * sz.mom);
 			/* q4: a copy of the codes of j's group, the nibbles past the
@@ -917,6 +960,7 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 				.acc = d.acc ? (float *)(void *)la : NULL,
 				.master = lmst,
 				.lo = llo,
+				.lo8 = llo8,
 				.m = q4 ? (void *)lm4 : (void *)lm,
 				.v = q4 ? (void *)lv4 : (void *)lv,
 				.param = lp,
@@ -926,8 +970,10 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 			if (d.acc)
 				memset(d.acc + j, 0, r * 4);
 			memcpy((char *)d.master + j * sz.master, lmst, r * sz.master);
-			if (split)
+			if (split == 1)
 				memcpy((char *)d.lo + j * 2, llo, r * 2);
+			else if (split == 2)
+				memcpy((char *)d.lo8 + j, llo8, r);
 			if (!q8) {
 				memcpy((char *)d.m + j * sz.mom, lm, r * sz.mom);
 				memcpy((char *)d.v + j * sz.mom, lv, r * sz.mom);
@@ -948,7 +994,7 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 			for (int i = !pend; i < 1 + (jb + blk >= n); i++) {
 				const struct kblock *e = i ? &cur : &prev;
 				const size_t eo = e->j / blk % 2 * AOQK_Q8_BLOCK;
-				encode_block(prec, (uint8_t *)d.m + (q4 ? e->j / 2 : e->j),
+				encode_block(prec, upd_rng, (uint8_t *)d.m + (q4 ? e->j / 2 : e->j),
 				             (uint8_t *)d.v + (q4 ? e->j / 2 : e->j), e->len, bm + eo, bu + eo,
 				             hb + eo, xs, bc, kc.srkey, b0 + e->j, vf_set1(e->im), vf_set1(e->iu));
 			}
@@ -1055,7 +1101,7 @@ typedef void chunk_fn(const struct aoqk_consts *k, const struct aoqk_state *st,
                       const struct aoqk_chunk *c, int want_ss, double *ssum);
 
 #define CHUNK_SEL(P, G, D) ((P) * 12 + (G) * 4 + (D))
-#define CHUNK_SELS 108
+#define CHUNK_SELS 132
 
 /* X(P, G, D, NT, ...) for every gradient dtype G and parameter dtype D of
  * precision P: D = PD_NONE only without non-temporal stores */
@@ -1065,12 +1111,12 @@ typedef void chunk_fn(const struct aoqk_consts *k, const struct aoqk_state *st,
 #define FOR_G(F, X, P, NT, ...) F(X, P, 0, NT, __VA_ARGS__) F(X, P, 1, NT, __VA_ARGS__) \
 	F(X, P, 2, NT, __VA_ARGS__)
 /* precisions 0..6 are AOQK_STATE_FP32 .. AOQK_STATE_BF16_Q4, 7 and 8 the
- * split master (PREC_SPLIT_Q8, PREC_SPLIT_Q4) (literals: they are pasted
- * into names) */
+ * split master (PREC_SPLIT_Q8, PREC_SPLIT_Q4), 9 and 10 the 24-bit one
+ * (PREC_SPLIT8_Q8, PREC_SPLIT8_Q4) (literals: they are pasted into names) */
 #define FOR_ADAM_P(F, X, NT, ...) FOR_G(F, X, 0, NT, __VA_ARGS__) FOR_G(F, X, 1, NT, __VA_ARGS__) \
 	FOR_G(F, X, 2, NT, __VA_ARGS__) FOR_G(F, X, 3, NT, __VA_ARGS__) FOR_G(F, X, 4, NT, __VA_ARGS__) \
 	FOR_G(F, X, 5, NT, __VA_ARGS__) FOR_G(F, X, 6, NT, __VA_ARGS__) FOR_G(F, X, 7, NT, __VA_ARGS__) \
-	FOR_G(F, X, 8, NT, __VA_ARGS__)
+	FOR_G(F, X, 8, NT, __VA_ARGS__) FOR_G(F, X, 9, NT, __VA_ARGS__) FOR_G(F, X, 10, NT, __VA_ARGS__)
 /* SGD and Lion: no q8 (precisions 1 and 3) */
 #define FOR_SL_P(F, X, NT, ...) FOR_G(F, X, 0, NT, __VA_ARGS__) FOR_G(F, X, 2, NT, __VA_ARGS__) \
 	FOR_G(F, X, 4, NT, __VA_ARGS__)
@@ -1101,6 +1147,8 @@ static inline int chunk_sel(const struct aoqk_state *st, const struct aoqk_chunk
 	int p = (int)st->precision;
 	if (st->master_lo)
 		p = p == AOQK_STATE_Q4 ? PREC_SPLIT_Q4 : PREC_SPLIT_Q8;
+	else if (st->master_lo8)
+		p = p == AOQK_STATE_Q4 ? PREC_SPLIT8_Q4 : PREC_SPLIT8_Q8;
 	return CHUNK_SEL(p, (int)c->grad_dtype, pd);
 }
 

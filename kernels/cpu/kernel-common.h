@@ -204,7 +204,9 @@ static inline int aoqk_check(const struct aoqk_hparams *hp, const struct aoqk_st
 		return -EINVAL;
 	if ((unsigned)st->precision > AOQK_STATE_BF16_Q4)
 		return -EINVAL;
-	if (st->master_lo && st->precision != AOQK_STATE_Q8 && st->precision != AOQK_STATE_Q4)
+	if ((st->master_lo || st->master_lo8) && st->precision != AOQK_STATE_Q8 && st->precision != AOQK_STATE_Q4)
+		return -EINVAL;
+	if (st->master_lo && st->master_lo8)
 		return -EINVAL;
 	if (!aoqk_dtype_ok(c->grad_dtype) || (c->param && !aoqk_dtype_ok(c->param_dtype)))
 		return -EINVAL;
@@ -240,7 +242,7 @@ static inline int aoqk_check_sl(const struct aoqk_hparams *hp, const struct aoqk
 	if (st->precision != AOQK_STATE_FP32 && st->precision != AOQK_STATE_BF16 &&
 	    st->precision != AOQK_STATE_BF16_ALL)
 		return -EINVAL;
-	if (st->master_lo)
+	if (st->master_lo || st->master_lo8)
 		return -EINVAL;
 	if (!aoqk_dtype_ok(c->grad_dtype) || (c->param && !aoqk_dtype_ok(c->param_dtype)))
 		return -EINVAL;
