@@ -119,6 +119,11 @@ KI int vf_split_plain(vf x)
 }
 
 KI int vf_split_plain2(vf a, vf b) { return vf_split_plain(a) & vf_split_plain(b); }
+/* 1 where no lane of a or b is NaN */
+KI int vf_nonan2(vf a, vf b)
+{
+	return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q), _mm256_cmp_ps(b, b, _CMP_UNORD_Q))) == 0;
+}
 
 /* The low 16 bits of each lane of a, then of b: 16 words in element order */
 KI vi vi_pack_lo16(vi a, vi b)

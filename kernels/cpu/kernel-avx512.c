@@ -170,6 +170,24 @@ KI int vf_split_plain2(vf a, vf b)
 #endif
 }
 
+/* 1 where no lane of a or b is NaN */
+KI int vf_nonan2(vf a, vf b)
+{
+	return (_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q)) == 0;
+}
+
+#ifdef AOQK_AVX512BF16
+/* the second byte of each lane of a, then of b, to p: one byte permute */
+#define KHAS_BYTE1X2 1
+KI void vi_store_byte1x2(uint8_t *p, vi a, vi b)
+{
+	const vi idx = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, (int)0x7d797571, (int)0x6d696561,
+	                                (int)0x5d595551, (int)0x4d494541, (int)0x3d393531, (int)0x2d292521,
+	                                (int)0x1d191511, (int)0x0d090501);
+	_mm256_storeu_si256((__m256i *)(void *)p, _mm512_castsi512_si256(_mm512_permutex2var_epi8(a, idx, b)));
+}
+#endif
+
 /* The low 16 bits of each lane of a, then of b: 32 words in element order */
 KI vi vi_pack_lo16(vi a, vi b)
 {

@@ -165,18 +165,57 @@ static AOQK_ALWAYS_INLINE vf split8_join(vh hi, const int8_t *p)
 	return vi_as_vf(vi_add(vf_as_vi(vh_bf16_to_f(hi)), vi_slli(vb_load_i8(p), 8)));
 }
 
-/* ... and x rounded to 24 bits with the random bits 16..23 of h (*tr),
- * split: the high half returned (the top of t + 0x8000, a NaN's quieted),
- * t's second byte, which is the signed rest, stored at lo8 (0 for a
- * NaN) */
-static AOQK_ALWAYS_INLINE vh split8_store(vf x, vi h, int8_t *lo8, vf *tr)
+/* ... x's bits b rounded to 24 bits with the random bits 16..23 of h
+ * (aoqk_sr24) ... */
+static AOQK_ALWAYS_INLINE vi sr24(vi b, vi h)
 {
-	vi t = vi_and(vi_add_or_quiet(x, vf_as_vi(x), vi_and(vi_srli(h, 16), vi_set1(0xffu))), vi_set1(~0xffu));
+	return vi_and(vi_add_or_quiet(vi_as_vf(b), b, vi_and(vi_srli(h, 16), vi_set1(0xffu))), vi_set1(~0xffu));
+}
+
+/* ... and such bits t split: the high half returned (the top of t +
+ * 0x8000, a NaN's quieted), t's second byte, which is the signed rest,
+ * stored at lo8 (0 for a NaN) */
+static AOQK_ALWAYS_INLINE vh split8_store(vi t, int8_t *lo8)
+{
 	vi top = vi_select_nan(vi_as_vf(t), t, vi_add(t, vi_set1(0x8000u)));
 	vb_store_u8((uint8_t *)lo8, vi_select_nan(vi_as_vf(t), vi_zero(), vi_srli(t, 8)));
-	*tr = vi_as_vf(t);
 	return vi_to_vh(vi_srli(top, 16));
 }
+
+#if W >= 8
+#ifndef KHAS_BYTE1X2
+/* the second byte of each lane of a, then of b, to p (2 W bytes) */
+static AOQK_ALWAYS_INLINE void vi_store_byte1x2(uint8_t *p, vi a, vi b)
+{
+	vb_store_u8(p, vi_srli(a, 8));
+	vb_store_u8(p + W, vi_srli(b, 8));
+}
+#endif
+
+/* split8_store for two vectors of bits a, b and their random words ha,
+ * hb (run_chunk's pair loop): where neither has a NaN lane, the high
+ * halves of both in one permute and the low bytes together */
+static AOQK_ALWAYS_INLINE void split8_store2(vi a, vi ha, vi b, vi hb, uint16_t *hi, int8_t *lo8,
+                                             uint16_t *param, const int pd, const int nt)
+{
+	vi ta = sr24(a, ha), tb = sr24(b, hb), h2;
+	if (vf_nonan2(vi_as_vf(ta), vi_as_vf(tb))) {
+		h2 = vi_pack_hi16(vi_add(ta, vi_set1(0x8000u)), vi_add(tb, vi_set1(0x8000u)));
+		vi_storeu((uint32_t *)(void *)hi, h2);
+		vi_store_byte1x2((uint8_t *)lo8, ta, tb);
+	} else {
+		vh_storeu(hi, split8_store(ta, lo8));
+		vh_storeu(hi + W, split8_store(tb, lo8 + W));
+		h2 = vi_loadu((const uint32_t *)(const void *)hi);
+	}
+	if (pd == PD_BF16) {
+		if (nt)
+			vi_stream((uint32_t *)(void *)param, h2);
+		else
+			vi_storeu((uint32_t *)(void *)param, h2);
+	}
+}
+#endif
 
 /* Stochastic rounding of x to bf16 with the hash of global index i0 + lane. */
 /* aoqk_fmix32 of (global index i0 + lane) + key, lane-wise. */
@@ -470,8 +509,8 @@ static AOQK_ALWAYS_INLINE vi vstep(const struct kvec kc, const struct kptrs *p,
 	}
 	if (bfm && fast == 2)
 		return vi_add(vf_as_vi(pw), vi_srli(h, 16));
-	if (split == 1 && fast == 2)
-		return vf_as_vi(pw); /* the pair loop splits two at once (split_store2) */
+	if (split && fast == 2)
+		return vf_as_vi(pw); /* the pair loop splits two at once (split_store2, split8_store2) */
 	if (bfm) {
 		vi s = sr_bf16(pw, vi_srli(h, 16));
 		vh sh = vi_to_vh(s);
@@ -479,11 +518,11 @@ static AOQK_ALWAYS_INLINE vi vstep(const struct kvec kc, const struct kptrs *p,
 		if (pd != PD_NONE)
 			store_param(p->param, j, vi_as_vf(vi_slli(s, 16)), sh, pd, 1, nt);
 	} else if (split == 2) {
-		vf t;
-		vh hh = split8_store(pw, h, (int8_t *)p->lo8 + j, &t);
+		vi t = sr24(vf_as_vi(pw), h);
+		vh hh = split8_store(t, (int8_t *)p->lo8 + j);
 		vh_storeu((uint16_t *)p->master + j, hh);
 		if (pd != PD_NONE)
-			store_param(p->param, j, t, hh, pd, 1, nt);
+			store_param(p->param, j, vi_as_vf(t), hh, pd, 1, nt);
 	} else if (split) {
 		vh hh, lo;
 		split_halves(pw, &hh, &lo);
@@ -812,7 +851,7 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 	 * The split master (q8 or q4) pairs its vectors too: split_store2
 	 * halves both with two permutes (or one conversion) where each
 	 * vector took three operations and two stores of each half. */
-	const int pair = (prec == AOQK_STATE_BF16_Q8 || prec == AOQK_STATE_BF16_Q4 || split == 1) && gd == AOQK_BF16 &&
+	const int pair = (prec == AOQK_STATE_BF16_Q8 || prec == AOQK_STATE_BF16_Q4 || split) && gd == AOQK_BF16 &&
 	                 (pd == PD_BF16 || pd == PD_NONE);
 	const int pair_ok = pair && fast && !isnan(k->gscale) && !isnan(k->decay) && !isnan(k->w1) &&
 	                    !isnan(k->b2) && !isnan(k->w2) && !isnan(k->bc2s) && !isnan(k->eps) &&
@@ -887,6 +926,12 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 					             &ss, bmh + t + W, buh + t + W, hbh + t + W, xs, s1, &sq[s1], sm,
 					             su, nkm, nku, &mx_m, &mx_u, 2, jb + t + W, q4g ? cb : NULL, q4m,
 					             q4v, split);
+					if (split == 2) {
+						split8_store2(a, vi_loadu(hbh + t), b, vi_loadu(hbh + t + W),
+						              (uint16_t *)d.master + jb + t, (int8_t *)d.lo8 + jb + t,
+						              pd == PD_BF16 ? (uint16_t *)d.param + jb + t : NULL, pd, nt);
+						continue;
+					}
 					if (split) {
 						split_store2(a, b, (uint16_t *)d.master + jb + t,
 						             (uint16_t *)d.lo + jb + t,
