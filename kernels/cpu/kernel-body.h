@@ -640,8 +640,8 @@ static AOQK_ALWAYS_INLINE void q4_store(uint8_t *cm, uint8_t *cu, vi c0, vi q0, 
 /* Encode a block of len elements from the buffers bm, bu (and hb: A with
  * a bf16 master) into its codes at cm, cu, with the factors im, iu =
  * TOP / the block's scales; e0 is the block's first element in the
- * tensor.  With an fp32 master the random words A are drawn here (xs);
- * q4 pads the buffers to whole groups. */
+ * tensor.  With an fp32 master (!upd_rng) the random words A are drawn
+ * here (xs); q4 pads the buffers to whole groups. */
 static AOQK_ALWAYS_INLINE void encode_block(const int prec, const int upd_rng, uint8_t *cm, uint8_t *cu,
                                             size_t len, float *bm, float *bu, uint32_t *hb, vi *xs, uint32_t *bc,
                                             uint32_t srkey, uint64_t e0, vf im, vf iu)
@@ -651,9 +651,9 @@ static AOQK_ALWAYS_INLINE void encode_block(const int prec, const int upd_rng, u
 	if (!upd_rng)
 		for (unsigned g = 0; g < XS_N; g++)
 			xs[g] = sr_hash(srkey, e0 + g * W);
-	/* the random bits: A is the update's with a bf16 master (it
-	 * rounded the master with its top half), else steps here; B is
-	 * computed here */
+	/* the random bits: A is the update's with a bf16 or 24-bit master
+	 * (it rounded the master with bits 16..31 or 16..23: upd_rng), else
+	 * steps here; B is computed here */
 #define Q8_A(e) \
 	(upd_rng ? vi_loadu(hb + (e)) \
 	 : AOQK_DROP_HASH ? vi_zero() : rng_step(xs, ((e) / W) % XS_N))
