@@ -125,6 +125,17 @@ static AOQK_ALWAYS_INLINE vi vi_round_hi16(vi a, vi b)
 }
 #endif
 
+/* 2 W bf16 parameters at p (the pair loops; pd PD_BF16, else none) */
+static AOQK_ALWAYS_INLINE void store_param2(uint16_t *p, vi h2, const int pd, const int nt)
+{
+	if (pd != PD_BF16)
+		return;
+	if (nt)
+		vi_stream((uint32_t *)(void *)p, h2);
+	else
+		vi_storeu((uint32_t *)(void *)p, h2);
+}
+
 /* split_halves for two vectors (bits a, then b; run_chunk's pair loop):
  * the high halves to hi (and the parameter), the low ones to lo.  Where
  * no lane of either is NaN, a tie or (AVX512_BF16) denormal, the low
@@ -148,12 +159,7 @@ static AOQK_ALWAYS_INLINE void split_store2(vi a, vi b, uint16_t *hi, uint16_t *
 		vh_storeu(lo + W, ll);
 		h2 = vi_loadu((const uint32_t *)(const void *)hi);
 	}
-	if (pd == PD_BF16) {
-		if (nt)
-			vi_stream((uint32_t *)(void *)param, h2);
-		else
-			vi_storeu((uint32_t *)(void *)param, h2);
-	}
+	store_param2(param, h2, pd, nt);
 }
 #endif
 
@@ -208,12 +214,7 @@ static AOQK_ALWAYS_INLINE void split8_store2(vi a, vi ha, vi b, vi hb, uint16_t 
 		vh_storeu(hi + W, split8_store(tb, lo8 + W));
 		h2 = vi_loadu((const uint32_t *)(const void *)hi);
 	}
-	if (pd == PD_BF16) {
-		if (nt)
-			vi_stream((uint32_t *)(void *)param, h2);
-		else
-			vi_storeu((uint32_t *)(void *)param, h2);
-	}
+	store_param2(param, h2, pd, nt);
 }
 #endif
 
@@ -941,13 +942,7 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 					vi h2 = vi_pack_hi16(a, b);
 					uint16_t *pm = (uint16_t *)d.master + jb + t;
 					vi_storeu((uint32_t *)(void *)pm, h2);
-					if (pd == PD_BF16) {
-						uint32_t *pp = (uint32_t *)(void *)((uint16_t *)d.param + jb + t);
-						if (nt)
-							vi_stream(pp, h2);
-						else
-							vi_storeu(pp, h2);
-					}
+					store_param2(pd == PD_BF16 ? (uint16_t *)d.param + jb + t : NULL, h2, pd, nt);
 				}
 			}
 #endif

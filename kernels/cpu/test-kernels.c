@@ -1265,6 +1265,92 @@ static void huge_index_case(void)
 	}
 }
 
+/* The split cases' two states' scales, codes and parameters (0: a whole
+ * master, 1: split). */
+struct split_bufs {
+	float *ms[2], *vs[2];
+	uint8_t *m[2], *v[2], *par[2];
+};
+
+static void split_bufs_alloc(struct split_bufs *b, size_t n, size_t nb, size_t mb, size_t psz)
+{
+	for (int i = 0; i < 2; i++) {
+		b->ms[i] = calloc(nb, 4);
+		b->vs[i] = calloc(nb, 4);
+		b->m[i] = calloc(mb, 1);
+		b->v[i] = calloc(mb, 1);
+		b->par[i] = calloc(n, psz);
+	}
+}
+
+static void split_bufs_free(struct split_bufs *b)
+{
+	for (int i = 0; i < 2; i++) {
+		free(b->ms[i]);
+		free(b->vs[i]);
+		free(b->m[i]);
+		free(b->v[i]);
+		free(b->par[i]);
+	}
+}
+
+/* A master's starting value: mostly normal(0, 0.05), one in 64 each
+ * infinite, huge, subnormal (*subnormal set) or -0. */
+static float split_start(int *subnormal)
+{
+	float x = (float)(nrand() * 0.05);
+	unsigned r = (unsigned)(rnd() % 64);
+	if (subnormal)
+		*subnormal = r == 2;
+	return r == 0 ? INFINITY : r == 1 ? -3e38f : r == 2 ? 1e-39f : r == 3 ? -0.0f : x;
+}
+
+/* The chunks of one step of the split cases: k's update of st, chunks of
+ * one to four blocks in turn, the step t's plus step. */
+static void run_split_chunks(const struct aoqk_kernel *k, const struct tcase *t, const struct aoqk_state *st,
+                             const void *grad, uint8_t *par, size_t psz, int step)
+{
+	for (size_t b = 0; b < st->n;) {
+		size_t cnt = (1 + rnd() % 4) * aoqk_block(st->precision);
+		cnt = cnt > st->n - b ? st->n - b : cnt;
+		struct aoqk_chunk c = {
+			.begin = b, .count = cnt, .grad = (const char *)grad + b * gsize(t->gd),
+			.grad_dtype = t->gd, .param = t->pd == 3 ? NULL : par + b * psz,
+			.param_dtype = t->pd == 3 ? AOQK_FP32 : (enum aoqk_dtype)t->pd, .seed = t->seed,
+		};
+		struct aoqk_report rep;
+		struct aoqk_hparams hp = t->hp;
+		hp.step += (uint64_t)step;
+		CHECK(k->adam(&hp, st, &c, &rep) == 0, "%s: split chunk refused", k->name);
+		b += cnt;
+	}
+}
+
+/* The two states' moments are the same: scales bit for bit, and the m
+ * and v codes but for the elements marked in skip: the codes of an
+ * element whose master was NaN (with L2 decay its gradient, then m, is
+ * NaN too), or whose block's scale was not finite (every moment decodes
+ * to NaN or infinity), depend on a NaN's sign, which x86 takes from
+ * whichever operand the compiler put first: each function may differ
+ * there. */
+static void check_moments(const struct aoqk_kernel *k, const char *what, enum aoqk_precision prec, size_t n,
+                          const uint8_t *skip, const struct split_bufs *b, int step)
+{
+	size_t d = 0, nb = aoqk_scale_count(prec, n);
+	for (size_t i = 0; i < n; i++) {
+		if (skip[i])
+			continue;
+		if (prec == AOQK_STATE_Q4)
+			d += aoqk_q4_get(b->m[0], i) != aoqk_q4_get(b->m[1], i) ||
+			     aoqk_q4_get(b->v[0], i) != aoqk_q4_get(b->v[1], i);
+		else
+			d += b->m[0][i] != b->m[1][i] || b->v[0][i] != b->v[1][i];
+	}
+	CHECK(d == 0 && !memcmp(b->ms[0], b->ms[1], nb * 4) && !memcmp(b->vs[0], b->vs[1], nb * 4),
+	      "%s: %s: the moments differ from %s's (step %d, %zu elements)", k->name, what,
+	      prec == AOQK_STATE_Q4 ? "q4" : "q8", step, d);
+}
+
 /* The 24-bit master (aoqk_state.master_lo8): k's update of (hi, lo8)
  * against k's update of a whole fp32 master from the same start, chunk by
  * chunk, three steps.  The split's master must be that result rounded to
@@ -1280,21 +1366,16 @@ static void split8_case(const struct aoqk_kernel *k, enum aoqk_precision prec, s
 	random_hparams(&t);
 	t.hp.decoupled = (rnd() & 1) != 0;
 	size_t nb = aoqk_scale_count(prec, n), mb = aoqk_moment_bytes(prec, n), psz = t.pd == AOQK_FP32 ? 4 : 2;
-	float *mst = calloc(n, 4), *ms[2], *vs[2], *g32 = calloc(n, 4);
+	float *mst = calloc(n, 4), *g32 = calloc(n, 4);
 	uint16_t *hi = calloc(n, 2), *g16 = calloc(n, 2);
 	int8_t *lo8 = calloc(n, 1);
-	uint8_t *m[2], *v[2], *par[2], *nanm = calloc(n, 1);
-	for (int i = 0; i < 2; i++) {
-		ms[i] = calloc(nb, 4);
-		vs[i] = calloc(nb, 4);
-		m[i] = calloc(mb, 1);
-		v[i] = calloc(mb, 1);
-		par[i] = calloc(n, psz);
-	}
+	uint8_t *nanm = calloc(n, 1);
+	struct split_bufs sb;
+	split_bufs_alloc(&sb, n, nb, mb, psz);
+	float **ms = sb.ms, **vs = sb.vs;
+	uint8_t **m = sb.m, **v = sb.v, **par = sb.par;
 	for (size_t i = 0; i < n; i++) {
-		float x = (float)(nrand() * 0.05);
-		unsigned r = (unsigned)(rnd() % 64);
-		x = r == 0 ? INFINITY : r == 1 ? -3e38f : r == 2 ? 1e-39f : r == 3 ? -0.0f : x;
+		float x = split_start(NULL);
 		aoqk_split8(f2u(x) & ~0xffu, &hi[i], &lo8[i]);
 		mst[i] = u2f(aoqk_split8_join(hi[i], lo8[i]));
 	}
@@ -1314,20 +1395,7 @@ static void split8_case(const struct aoqk_kernel *k, enum aoqk_precision prec, s
 				.m = m[w], .v = v[w], .m_scale = ms[w], .v_scale = vs[w],
 				.master_lo8 = w ? lo8 : NULL,
 			};
-			for (size_t b = 0; b < n;) {
-				size_t cnt = (1 + rnd() % 4) * aoqk_block(prec);
-				cnt = cnt > n - b ? n - b : cnt;
-				struct aoqk_chunk c = {
-					.begin = b, .count = cnt, .grad = (const char *)grad + b * gsize(t.gd),
-					.grad_dtype = t.gd, .param = t.pd == 3 ? NULL : par[w] + b * psz,
-					.param_dtype = t.pd == 3 ? AOQK_FP32 : (enum aoqk_dtype)t.pd, .seed = t.seed,
-				};
-				struct aoqk_report rep;
-				struct aoqk_hparams hp = t.hp;
-				hp.step += (uint64_t)step;
-				CHECK(k->adam(&hp, &st, &c, &rep) == 0, "%s: 24-bit chunk refused", k->name);
-				b += cnt;
-			}
+			run_split_chunks(k, &t, &st, grad, par[w], psz, step);
 		}
 		for (size_t i = 0; i < n; i++) {
 			uint32_t x = f2u(mst[i]), j = aoqk_split8_join(hi[i], lo8[i]);
@@ -1349,19 +1417,7 @@ static void split8_case(const struct aoqk_kernel *k, enum aoqk_precision prec, s
 				bad++;
 			mst[i] = u2f(j);
 		}
-		size_t mdiff = 0;
-		for (size_t i = 0; i < n; i++) {
-			if (nanm[i])
-				continue;
-			if (prec == AOQK_STATE_Q4)
-				mdiff += aoqk_q4_get(m[0], i) != aoqk_q4_get(m[1], i) ||
-				         aoqk_q4_get(v[0], i) != aoqk_q4_get(v[1], i);
-			else
-				mdiff += m[0][i] != m[1][i] || v[0][i] != v[1][i];
-		}
-		CHECK(mdiff == 0 && !memcmp(ms[0], ms[1], nb * 4) && !memcmp(vs[0], vs[1], nb * 4),
-		      "%s: 24-bit master: the moments differ from %s's (step %d, %zu elements)", k->name,
-		      prec == AOQK_STATE_Q4 ? "q4" : "q8", step, mdiff);
+		check_moments(k, "24-bit master", prec, n, nanm, &sb, step);
 	}
 	CHECK(bad == 0, "%s: 24-bit master: %zu elements are not %s's master rounded to 24 bits (n %zu, grad %d, param %d)",
 	      k->name, bad, prec == AOQK_STATE_Q4 ? "q4" : "q8", n, (int)t.gd, t.pd);
@@ -1371,13 +1427,7 @@ static void split8_case(const struct aoqk_kernel *k, enum aoqk_precision prec, s
 	free(g16);
 	free(hi);
 	free(lo8);
-	for (int i = 0; i < 2; i++) {
-		free(ms[i]);
-		free(vs[i]);
-		free(m[i]);
-		free(v[i]);
-		free(par[i]);
-	}
+	split_bufs_free(&sb);
 }
 
 /* The split master (aoqk_state.master_lo): every variant's update of a
@@ -1395,22 +1445,17 @@ static void split_case(const struct aoqk_kernel *k, enum aoqk_precision prec, si
 	random_hparams(&t);
 	t.hp.decoupled = (rnd() & 1) != 0;
 	size_t nb = aoqk_scale_count(prec, n), mb = aoqk_moment_bytes(prec, n), psz = t.pd == AOQK_FP32 ? 4 : 2;
-	float *mst = calloc(n, 4), *ms[2], *vs[2], *g32 = calloc(n, 4);
+	float *mst = calloc(n, 4), *g32 = calloc(n, 4);
 	uint16_t *hi = calloc(n, 2), *lo = calloc(n, 2), *g16 = calloc(n, 2);
 	uint8_t *nanm = calloc(2 * n, 1), *sub = nanm + n;
-	uint8_t *m[2], *v[2], *par[2];
-	for (int i = 0; i < 2; i++) {
-		ms[i] = calloc(nb, 4);
-		vs[i] = calloc(nb, 4);
-		m[i] = calloc(mb, 1);
-		v[i] = calloc(mb, 1);
-		par[i] = calloc(n, psz);
-	}
+	struct split_bufs sb;
+	split_bufs_alloc(&sb, n, nb, mb, psz);
+	float **ms = sb.ms, **vs = sb.vs;
+	uint8_t **m = sb.m, **v = sb.v, **par = sb.par;
 	for (size_t i = 0; i < n; i++) {
-		float x = (float)(nrand() * 0.05);
-		unsigned r = (unsigned)(rnd() % 64);
-		x = r == 0 ? INFINITY : r == 1 ? -3e38f : r == 2 ? 1e-39f : r == 3 ? -0.0f : x;
-		sub[i] = r == 2;
+		int subnormal;
+		float x = split_start(&subnormal);
+		sub[i] = (uint8_t)subnormal;
 		split_ref(f2u(x), &hi[i], &lo[i]);
 		mst[i] = u2f(aoqk_split_join(hi[i], lo[i]));
 	}
@@ -1434,20 +1479,7 @@ static void split_case(const struct aoqk_kernel *k, enum aoqk_precision prec, si
 				.precision = prec, .n = n, .master = w ? (void *)hi : (void *)mst,
 				.m = m[w], .v = v[w], .m_scale = ms[w], .v_scale = vs[w], .master_lo = w ? lo : NULL,
 			};
-			for (size_t b = 0; b < n;) {
-				size_t cnt = (1 + rnd() % 4) * aoqk_block(prec);
-				cnt = cnt > n - b ? n - b : cnt;
-				struct aoqk_chunk c = {
-					.begin = b, .count = cnt, .grad = (const char *)grad + b * gsize(t.gd),
-					.grad_dtype = t.gd, .param = t.pd == 3 ? NULL : par[w] + b * psz,
-					.param_dtype = t.pd == 3 ? AOQK_FP32 : (enum aoqk_dtype)t.pd, .seed = t.seed,
-				};
-				struct aoqk_report rep;
-				struct aoqk_hparams hp = t.hp;
-				hp.step += (uint64_t)step;
-				CHECK(k->adam(&hp, &st, &c, &rep) == 0, "%s: split chunk refused", k->name);
-				b += cnt;
-			}
+			run_split_chunks(k, &t, &st, grad, par[w], psz, step);
 		}
 		for (size_t i = 0; i < n; i++) {
 			uint16_t h, l;
@@ -1470,24 +1502,7 @@ static void split_case(const struct aoqk_kernel *k, enum aoqk_precision prec, si
 			/* continue from the split's master: ties moved */
 			mst[i] = u2f(aoqk_split_join(hi[i], lo[i]));
 		}
-		/* the codes of an element whose master was NaN (with L2 decay
-		 * its gradient, then m, is NaN too), or whose block's scale was
-		 * not finite (every moment decodes to NaN or infinity), depend
-		 * on a NaN's sign, which x86 takes from whichever operand the
-		 * compiler put first: each function may differ there */
-		size_t mdiff = 0;
-		for (size_t i = 0; i < n; i++) {
-			if (nanm[i])
-				continue;
-			if (prec == AOQK_STATE_Q4)
-				mdiff += aoqk_q4_get(m[0], i) != aoqk_q4_get(m[1], i) ||
-				         aoqk_q4_get(v[0], i) != aoqk_q4_get(v[1], i);
-			else
-				mdiff += m[0][i] != m[1][i] || v[0][i] != v[1][i];
-		}
-		CHECK(mdiff == 0 && !memcmp(ms[0], ms[1], nb * 4) && !memcmp(vs[0], vs[1], nb * 4),
-		      "%s: split: the moments differ from %s's (step %d, %zu elements)", k->name,
-		      prec == AOQK_STATE_Q4 ? "q4" : "q8", step, mdiff);
+		check_moments(k, "split", prec, n, nanm, &sb, step);
 	}
 	CHECK(bad == 0, "%s: split master: %zu elements differ from aoqk_split of %s's (n %zu, grad %d, param %d)",
 	      k->name, bad, prec == AOQK_STATE_Q4 ? "q4" : "q8", n, (int)t.gd, t.pd);
@@ -1498,13 +1513,7 @@ static void split_case(const struct aoqk_kernel *k, enum aoqk_precision prec, si
 	free(hi);
 	free(lo);
 	free(g16);
-	for (int i = 0; i < 2; i++) {
-		free(ms[i]);
-		free(vs[i]);
-		free(m[i]);
-		free(v[i]);
-		free(par[i]);
-	}
+	split_bufs_free(&sb);
 }
 
 static int test_numerics(void)
