@@ -219,15 +219,6 @@ static inline void aoqk_split8(uint32_t b, uint16_t *hi, int8_t *lo8)
 	*lo8 = nan ? 0 : (int8_t)(uint8_t)(b >> 8);
 }
 
-/* b rounded to 24 bits with the 8 random bits r (0..255): b + r with its
- * low 8 bits cleared, so that it rounds up with probability (b & 0xff) /
- * 256; a NaN is quieted instead (the sum could carry out of it). */
-static inline uint32_t aoqk_sr24(uint32_t b, uint32_t r)
-{
-	bool nan = (b & 0x7f800000u) == 0x7f800000u && (b & 0x7fffffu);
-	return nan ? (b | 0x400000u) & ~0xffu : (b + (r & 0xffu)) & ~0xffu;
-}
-
 /* The chunk to update and where its data is. */
 struct aoqk_chunk {
 	size_t begin; /* first element; a multiple of aoqk_block() for q8, q4 state */

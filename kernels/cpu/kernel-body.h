@@ -163,8 +163,8 @@ static AOQK_ALWAYS_INLINE void split_store2(vi a, vi b, uint16_t *hi, uint16_t *
 }
 #endif
 
-/* The 24-bit master (aoq-kernel.h, aoqk_split8_join, aoqk_sr24 and
- * aoqk_split8), lane-wise: its fp32 value from hi and the low bytes at
+/* The 24-bit master (aoq-kernel.h, aoqk_split8_join and aoqk_split8),
+ * lane-wise: its fp32 value from hi and the low bytes at
  * p ... */
 static AOQK_ALWAYS_INLINE vf split8_join(vh hi, const int8_t *p)
 {
@@ -172,7 +172,8 @@ static AOQK_ALWAYS_INLINE vf split8_join(vh hi, const int8_t *p)
 }
 
 /* ... x's bits b rounded to 24 bits with the random bits 16..23 of h
- * (aoqk_sr24) ... */
+ * (b + r with its low 8 bits cleared: up with probability (b & 0xff) /
+ * 256; a NaN quieted instead, as the sum could carry out of it) ... */
 static AOQK_ALWAYS_INLINE vi sr24(vi b, vi h)
 {
 	return vi_and(vi_add_or_quiet(vi_as_vf(b), b, vi_and(vi_srli(h, 16), vi_set1(0xffu))), vi_set1(~0xffu));
@@ -927,22 +928,20 @@ static AOQK_ALWAYS_INLINE void run_chunk(const struct aoqk_consts *k, const stru
 					             &ss, bmh + t + W, buh + t + W, hbh + t + W, xs, s1, &sq[s1], sm,
 					             su, nkm, nku, &mx_m, &mx_u, 2, jb + t + W, q4g ? cb : NULL, q4m,
 					             q4v, split);
+					uint16_t *pm = (uint16_t *)d.master + jb + t;
+					uint16_t *pp = pd == PD_BF16 ? (uint16_t *)d.param + jb + t : NULL;
 					if (split == 2) {
-						split8_store2(a, vi_loadu(hbh + t), b, vi_loadu(hbh + t + W),
-						              (uint16_t *)d.master + jb + t, (int8_t *)d.lo8 + jb + t,
-						              pd == PD_BF16 ? (uint16_t *)d.param + jb + t : NULL, pd, nt);
+						split8_store2(a, vi_loadu(hbh + t), b, vi_loadu(hbh + t + W), pm,
+						              (int8_t *)d.lo8 + jb + t, pp, pd, nt);
 						continue;
 					}
 					if (split) {
-						split_store2(a, b, (uint16_t *)d.master + jb + t,
-						             (uint16_t *)d.lo + jb + t,
-						             pd == PD_BF16 ? (uint16_t *)d.param + jb + t : NULL, pd, nt);
+						split_store2(a, b, pm, (uint16_t *)d.lo + jb + t, pp, pd, nt);
 						continue;
 					}
 					vi h2 = vi_pack_hi16(a, b);
-					uint16_t *pm = (uint16_t *)d.master + jb + t;
 					vi_storeu((uint32_t *)(void *)pm, h2);
-					store_param2(pd == PD_BF16 ? (uint16_t *)d.param + jb + t : NULL, h2, pd, nt);
+					store_param2(pp, h2, pd, nt);
 				}
 			}
 #endif

@@ -1447,7 +1447,7 @@ static void split_case(const struct aoqk_kernel *k, enum aoqk_precision prec, si
 	size_t nb = aoqk_scale_count(prec, n), mb = aoqk_moment_bytes(prec, n), psz = t.pd == AOQK_FP32 ? 4 : 2;
 	float *mst = calloc(n, 4), *g32 = calloc(n, 4);
 	uint16_t *hi = calloc(n, 2), *lo = calloc(n, 2), *g16 = calloc(n, 2);
-	uint8_t *nanm = calloc(2 * n, 1), *sub = nanm + n;
+	uint8_t *nanm = calloc(n, 1), *sub = calloc(n, 1);
 	struct split_bufs sb;
 	split_bufs_alloc(&sb, n, nb, mb, psz);
 	float **ms = sb.ms, **vs = sb.vs;
@@ -1509,6 +1509,7 @@ static void split_case(const struct aoqk_kernel *k, enum aoqk_precision prec, si
 	split_ties += ties;
 	free(mst);
 	free(nanm);
+	free(sub);
 	free(g32);
 	free(hi);
 	free(lo);
