@@ -71,6 +71,9 @@ int aoq_connect(struct aoq_client **out, const struct aoq_options *opts)
 	int r = aoqc_size_ok(opts->size, sizeof(*opts), "aoq_options");
 	if (r < 0)
 		return r;
+	if (opts->master_bits != 0 && opts->master_bits != 24 && opts->master_bits != 32)
+		return aoq_set_error(-EINVAL, "aoq_options.master_bits %u: 0 or 32 (an fp32 master) or 24 (the 24-bit "
+		                     "master)", opts->master_bits);
 	struct aoq_client *c = calloc(1, sizeof(*c));
 	if (!c)
 		return -ENOMEM;

@@ -121,6 +121,7 @@ static int send_registration(struct aoq_client *c, int *fds, int *nfds, Aoq__Env
 			reg.max_grad_norm = c->o.max_grad_norm;
 			reg.skip_nonfinite = c->o.skip_nonfinite;
 			reg.delayed = c->o.delayed_update;
+			reg.master_bits = c->o.master_bits;
 		}
 		size_t n = 0;
 		while (n < TENSORS_PER_FRAME && next < c->ntensors) {

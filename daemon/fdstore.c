@@ -31,7 +31,8 @@
  *       they follow from the descriptor.
  *   desc_off: the key: u32 uid, u32 rank, u32 job length, the job's bytes
  *       the state: u64 last_step, seed, window; f64 max_grad_norm;
- *       u32 precision; u8 skip_nonfinite, delayed, master_param,
+ *       u32 precision; u8 skip_nonfinite, delayed, master_param (bit 0;
+ *       bit 1: the 24-bit master, state.h master24),
  *       local_world (a replica group's local ranks, its rank 4294967295;
  *       0 for a trainer's state);
  *       u32 groups, tensors
@@ -266,7 +267,7 @@ static int describe(const struct aoqd_snap_key *key, const struct aoqd_state *st
 	PUT(b, uint32_t, st->precision);
 	PUT(b, uint8_t, st->skip_nonfinite);
 	PUT(b, uint8_t, st->delayed);
-	PUT(b, uint8_t, aoqd_state_master_param());
+	PUT(b, uint8_t, (uint8_t)(aoqd_state_master_param() | (unsigned)st->master24 << 1));
 	PUT(b, uint8_t, (uint8_t)key->local_world);
 	PUT(b, uint32_t, st->ngroups);
 	PUT(b, uint32_t, st->ntensors);
@@ -605,12 +606,12 @@ int aoqd_fdstore_decode_masters(int fd, const char *name, const int *mfds, uint3
 		BAD("rank %u with a local world of %u (a replica group's state has rank %u and 2 to %u local ranks)",
 		    key->rank, lw, UINT32_MAX, AOQ_MAX_LOCAL_WORLD);
 	key->local_world = lw;
-	if (st->last_step > AOQD_MAX_TENSOR_STEPS || prec >= SNAP_NPREC || skip > 1 || delayed > 1 || mp > 1 ||
+	if (st->last_step > AOQD_MAX_TENSOR_STEPS || prec >= SNAP_NPREC || skip > 1 || delayed > 1 || mp > 3 ||
 	    !(st->max_grad_norm >= 0) || st->max_grad_norm > 1e300)
 		BAD("bad options (step %" PRIu64 ", precision %u, max_grad_norm %g)", st->last_step, prec,
 		    st->max_grad_norm);
-	if ((mp != 0) != aoqd_state_master_param())
-		BAD("master_param was %s, is %s: the arrays' layout differs", mp ? "yes" : "no",
+	if ((mp & 1) != aoqd_state_master_param())
+		BAD("master_param was %s, is %s: the arrays' layout differs", mp & 1 ? "yes" : "no",
 		    aoqd_state_master_param() ? "yes" : "no");
 	if (ng == 0 || ng > 65536 || nt == 0 || nt > (1u << 24))
 		BAD("%u groups and %u tensors", ng, nt);
@@ -621,6 +622,7 @@ int aoqd_fdstore_decode_masters(int fd, const char *name, const int *mfds, uint3
 	st->precision = (Aoq__StatePrecision)prec;
 	st->skip_nonfinite = skip;
 	st->delayed = delayed;
+	st->master24 = mp >> 1;
 	st->defer = st->skip_nonfinite || st->max_grad_norm > 0;
 	st->options_set = true;
 	st->groups = calloc(ng, sizeof(*st->groups));

@@ -48,6 +48,10 @@ static int set_options(struct aoqd_session *s, const Aoq__Register *m, struct ao
 	st->skip_nonfinite = m->skip_nonfinite;
 	st->defer = m->max_grad_norm > 0 || m->skip_nonfinite;
 	st->delayed = m->delayed;
+	if (m->master_bits != 0 && m->master_bits != 24 && m->master_bits != 32)
+		return AOQD_FAIL(err, INVALID, "master_bits %u: 0 or 32 (an fp32 master) or 24 (the 24-bit master)",
+		                 m->master_bits);
+	st->master24 = m->master_bits == 24;
 	st->options_set = true;
 	return 0;
 }
@@ -401,10 +405,10 @@ static int arena_made(struct aoqd_session *s, uv_poll_cb on_doorbell, int r, str
 	s->state = AOQD_READY;
 	s->registered = true;
 	aoqd_info("session", "session %" PRIu64 ": registered %u tensors in %u groups, %" PRIu64
-	          " bytes of state (%s), arena %" PRIu64 " bytes, masters shared %" PRIu64 " bytes in %u memfds",
+	          " bytes of state (%s%s), arena %" PRIu64 " bytes, masters shared %" PRIu64 " bytes in %u memfds",
 	          s->id, st->ntensors, st->ngroups, st->state_bytes,
 	          protobuf_c_enum_descriptor_get_value(&aoq__state_precision__descriptor, st->precision)->name,
-	          s->arena.size, st->masters_size, st->masters_n);
+	          st->master24 ? ", 24-bit split masters" : "", s->arena.size, st->masters_size, st->masters_n);
 	return AOQD_REPLIED;
 }
 

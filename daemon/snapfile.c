@@ -362,6 +362,7 @@ struct aoqd_snapfile *aoqd_snapfile_prepare(const struct aoqd_snap_key *key, uin
 	    (key->local_world > 1 && add_u64(meta, "local_world", key->local_world) < 0) ||
 	    add_str(meta, "skip_nonfinite", st->skip_nonfinite ? "true" : "false") < 0 ||
 	    add_str(meta, "delayed_update", st->delayed ? "true" : "false") < 0 ||
+	    (st->master24 && add_u64(meta, "master_bits", 24) < 0) ||
 	    add_str(meta, "groups", json_object_to_json_string_ext(groups, JSON_C_TO_STRING_PLAIN)) < 0 ||
 	    add_str(meta, "tensors", json_object_to_json_string_ext(tens, JSON_C_TO_STRING_PLAIN)) < 0)
 		goto fail;
@@ -577,9 +578,9 @@ int aoqd_snapfile_put(struct aoqd_snapfile *f, uint32_t i, const struct aoqk_sta
 		const void *p = snap_arr_ptr(a, k);
 		if (!p)
 			return AOQD_REFUSE(err, INTERNAL, "snapshot: tensor %u has no %s", i, snap_arr_suffix[k]);
-		/* a split master (aoqk_state.master_lo) goes out as the fp32
-		 * master it is, joined a piece at a time */
-		bool join = k == A_MASTER && a->master_lo;
+		/* a split master (aoqk_state.master_lo, master_lo8) goes out
+		 * as the fp32 master it is, joined a piece at a time */
+		bool join = k == A_MASTER && aoqd_lo(a);
 		uint32_t *joined = NULL;
 		uint64_t step = join ? 1u << 20 : f->chunk;
 		if (join && !(joined = malloc(step)))
@@ -594,8 +595,8 @@ int aoqd_snapfile_put(struct aoqd_snapfile *f, uint32_t i, const struct aoqk_sta
 				f->before(f->before_arg, n);
 			const uint8_t *q = (const uint8_t *)p + at;
 			if (join) {
-				aoqd_split_join(joined, (const uint16_t *)p + at / 4, (const uint16_t *)a->master_lo + at / 4,
-				                n / 4);
+				aoqd_master_join(joined, (const uint16_t *)p + at / 4,
+				                 (const uint8_t *)aoqd_lo(a) + at / 4 * aoqd_lo_size(a), aoqd_lo_size(a), n / 4);
 				q = (const uint8_t *)joined;
 			}
 			crc = snap_crc(crc, q, n);

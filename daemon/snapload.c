@@ -240,6 +240,11 @@ int aoqd_snapshot_load(const char *path, int lock_memory, _Atomic uint64_t *lock
 	double maxnorm = mgn ? strtod(mgn, &end) : -1;
 	if (skipw < 0 || delw < 0 || !mgn || !*mgn || *end || !(maxnorm >= 0) || maxnorm > 1e300)
 		FAIL("%s: metadata skip_nonfinite, delayed_update or max_grad_norm missing or bad", path);
+	/* master_bits: 24 for the 24-bit master (split masters keep 8 low
+	 * bits); absent: 32 */
+	uint64_t mbits = 32;
+	if (meta_str(meta, "master_bits") && (!meta_u64(meta, "master_bits", 32, &mbits) || (mbits != 24 && mbits != 32)))
+		FAIL("%s: metadata master_bits '%s': 24 or 32", path, meta_str(meta, "master_bits"));
 	const char *csum = meta_str(meta, "checksum");
 	uint32_t want_crc = 0;
 	if (!csum || strlen(csum) != 14 || strncmp(csum, "crc32:", 6) != 0)
@@ -256,6 +261,7 @@ int aoqd_snapshot_load(const char *path, int lock_memory, _Atomic uint64_t *lock
 	st->window = window;
 	st->skip_nonfinite = skipw == 1;
 	st->delayed = delw == 1;
+	st->master24 = mbits == 24;
 	st->max_grad_norm = maxnorm;
 	st->defer = st->skip_nonfinite || maxnorm > 0;
 	st->options_set = true;
@@ -403,7 +409,7 @@ int aoqd_snapshot_load(const char *path, int lock_memory, _Atomic uint64_t *lock
 		const struct aoqk_state *as = &st->tensors[la[k].t].st;
 		void *dst = (void *)snap_arr_ptr(as, la[k].k);
 		uint64_t n = la[k].e - la[k].b;
-		if (la[k].k == A_MASTER && as->master_lo) {
+		if (la[k].k == A_MASTER && aoqd_lo(as)) {
 			/* an fp32 master into a split one, a piece at a time */
 			if (!split_buf && !(split_buf = malloc(SPLIT_PIECE)))
 				FAIL("%s: out of memory", path);
@@ -412,7 +418,8 @@ int aoqd_snapshot_load(const char *path, int lock_memory, _Atomic uint64_t *lock
 				if (snap_pio(fd, split_buf, len, 8 + hlen + la[k].b + at, false) < 0)
 					FAIL("%s: cannot read the data", path);
 				crc = snap_crc(crc, split_buf, len);
-				aoqd_split((uint16_t *)dst + at / 4, (uint16_t *)as->master_lo + at / 4, split_buf, len / 4);
+				aoqd_master_split((uint16_t *)dst + at / 4, (uint8_t *)aoqd_lo(as) + at / 4 * aoqd_lo_size(as),
+				                  aoqd_lo_size(as), split_buf, len / 4);
 			}
 			continue;
 		}

@@ -805,6 +805,7 @@ static void capture_write(struct aoqd_capture *c)
 		a.m_scale = REBASE(t->st.m_scale);
 		a.v_scale = REBASE(t->st.v_scale);
 		a.master_lo = REBASE(t->st.master_lo);
+		a.master_lo8 = REBASE(t->st.master_lo8);
 #undef REBASE
 		r = aoqd_snapfile_put(c->file, i, &a, &err);
 		pace_idle(&pace);

@@ -113,10 +113,10 @@ bool aoqd_dtype_valid(int d)
 	return d == AOQ__DTYPE__FP32 || d == AOQ__DTYPE__BF16 || d == AOQ__DTYPE__FP16;
 }
 
-uint64_t aoqd_state_len(enum aoqk_precision p, uint64_t n, unsigned moments, bool split,
+uint64_t aoqd_state_len(enum aoqk_precision p, uint64_t n, unsigned moments, unsigned lo,
                         uint64_t off[AOQD_STATE_ARRAYS])
 {
-	uint64_t master = n * (split ? 2 : aoqk_master_size(p));
+	uint64_t master = n * (lo ? 2 : aoqk_master_size(p));
 	uint64_t mom = aoqk_moment_bytes(p, n);
 	uint64_t scale = aoqk_scale_count(p, n) * 4;
 	uint64_t o = 0;
@@ -125,7 +125,7 @@ uint64_t aoqd_state_len(enum aoqk_precision p, uint64_t n, unsigned moments, boo
 	off[2] = o; o = aoq_align_up(o + (moments >= 2 ? mom : 0), 64);
 	off[3] = o; o = aoq_align_up(o + scale, 64);
 	off[4] = o; o = aoq_align_up(o + scale, 64);
-	off[5] = o; o = aoq_align_up(o + (split ? n * 2 : 0), 64);
+	off[5] = o; o = aoq_align_up(o + n * lo, 64);
 	return o;
 }
 
@@ -196,12 +196,14 @@ int aoqd_state_acc(struct aoqd_state *st, struct aoqd_tensor *t)
 void aoqd_state_io(struct aoqd_tensor *t, int what, bool load, float *buf, uint64_t e, size_t n)
 {
 	if (what == AOQ__STATE_KIND__MASTER || what == AOQ__STATE_KIND__PARAM) {
-		if (t->st.master_lo) {
-			uint16_t *hi = (uint16_t *)t->st.master + e, *lo = (uint16_t *)t->st.master_lo + e;
+		if (aoqd_tensor_lo(t)) {
+			unsigned ls = aoqd_tensor_lo_size(t);
+			uint16_t *hi = (uint16_t *)t->st.master + e;
+			uint8_t *lo = (uint8_t *)aoqd_tensor_lo(t) + e * ls;
 			if (load)
-				aoqd_split(hi, lo, buf, n);
+				aoqd_master_split(hi, lo, ls, buf, n);
 			else
-				aoqd_split_join(buf, hi, lo, n);
+				aoqd_master_join(buf, hi, lo, ls, n);
 		} else if (aoqk_precision_bf16_master(t->st.precision)) {
 			if (load)
 				aoqd_from_f32((uint16_t *)t->st.master + e, AOQK_BF16, buf, n);
@@ -286,7 +288,7 @@ static void range_copy(const struct aoqd_tensor *t, uint64_t b, uint64_t n, uint
 		uint64_t b, n;
 	} part[AOQD_STATE_ARRAYS] = {
 		{ t->st.master, aoqd_tensor_master_size(t), b, n },
-		{ t->st.master_lo, 2, b, n },
+		{ aoqd_tensor_lo(t), aoqd_tensor_lo_size(t), b, n },
 		{ t->st.m, q4 ? 1 : aoqk_moment_size(p), mb, mn },
 		{ t->st.v, q4 ? 1 : aoqk_moment_size(p), mb, mn },
 		{ t->st.m_scale, 4, b / blk, (b + n + blk - 1) / blk - b / blk },
@@ -491,6 +493,11 @@ int aoqd_state_same_layout(const struct aoqd_state *st, const struct aoqd_state 
 		snprintf(why, len, "state precision %s here, %s in the leased session",
 		         protobuf_c_enum_descriptor_get_value(&aoq__state_precision__descriptor, st->precision)->name,
 		         protobuf_c_enum_descriptor_get_value(&aoq__state_precision__descriptor, old->precision)->name);
+		return -EINVAL;
+	}
+	if (st->master24 != old->master24) {
+		snprintf(why, len, "a %s master here, a %s one in the leased session", st->master24 ? "24-bit" : "32-bit",
+		         old->master24 ? "24-bit" : "32-bit");
 		return -EINVAL;
 	}
 	if (st->ngroups != old->ngroups) {

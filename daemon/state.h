@@ -110,6 +110,9 @@ struct aoqd_state {
 	bool skip_nonfinite;   /* skip a step with an inf/nan gradient */
 	bool defer;            /* either: updates wait for the step's norm */
 	bool delayed;          /* two param buffers, by step parity */
+	/* Split masters keep 8 low bits, not 16: the 24-bit master
+	 * (Register.master_bits 24; aoqk_state.master_lo8). */
+	bool master24;
 	bool options_set;      /* the first Register frame set the above */
 	/* Lease and resume (README, "Lease and resume"): with `undo`, every
 	 * tensor's mapping holds a second copy of its arrays, where each range
@@ -218,9 +221,10 @@ int aoqd_tensor_mark_done(struct aoqd_tensor *t, uint64_t b, uint64_t n);
 #define AOQD_STATE_ARRAYS 6
 
 /* Bytes of one tensor's state arrays with `moments` moments (0: master
- * only, 1: m, 2: m and v), the master split or not (aoqk_state.master_lo);
- * off[] receives the arrays' offsets. */
-uint64_t aoqd_state_len(enum aoqk_precision p, uint64_t n, unsigned moments, bool split,
+ * only, 1: m, 2: m and v), the master split or not: lo is the low half's
+ * bytes per element (0: not split, 2: aoqk_state.master_lo, 1: the 24-bit
+ * master's master_lo8); off[] receives the arrays' offsets. */
+uint64_t aoqd_state_len(enum aoqk_precision p, uint64_t n, unsigned moments, unsigned lo,
                         uint64_t off[AOQD_STATE_ARRAYS]);
 /* The same for tensor x of st as aoqd_state_alloc lays it out: a master
  * that is the parameter takes whole pages. */
@@ -232,10 +236,32 @@ uint64_t aoqd_state_tensor_len(const struct aoqd_state *st, const struct aoqd_te
  * memfd, and the low half a private array (st.master_lo).  Snapshots, the
  * fd store and state transfers see the fp32 master. */
 bool aoqd_tensor_wants_split(const struct aoqd_state *st, const struct aoqd_tensor *x);
+/* The low half's bytes per element aoqd_state_alloc gives x: 0 (not
+ * split), 2 (master_lo), 1 (st->master24: master_lo8, kernels/README.md
+ * "The 24-bit master"). */
+unsigned aoqd_tensor_wants_lo(const struct aoqd_state *st, const struct aoqd_tensor *x);
+/* A split master's low half: its array (NULL when not split) and bytes
+ * per element. */
+static inline void *aoqd_lo(const struct aoqk_state *a)
+{
+	return a->master_lo ? a->master_lo : a->master_lo8;
+}
+static inline unsigned aoqd_lo_size(const struct aoqk_state *a)
+{
+	return a->master_lo ? 2 : a->master_lo8 ? 1 : 0;
+}
+static inline void *aoqd_tensor_lo(const struct aoqd_tensor *x)
+{
+	return aoqd_lo(&x->st);
+}
+static inline unsigned aoqd_tensor_lo_size(const struct aoqd_tensor *x)
+{
+	return aoqd_lo_size(&x->st);
+}
 /* Bytes per element of x's st.master array as allocated (2 when split). */
 static inline size_t aoqd_tensor_master_size(const struct aoqd_tensor *x)
 {
-	return x->st.master_lo ? 2 : aoqk_master_size(x->st.precision);
+	return aoqd_tensor_lo(x) ? 2 : aoqk_master_size(x->st.precision);
 }
 /* Whether aoqd_state_alloc makes masters the parameters where it can
  * (aoqd.conf master_param; on by default).  Process-wide. */

@@ -49,6 +49,11 @@ bool aoqd_tensor_wants_split(const struct aoqd_state *st, const struct aoqd_tens
 	       (st->precision == AOQ__STATE_PRECISION__STATE_Q8 || st->precision == AOQ__STATE_PRECISION__STATE_Q4);
 }
 
+unsigned aoqd_tensor_wants_lo(const struct aoqd_state *st, const struct aoqd_tensor *x)
+{
+	return !aoqd_tensor_wants_split(st, x) ? 0 : st->master24 ? 1 : 2;
+}
+
 /* Whether x's master goes to the masters memfd (before the allocation):
  * a bf16 master, or the split master's high half. */
 static bool wants_master_param(const struct aoqd_state *st, const struct aoqd_tensor *x)
@@ -61,7 +66,7 @@ uint64_t aoqd_state_tensor_len(const struct aoqd_state *st, const struct aoqd_te
                                uint64_t off[AOQD_STATE_ARRAYS])
 {
 	uint64_t len = aoqd_state_len((enum aoqk_precision)st->precision, x->numel, st->groups[x->group].moments,
-	                              aoqd_tensor_wants_split(st, x), off);
+	                              aoqd_tensor_wants_lo(st, x), off);
 	if (wants_master_param(st, x)) {
 		/* the master's pages are the memfd's: the rest starts on a page */
 		uint64_t d = aoqd_page_round(x->numel * 2) - off[1];
@@ -708,7 +713,9 @@ static int alloc(struct aoqd_state *st, int fd, const char *name, int lock_memor
 		x->st.v = moments >= 2 ? p + off[2] : NULL; /* SGD and Lion: none */
 		x->st.m_scale = aoqk_precision_blocked(prec) ? (float *)(p + off[3]) : NULL;
 		x->st.v_scale = aoqk_precision_blocked(prec) ? (float *)(p + off[4]) : NULL;
-		x->st.master_lo = aoqd_tensor_wants_split(st, x) ? p + off[5] : NULL;
+		unsigned lo = aoqd_tensor_wants_lo(st, x);
+		x->st.master_lo = lo == 2 ? p + off[5] : NULL;
+		x->st.master_lo8 = lo == 1 ? p + off[5] : NULL;
 	}
 	/* The daemon's mappings are made: nobody changes the masters' size.
 	 * Clients get read-only descriptions (aoqd_state_masters_reopen); a
@@ -807,8 +814,8 @@ void aoqd_state_free_later(struct aoqd_state *st, _Atomic uint64_t *locked_total
 static void rebase(struct aoqd_tensor *t, uint8_t *p)
 {
 	uint8_t *o = t->state_mem;
-	void **arr[4] = { &t->st.master, &t->st.m, &t->st.v, &t->st.master_lo };
-	for (int k = 0; k < 4; k++)
+	void **arr[5] = { &t->st.master, &t->st.m, &t->st.v, &t->st.master_lo, &t->st.master_lo8 };
+	for (int k = 0; k < 5; k++)
 		if (*arr[k])
 			*arr[k] = p + ((uint8_t *)*arr[k] - o);
 	if (t->st.m_scale)

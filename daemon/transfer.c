@@ -95,13 +95,14 @@ static int transfer_valid(struct aoqd_session *m, uint32_t tensor, int what, int
 
 /* The master moves in its own dtype (a bf16 master as bf16, an fp32 one as
  * fp32): a copy, not a conversion through fp32 (the conversion would give
- * the same bits).  A split master (aoqk_state.master_lo) loads bf16 values
- * as its high half with a zero low half, which is what their split is. */
+ * the same bits).  A split master (aoqk_state.master_lo, or the 24-bit
+ * master's master_lo8) loads bf16 values as its high half with a zero low
+ * half, which is what their split is. */
 static bool master_as_is(const struct xfer *x)
 {
 	if (x->what != AOQ__STATE_KIND__MASTER && x->what != AOQ__STATE_KIND__PARAM)
 		return false;
-	if (x->t->st.master_lo)
+	if (aoqd_tensor_lo(x->t))
 		return x->load && x->dtype == AOQK_BF16;
 	return x->dtype == (aoqk_precision_bf16_master(x->t->st.precision) ? AOQK_BF16 : AOQK_FP32);
 }
@@ -122,8 +123,10 @@ static void xfer_run(struct aoqd_task *task, unsigned worker)
 			memcpy(m, d, k->count * dsize);
 		else
 			memcpy(d, m, k->count * dsize);
-		if (x->t->st.master_lo)
-			memset((uint16_t *)x->t->st.master_lo + x->offset + k->begin, 0, k->count * 2);
+		if (aoqd_tensor_lo(x->t)) {
+			unsigned ls = aoqd_tensor_lo_size(x->t);
+			memset((uint8_t *)aoqd_tensor_lo(x->t) + (x->offset + k->begin) * ls, 0, k->count * ls);
+		}
 	}
 	for (uint64_t i = 0; !as_is && i < k->count && !atomic_load_explicit(&s->dead, memory_order_relaxed); i += 4096) {
 		size_t n = k->count - i < 4096 ? k->count - i : 4096;

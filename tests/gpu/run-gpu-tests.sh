@@ -99,6 +99,7 @@ step race-bf16 "$T" 150 0 env AOQT_RACE_BF16=1 "$bin/test-cuda" race "$aoqd"
 step race-q8 "$T" 150 0 env AOQT_RACE_Q8=1 "$bin/test-cuda" race "$aoqd"
 step race-q8-delayed "$T" 150 0 env AOQT_RACE_Q8=1 AOQT_RACE_DELAYED=1 "$bin/test-cuda" race "$aoqd"
 step race-q4 "$T" 150 0 env AOQT_RACE_Q4=1 "$bin/test-cuda" race "$aoqd"
+step race-q8-m24 "$T" 150 0 env AOQT_RACE_Q8=1 AOQT_RACE_M24=1 "$bin/test-cuda" race "$aoqd"
 # shellcheck disable=SC2086
 step bench "$B" 240 0 "$bin/bench-cuda" --aoqd "$aoqd" ${AOQ_BENCH_ARGS:-}
 

@@ -22,7 +22,8 @@
  *           With AOQT_RACE_BF16 set, both keep a bf16 master: the bf16
  *           tensors' parameters are copied from the masters memfd; with
  *           AOQT_RACE_Q8 (AOQT_RACE_Q4), q8 (q4) state whose bf16 tensors'
- *           fp32 masters are split, their high halves in that memfd.  With
+ *           fp32 masters are split, their high halves in that memfd (with
+ *           AOQT_RACE_M24 too, the 24-bit master: 8 low bits).  With
  *           AOQT_RACE_DELAYED set, both take the delayed update (with a
  *           bf16 master: each copy out of a master lands before the
  *           gradient whose update rewrites it is posted).
@@ -400,6 +401,7 @@ static void race_open(struct race_side *r, const char *sock, bool gpu, cudaStrea
 		/* q8 (q4) state: the bf16 tensors' fp32 masters are split,
 		 * their high halves the parameters in the masters memfd */
 		o.precision = getenv("AOQT_RACE_Q4") ? AOQ_STATE_Q4 : AOQ_STATE_Q8;
+		o.master_bits = getenv("AOQT_RACE_M24") ? 24 : 0;
 		o.seed = 0x5eed;
 	}
 	o.delayed_update = getenv("AOQT_RACE_DELAYED") != NULL;

@@ -5,11 +5,16 @@
  * independent double reference: every bf16/fp16 bit pattern decodes to the
  * reference value, random floats (normal, subnormal, overflowing, ties)
  * round as the reference rounds, and the q8 and q4 codebooks decode to
- * their formula and encode to the nearest code.
+ * their formula and encode to the nearest code; fp32 masters loaded into
+ * the 24-bit master (aoqd_split8) come back (aoqd_split8_join) rounded to
+ * the nearest 24-bit value, ties to even, with the parameter their
+ * rounding half away from zero.
  */
 #include <inttypes.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "aoq-convert.h"
 #include "convert.h"
@@ -314,6 +319,67 @@ static void test_q4(void)
 	}
 }
 
+/* The value of a 24-bit pattern (fp32 bits, low byte zero) in double;
+ * the pattern past the largest finite one stands for 2^128, where IEEE
+ * rounding overflows. */
+static double v24(uint32_t b)
+{
+	if ((b & 0x7fffffffu) == 0x7f800000u)
+		return (b >> 31 ? -1.0 : 1.0) * ldexp(1.0, 128);
+	float f;
+	memcpy(&f, &b, 4);
+	return f;
+}
+
+static void test_split8(void)
+{
+	enum { N = 1 << 16 };
+	static uint32_t src[N], back[N];
+	static uint16_t hi[N];
+	static int8_t lo8[N];
+	uint64_t s = 0x24b17;
+	for (size_t i = 0; i < N; i++) {
+		s = s * 6364136223846793005ull + 1442695040888963407ull;
+		uint32_t b = (uint32_t)(s >> 32);
+		switch (i % 8) {
+		case 0: b = (b & ~0xffu) | 0x80u; break;                 /* a tie */
+		case 1: b = (b & 0x807fffffu) | 0x7f7fff00u; break;      /* near the largest */
+		case 2: b &= 0x807fffffu; break;                         /* subnormal */
+		case 3: b = (b & ~0xffu); break;                          /* already 24-bit */
+		default: break;
+		}
+		src[i] = b;
+	}
+	src[4] = 0x7fc01234u; /* a NaN */
+	src[5] = 0x7f800000u; /* inf */
+	aoqd_split8(hi, lo8, src, N);
+	aoqd_split8_join(back, hi, lo8, N);
+	int bad = 0;
+	for (size_t i = 0; i < N && bad < 5; i++) {
+		uint32_t b = src[i];
+		if ((b & 0x7f800000u) == 0x7f800000u && (b & 0x7fffffu)) {
+			if ((back[i] & 0x7f800000u) != 0x7f800000u || !(back[i] & 0x7fffffu) || (hi[i] & 0x7fc0) != 0x7fc0)
+				bad++, fprintf(stderr, "NaN %08x came back %08x (hi %04x)\n", b, back[i], hi[i]);
+			continue;
+		}
+		/* the two 24-bit neighbours, by their values */
+		uint32_t dn = b & ~0xffu, up = dn + 0x100u;
+		double x = v24(b), a = v24(dn), c = v24(up);
+		double da = fabs(x - a), dc = fabs(c - x);
+		uint32_t want = da < dc ? dn : dc < da ? up : (dn & 0x100u) ? up : dn;
+		/* the parameter: the value rounded half away from zero to bf16 */
+		uint32_t pd = want & 0xffff0000u, pu = pd + 0x10000u;
+		double w = v24(want), ea = fabs(w - v24(pd)), ec = fabs(v24(pu) - w);
+		uint16_t wp = (uint16_t)((ea < ec ? pd : pu) >> 16);
+		if ((want & 0x7fffffffu) == 0x7f800000u)
+			wp = (uint16_t)(want >> 16);
+		if (back[i] != want || hi[i] != wp)
+			bad++, fprintf(stderr, "%08x came back %08x (hi %04x), expected %08x (hi %04x)\n", b, back[i], hi[i],
+			               want, wp);
+	}
+	EXPECT(bad == 0, "the 24-bit master's load: %d values wrong", bad);
+}
+
 int main(void)
 {
 	test_decode_all();
@@ -322,5 +388,6 @@ int main(void)
 	test_q8v1();
 	test_q8_load_v1();
 	test_q4();
+	test_split8();
 	return failures != 0;
 }

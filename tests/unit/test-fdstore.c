@@ -51,10 +51,13 @@ static uint64_t rnd(void)
 
 static _Atomic uint64_t locked;
 
-static void make_state(struct aoqd_state *st, int prec, uint32_t nt)
+/* m24: split masters keep 8 low bits (the 24-bit master); the first
+ * tensor's parameter is then bf16, so that its master splits. */
+static void make_state(struct aoqd_state *st, int prec, uint32_t nt, bool m24)
 {
 	memset(st, 0, sizeof(*st));
 	st->precision = (Aoq__StatePrecision)prec;
+	st->master24 = m24;
 	st->seed = rnd();
 	st->window = rnd() % 2 ? 0 : 1u << 20;
 	st->skip_nonfinite = rnd() % 2;
@@ -88,7 +91,7 @@ static void make_state(struct aoqd_state *st, int prec, uint32_t nt)
 		t->name = strdup(nm);
 		t->numel = 1 + rnd() % 3000;
 		t->group = (uint32_t)(rnd() % st->ngroups);
-		t->param_dtype = (enum aoqk_dtype)(rnd() % 3);
+		t->param_dtype = m24 && i == 0 ? AOQK_BF16 : (enum aoqk_dtype)(rnd() % 3);
 		t->grad_dtype = (enum aoqk_dtype)(rnd() % 3);
 		t->steps = rnd() % 100000;
 		st->parameters += t->numel;
@@ -109,20 +112,26 @@ static void make_state(struct aoqd_state *st, int prec, uint32_t nt)
 			for (size_t b = 0; arr[k] && b < len[k]; b++)
 				((uint8_t *)arr[k])[b] = (uint8_t)rnd();
 		/* a split master (q8 with bf16 parameters) holds the split of
-		 * some fp32 value: random bits, a NaN as the one quiet NaN */
-		for (size_t e = 0; t->st.master_lo && e < t->numel; e++) {
+		 * some fp32 value: random bits, a NaN as the one quiet NaN; a
+		 * 24-bit one, of such a value with its low byte zero */
+		for (size_t e = 0; aoqd_tensor_lo(t) && e < t->numel; e++) {
 			uint32_t b = (uint32_t)rnd();
 			if ((b & 0x7f800000u) == 0x7f800000u && (b & 0x7fffffu))
 				b = 0x7fc00000u;
-			aoqk_split(b, (uint16_t *)t->st.master + e, (uint16_t *)t->st.master_lo + e);
+			if (t->st.master_lo)
+				aoqk_split(b, (uint16_t *)t->st.master + e, (uint16_t *)t->st.master_lo + e);
+			else
+				aoqk_split8(b & ~0xffu, (uint16_t *)t->st.master + e, (int8_t *)t->st.master_lo8 + e);
 		}
+		EXPECT(!aoqd_tensor_lo(t) || aoqd_tensor_lo_size(t) == (m24 ? 1u : 2u), "tensor %u: a low half of %u bytes",
+		       i, aoqd_tensor_lo_size(t));
 	}
 }
 
 /* Arrays by the stored form's own rule (snapfile.h). */
 static bool same_state(const struct aoqd_state *a, const struct aoqd_state *b, char *why, size_t len)
 {
-	if (a->precision != b->precision || a->seed != b->seed || a->window != b->window ||
+	if (a->precision != b->precision || a->master24 != b->master24 || a->seed != b->seed || a->window != b->window ||
 	    a->skip_nonfinite != b->skip_nonfinite || a->max_grad_norm != b->max_grad_norm ||
 	    a->last_step != b->last_step || a->ngroups != b->ngroups || a->ntensors != b->ntensors) {
 		snprintf(why, len, "options or counts differ");
@@ -150,10 +159,11 @@ static bool same_state(const struct aoqd_state *a, const struct aoqd_state *b, c
 			unsigned es;
 			if (!snap_arr_info(p, x->numel, a->groups[x->group].moments, k, &dt, &elems, &es))
 				continue;
-			if (k == A_MASTER && x->st.master_lo) {
+			if (k == A_MASTER && aoqd_tensor_lo(x)) {
 				/* split: the stored fp32 master comes back as the same halves */
-				if (!y->st.master_lo || memcmp(x->st.master, y->st.master, x->numel * 2) ||
-				    memcmp(x->st.master_lo, y->st.master_lo, x->numel * 2)) {
+				unsigned ls = aoqd_tensor_lo_size(x);
+				if (aoqd_tensor_lo_size(y) != ls || memcmp(x->st.master, y->st.master, x->numel * 2) ||
+				    memcmp(aoqd_tensor_lo(x), aoqd_tensor_lo(y), x->numel * ls)) {
 					snprintf(why, len, "tensor %u's split master differs", i);
 					return false;
 				}
@@ -224,7 +234,7 @@ static void expect_refused(const char *what, const uint8_t *d, size_t n, bool un
  * under job `job`: its journal is what a live aoqd writes. */
 static void journal_state(struct aoqd_state *st, const char *job)
 {
-	make_state(st, 0, 3);
+	make_state(st, 0, 3, false);
 	EXPECT(aoqd_state_add_undo(st, &locked) == 0, "undo copy");
 	struct aoqd_snap_key key = { .uid = 7, .rank = 0 };
 	snprintf(key.job, sizeof(key.job), "%s", job);
@@ -293,12 +303,14 @@ int main(void)
 	aoqd_state_set_memfd(true);
 	uint8_t *keep = NULL;
 	size_t keep_n = 0;
-	for (int prec = 0; prec < SNAP_NPREC; prec++) {
+	/* every precision, then q8 and q4 with the 24-bit master */
+	for (int run = 0; run < SNAP_NPREC + 2; run++) {
+		int prec = run < SNAP_NPREC ? run : run == SNAP_NPREC ? AOQK_STATE_Q8 : AOQK_STATE_Q4;
 		struct aoqd_state st;
-		make_state(&st, prec, 1 + (uint32_t)(rnd() % 9));
+		make_state(&st, prec, 1 + (uint32_t)(rnd() % 9), run >= SNAP_NPREC);
 		EXPECT(st.memfd, "precision %d: state not in a memfd", prec);
 		struct aoqd_snap_key key = { .uid = 1000, .rank = 3 };
-		snprintf(key.job, sizeof(key.job), "job-%d", prec);
+		snprintf(key.job, sizeof(key.job), "job-%d", run);
 		int r = aoqd_fdstore_write(&key, &st, true);
 		EXPECT(r == 0, "write precision %d: %s", prec, strerror(-r));
 		if (r < 0)

@@ -3,7 +3,8 @@
  * Snapshot files (daemon/snapshot.c) without a daemon:
  *  - write -> load round trip, byte for byte, of random states in every
  *    precision, with an SGD group without momentum (no moments), a Lion
- *    group (one), duplicate tensor names (indexed keys);
+ *    group (one), duplicate tensor names (indexed keys), split masters of
+ *    16 and of 8 low bits (the 24-bit master);
  *  - damaged files are refused with a message naming what is wrong: a
  *    flipped data byte (checksum), truncation, a bad header length, bad
  *    JSON, a wrong format version, a bad checksum field;
@@ -37,11 +38,13 @@ static uint64_t rnd(void)
 static _Atomic uint64_t locked;
 
 /* A random state: groups AdamW, SGD without momentum and Lion (no q8 for
- * the last two), tensors of odd sizes, random bytes in every array. */
-static void make_state(struct aoqd_state *st, int prec, uint32_t nt, bool dup_names)
+ * the last two), tensors of odd sizes, random bytes in every array; m24:
+ * split masters (q8 and q4 beside bf16 parameters) keep 8 low bits. */
+static void make_state(struct aoqd_state *st, int prec, uint32_t nt, bool dup_names, bool m24)
 {
 	memset(st, 0, sizeof(*st));
 	st->precision = (Aoq__StatePrecision)prec;
+	st->master24 = m24;
 	st->seed = rnd();
 	st->window = rnd() % 2 ? 0 : 1u << 20;
 	st->skip_nonfinite = rnd() % 2;
@@ -74,7 +77,8 @@ static void make_state(struct aoqd_state *st, int prec, uint32_t nt, bool dup_na
 		t->name = strdup(nm);
 		t->numel = 1 + rnd() % 3000;
 		t->group = (uint32_t)(rnd() % st->ngroups);
-		t->param_dtype = (enum aoqk_dtype)(rnd() % 3);
+		/* with m24, the first tensor's bf16 parameter splits its master */
+		t->param_dtype = m24 && i == 0 ? AOQK_BF16 : (enum aoqk_dtype)(rnd() % 3);
 		t->grad_dtype = (enum aoqk_dtype)(rnd() % 3);
 		t->steps = rnd() % 100000;
 		st->parameters += t->numel;
@@ -91,13 +95,19 @@ static void make_state(struct aoqd_state *st, int prec, uint32_t nt, bool dup_na
 			p[k] = (uint8_t)rnd();
 		/* a split master (q8 with bf16 parameters) holds the split of
 		 * some fp32 value: random bits, a NaN as the one quiet NaN
-		 * (the split of a NaN's payload does not come back alike) */
-		for (size_t e = 0; t->st.master_lo && e < t->numel; e++) {
+		 * (the split of a NaN's payload does not come back alike); a
+		 * 24-bit one, of such a value with its low byte zero */
+		for (size_t e = 0; aoqd_tensor_lo(t) && e < t->numel; e++) {
 			uint32_t b = (uint32_t)rnd();
 			if ((b & 0x7f800000u) == 0x7f800000u && (b & 0x7fffffu))
 				b = 0x7fc00000u;
-			aoqk_split(b, (uint16_t *)t->st.master + e, (uint16_t *)t->st.master_lo + e);
+			if (t->st.master_lo)
+				aoqk_split(b, (uint16_t *)t->st.master + e, (uint16_t *)t->st.master_lo + e);
+			else
+				aoqk_split8(b & ~0xffu, (uint16_t *)t->st.master + e, (int8_t *)t->st.master_lo8 + e);
 		}
+		EXPECT(!aoqd_tensor_lo(t) || aoqd_tensor_lo_size(t) == (m24 ? 1u : 2u), "tensor %u: a low half of %u bytes",
+		       i, aoqd_tensor_lo_size(t));
 	}
 }
 
@@ -107,7 +117,7 @@ static size_t arr_bytes(const struct aoqd_state *st, const struct aoqd_tensor *t
 	size_t blocks = aoqk_scale_count(p, t->numel);
 	switch (k) {
 	case 0: return t->numel * aoqd_tensor_master_size(t);
-	case 5: return t->st.master_lo ? t->numel * 2 : 0;
+	case 5: return t->numel * aoqd_tensor_lo_size(t);
 	case 1: return t->st.m ? aoqk_moment_bytes(p, t->numel) : 0;
 	case 2: return t->st.v ? aoqk_moment_bytes(p, t->numel) : 0;
 	case 3: return t->st.m_scale && t->st.m ? blocks * 4 : 0;
@@ -117,14 +127,14 @@ static size_t arr_bytes(const struct aoqd_state *st, const struct aoqd_tensor *t
 
 static const void *arr(const struct aoqk_state *a, int k)
 {
-	const void *p[6] = { a->master, a->m, a->v, a->m_scale, a->v_scale, a->master_lo };
+	const void *p[6] = { a->master, a->m, a->v, a->m_scale, a->v_scale, aoqd_lo(a) };
 	return p[k];
 }
 
 /* Everything a snapshot keeps is equal. */
 static bool same_state(const struct aoqd_state *a, const struct aoqd_state *b, char *why, size_t len)
 {
-	if (a->precision != b->precision || a->seed != b->seed || a->window != b->window ||
+	if (a->precision != b->precision || a->master24 != b->master24 || a->seed != b->seed || a->window != b->window ||
 	    a->skip_nonfinite != b->skip_nonfinite || a->max_grad_norm != b->max_grad_norm ||
 	    a->ngroups != b->ngroups || a->ntensors != b->ntensors) {
 		snprintf(why, len, "options or counts differ");
@@ -195,10 +205,10 @@ static void expect_refused(const char *what, const uint8_t *d, size_t n, const c
 	EXPECT(r >= 0 || strstr(why, want), "%s: message '%s' lacks '%s'", what, why, want);
 }
 
-static void round_trip(int prec, bool dup)
+static void round_trip(int prec, bool dup, bool m24)
 {
 	struct aoqd_state st, back;
-	make_state(&st, prec, 1 + (uint32_t)(rnd() % 12), dup);
+	make_state(&st, prec, 1 + (uint32_t)(rnd() % 12), dup, m24);
 	struct aoqd_snap_key key = { .uid = 1000, .rank = 3 };
 	snprintf(key.job, sizeof(key.job), "job-%d \"quoted\" /x", prec);
 	char path[4096], why[512];
@@ -211,7 +221,8 @@ static void round_trip(int prec, bool dup)
 	EXPECT(r == 0, "load (precision %d): %s", prec, why);
 	if (r == 0) {
 		EXPECT(step == 4242 && k2.uid == 1000 && k2.rank == 3 && strcmp(k2.job, key.job) == 0, "key or step");
-		EXPECT(same_state(&st, &back, why, sizeof(why)), "precision %d%s: %s", prec, dup ? " (dup names)" : "", why);
+		EXPECT(same_state(&st, &back, why, sizeof(why)), "precision %d%s%s: %s", prec, dup ? " (dup names)" : "",
+		       m24 ? " (24-bit master)" : "", why);
 		aoqd_state_free(&back, &locked);
 	}
 	/* Damaged copies of this file. */
@@ -329,7 +340,7 @@ static void restore(void)
 	struct aoqd_error err;
 	for (uint32_t rank = 4; rank <= 6; rank++) {
 		struct aoqd_state st;
-		make_state(&st, (int)rank % 5, 3, false);
+		make_state(&st, (int)rank % 5, 3, false, true);
 		struct aoqd_snap_key key = { .uid = 1000, .rank = rank };
 		snprintf(key.job, sizeof(key.job), "r");
 		EXPECT(aoqd_snapshot_write(rd, &key, 4242, &st, path, sizeof(path), &err) == 0, "%s", err.msg);
@@ -365,8 +376,9 @@ int main(void)
 	if (!mkdtemp(dir))
 		return 1;
 	for (int prec = 0; prec <= AOQK_STATE_BF16_Q4; prec++) {
-		round_trip(prec, false);
-		round_trip(prec, true);
+		round_trip(prec, false, false);
+		round_trip(prec, true, false);
+		round_trip(prec, false, true);
 	}
 	restore();
 	/* The atomic write leaves nothing behind but the files. */

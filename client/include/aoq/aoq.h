@@ -63,9 +63,10 @@ extern "C" {
 
 #define AOQ_VERSION_STRING "0.1.0"
 /* The ABI: the soname is libaoq.so.AOQ_ABI_VERSION. */
-#define AOQ_ABI_VERSION 4 /* 2: struct aoq_group gained momentum, dampening, nesterov;
+#define AOQ_ABI_VERSION 5 /* 2: struct aoq_group gained momentum, dampening, nesterov;
                            * 3: struct aoq_options gained lease_seconds;
-                           * 4: struct aoq_options gained local_world, local_rank */
+                           * 4: struct aoq_options gained local_world, local_rank;
+                           * 5: struct aoq_options gained master_bits */
 
 enum aoq_dtype {
 	AOQ_FP32 = 0,
@@ -159,6 +160,14 @@ struct aoq_options {
 	 * its own. */
 	uint32_t local_world;
 	uint32_t local_rank;
+	/* The master's bits where aoqd splits it (ABI 5): an fp32 master
+	 * (AOQ_STATE_Q8 or AOQ_STATE_Q4) beside a bf16 parameter is kept as
+	 * the parameter plus its low bits (kernels/README.md, "The split
+	 * master").  0 or 32: all 16 low bits, the fp32 master; 24: 8 of them,
+	 * the 24-bit master, rounded stochastically at each update (2 bytes
+	 * per parameter and step less to move; "The 24-bit master").  Masters
+	 * that are not split (fp32 parameters) stay fp32. */
+	uint32_t master_bits;
 };
 
 #define AOQ_LEASE_NONE UINT32_MAX

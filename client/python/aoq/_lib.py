@@ -39,7 +39,7 @@ MASTER, EXP_AVG, EXP_AVG_SQ = 0, 1, 2
 
 # AOQ_ABI_VERSION of the <aoq/aoq.h> these layouts copy; check_library()
 # compares it and every struct's size with what the loaded library reports.
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 
 class _Sized(ctypes.Structure):
@@ -102,6 +102,7 @@ class Options(_Sized):
         ("lease_seconds", c_uint32),  # ABI 3
         ("local_world", c_uint32),    # ABI 4: replica group
         ("local_rank", c_uint32),
+        ("master_bits", c_uint32),    # ABI 5
     ]
 
 
