@@ -14,6 +14,7 @@ The peers and the default (tests/bench/offload_table.sh runs them all at the two
 aoq-default is the import swap with no aoq argument at all (OffloadOptimizer(model.parameters(),
 torch.optim.AdamW, lr=, weight_decay=): the default precision for the parameters' dtype);
 every other aoq mode names its precision (aoq-fp32, aoq-q8, aoq-q4, aoq-delayed*: an fp32 master;
+aoq-bf24 / aoq-bf24-q4: the 24-bit master (master_dtype="bf24") with 8- or 4-bit moments;
 aoq-bf16: a bf16 master beside fp32 moments; aoq-bf16master: all bf16; aoq-*bf16-q8 / -q4: a bf16
 master with 8- or 4-bit moments; gpu-adamw-sr: the bf16 master's numerics done by torch on the device;
 gpu-adamw-sr24: the same with a master of 24 bits beside each bf16 parameter, its rounding).
@@ -76,7 +77,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "client", "python"))
 
-MODES = ["gpu-adamw", "gpu-adamw-master", "gpu-adamw-sr", "gpu-adamw-sr24", "aoq-default", "aoq-fp32", "aoq-q8", "aoq-q4", "aoq-bf16",
+MODES = ["gpu-adamw", "gpu-adamw-master", "gpu-adamw-sr", "gpu-adamw-sr24", "aoq-default", "aoq-fp32", "aoq-q8", "aoq-q4", "aoq-bf24", "aoq-bf24-q4", "aoq-bf16",
          "aoq-bf16master", "aoq-delayed", "aoq-delayed-q8", "aoq-bf16-q8", "aoq-delayed-bf16-q8", "aoq-bf16-q4", "aoq-delayed-bf16-q4", "torchao",
          "deepspeed"]
 VARIANTS = ("swap", "attach", "compile", "rcompile", "auto", "off")
@@ -381,8 +382,8 @@ def make_optimizer(mode, model, args, socket):
               lease=None if args.lease else 0)
     # each mode names its precision: aoq-fp32, aoq-q8 and aoq-delayed(-q8)
     # an fp32 master, whatever the default for the parameters' dtype is
-    kw["master_dtype"] = "bf16" if "bf16" in mode else "fp32"
-    if mode.endswith("q8"):
+    kw["master_dtype"] = "bf24" if "bf24" in mode else "bf16" if "bf16" in mode else "fp32"
+    if mode.endswith("q8") or mode == "aoq-bf24":
         kw["state_precision"] = "q8"
     elif mode.endswith("q4"):
         kw["state_precision"] = "q4"

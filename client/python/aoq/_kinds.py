@@ -59,7 +59,7 @@ _DAEMON_CLASSES = {
 _STATE_KEYS = {"adamw": (("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")),
                "adam": (("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")),
                "sgd": (("momentum_buffer", "exp_avg"),), "lion": (("exp_avg", "exp_avg"),)}
-_MASTER_DTYPES = (None, "fp32", "bf16", torch.float32, torch.bfloat16)
+_MASTER_DTYPES = (None, "fp32", "bf24", "bf16", torch.float32, torch.bfloat16)
 _STATE_PRECISIONS = (None, "fp32", "q8", "q4", "bf16")
 # (moments, master) -> the daemon's state precision; moments None: the master's dtype
 _PRECISION = {("fp32", None): _lib.STATE_FP32, ("q8", None): _lib.STATE_Q8, (None, None): _lib.STATE_FP32,

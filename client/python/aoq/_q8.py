@@ -187,6 +187,18 @@ def split_master(w):
     return _to16(pb).view(torch.bfloat16), _to16(b & 0xFFFF)
 
 
+def param24(w):
+    """The bf16 parameter aoqd keeps for fp32 masters w loaded into the
+    24-bit master (daemon/convert.c aoqd_split8, kernels/aoq-kernel.h
+    aoqk_split8): w rounded to 24 bits to nearest even, then to bf16 half
+    away from zero (NaN: a quiet NaN)."""
+    b = w.contiguous().view(torch.int32).to(torch.int64) & _MASK
+    nan = (b & 0x7FFFFFFF) > 0x7F800000
+    r = ((b + 0x7F + ((b >> 8) & 1)) & 0xFFFFFF00) & _MASK
+    pb = torch.where(nan, (b >> 16) | 0x40, ((r + 0x8000) & _MASK) >> 16) & 0xFFFF
+    return _to16(pb).view(torch.bfloat16)
+
+
 def step_torch(param, grad, master, mc, vc, ms, vs, k, lo=None):
     """One step of a flat tensor in torch operations (k: _Consts).  param
     may be master itself (an fp32 parameter); master None: the master is

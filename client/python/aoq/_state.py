@@ -7,6 +7,7 @@ import torch
 
 from ._dist import _canon_fqn, _is_dtensor, _like_param, _local
 from ._kinds import _STATE_KEYS, _check_hp
+from ._q8 import param24
 from ._share import _state_copy
 
 
@@ -298,7 +299,13 @@ class _StateDict:
                     self._client.load_state(s.t, w, a)
                 steps[s.t] = int(float(st.get("step", 1)))   # torch's SGD keeps no step: a buffer means >= 1
                 with torch.no_grad():   # the device parameter follows the loaded master
-                    s.x.copy_(master.to(s.x.device, s.x.dtype).view(s.x.shape))
+                    if self._master_bits == 24 and s.x.dtype == torch.bfloat16:
+                        # aoqd's parameter of a 24-bit master (a tie rounds up;
+                        # with aoqd.conf master_param = no nothing is split, and
+                        # a tie's parameter is one ulp off until the next step)
+                        s.x.copy_(param24(master.to("cpu", torch.float32)).to(s.x.device).view(s.x.shape))
+                    else:
+                        s.x.copy_(master.to(s.x.device, s.x.dtype).view(s.x.shape))
                     if self._framework:
                         s.host_param.copy_(s.x.reshape(-1))
                 s.ver = s.x._version

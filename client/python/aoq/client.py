@@ -97,7 +97,7 @@ class Client:
 
     def __init__(self, socket=None, job="default", rank=0, device="cpu", precision="fp32", window=0,
                  seed=0, max_grad_norm=0.0, skip_nonfinite=False, delayed_update=False, cuda_stream=None,
-                 timeout=None, lease=None, local_world=0, local_rank=0):
+                 timeout=None, lease=None, local_world=0, local_rank=0, master_bits=0):
         self._lib = _lib.load()
         self._h = None
         self._keep = []          # buffers libaoq points into
@@ -128,6 +128,13 @@ class Client:
         # one optimizer state; each pushes its slice of every gradient.
         o.local_world = int(local_world)
         o.local_rank = int(local_rank)
+        # The bits of a split master (an fp32 master beside a bf16 parameter
+        # with q8 or q4 moments): 0 or 32 all of them, 24 the 24-bit master
+        # (kernels/README.md, "The 24-bit master").
+        if master_bits not in (0, 24, 32):
+            raise ValueError("master_bits must be 0 or 32 (an fp32 master) or 24 (the 24-bit master), got %r"
+                             % (master_bits,))
+        o.master_bits = master_bits
         self.device = device
         self.delayed_update = bool(delayed_update)
         h = ctypes.c_void_p()

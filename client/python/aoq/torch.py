@@ -32,7 +32,7 @@ from ._dist import (_Distributed, _dist_rank, _is_dtensor, _job_default, _local,
                     _shard_seed, _shared_job_default)
 from ._graph import _OPTIMIZERS
 from ._hooks import _PushPath, _Slot
-from ._kinds import (_AOQ_DTYPE, _DAEMON_CLASSES, _MASTER_DTYPES, _PRECISION, _STATE_KEYS,
+from ._kinds import (_AOQ_DTYPE, _DAEMON_CLASSES, _DEFAULT_BF16_MOMENTS, _MASTER_DTYPES, _PRECISION, _STATE_KEYS,
                      _STATE_PRECISIONS, Lion, _check_hp, _default_policy, _number, _parse_params)
 from . import _share
 from ._share import _AUTO_PROBE_STEP, DEFAULT_SHARE, _AutoSplit, _DeviceShare, _share_bytes
@@ -115,11 +115,15 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
     parameters'; copy_mode: "native" (libaoq copies with the CUDA backend or
     host memory) or "framework" (torch copies through pinned host buffers;
     default for devices libaoq cannot drive).  master_dtype None|"fp32"|
-    "bf16": None (default) is an fp32 master (_default_policy): with
+    "bf24"|"bf16": None (default) is an fp32 master (_default_policy): with
     bf16 parameters and Adam/AdamW beside _DEFAULT_BF16_MOMENTS moments,
-    otherwise fp32 moments (torch's AdamW bit for bit); "bf16" is the fast
-    option for bf16 parameters (the master is the parameter itself, with
-    stochastic rounding).  state_precision, the moments: None (with the
+    otherwise fp32 moments (torch's AdamW bit for bit); "bf24" (Adam/AdamW,
+    q8 or q4 moments, q8 by default) keeps the master of a bf16 parameter in
+    24 bits, the parameter and 8 more bits, rounded stochastically at each
+    update (2 bytes per parameter and step less for aoqd to move; fp32
+    parameters keep an fp32 master; docs/python.md, "The 24-bit master");
+    "bf16" is the fast option for bf16 parameters (the master is the
+    parameter itself, with stochastic rounding).  state_precision, the moments: None (with the
     default for bf16 parameters the compressed moments above; else the
     master's dtype: fp32, or with master_dtype=
     "bf16" bf16, the all-bf16 state of torchao's full-bf16 offload, 6 bytes
@@ -171,12 +175,18 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise ValueError("optimizer_class must be a torch.optim.Optimizer subclass, got %r" % (optimizer_class,))
         if master_dtype not in _MASTER_DTYPES:
-            raise ValueError("unknown master_dtype %r; allowed: None, 'fp32', 'bf16' (or torch.float32, "
+            raise ValueError("unknown master_dtype %r; allowed: None, 'fp32', 'bf24', 'bf16' (or torch.float32, "
                              "torch.bfloat16)" % (master_dtype,))
         if state_precision not in _STATE_PRECISIONS:
             raise ValueError("unknown state_precision %r; allowed: None, 'fp32', 'q8', 'q4', 'bf16' (with "
                              "master_dtype='bf16')" % (state_precision,))
         master = "bf16" if master_dtype in ("bf16", torch.bfloat16) else None
+        m24 = master_dtype == "bf24"
+        if m24 and state_precision not in (None, "q8", "q4"):
+            raise ValueError("master_dtype='bf24' keeps q8 or q4 moments (state_precision None, 'q8' or 'q4'), got "
+                             "state_precision=%r" % (state_precision,))
+        if m24 and state_precision is None:
+            state_precision = _DEFAULT_BF16_MOMENTS
         if master_dtype is not None and (state_precision, master) not in _PRECISION:
             raise ValueError("state_precision %r needs master_dtype='bf16' (allowed with an fp32 master: None, "
                              "'fp32', 'q8', 'q4')" % (state_precision,))
@@ -216,10 +226,14 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
         self._share = None
         self._client = None
         self.master_dtype = self.state_precision = None     # what aoqd keeps (none on host copies)
+        self._master_bits = 0           # 24: the 24-bit master (master_dtype="bf24")
         if optimizer_class not in _DAEMON_CLASSES or (optimizer_class is torch.optim.SGD and kwargs.get("maximize")):
             self._init_fallback(params, optimizer_class, kwargs)
             return
         kind, wd_default = _DAEMON_CLASSES[optimizer_class]
+        if m24 and kind not in ("adam", "adamw"):
+            raise ValueError("master_dtype='bf24' is for Adam and AdamW (q8 or q4 moments), not %s"
+                             % optimizer_class.__name__)
         for k in ("amsgrad", "maximize", "capturable", "differentiable"):
             if kwargs.get(k):
                 raise ValueError("OffloadOptimizer: %s=True is not supported by aoqd" % k)
@@ -272,8 +286,9 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
             if (state_precision, master) not in _PRECISION:
                 raise ValueError("state_precision %r needs master_dtype='bf16' or bf16 parameters (allowed with "
                                  "an fp32 master: None, 'fp32', 'q8', 'q4')" % (state_precision,))
-        self.master_dtype = "fp32" if master is None else "bf16"
+        self.master_dtype = "bf24" if m24 else "fp32" if master is None else "bf16"
         self.state_precision = state_precision or self.master_dtype
+        self._master_bits = 24 if m24 else 0
         self._fp32_master = master is None
         # the GPU share keeps q8 moments where aoqd keeps an fp32 master and
         # 8- or 4-bit moments (Adam/AdamW; _share_bytes); FSDP2's shards
@@ -367,7 +382,8 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
         copts = dict(socket=socket, job=job, rank=rank, precision=_PRECISION[(state_precision, master)],
                      max_grad_norm=max_grad_norm or 0.0, skip_nonfinite=skip_nonfinite,
                      delayed_update=delayed_update, seed=seed, lease=lease, window=self.staging_window,
-                     timeout=timeout, local_world=local_world, local_rank=local_rank)
+                     timeout=timeout, local_world=local_world, local_rank=local_rank,
+                     master_bits=self._master_bits)
         self.local_world, self.local_rank = local_world, local_rank
         self._leased = lease != 0       # a lease may keep aoqd's state for a resume
         if (gpu_state_budget is None and self._share_q8 and not offload_all and local_world <= 1

@@ -935,72 +935,157 @@ def case_master_param():
               "master_param = no" % (", delayed update" if delayed else "", " (of the step before)" if delayed else ""))
 
 
+def bf16_rounding(master, half_away):
+    """The bf16 parameter a split master holds (kernels/README.md): an fp32
+    master's rounding to nearest even, a 24-bit master's half away from
+    zero (the top of its bits + 0x8000)."""
+    if not half_away:
+        return master.to(torch.bfloat16)
+    b = master.contiguous().view(torch.int32).to(torch.int64)
+    hi = ((b + 0x8000) >> 16) & 0xFFFF
+    return hi.to(torch.int32).to(torch.int16).view(torch.bfloat16)   # low 16 bits as the bf16 pattern
+
+
+def state_dict_round_trip(master, pdt, prec):
+    """Trains a small model 4 steps with master_dtype=master and
+    state_precision=prec on pdt parameters; state_dict() must hold fp32
+    moments and, where aoqd splits the master (bf16 parameters, q8 or
+    q4), an fp32 master whose bf16 rounding is the parameter (a 24-bit
+    one: its low 8 bits zero); loaded into a second optimizer with the
+    same seed it reads back bit for bit (every value read is its own
+    nearest code) and both train 3 more steps to the same parameters bit
+    for bit."""
+    runs = []
+    what = "%s master, %s moments, %s parameters" % (master, prec, str(pdt).split(".")[-1])
+    for k in range(2):
+        m = make_model(W, DEV).to(pdt)
+        o = OffloadOptimizer(m.named_parameters(), torch.optim.AdamW, socket=SOCKET, lr=1e-2,
+                             master_dtype=master, state_precision=prec, seed=99)
+        assert o.state_precision == prec and o.master_dtype == master, (o.state_precision, o.master_dtype)
+        data = batches(8, DEV)
+        dt = pdt
+
+        def train(first, n, m=m, o=o, data=data, dt=dt):    # this run's model and optimizer
+            for i in range(first, first + n):
+                x, y = data[i % len(data)]
+                torch.nn.functional.mse_loss(m(x.to(dt)).float(), y).backward()
+                o.step()
+                o.zero_grad()
+            o.synchronize()
+        if k == 0:
+            train(0, 4)
+            sd = saved(o.state_dict())
+            model_sd = {n_: t.clone() for n_, t in m.state_dict().items()}
+            if master != "bf16" and pdt == torch.bfloat16:
+                # the split master: fp32 in state_dict(), the parameter its
+                # rounding (parameters the daemon steps; the rest have no master)
+                split = 0
+                for i, p_ in enumerate(m.parameters()):
+                    mst = sd["state"].get(i, {}).get("master")
+                    if mst is None:
+                        continue
+                    split += 1
+                    assert mst.dtype == torch.float32, mst.dtype
+                    assert torch.equal(bf16_rounding(mst, master == "bf24").reshape(p_.shape).cpu(),
+                                       p_.detach().cpu()), "%s: the parameter %d is not the master's rounding" % (
+                                           what, i)
+                    assert not torch.equal(mst, mst.to(torch.bfloat16).float()), "%s: master %d: no low half kept" % (
+                        what, i)
+                    low = mst.view(torch.int32) & 0xFF
+                    assert (master == "bf24") == bool((low == 0).all()), \
+                        "%s: master %d: %d of %d values with low 8 bits" % (what, i, int((low != 0).sum()), low.numel())
+                assert split > 0, "%s: no master in state_dict()" % what
+        else:
+            m.load_state_dict(model_sd)
+            o.load_state_dict(sd)
+            back = o.state_dict()["state"]
+            for i, st in sd["state"].items():
+                for key in ("exp_avg", "exp_avg_sq", "master"):
+                    if key in st:
+                        assert torch.equal(back[i][key], st[key]), "%s: %s of %d changed on load" % (what, key, i)
+            o0 = runs[0][1]
+            train(4, 3)
+            o0_m = runs[0][0]
+            runs[0][2](4, 3)
+            for a, b in zip(o0_m.parameters(), m.parameters()):
+                assert torch.equal(a.detach().float(), b.detach().float()), \
+                    "%s: the loaded optimizer trains differently" % what
+            o0.close()
+            o.close()
+        runs.append((m, o, train))
+    print("ok: %s: state_dict round trip bit for bit, then the same training" % what)
+
+
 def case_q4():
     """state_precision="q4" (kernels/README.md, "q4 moments") with an fp32
     master (fp32 parameters; bf16 parameters, where aoqd splits the master:
-    kernels/README.md, "The split master") and with a bf16 master: the
-    optimizer says what it keeps, state_dict() holds fp32 moments (and an
-    fp32 master whose bf16 rounding is the parameter), and loaded into a
-    second optimizer with the same seed it reads back bit for bit (every
-    value read is its own nearest code) and both train on to the same
-    parameters bit for bit."""
-    for master, pdt in (("fp32", torch.float32), ("fp32", torch.bfloat16), ("bf16", torch.bfloat16)):
-        runs, sds = [], []
-        for k in range(2):
-            m = make_model(W, DEV).to(pdt)
-            o = OffloadOptimizer(m.named_parameters(), torch.optim.AdamW, socket=SOCKET, lr=1e-2,
-                                 master_dtype=master, state_precision="q4", seed=99)
-            assert o.state_precision == "q4" and o.master_dtype == master, (o.state_precision, o.master_dtype)
-            data = batches(8, DEV)
-            dt = pdt
+    kernels/README.md, "The split master"), with the 24-bit master and with
+    a bf16 master: state_dict_round_trip."""
+    for master, pdt in (("fp32", torch.float32), ("fp32", torch.bfloat16), ("bf24", torch.bfloat16),
+                        ("bf16", torch.bfloat16)):
+        state_dict_round_trip(master, pdt, "q4")
 
-            def train(first, n, m=m, o=o, data=data, dt=dt):    # this run's model and optimizer
-                for i in range(first, first + n):
-                    x, y = data[i % len(data)]
-                    torch.nn.functional.mse_loss(m(x.to(dt)).float(), y).backward()
-                    o.step()
-                    o.zero_grad()
-                o.synchronize()
-            if k == 0:
-                train(0, 4)
-                sd = saved(o.state_dict())
-                model_sd = {n_: t.clone() for n_, t in m.state_dict().items()}
-                if master == "fp32" and pdt == torch.bfloat16:
-                    # the split master: fp32 in state_dict(), the parameter its
-                    # rounding (parameters the daemon steps; the rest have no master)
-                    split = 0
-                    for i, p_ in enumerate(m.parameters()):
-                        mst = sd["state"].get(i, {}).get("master")
-                        if mst is None:
-                            continue
-                        split += 1
-                        assert mst.dtype == torch.float32, mst.dtype
-                        assert torch.equal(mst.to(torch.bfloat16).reshape(p_.shape).cpu(), p_.detach().cpu()), \
-                            "q4 split master %d: the parameter is not the master's rounding" % i
-                        assert not torch.equal(mst, mst.to(torch.bfloat16).float()), \
-                            "q4 split master %d: no low half kept" % i
-                    assert split > 0, "q4, bf16 parameters: no master in state_dict()"
-            else:
-                m.load_state_dict(model_sd)
-                o.load_state_dict(sd)
-                back = o.state_dict()["state"]
-                for i, st in sd["state"].items():
-                    for key in ("exp_avg", "exp_avg_sq", "master"):
-                        if key in st:
-                            assert torch.equal(back[i][key], st[key]), "q4 %s master: %s of %d changed on load" % (
-                                master, key, i)
-                o0 = runs[0][1]
-                train(4, 3)
-                o0_m = runs[0][0]
-                runs[0][2](4, 3)
-                for a, b in zip(o0_m.parameters(), m.parameters()):
-                    assert torch.equal(a.detach().float(), b.detach().float()), \
-                        "q4 %s master: the loaded optimizer trains differently" % master
-                o0.close()
-                o.close()
-            runs.append((m, o, train))
-        print("ok: q4 moments with %s master, %s parameters: state_dict round trip bit for bit, then the same "
-              "training" % ("an fp32" if master == "fp32" else "a bf16", str(pdt).split(".")[-1]))
+
+def case_bf24():
+    """master_dtype="bf24" (docs/python.md, "The 24-bit master"): q8
+    moments unless told; with bf16 parameters state_dict_round_trip (the
+    master's low 8 bits zero, the parameter its rounding half away from
+    zero); with fp32 parameters the master stays fp32 and the step is the
+    fp32 master's bit for bit; it trains a bf16 model as the fp32 master
+    does (the same loss within 2% after 30 steps); and the arguments it
+    does not take are refused."""
+    m = make_model(W, DEV).to(torch.bfloat16)
+    o = OffloadOptimizer(m.parameters(), torch.optim.AdamW, socket=SOCKET, master_dtype="bf24")
+    assert (o.master_dtype, o.state_precision) == ("bf24", "q8"), (o.master_dtype, o.state_precision)
+    o.close()
+    state_dict_round_trip("bf24", torch.bfloat16, "q8")
+    # fp32 parameters: not split, so an fp32 master, as master_dtype="fp32"
+    outs = []
+    for master in ("fp32", "bf24"):
+        torch.manual_seed(5)
+        m = make_model(W, DEV)
+        o = OffloadOptimizer(m.parameters(), torch.optim.AdamW, socket=SOCKET, lr=1e-2, master_dtype=master,
+                             state_precision="q8", seed=7)
+        for x, y in batches(4, DEV):
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+        o.synchronize()
+        outs.append([p.detach().clone() for p in m.parameters()])
+        o.close()
+    assert all(torch.equal(a, b) for a, b in zip(*outs)), "bf24 with fp32 parameters is not the fp32 master's step"
+    # trains as the fp32 master does
+    losses = {}
+    for master in ("fp32", "bf24"):
+        torch.manual_seed(6)
+        m = make_model(W, DEV).to(torch.bfloat16)
+        o = OffloadOptimizer(m.parameters(), torch.optim.AdamW, socket=SOCKET, lr=3e-3, master_dtype=master, seed=3)
+        data = batches(8, DEV)
+        tail = []
+        for i in range(30):
+            x, y = data[i % len(data)]
+            loss = torch.nn.functional.mse_loss(m(x.to(torch.bfloat16)).float(), y)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            if i >= 25:
+                tail.append(float(loss.detach()))
+        o.close()
+        losses[master] = sum(tail) / len(tail)
+    rel = losses["bf24"] / losses["fp32"] - 1
+    assert abs(rel) < 0.02, "bf24 %.6g against the fp32 master's %.6g" % (losses["bf24"], losses["fp32"])
+    m = make_model(W, DEV).to(torch.bfloat16)
+    for kw, what in ((dict(state_precision="fp32"), "q8 or q4"), (dict(state_precision="bf16"), "q8 or q4"),
+                     (dict(optimizer_class=torch.optim.SGD), "Adam and AdamW")):
+        cls = kw.pop("optimizer_class", torch.optim.AdamW)
+        try:
+            OffloadOptimizer(m.parameters(), cls, socket=SOCKET, lr=1e-2, master_dtype="bf24", **kw)
+        except ValueError as e:
+            assert what in str(e), e
+        else:
+            raise AssertionError("master_dtype='bf24' with %r was taken" % (kw or cls,))
+    print("ok: master_dtype='bf24': q8 by default, fp32 parameters keep the fp32 master's step, the loss of 30 "
+          "steps %+.2f%% from the fp32 master's, its bad arguments refused" % (100 * rel))
 
 
 def case_exit():
@@ -1024,7 +1109,7 @@ def case_exit():
 CASES = {"grad-edits": case_grad_edits, "import-swap": case_import_swap, "other-classes": case_other_classes,
          "reads-after-step": case_reads_after_step, "checkpoints": case_checkpoints, "dcp": case_dcp, "add-param-group": case_add_param_group,
          "errors": case_errors, "gpu-share": case_gpu_share, "two-optimizers": case_two_optimizers,
-         "master-param": case_master_param, "q4": case_q4, "exit": case_exit}
+         "master-param": case_master_param, "q4": case_q4, "bf24": case_bf24, "exit": case_exit}
 DEFAULT = list(CASES)
 
 
