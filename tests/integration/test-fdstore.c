@@ -65,7 +65,8 @@
  * (the journal's stop mark says so), sealed against resizing but not
  * against writes, of mode 0400, and taken back at the restart as it is:
  * the same memfd (its inode) holds the trained master at the end, no copy
- * made.
+ * made.  "q8m24" is q8 with the 24-bit master (master_bits 24: the low
+ * halves 8 bits).
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -95,6 +96,7 @@
 static const uint64_t sizes[NT] = { 1000, 4097, 33, 70001 };
 static const enum aoq_dtype pdt[NT] = { AOQ_FP32, AOQ_FP32, AOQ_BF16, AOQ_FP32 };
 static enum aoq_precision precision = AOQ_STATE_FP32;
+static uint32_t master_bits; /* 24: "q8m24" */
 
 /* q8 and q4 state split their fp32 masters: the high halves are the
  * parameters, in a masters memfd of their own */
@@ -147,6 +149,7 @@ static uint64_t trainer_open(struct trainer *t, const char *sock, const char *jo
 	o.timeout_ms = 30000;
 	o.seed = 12345;
 	o.precision = precision;
+	o.master_bits = master_bits;
 	CHECK_OK(aoq_connect(&t->c, &o));
 	for (uint32_t g = 0; g < 2; g++) {
 		struct aoq_group h = group(g, 1);
@@ -281,6 +284,27 @@ static void trainer_free(struct trainer *t)
 	}
 }
 
+/* A trained split master (the bf16 tensor's) keeps 16 low bits, or 8
+ * with master_bits 24: its values read as fp32 have their low 8 bits zero
+ * then, and not all of them their low 16. */
+static void check_master_bits(const struct image *im)
+{
+	for (int i = 0; i < NT; i++) {
+		if (pdt[i] != AOQ_BF16 || !split_master())
+			continue;
+		size_t low8 = 0, low16 = 0;
+		for (uint64_t e = 0; e < sizes[i]; e++) {
+			uint32_t b;
+			memcpy(&b, &im->v[i][1][e], 4);
+			low8 += (b & 0xffu) != 0;
+			low16 += (b & 0xffffu) != 0;
+		}
+		CHECK(low16 > 0, "tensor %d: the master keeps no low bits", i);
+		CHECK(master_bits == 24 ? low8 == 0 : low8 > 0, "tensor %d: %zu of %" PRIu64 " masters with low 8 bits "
+		      "(master_bits %u)", i, low8, sizes[i], master_bits);
+	}
+}
+
 /* The undisturbed run of the job, and its image after every step. */
 static void undisturbed(const char *sock, struct image at[STEPS + 1])
 {
@@ -290,6 +314,7 @@ static void undisturbed(const char *sock, struct image at[STEPS + 1])
 		CHECK_OK(trainer_step(&ref, k, false));
 		image_take(&ref, &at[k]);
 	}
+	check_master_bits(&at[STEPS]);
 	trainer_free(&ref);
 }
 
@@ -442,7 +467,7 @@ static int unit_main(const char *mode)
 		usleep(100000);
 	CHECK(held == 0, "systemd's store holds %d fd(s) after every trainer said Bye", held);
 	printf("ok: %s%s, resumed at step %" PRIu64 ", bit-exact after %d steps\n", mode,
-	       !nmasters ? "" : precision == AOQ_STATE_Q4 ? " q4" : " q8", resumed,
+	       !nmasters ? "" : precision == AOQ_STATE_Q4 ? " q4" : master_bits ? " q8 (24-bit master)" : " q8", resumed,
 	       STEPS);
 	return 0;
 }
@@ -517,12 +542,14 @@ int main(int argc, char **argv)
 	aoqt_init("integration-fdstore");
 	const char *exe = aoqt_aoqd_path(argc, argv);
 	const char *mode = argc > 2 ? argv[2] : "term";
-	if (argc > 3 && strcmp(argv[3], "q8") == 0)
+	if (argc > 3 && strcmp(argv[3], "q8m24") == 0)
+		precision = AOQ_STATE_Q8, master_bits = 24;
+	else if (argc > 3 && strcmp(argv[3], "q8") == 0)
 		precision = AOQ_STATE_Q8;
 	else if (argc > 3 && strcmp(argv[3], "q4") == 0)
 		precision = AOQ_STATE_Q4;
 	else if (argc > 3)
-		CHECK(strcmp(argv[3], "fp32") == 0, "precision '%s': fp32, q8 or q4", argv[3]);
+		CHECK(strcmp(argv[3], "fp32") == 0, "precision '%s': fp32, q8, q8m24 or q4", argv[3]);
 	signal(SIGPIPE, SIG_IGN);
 	if (strncmp(mode, "unit-", 5) == 0)
 		return unit_main(mode);
@@ -769,7 +796,7 @@ int main(int argc, char **argv)
 	sup_kill(&s, SIGTERM);
 	CHECK(s.nstored == 0, "%d states stored after every trainer said Bye", s.nstored);
 	printf("ok: %s%s, resumed at step %" PRIu64 ", bit-exact after %d steps\n", mode,
-	       !split_master() ? "" : precision == AOQ_STATE_Q4 ? " q4" : " q8", resumed, STEPS);
+	       !split_master() ? "" : precision == AOQ_STATE_Q4 ? " q4" : master_bits ? " q8 (24-bit master)" : " q8", resumed, STEPS);
 	char cmd[256];
 	snprintf(cmd, sizeof(cmd), "rm -rf '%s'", s.dir);
 	if (system(cmd) != 0)
