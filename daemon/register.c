@@ -442,11 +442,11 @@ int aoqd_register_hub(struct aoqd_session *hub, struct aoqd_session *s, bool res
 		aoqd_populate_start(hub); /* here: a failed group's state goes at once (replica.c) */
 	aoqd_fdstore_describe(hub); /* a killed aoqd's group can come back (fdstore.h) */
 	aoqd_info("session", "replica group %" PRIu64 " (uid %u job '%s', %u local ranks): %u tensors in %u groups, %"
-	          PRIu64 " bytes of state (%s), arena %" PRIu64 " bytes, masters shared %" PRIu64 " bytes", hub->id,
+	          PRIu64 " bytes of state (%s%s), arena %" PRIu64 " bytes, masters shared %" PRIu64 " bytes", hub->id,
 	          (unsigned)hub->conn.uid, hub->conn.job, hub->rep->world, hub->st.ntensors, hub->st.ngroups,
 	          hub->st.state_bytes,
 	          protobuf_c_enum_descriptor_get_value(&aoq__state_precision__descriptor, hub->st.precision)->name,
-	          hub->arena.size, hub->st.masters_size);
+	          hub->st.master24 ? ", 24-bit split masters" : "", hub->arena.size, hub->st.masters_size);
 	return 0;
 }
 

@@ -670,17 +670,15 @@ static void case_bye(void)
 
 /* ---- case layout ---- */
 
-static void case_layout(void)
+/* Registers job "lay" with tensor 1 of numel1 elements and master_bits:
+ * refused with `want` in the message. */
+static void layout_refused(uint64_t numel1, uint32_t master_bits, const char *want)
 {
-	train_and_die("lay", 3);
-	Aoq__Envelope *e = NULL;
-	wait_state(&e, "lay", "leased");
-	aoq_envelope_free(e);
-	/* Same job, tensor 1 with another numel. */
 	struct aoq_options o = AOQ_OPTIONS_INIT;
 	o.socket = daemon_.socket;
 	o.job = "lay";
 	o.precision = AOQ_STATE_Q8;
+	o.master_bits = master_bits;
 	struct aoq_client *c;
 	CHECK_OK(aoq_connect(&c, &o));
 	for (uint32_t g = 0; g < 2; g++) {
@@ -693,7 +691,7 @@ static void case_layout(void)
 		snprintf(name, sizeof(name), "w%d", t);
 		struct aoq_tensor d = AOQ_TENSOR_INIT;
 		d.name = name;
-		d.numel = t == 1 ? 8192 : tdesc[t].n;
+		d.numel = t == 1 ? numel1 : tdesc[t].n;
 		d.param_dtype = tdesc[t].pd;
 		d.grad_dtype = tdesc[t].gd;
 		d.group = tdesc[t].group;
@@ -703,10 +701,21 @@ static void case_layout(void)
 	int r = aoq_register(c);
 	const char *msg = aoq_last_error();
 	printf("layout: %d %s\n", r, msg);
-	CHECK(r < 0 && strstr(msg, "tensor 1 'w1': numel 8192 here, 20011 in the leased session"),
-	      "layout: expected the named difference, got %d '%s'", r, msg);
+	CHECK(r < 0 && strstr(msg, want), "layout: expected '%s', got %d '%s'", want, r, msg);
 	aoq_close(c);
 	free(buf);
+}
+
+static void case_layout(void)
+{
+	train_and_die("lay", 3);
+	Aoq__Envelope *e = NULL;
+	wait_state(&e, "lay", "leased");
+	aoq_envelope_free(e);
+	/* Same job, tensor 1 with another numel; the same tensors with the
+	 * 24-bit master (their bf16 tensors' masters split in 8 low bits). */
+	layout_refused(8192, 0, "tensor 1 'w1': numel 8192 here, 20011 in the leased session");
+	layout_refused(tdesc[1].n, 24, "a 24-bit master here, a 32-bit one in the leased session");
 	/* The lease is still there for the right trainer. */
 	e = NULL;
 	wait_state(&e, "lay", "leased");
