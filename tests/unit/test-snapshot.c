@@ -25,6 +25,7 @@
 #include "snapshot.h"
 
 #include "expect.h"
+#include "split-fill.h"
 
 static uint64_t rs;
 static uint64_t rnd(void)
@@ -93,19 +94,7 @@ static void make_state(struct aoqd_state *st, int prec, uint32_t nt, bool dup_na
 		uint8_t *p = t->state_mem;
 		for (size_t k = 0; k < t->state_len; k++)
 			p[k] = (uint8_t)rnd();
-		/* a split master (q8 with bf16 parameters) holds the split of
-		 * some fp32 value: random bits, a NaN as the one quiet NaN
-		 * (the split of a NaN's payload does not come back alike); a
-		 * 24-bit one, of such a value with its low byte zero */
-		for (size_t e = 0; aoqd_tensor_lo(t) && e < t->numel; e++) {
-			uint32_t b = (uint32_t)rnd();
-			if ((b & 0x7f800000u) == 0x7f800000u && (b & 0x7fffffu))
-				b = 0x7fc00000u;
-			if (t->st.master_lo)
-				aoqk_split(b, (uint16_t *)t->st.master + e, (uint16_t *)t->st.master_lo + e);
-			else
-				aoqk_split8(b & ~0xffu, (uint16_t *)t->st.master + e, (int8_t *)t->st.master_lo8 + e);
-		}
+		fill_split_master(t, rnd);
 		EXPECT(!aoqd_tensor_lo(t) || aoqd_tensor_lo_size(t) == (m24 ? 1u : 2u), "tensor %u: a low half of %u bytes",
 		       i, aoqd_tensor_lo_size(t));
 	}
