@@ -182,6 +182,7 @@ static int on_stats(struct aoqd_session *who, const Aoq__Envelope *env, struct a
 		x->parameters = s->st.parameters; /* no walk over the tensors: Stats costs O(sessions) */
 		x->state = (char *)state_name(s->state);
 		x->precision = s->st.precision;
+		x->master_bits = s->st.master24 ? 24 : 32;
 		x->arena_bytes = s->building ? 0 : s->arena.size; /* being built off the loop */
 		aoqd_stats_fill(&s->stats, x);
 		x->state_bytes = s->st.state_bytes;
@@ -204,6 +205,7 @@ static int on_stats(struct aoqd_session *who, const Aoq__Envelope *env, struct a
 			x->tensors = h->st.ntensors;
 			x->parameters = h->st.parameters;
 			x->precision = h->st.precision;
+			x->master_bits = h->st.master24 ? 24 : 32;
 			x->last_step = h->st.last_step;
 			x->snapshot_step = h->snap_step;
 			x->snapshot_unix_ns = h->snap_wall_ns;

@@ -156,7 +156,7 @@ int ctl_print_stats_prometheus(const struct view *v, FILE *f)
 			prom_label_value(f, s->device);
 			fputs("\",state=\"", f);
 			prom_label_value(f, s->state);
-			fprintf(f, "\",precision=\"%s\"} 1\n", ctl_precision_name(s->precision));
+			fprintf(f, "\",precision=\"%s\"} 1\n", ctl_precision_name(s->precision, s->master_bits));
 		}
 	}
 	prom_session_family(f, st, "aoq_session_tensors", "gauge", "Tensors registered by the session.", get_tensors);

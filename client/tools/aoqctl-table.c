@@ -156,7 +156,7 @@ int ctl_print_sessions(const Aoq__Stats *st, FILE *f)
 		snprintf(row[4], CELL_LEN, "%" PRIu32, s->pid);
 		ctl_cell_set(row[5], ctl_str_or(s->device, "-"));
 		ctl_cell_set(row[6], ctl_str_or(s->state, "-"));
-		ctl_cell_set(row[7], ctl_precision_name(s->precision));
+		ctl_cell_set(row[7], ctl_precision_name(s->precision, s->master_bits));
 		snprintf(row[8], CELL_LEN, "%" PRIu64, s->last_step);
 		if (s->state && strcmp(s->state, "leased") == 0)
 			snprintf(row[9], CELL_LEN, "%.0fs", ceil(s->lease_left_seconds));

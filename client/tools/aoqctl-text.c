@@ -76,8 +76,13 @@ void ctl_fmt_double(char *buf, size_t len, double v, int prec)
 		snprintf(buf, len, "%.*f", prec, v);
 }
 
-const char *ctl_precision_name(int p)
+const char *ctl_precision_name(int p, uint32_t master_bits)
 {
+	/* the 24-bit master (Register.master_bits) beside q8 or q4 moments */
+	if (master_bits == 24 && p == AOQ__STATE_PRECISION__STATE_Q8)
+		return "q8-bf24";
+	if (master_bits == 24 && p == AOQ__STATE_PRECISION__STATE_Q4)
+		return "q4-bf24";
 	switch (p) {
 	case AOQ__STATE_PRECISION__STATE_FP32: return "fp32";
 	case AOQ__STATE_PRECISION__STATE_Q8: return "q8";

@@ -53,7 +53,8 @@ void ctl_fmt_rank(char *buf, size_t len, const Aoq__SessionStats *s);
 void ctl_fmt_uptime(char *buf, size_t len, double s);
 void ctl_fmt_double(char *buf, size_t len, double v, int prec);
 void ctl_fmt_time(char *buf, size_t len, double t);
-const char *ctl_precision_name(int p);
+/* A state precision's name; master_bits 24 (the 24-bit master) marks q8 and q4 "-bf24". */
+const char *ctl_precision_name(int p, uint32_t master_bits);
 const char *ctl_str_or(const char *s, const char *dflt);
 
 #define TABLE_MAX_COLS 16

@@ -315,6 +315,18 @@ static void undisturbed(const char *sock, struct image at[STEPS + 1])
 		image_take(&ref, &at[k]);
 	}
 	check_master_bits(&at[STEPS]);
+	/* Stats report the session's master bits (aoqctl's "q8-bf24") */
+	Aoq__Envelope *e = NULL;
+	CHECK_OK(aoqt_stats(sock, &e));
+	bool seen = false;
+	for (size_t i = 0; i < e->stats->n_sessions; i++)
+		if (strcmp(e->stats->sessions[i]->job, "undisturbed") == 0) {
+			seen = true;
+			CHECK(e->stats->sessions[i]->master_bits == (master_bits ? master_bits : 32),
+			      "stats: master_bits %u, registered %u", e->stats->sessions[i]->master_bits, master_bits);
+		}
+	CHECK(seen, "stats: no session of job 'undisturbed'");
+	aoq_envelope_free(e);
 	trainer_free(&ref);
 }
 
