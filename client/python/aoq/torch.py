@@ -142,7 +142,8 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
     within DEFAULT_SHARE (1.5 %) of the device peak measured with
     everything offloaded, where the device keeps the state in aoqd's own
     format (a CUDA device, an fp32 master with q8 or q4 moments, Adam or
-    AdamW, not shared=), else 0 (docs/python.md, "The default share");
+    AdamW, not shared=, not master_dtype="bf24"), else 0 (docs/python.md,
+    "The default share");
     "auto": measured at the probe
     steps, within max_device_bytes= (bytes, or a fraction in (0, 1] of the
     device's free memory) or by default within the device peak of the same
@@ -386,11 +387,14 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
                      master_bits=self._master_bits)
         self.local_world, self.local_rank = local_world, local_rank
         self._leased = lease != 0       # a lease may keep aoqd's state for a resume
-        if (gpu_state_budget is None and self._share_q8 and not offload_all and local_world <= 1
-                and not self._leased and _share._device_memory(tdev) is not None and not _share._dist_many()):
+        if (gpu_state_budget is None and self._share_q8 and self._master_bits != 24 and not offload_all
+                and local_world <= 1 and not self._leased and _share._device_memory(tdev) is not None
+                and not _share._dist_many()):
             # the default share (docs/decisions.md): "auto" within
             # DEFAULT_SHARE of the device peak measured with everything
-            # offloaded, where the device keeps the state as aoqd does;
+            # offloaded, where the device keeps the state as aoqd does
+            # (not with the 24-bit master, which the share keeps in 16
+            # low bits: a tensor would step otherwise on the device);
             # not under torch.distributed (its split takes collectives),
             # not with a lease (a resume would find the moved tensors'
             # state in aoqd as it was at the move)

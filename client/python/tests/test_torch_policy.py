@@ -316,6 +316,7 @@ def case_default_share():
     for what, dtype, kw in (("gpu_state_budget=0", torch.bfloat16, dict(budget=0)),
                             ("fp32 parameters", torch.float32, dict(budget="default")),
                             ("a bf16 master", torch.bfloat16, dict(budget="default", master_dtype="bf16")),
+                            ("the 24-bit master", torch.bfloat16, dict(budget="default", master_dtype="bf24")),
                             ("a lease", torch.bfloat16, dict(budget="default", job="policy-lease", lease=30))):
         m = stack().to(dtype)
         with FakeDevice(base=base) as fake:
@@ -357,7 +358,8 @@ def case_default_share():
         split, off, moved, _ = auto_run(m, torch.bfloat16, job="policy-lease-auto", lease=30)
     said = [str(w.message) for w in got if "leased session" in str(w.message)]
     assert moved and len(said) == 1 and "as of step 3" in said[0], (len(moved), said)
-    print("ok: the default share is off with gpu_state_budget=0, fp32 parameters, a bf16 master, a lease and "
+    print("ok: the default share is off with gpu_state_budget=0, fp32 parameters, a bf16 master, the 24-bit "
+          "master, a lease and "
           "under torch.distributed; \"auto\" with a lease warns once at its move")
 
 
