@@ -51,7 +51,11 @@ static int set_options(struct aoqd_session *s, const Aoq__Register *m, struct ao
 	if (m->master_bits != 0 && m->master_bits != 24 && m->master_bits != 32)
 		return AOQD_FAIL(err, INVALID, "master_bits %u: 0 or 32 (an fp32 master) or 24 (the 24-bit master)",
 		                 m->master_bits);
-	st->master24 = m->master_bits == 24;
+	/* only q8 and q4 with an fp32 master split it: elsewhere the master
+	 * stays as the precision says, and the session carries no flag that
+	 * a resume or a replica would have to match */
+	st->master24 = m->master_bits == 24 && (m->precision == AOQ__STATE_PRECISION__STATE_Q8 ||
+	                                        m->precision == AOQ__STATE_PRECISION__STATE_Q4);
 	st->options_set = true;
 	return 0;
 }
