@@ -114,56 +114,28 @@ void aoqd_q4_encode(void *codes, float *scales, const float *src, bool second, u
 			aoqk_q4_put(codes, e, 0);
 }
 
-void aoqd_split_join(void *dst, const uint16_t *hi, const uint16_t *lo, size_t n)
-{
-	for (size_t i = 0; i < n; i++) {
-		uint32_t b = aoqk_split_join(hi[i], lo[i]);
-		memcpy((uint8_t *)dst + 4 * i, &b, 4);
-	}
-}
-
-void aoqd_split(uint16_t *hi, uint16_t *lo, const void *src, size_t n)
-{
-	for (size_t i = 0; i < n; i++) {
-		uint32_t b;
-		memcpy(&b, (const uint8_t *)src + 4 * i, 4);
-		aoqk_split(b, &hi[i], &lo[i]);
-	}
-}
-
-void aoqd_split8_join(void *dst, const uint16_t *hi, const int8_t *lo8, size_t n)
-{
-	for (size_t i = 0; i < n; i++) {
-		uint32_t b = aoqk_split8_join(hi[i], lo8[i]);
-		memcpy((uint8_t *)dst + 4 * i, &b, 4);
-	}
-}
-
-void aoqd_split8(uint16_t *hi, int8_t *lo8, const void *src, size_t n)
-{
-	for (size_t i = 0; i < n; i++) {
-		uint32_t b;
-		memcpy(&b, (const uint8_t *)src + 4 * i, 4);
-		/* to 24 bits, to nearest even (the largest finite values round
-		 * to inf, as IEEE rounding does); a NaN as it is */
-		if ((b & 0x7f800000u) != 0x7f800000u || !(b & 0x7fffffu))
-			b = (b + 0x7fu + ((b >> 8) & 1u)) & ~0xffu;
-		aoqk_split8(b, &hi[i], &lo8[i]);
-	}
-}
-
 void aoqd_master_join(void *dst, const uint16_t *hi, const void *lo, unsigned lo_size, size_t n)
 {
-	if (lo_size == 1)
-		aoqd_split8_join(dst, hi, lo, n);
-	else
-		aoqd_split_join(dst, hi, lo, n);
+	for (size_t i = 0; i < n; i++) {
+		uint32_t b = lo_size == 1 ? aoqk_split8_join(hi[i], ((const int8_t *)lo)[i])
+		                          : aoqk_split_join(hi[i], ((const uint16_t *)lo)[i]);
+		memcpy((uint8_t *)dst + 4 * i, &b, 4);
+	}
 }
 
 void aoqd_master_split(uint16_t *hi, void *lo, unsigned lo_size, const void *src, size_t n)
 {
-	if (lo_size == 1)
-		aoqd_split8(hi, lo, src, n);
-	else
-		aoqd_split(hi, lo, src, n);
+	for (size_t i = 0; i < n; i++) {
+		uint32_t b;
+		memcpy(&b, (const uint8_t *)src + 4 * i, 4);
+		if (lo_size == 2) {
+			aoqk_split(b, &hi[i], &((uint16_t *)lo)[i]);
+			continue;
+		}
+		/* 24 bits: first to nearest even (the largest finite values
+		 * round to inf, as IEEE rounding does); a NaN as it is */
+		if ((b & 0x7f800000u) != 0x7f800000u || !(b & 0x7fffffu))
+			b = (b + 0x7fu + ((b >> 8) & 1u)) & ~0xffu;
+		aoqk_split8(b, &hi[i], &((int8_t *)lo)[i]);
+	}
 }

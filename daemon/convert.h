@@ -16,17 +16,11 @@ void aoqd_to_f32(float *dst, const void *src, enum aoqk_dtype t, size_t n);
 /* dst[i] = src[i] rounded to t */
 void aoqd_from_f32(void *dst, enum aoqk_dtype t, const float *src, size_t n);
 
-/* A split master (aoqk_state.master_lo): n fp32 values (bit patterns, any
- * alignment) from their halves, and back (aoqk_split_join, aoqk_split). */
-void aoqd_split_join(void *dst, const uint16_t *hi, const uint16_t *lo, size_t n);
-void aoqd_split(uint16_t *hi, uint16_t *lo, const void *src, size_t n);
-/* The 24-bit master (aoqk_state.master_lo8) the same way; the split
- * first rounds each value to 24 bits, to nearest even (aoqk_split8_join,
- * aoqk_split8). */
-void aoqd_split8_join(void *dst, const uint16_t *hi, const int8_t *lo8, size_t n);
-void aoqd_split8(uint16_t *hi, int8_t *lo8, const void *src, size_t n);
-/* Either, by the low half's bytes per element (2: master_lo, 1:
- * master_lo8); lo points at the first element's low half. */
+/* A split master: n fp32 values (bit patterns, any alignment) from their
+ * halves, and back, by the low half's bytes per element: 2, master_lo
+ * (aoqk_split_join, aoqk_split); 1, the 24-bit master's master_lo8
+ * (aoqk_split8_join, aoqk_split8), whose split first rounds each value to
+ * 24 bits, to nearest even.  lo points at the first element's low half. */
 void aoqd_master_join(void *dst, const uint16_t *hi, const void *lo, unsigned lo_size, size_t n);
 void aoqd_master_split(uint16_t *hi, void *lo, unsigned lo_size, const void *src, size_t n);
 

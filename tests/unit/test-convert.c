@@ -6,7 +6,7 @@
  * reference value, random floats (normal, subnormal, overflowing, ties)
  * round as the reference rounds, and the q8 and q4 codebooks decode to
  * their formula and encode to the nearest code; fp32 masters loaded into
- * the 24-bit master (aoqd_split8) come back (aoqd_split8_join) rounded to
+ * the 24-bit master (aoqd_master_split) come back (aoqd_master_join) rounded to
  * the nearest 24-bit value, ties to even, with the parameter their
  * rounding half away from zero.
  */
@@ -352,8 +352,8 @@ static void test_split8(void)
 	}
 	src[4] = 0x7fc01234u; /* a NaN */
 	src[5] = 0x7f800000u; /* inf */
-	aoqd_split8(hi, lo8, src, N);
-	aoqd_split8_join(back, hi, lo8, N);
+	aoqd_master_split(hi, lo8, 1, src, N);
+	aoqd_master_join(back, hi, lo8, 1, N);
 	int bad = 0;
 	for (size_t i = 0; i < N && bad < 5; i++) {
 		uint32_t b = src[i];

@@ -189,7 +189,7 @@ def split_master(w):
 
 def param24(w):
     """The bf16 parameter aoqd keeps for fp32 masters w loaded into the
-    24-bit master (daemon/convert.c aoqd_split8, kernels/aoq-kernel.h
+    24-bit master (daemon/convert.c aoqd_master_split, kernels/aoq-kernel.h
     aoqk_split8): w rounded to 24 bits to nearest even, then to bf16 half
     away from zero (NaN: a quiet NaN)."""
     b = w.contiguous().view(torch.int32).to(torch.int64) & _MASK
