@@ -22,9 +22,12 @@ static int dtype_ok(enum aoq_dtype t)
 
 int aoq_device_adam_q8(const struct aoq_device_step *s, void *cuda_stream)
 {
-	if (!s || s->size < sizeof(*s))
+	/* the struct as it was before max_blocks is still taken */
+	const size_t min_size = offsetof(struct aoq_device_step, max_blocks);
+	if (!s || s->size < min_size)
 		return aoq_set_error(-EINVAL, "aoq_device_adam_q8: struct aoq_device_step of %u bytes, want %zu",
 		                     s ? s->size : 0u, sizeof(*s));
+	unsigned max_blocks = s->size >= sizeof(*s) ? s->max_blocks : 0;
 	if (s->n == 0)
 		return 0;
 	if (!s->param || !s->grad || !s->m || !s->v || !s->m_scale || !s->v_scale || s->device < 0)
@@ -50,6 +53,7 @@ int aoq_device_adam_q8(const struct aoq_device_step *s, void *cuda_stream)
 		struct aoq_cuda_adam_q8 k;
 		aoq_cuda_adam_q8_consts(&k, s->lr, s->beta1, s->beta2, s->eps, s->weight_decay, s->decoupled, s->step,
 		                        s->seed, s->grad_scale);
+		k.max_blocks = max_blocks;
 		e = aoq_cuda_adam_q8_step(s->param, (enum aoq_cuda_dtype)s->param_dtype, s->grad,
 		                          (enum aoq_cuda_dtype)s->grad_dtype, s->master, s->master_lo, s->m, s->v,
 		                          s->m_scale, s->v_scale, s->n, &k, (cudaStream_t)cuda_stream);

@@ -320,6 +320,8 @@ cudaError_t adam_q8_launch2(P *param, const G *grad, float *master, uint16_t *lo
 	Q8Codes q = { AOQK_Q8_M_K, AOQK_Q8_M_TOP, AOQK_Q8_U_K, AOQK_Q8_U_TOP };
 	// 8 warps (q8 blocks) per CUDA block
 	unsigned g = grid_for((n + AOQK_Q8_BLOCK - 1) / AOQK_Q8_BLOCK, 8);
+	if (k.max_blocks && g > k.max_blocks)
+		g = k.max_blocks; // the grid-stride loop covers the rest
 	if (aligned16(param) && aligned16(grad) && aligned16(kSplit ? (void *)lo : (void *)master) &&
 	    ((uintptr_t)m & 7u) == 0 && ((uintptr_t)v & 7u) == 0)
 		adam_q8_kernel<P, G, true, kSplit><<<g, 256, 0, stream>>>(param, grad, master, lo, m, v, ms, vs, n, k, q);

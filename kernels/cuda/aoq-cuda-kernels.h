@@ -79,6 +79,7 @@ struct aoq_cuda_adam_q8 {
 	float w1, w1c, b2, w2, nstep, inv_bc2s, eps, decay, wd, gscale;
 	int lerp_small, adamw, l2;
 	uint32_t key; /* the step's random key: aoq_cuda_q8_key(seed, step) */
+	unsigned max_blocks; /* the launch's grid at most (0: as the tensor needs; the consts leave 0) */
 };
 
 /* Fills k from the hyperparameters (step counts from 1; decoupled: AdamW). */

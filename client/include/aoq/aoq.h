@@ -362,6 +362,12 @@ struct aoq_device_step {
 	uint64_t step;
 	uint64_t seed;
 	float grad_scale;           /* the gradient is multiplied by it (1: as is) */
+	/* The launch's grid at most this many blocks of 256 threads, 0 as
+	 * many as n needs (a struct whose size ends before this field: 0).
+	 * State in pinned host memory (the buffers may be any memory the
+	 * device reaches) makes the kernel wait on PCIe, not on the SMs: a few
+	 * SMs' worth keeps the link busy and leaves the rest to the trainer. */
+	uint32_t max_blocks;
 };
 
 AOQ_API int aoq_device_adam_q8(const struct aoq_device_step *s, void *cuda_stream);

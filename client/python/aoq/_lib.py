@@ -143,6 +143,7 @@ class DeviceStep(_Sized):
         ("step", c_uint64),
         ("seed", c_uint64),
         ("grad_scale", ctypes.c_float),
+        ("max_blocks", c_uint32),     # a grid cap (0: none); libaoq takes the struct without it too
     ]
 
 

@@ -33,6 +33,11 @@ M_SHIFT, U_SHIFT = 23 - _M_MB, 23 - _U_MB
 M_C0 = (127 << _M_MB) + (1 << _M_MB) - 1 - 127
 U_C0 = (127 << _U_MB) + (1 << _U_MB) - 1 - 255
 _CHUNK = 1 << 20                          # torch path: elements per pass (a multiple of BLOCK)
+# The host share's grid (blocks of 256 threads): its kernel waits on PCIe,
+# and at 32 blocks an H100's bf16 matmuls beside it kept 0.99 of their
+# speed while it stepped 6 G parameters/s (64: 8.4 G/s, matmuls 0.80; no
+# cap: 9.9 G/s, 0.57; tests/bench/RESULTS.md, "The host share")
+HOST_BLOCKS = 32
 
 
 def _u2f(u):
@@ -259,17 +264,30 @@ def state_to(mc, vc, ms, vs):
 _DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-def _device_step(lib, param, grad, master, mc, vc, ms, vs, hp, lo=None):
+def _device_step(lib, param, grad, master, mc, vc, ms, vs, hp, lo=None, max_blocks=0):
     """One step through libaoq's aoq_device_adam_q8 on the current stream
-    (master None: split, lo its low halves); True, or AoqError where it
-    fails (ENOTSUP: a libaoq without CUDA)."""
+    (master None: split, lo its low halves; max_blocks: the grid's cap);
+    True, or AoqError where it fails (ENOTSUP: a libaoq without CUDA)."""
     s = _lib.DeviceStep(param.device.index or 0, param.data_ptr(), _DTYPE[param.dtype], grad.data_ptr(),
                         _DTYPE[grad.dtype], None if master is None else master.data_ptr(),
                         None if lo is None else lo.data_ptr(), mc.data_ptr(), vc.data_ptr(), ms.data_ptr(),
-                        vs.data_ptr(), param.numel(), *hp)
+                        vs.data_ptr(), param.numel(), *hp, max_blocks)
     stream = torch.cuda.current_stream(param.device).cuda_stream
     _lib.check(lib.aoq_device_adam_q8(ctypes.byref(s), ctypes.c_void_p(stream)), "aoq_device_adam_q8")
     return True
+
+
+def has_kernel():
+    """True when this libaoq steps on CUDA (aoq_device_adam_q8): a struct
+    too small for its size field, which the CUDA entry refuses with EINVAL
+    and a libaoq without CUDA with ENOTSUP; nothing is launched."""
+    try:
+        lib = _lib.load()
+    except OSError:
+        return False
+    s = _lib.DeviceStep()
+    s.size = 8
+    return lib.aoq_device_adam_q8(ctypes.byref(s), None) == -errno.EINVAL
 
 
 class _Q8Adam(torch.optim.Optimizer):
@@ -281,7 +299,11 @@ class _Q8Adam(torch.optim.Optimizer):
     2 bytes per parameter instead of 4); seed_of: t -> its random key's
     seed.  state[t]: "step" (a float tensor, as torch's), the codes and
     scales ("m_codes", "v_codes", "m_scale", "v_scale"), "master_lo";
-    moments()/set_moments() decode and encode them."""
+    moments()/set_moments() decode and encode them.  The tensors in host
+    (a set) keep that state in pinned host memory, which libaoq's kernel
+    reads and writes over PCIe (the host share: no device memory; a libaoq
+    with CUDA, has_kernel); beside a CPU parameter it is plain host memory,
+    stepped as any."""
 
     def __init__(self, params, param_of, seed_of, decoupled, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.0, **_):
@@ -289,6 +311,7 @@ class _Q8Adam(torch.optim.Optimizer):
         self.param_of = param_of
         self.seed_of = seed_of
         self.decoupled = decoupled
+        self.host = set()
         self.use_kernel = None      # None: try libaoq's kernel on CUDA at the first step
 
     @staticmethod
@@ -296,27 +319,33 @@ class _Q8Adam(torch.optim.Optimizer):
         """t's master is split (a bf16 parameter stepped as itself)."""
         return t.dtype == torch.bfloat16
 
+    def _zeros(self, t, n, dtype):
+        if t in self.host and t.is_cuda:
+            return torch.zeros(n, dtype=dtype, pin_memory=True)
+        return torch.zeros(n, dtype=dtype, device=t.device)
+
     def _init_state(self, t):
         n = t.numel()
         st = self.state[t]
         st["step"] = torch.tensor(0.0)
         if self.split(t):
             # the parameter as it is: its master's low half zero
-            st["master_lo"] = torch.zeros(n, dtype=torch.int16, device=t.device)
-        st["m_codes"] = torch.zeros(n, dtype=torch.uint8, device=t.device)
-        st["v_codes"] = torch.zeros(n, dtype=torch.uint8, device=t.device)
-        st["m_scale"] = torch.zeros(blocks(n), dtype=torch.float32, device=t.device)
-        st["v_scale"] = torch.zeros(blocks(n), dtype=torch.float32, device=t.device)
+            st["master_lo"] = self._zeros(t, n, torch.int16)
+        st["m_codes"] = self._zeros(t, n, torch.uint8)
+        st["v_codes"] = self._zeros(t, n, torch.uint8)
+        st["m_scale"] = self._zeros(t, blocks(n), torch.float32)
+        st["v_scale"] = self._zeros(t, blocks(n), torch.float32)
         return st
 
     def moments(self, t):
         st = self.state.get(t)
         if not st:
             return None
-        m, v = state_to(st["m_codes"], st["v_codes"], st["m_scale"], st["v_scale"])
+        dev = t.device
+        m, v = state_to(*(st[k].to(dev) for k in ("m_codes", "v_codes", "m_scale", "v_scale")))
         d = {"step": st["step"].clone(), "exp_avg": m.view(t.shape), "exp_avg_sq": v.view(t.shape)}
         if self.split(t):
-            d["master"] = join_master(_local(t.detach()).reshape(-1), st["master_lo"]).view(t.shape)
+            d["master"] = join_master(_local(t.detach()).reshape(-1), st["master_lo"].to(dev)).view(t.shape)
         return d
 
     def set_moments(self, t, d, master=None):
@@ -328,38 +357,49 @@ class _Q8Adam(torch.optim.Optimizer):
             hi, low = split_master(master.to(device=t.device, dtype=torch.float32).reshape(-1))
             with torch.no_grad():
                 _local(t.data).view(-1).copy_(hi)
-            st["master_lo"] = low
+            st["master_lo"].copy_(low)
         if d.get("step") is not None:
             st["step"] = torch.tensor(float(d["step"]))
         if d.get("exp_avg") is not None and d.get("exp_avg_sq") is not None:
-            mc, vc, ms, vs = state_from(_local(d["exp_avg"]).to(t.device), _local(d["exp_avg_sq"]).to(t.device))
-            st["m_codes"], st["v_codes"], st["m_scale"], st["v_scale"] = mc, vc, ms, vs
+            codes = state_from(_local(d["exp_avg"]).to(t.device), _local(d["exp_avg_sq"]).to(t.device))
+            for k, x in zip(("m_codes", "v_codes", "m_scale", "v_scale"), codes):
+                st[k].copy_(x)
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, skip=()):
+        """Steps every tensor with a gradient but those in skip (the host
+        share's, stepped early by step_tensor)."""
         for g in self.param_groups:
-            b1, b2 = g["betas"]
             for t in g["params"]:
-                p = self.param_of[t]
-                grad = p.grad
-                if grad is None:
-                    continue
-                grad = _local(grad).contiguous().view(-1)
-                st = self.state.get(t) or self._init_state(t)
-                st["step"] += 1
-                step = int(st["step"].item())
-                pv = _local(p.data)
-                pl = pv.view(-1) if pv.is_contiguous() else pv.reshape(-1).clone()
-                split = self.split(t)
-                lo = st["master_lo"] if split else None
-                master = None if split else pl if p is t else t.view(-1)
-                args = (pl, grad, master, st["m_codes"], st["v_codes"], st["m_scale"], st["v_scale"])
-                if not self._kernel_step(args, (g["lr"], b1, b2, g["eps"], g["weight_decay"], self.decoupled,
-                                                step, self.seed_of[t], 1.0), lo):
-                    step_torch(*args, _Consts(g["lr"], b1, b2, g["eps"], g["weight_decay"], self.decoupled, step,
-                                              self.seed_of[t]), lo=lo)
-                if pl.data_ptr() != pv.data_ptr():
-                    pv.copy_(pl.view(pv.shape))
+                if t not in skip:
+                    self.step_tensor(t, g)
+
+    @torch.no_grad()
+    def step_tensor(self, t, g):
+        """One tensor's step with its group g's hyperparameters, on the
+        current stream."""
+        b1, b2 = g["betas"]
+        p = self.param_of[t]
+        grad = p.grad
+        if grad is None:
+            return
+        grad = _local(grad).contiguous().view(-1)
+        st = self.state.get(t) or self._init_state(t)
+        st["step"] += 1
+        step = int(st["step"].item())
+        pv = _local(p.data)
+        pl = pv.view(-1) if pv.is_contiguous() else pv.reshape(-1).clone()
+        split = self.split(t)
+        lo = st["master_lo"] if split else None
+        master = None if split else pl if p is t else t.view(-1)
+        args = (pl, grad, master, st["m_codes"], st["v_codes"], st["m_scale"], st["v_scale"])
+        hp = (g["lr"], b1, b2, g["eps"], g["weight_decay"], self.decoupled, step, self.seed_of[t], 1.0)
+        if t in self.host and pl.is_cuda:   # pinned state: the kernel only (_host_share_ok checked it)
+            _device_step(_lib.load(), *args, hp, lo=lo, max_blocks=HOST_BLOCKS)
+        elif not self._kernel_step(args, hp, lo):
+            step_torch(*args, _Consts(*hp), lo=lo)
+        if pl.data_ptr() != pv.data_ptr():
+            pv.copy_(pl.view(pv.shape))
 
     def _kernel_step(self, args, hp, lo):
         if self.use_kernel is False or args[0].device.type != "cuda":

@@ -17,7 +17,10 @@ state stays on the device keep the same format there.
   * kernel (CUDA): libaoq's aoq_device_adam_q8 against the torch-operation
     step on the same state and random bits; its argument checks;
   * the C entry without CUDA (a libaoq built without it) says ENOTSUP and
-    the share steps in torch operations.
+    the share steps in torch operations;
+  * host: a tensor whose state is in pinned host memory (the host share)
+    steps bit for bit as one whose state is on the device, and its state
+    reads and loads the same.
     test_q8_share.py [--device cuda:0] [--cases a,b]
 Exit 0 ok, 1 fail, 77 skip without torch (1 when CI / AOQ_REQUIRE_TORCH
 is set)."""
@@ -358,6 +361,22 @@ def case_kernel():
     t = _lib.DeviceStep.from_buffer_copy(s)
     t.size = 8
     assert lib.aoq_device_adam_q8(ctypes.byref(t), None) == -errno.EINVAL
+    # a grid capped at 3 blocks steps as an uncapped one, bit for bit; a
+    # struct that ends before max_blocks (its size) is taken, uncapped
+    n = 3 * 8 * 256 * 5 + 77
+    runs = []
+    for cap, size in ((0, ctypes.sizeof(_lib.DeviceStep)), (3, ctypes.sizeof(_lib.DeviceStep)),
+                      (3, _lib.DeviceStep.max_blocks.offset)):
+        master, grad, mc, vc, ms, vs = random_case(n, 17, DEV)
+        t = _lib.DeviceStep(master.device.index or 0, master.data_ptr(), 0, grad.data_ptr(), 0, master.data_ptr(),
+                            None, mc.data_ptr(), vc.data_ptr(), ms.data_ptr(), vs.data_ptr(), n,
+                            1e-3, 0.9, 0.999, 1e-8, 0.1, True, 2, 5, 1.0, cap)
+        t.size = size
+        assert lib.aoq_device_adam_q8(ctypes.byref(t), None) == 0, _lib.last_error()
+        torch.cuda.synchronize()
+        runs.append((master, mc, vc, ms, vs))
+    for r in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], r)), "a capped grid steps otherwise"
     # the split master (bf16 parameters): parameters and low halves as the
     # torch step's, but where the two masters' last bits differ
     for n in (70000, 4096 + 5):
@@ -375,8 +394,8 @@ def case_kernel():
         assert not bad.any(), (n, bad.sum().item())
         assert torch.equal(hi, a.to(torch.bfloat16)), "the parameter is not its master's rounding"
         assert (hi != ref[0]).float().mean().item() < 1e-3
-    print("ok: aoq_device_adam_q8 is the torch-operation step (3 dtype pairs, the split master) and refuses bad "
-          "arguments")
+    print("ok: aoq_device_adam_q8 is the torch-operation step (3 dtype pairs, the split master), refuses bad "
+          "arguments, steps alike under a grid cap and takes the struct without max_blocks")
 
 
 def case_no_cuda():
@@ -406,9 +425,58 @@ def case_no_cuda():
     print("ok: _Q8Adam steps on %s" % DEV)
 
 
+def case_host():
+    """The host share: _Q8Adam with a tensor in .host keeps its state in
+    pinned host memory on CUDA (plain host memory beside a CPU parameter)
+    and steps it as the device-state tensor, bit for bit; moments() and
+    set_moments() read and load it the same."""
+    cuda = DEV.startswith("cuda")
+    for dtype, n in ((torch.bfloat16, 70000), (torch.float32, 4096 + 5)):
+        g = torch.Generator().manual_seed(n)
+        w0 = torch.randn(n, generator=g).to(dtype)
+        ps = [torch.nn.Parameter(w0.clone().to(DEV)) for _ in range(2)]
+        opts = []
+        for i, p in enumerate(ps):
+            o = q8._Q8Adam([p], {p: p}, {p: 11}, decoupled=True, lr=1e-2, weight_decay=0.1)
+            if i:
+                o.host.add(p)
+            opts.append(o)
+        for k in range(4):
+            grad = (torch.randn(n, generator=g) * 1e-2).to(dtype).to(DEV)
+            for p, o in zip(ps, opts):
+                p.grad = grad.clone()
+                o.step()
+        st = opts[1].state[ps[1]]
+        keys = ["m_codes", "v_codes", "m_scale", "v_scale"] + (["master_lo"] if dtype == torch.bfloat16 else [])
+        for key in keys:
+            assert st[key].device.type == "cpu", (key, st[key].device)
+            assert st[key].is_pinned() == cuda, (key, cuda)
+            assert torch.equal(st[key], opts[0].state[ps[0]][key].cpu()), (dtype, key)
+        assert torch.equal(ps[0].detach(), ps[1].detach()), dtype
+        # read, then load into a fresh host-state optimizer: the next step agrees
+        d = opts[0].moments(ps[0])
+        dh = opts[1].moments(ps[1])
+        for key in d:
+            assert torch.equal(d[key].cpu(), dh[key].cpu()), (dtype, key)
+        p2 = torch.nn.Parameter(ps[1].detach().clone())
+        o2 = q8._Q8Adam([p2], {p2: p2}, {p2: 11}, decoupled=True, lr=1e-2, weight_decay=0.1)
+        o2.host.add(p2)
+        o2.set_moments(p2, dh, master=dh.get("master"))
+        o3 = q8._Q8Adam([ps[0]], {ps[0]: ps[0]}, {ps[0]: 11}, decoupled=True, lr=1e-2, weight_decay=0.1)
+        o3.set_moments(ps[0], d, master=d.get("master"))
+        assert o2.state[p2]["m_codes"].is_pinned() == cuda
+        grad = (torch.randn(n, generator=g) * 1e-2).to(dtype).to(DEV)
+        for p, o in ((ps[0], o3), (p2, o2)):
+            p.grad = grad.clone()
+            o.step()
+        assert torch.equal(ps[0].detach(), p2.detach()), dtype
+    print("ok: host: state in %s host memory steps, reads and loads as state on the device (bf16 split, fp32)"
+          % ("pinned" if cuda else "plain"))
+
+
 CASES = {"format": case_format, "split": case_split, "step": case_step, "rounding": case_rounding,
          "state_dict": case_state_dict, "convergence": case_convergence,
-         "kernel": case_kernel, "no_cuda": case_no_cuda}
+         "kernel": case_kernel, "no_cuda": case_no_cuda, "host": case_host}
 
 
 def main():
