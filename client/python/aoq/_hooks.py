@@ -215,7 +215,18 @@ class _PushPath:
         return hook
 
     def _on_grad(self, s, p):
-        if p.grad is None or self._client is None or s.moved:
+        if p.grad is None or self._client is None:
+            return
+        if s.moved:
+            # the host share: a final gradient (the loop known not to edit
+            # gradients, not DDP's, which averages after this hook) steps
+            # now on the device, beside the rest of backward
+            sh = self._share
+            if (sh is not None and p.is_cuda and not s.ddp and self._edits is False and self._learned is not None
+                    and sh.is_host(s.p)):
+                s.count += 1
+                if s.count == self._learned:
+                    sh.step_early(s.p, self.param_groups)
             return
         s.count += 1
         if s.ddp:       # pushed by the DDP communication hook once averaged (or at step())

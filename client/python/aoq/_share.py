@@ -155,6 +155,41 @@ def _auto_choice(numels, costs, late, cap, margin=1.1):
     return chosen
 
 
+def _host_need(late, total, host, rc, rg):
+    """gpu_state_budget="auto", the host share: how many more parameters'
+    state should move to it.  The host share steps its tensors on the
+    device during backward, as their gradients arrive, while the daemon
+    updates the rest: the daemon at rc parameters/s, the share at rg.  Of
+    all total + host parameters (host: those in the share already) the
+    share should hold rg / (rc + rg), so that both end together; no more
+    than the late parameters (those the daemon could not update within the
+    device's backward), and none move back."""
+    if rc <= 0 or rg <= 0 or late <= 0:
+        return 0
+    return max(0, min(late, int((total + host) * rg / (rc + rg)) - host))
+
+
+def _host_choice(numels, ok, taken, need):
+    """gpu_state_budget="auto", the host share: indices (into push order)
+    of the parameters whose state moves to pinned host memory, stepped by
+    the device over PCIe as soon as their gradient is final
+    (_DeviceShare.step_early): need parameters, the ones pushed first
+    first, whose step then has the rest of backward to run beside it (the
+    device share takes those pushed last: taken, this probe's indices).
+    ok[i] False (not a bf16 or fp32 parameter, or smaller than
+    _AUTO_MIN_PASSED: a Python call and kernel launch per tensor) passes one
+    over."""
+    got, chosen, skip = 0, [], set(taken)
+    for i in range(len(numels)):
+        if got >= need:
+            break
+        if i in skip or not ok[i]:
+            continue
+        chosen.append(i)
+        got += numels[i]
+    return chosen
+
+
 def _share_bytes(p, kind, master, q8=False):
     """Device bytes of p's optimizer state in the GPU share, the cheapest
     with the numerics of the offloaded state.  q8 (aoqd keeps an fp32
@@ -225,22 +260,27 @@ class _DeviceShare:
     _q8._Q8Adam.  They are the first parameters in order: the last
     gradients of backward, whose update would otherwise end after it."""
 
-    def __init__(self, share, groups, optimizer_class, kwargs, kind, fp32_master, q8=False, seed=0):
+    def __init__(self, share, groups, optimizer_class, kwargs, kind, fp32_master, q8=False, seed=0, host=False):
         self.fp32_master = fp32_master
         self.q8 = q8                # the caller's _share_q8: Adam/AdamW, fp32 master, q8 or q4 in aoqd
         self.seed = seed
+        self.host = set()           # q8: the tensors stepped whose state is in pinned host memory
+        self.early = set()          # ...those of them stepped early this step (step_early)
+        self.side = None            # ...the stream those early steps run on
+        self.timing = None          # a list: step_early records (start, end) events of each step in it
         self.params = []
         self.master = {}
         self.param_of = {}       # q8: the tensor stepped (master) -> its parameter
         self.seed_of = {}        # q8: the tensor stepped -> its random bits' seed
         self.group_of = []
-        per_group = self._take(share, groups)
+        per_group = self._take(share, groups, host)
         opt_groups = []
         for gi in sorted(per_group):
             opt_groups.append(self._group(groups, gi, per_group[gi]))
             self.group_of.append(gi)
         if self.q8:
             self.opt = _q8._Q8Adam(opt_groups, self.param_of, self.seed_of, decoupled=kind == "adamw")
+            self.opt.host = self.host
             return
         kw = {k: v for k, v in kwargs.items()
               if k not in ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov")}
@@ -249,9 +289,11 @@ class _DeviceShare:
             kw["fused"] = True
         self.opt = optimizer_class(opt_groups, **kw)
 
-    def _take(self, share, groups):
+    def _take(self, share, groups, host=False):
         """The tensors the device optimizer steps for share's (group,
-        parameter) pairs, by group: the parameter, or its fp32 master."""
+        parameter) pairs, by group: the parameter, or its fp32 master (host:
+        their state in pinned host memory; q8 beside bf16 or fp32
+        parameters only, whose master is the parameter)."""
         per_group = {}
         index = {id(p): i for i, p in enumerate(p for g in groups for p in g["params"])}
         for gi, p in share:
@@ -265,6 +307,9 @@ class _DeviceShare:
             # the parameter's place in the optimizer mixed into the seed:
             # every tensor its own bits, every replica the same
             self.seed_of[t] = _mix64(self.seed ^ _mix64(index[id(p)]))
+            if host:
+                assert self.q8 and t is p, "the host share: q8 beside a bf16 or fp32 parameter"
+                self.host.add(t)
             per_group.setdefault(gi, []).append(t)
         return per_group
 
@@ -274,23 +319,62 @@ class _DeviceShare:
         g["params"] = tensors
         return g
 
-    def add(self, share, groups):
+    def add(self, share, groups, host=False):
         """More parameters (gpu_state_budget="auto" moves them in)."""
-        for gi, ts in sorted(self._take(share, groups).items()):
+        for gi, ts in sorted(self._take(share, groups, host).items()):
             if gi in self.group_of:
                 self.opt.param_groups[self.group_of.index(gi)]["params"].extend(ts)
             else:
                 self.opt.add_param_group(self._group(groups, gi, ts))
                 self.group_of.append(gi)
 
+    @staticmethod
+    def _hyper(og, g):
+        for k in ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov"):
+            if k in g and k in og:
+                og[k] = g[k]
+
+    def is_host(self, p):
+        """p's state is in the host share."""
+        return self.master.get(p, p) in self.host
+
+    def step_early(self, p, groups):
+        """The host share: p's gradient is final (backward goes on), so its
+        step runs now on a side stream, which waits for the work queued so
+        far (the gradient) and holds the gradient's memory until it is
+        done; step() skips p and makes the next work wait for that stream.
+        Its PCIe-bound kernel overlaps backward and the daemon's updates."""
+        t = self.master.get(p, p)
+        for og, gi in zip(self.opt.param_groups, self.group_of):
+            if any(x is t for x in og["params"]):
+                break
+        else:
+            return
+        self._hyper(og, groups[gi])
+        cur = torch.cuda.current_stream(p.device)
+        if self.side is None:
+            self.side = torch.cuda.Stream(p.device)
+        self.side.wait_stream(cur)
+        with torch.cuda.stream(self.side):
+            ev = None
+            if self.timing is not None:
+                ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                ev[0].record()
+            self.opt.step_tensor(t, og)
+            if ev is not None:
+                ev[1].record()
+                self.timing.append(ev)
+        p.grad.record_stream(self.side)
+        self.early.add(t)
+
     def step(self, groups):
         for og, gi in zip(self.opt.param_groups, self.group_of):
-            g = groups[gi]
-            for k in ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov"):
-                if k in g and k in og:
-                    og[k] = g[k]
+            self._hyper(og, groups[gi])
         if self.q8:
-            self.opt.step()         # reads p.grad, writes the master and p
+            self.opt.step(skip=self.early)      # reads p.grad, writes the master and p
+            if self.side is not None:
+                torch.cuda.current_stream(self.side.device).wait_stream(self.side)
+            self.early.clear()
             return
         for p, m in self.master.items():
             m.grad = None if p.grad is None else p.grad.detach().to(torch.float32)
@@ -363,7 +447,7 @@ class _AutoSplit:
             return a.elapsed_time(b) / 1e3
         return b - a
 
-    def _auto_split(self, t_backward):
+    def _auto_split(self, t_backward, share_end=None):
         """gpu_state_budget="auto", at the end of the probe step.  Measures
         B, from the step's first final push to the end of backward (on the
         device), and T, from there until every update has landed (the
@@ -419,7 +503,30 @@ class _AutoSplit:
         moved = _first_ranks(dist, [order[i] for i in chosen], self._slots)
         self._auto_cost += sum(_share_bytes(s.p, self._kind, master, q8) + _share_step_bytes(s.p, master, q8)
                                for s in moved)
-        if moved:
+        prev = self.auto_split or {}
+        h = self._since(t_backward, share_end) if share_end is not None else 0.0
+        hs = 0.0        # the host share's early steps on this probe step: their kernels' time
+        if self._share is not None and self._share.timing:
+            hs = sum(a.elapsed_time(b) for a, b in self._share.timing) / 1e3
+        if self._share is not None:
+            self._share.timing = None
+        hosted = []
+        if self._host_share_ok():
+            # the daemon's pace as _auto_late takes it (the first final push
+            # to the end of backward, then its tail); the host share's from
+            # its early steps' kernels
+            host = prev.get("host_params", 0)
+            rc = total / (span + tail) if span + tail > 0 else 0.0
+            # before the share has stepped, half the daemon's pace: its kernel
+            # waits on PCIe beside the daemon's copies, and state never moves
+            # back, so the first move errs small (tests/bench/RESULTS.md,
+            # "The host share": 3.8-4.3 G/s against the daemon's 7)
+            rg = host / hs if host and hs > 0 else rc / 2
+            need = _host_need(max(0, late - sum(order[i].numel for i in chosen)), total, host, rc, rg)
+            ok = [s.numel >= _AUTO_MIN_PASSED and s.p.dtype in (torch.bfloat16, torch.float32) for s in order]
+            hosted = _first_ranks(dist, [order[i] for i in _host_choice([s.numel for s in order], ok, chosen, need)],
+                                  self._slots)
+        if moved or hosted:
             if self._leased and not self._auto_lease_warned:
                 # aoqd keeps the moved tensors registered with their state
                 # as of now: a resume from the lease would take it
@@ -428,25 +535,33 @@ class _AutoSplit:
                               "a resume from aoqd's lease gets the moved parameters and their state as of step %d; "
                               "the trainer's own checkpoint must hold them (docs/python.md, \"The default share\")"
                               % self._nstep)
-            self._move_to_share(moved)
-        prev = self.auto_split or {}
+            if moved:
+                self._move_to_share(moved)
+            if hosted:
+                self._move_to_share(hosted, host=True)
         rounds = prev.get("rounds", 0) + 1
-        n_moved = sum(s.numel for s in moved)
+        n_host = sum(s.numel for s in hosted)
+        n_moved = sum(s.numel for s in moved) + n_host
         # the last probe's measurements; device_* count every probe's moves
         self.auto_split = dict(backward_seconds=span, tail_seconds=tail, forward_seconds=fwd,
                                device_backward_seconds=b0, late_params=late, params=total,
-                               moved_params=n_moved, rounds=rounds,
-                               device_params=prev.get("device_params", 0) + n_moved,
+                               moved_params=n_moved, rounds=rounds, share_seconds=h, host_step_seconds=hs,
+                               device_params=prev.get("device_params", 0) + n_moved - n_host,
                                device_bytes=prev.get("device_bytes", 0) + sum(
                                    _share_bytes(s.p, self._kind, master, q8) for s in moved),
+                               host_params=prev.get("host_params", 0) + n_host,
+                               host_bytes=prev.get("host_bytes", 0) + sum(
+                                   _share_bytes(s.p, self._kind, master, q8) for s in hosted),
                                device_cap_bytes=cap, peak_bytes=peak, peak_bound_bytes=self._auto_bound)
         again = bool(_agree(dist, int(_auto_again(late, total, n_moved, rounds)))[0])   # any rank: all probe
         self._auto_probe = self._nstep + 2 if again else None
         logging.getLogger("aoq").info(
             "aoq: gpu_state_budget='auto', probe %d: the update ended %.1f ms after backward (%.1f ms after the "
             "first push; ~%d of %d offloaded parameters late); %d parameters' state moved to the device, %d "
-            "(%.2f GiB) in all, within %s%s", rounds, 1e3 * tail, 1e3 * span, late, total, n_moved,
-            self.auto_split["device_params"], self.auto_split["device_bytes"] / 2 ** 30,
+            "(%.2f GiB) in all, %d to the host share (%d, %.2f GiB of pinned memory, in all; its steps %.1f ms), "
+            "within %s%s", rounds, 1e3 * tail, 1e3 * span, late, total, n_moved - n_host,
+            self.auto_split["device_params"], self.auto_split["device_bytes"] / 2 ** 30, n_host,
+            self.auto_split["host_params"], self.auto_split["host_bytes"] / 2 ** 30, 1e3 * hs,
             "no device cap" if cap == float("inf") else "%.2f GiB (device peak %.2f GiB%s)" % (
                 cap / 2 ** 30, (peak or 0) / 2 ** 30, "" if self._auto_bound is None else
                 ", the default share's bound %.2f GiB" % (self._auto_bound / 2 ** 30) if self._auto_frac else
@@ -496,8 +611,17 @@ class _AutoSplit:
         return min(room, max(0, self._auto_state - self._auto_cost),
                    max(0, self._auto_bound - self._auto_peak)), peak
 
-    def _move_to_share(self, slots):
-        """The state of slots (synchronized) leaves aoqd for the device share."""
+    def _host_share_ok(self):
+        """The host share may take state: host_share=True, q8 moments in the
+        share, a CUDA device and a libaoq that steps there (_q8.has_kernel)."""
+        if self._host_share_kernel is None:
+            self._host_share_kernel = bool(self._host_share and self._share_q8 and self.device.type == "cuda"
+                                           and _q8.has_kernel())
+        return self._host_share_kernel
+
+    def _move_to_share(self, slots, host=False):
+        """The state of slots (synchronized) leaves aoqd for the device share
+        (host: for the host share, its state in pinned host memory)."""
         steps = self._client.get_tensor_steps()
         entries = []
         for s in slots:
@@ -508,11 +632,13 @@ class _AutoSplit:
         if self._share is None:
             self._share = _DeviceShare([(s.group, s.p) for s in slots], self.param_groups, self._optimizer_class,
                                        self._dev_kwargs, self._kind, fp32_master=self._fp32_master,
-                                       q8=self._share_q8, seed=self._seed)
+                                       q8=self._share_q8, seed=self._seed, host=host)
         else:
-            self._share.add([(s.group, s.p) for s in slots], self.param_groups)
+            self._share.add([(s.group, s.p) for s in slots], self.param_groups, host=host)
         self._share.load(entries)
         gone = set(slots)
+        if host:
+            self._host_slots.extend(slots)
         for s in slots:
             s.moved = True
             del self._slot_of[s.p]

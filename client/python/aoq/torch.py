@@ -150,6 +150,13 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
     model with torch's optimizer on the device (_AutoSplit._auto_cap).  Not
     with max_grad_norm / skip_nonfinite (they need every gradient in the
     daemon).
+    host_share: with "auto" or the default share, late parameters that the
+    device's cap leaves with aoqd may move to the host share: their state
+    (q8 moments and the master's low halves, 4.03 bytes per parameter) in
+    the trainer's pinned host memory, stepped by the device over PCIe after
+    backward while the daemon updates the rest; no device memory (default
+    False; a CUDA device, q8 in the share, bf16 or fp32 parameters of 1 Mi
+    elements or more; docs/python.md, "The host share").
     staging_window: bytes of host staging (the session's arena) that
     gradients and parameters stream through; 0 = a copy of every gradient
     and parameter on the host; None (default): 0 when that is at most
@@ -172,7 +179,7 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
                  delayed_update=False, skip_nonfinite=False, grad_accumulation_steps=None, copy_mode=None,
                  seed=0, job=None, rank=None, model=None, grad_edits=None, gpu_state_budget=None, lease=None,
                  staging_window=None, timeout=None, graph_push=True, shared=False, max_device_bytes=None,
-                 **kwargs):
+                 host_share=False, **kwargs):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise ValueError("optimizer_class must be a torch.optim.Optimizer subclass, got %r" % (optimizer_class,))
         if master_dtype not in _MASTER_DTYPES:
@@ -297,6 +304,9 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
         self._share_q8 = (master is None and state_precision in ("q8", "q4") and kind in ("adam", "adamw")
                           and not any(_is_dtensor(p) for g in self.param_groups for p in g["params"]))
         self._max_device_bytes = max_device_bytes   # "auto": the cap (None: torch's optimizer's device peak)
+        self._host_share = bool(host_share)         # "auto": late state past the cap may go to pinned host memory
+        self._host_share_kernel = None              # ...and this libaoq steps it there (_AutoSplit._host_share_ok)
+        self._host_slots = []                       # the slots whose state moved to the host share
         self._auto_bound = None         # "auto", default cap: the device peak on-GPU state would reach (bytes)
         self._auto_state = 0            # "auto", default cap: the bytes of that state (torch's optimizer's)
         self._auto_peak = 0             # "auto": the largest device peak a probe measured
@@ -518,6 +528,8 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
         t_backward = None
         if self._push_log is not None:      # "auto": the probe step; when did backward end on the device?
             t_backward = self._mark()
+        for s in self._host_slots:          # the host share's early steps (_on_grad) count afresh
+            s.count = 0
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None:           # called by GradScaler.step
             if self._edits is not True:
@@ -580,8 +592,11 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
                 for k in ("lr", "betas", "eps", "weight_decay"):
                     dg[k] = g[k]
             self._dev_opt.step()
+        share_end = None
         if self._share is not None:
             self._share.step(self.param_groups)
+            if t_backward is not None:
+                share_end = self._mark()    # "auto": the share's step timed on the probe step
         if self._slots:
             self._client.step_end()
             if self._cuda:
@@ -602,9 +617,11 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
             self._step_started = False
             self._nstep += 1
             if t_backward is not None:
-                self._auto_split(t_backward)
+                self._auto_split(t_backward, share_end)
             elif self._auto and self._auto_probe is not None and self._nstep == self._auto_probe - 1:
                 self._push_log = []
+                if self._share is not None:
+                    self._share.timing = []     # the probe step times the host share's early steps
                 self._probe_fwd, self._probe_fwd_armed = None, True   # marked at the probe step's first forward hook
                 self._probe_fwd_last = None
         return loss

@@ -363,6 +363,157 @@ def case_default_share():
           "under torch.distributed; \"auto\" with a lease warns once at its move")
 
 
+def _host_run(host=True, **kw):
+    """A stack trained 9 steps with "auto" under a fake device whose cap
+    holds one layer's state and which finds half the offloaded parameters
+    late: (auto_split, hosted, on the device, offloaded, model, state_dict,
+    the share's decoded state per hosted parameter, the share's side
+    stream, the final parameters, one layer's share bytes, the hosted
+    parameters' raw state)."""
+    one = sh._share_bytes(stack()[1].weight.to(torch.bfloat16), "adamw", None, q8=True)
+    m = stack().to(torch.bfloat16)
+    with FakeDevice(late_frac=0.5) as fake:
+        opt = OffloadOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-3, socket=SOCKET, gpu_state_budget="auto",
+                               max_device_bytes=one, host_share=host, **kw)
+        fake.opt = opt
+        offloaded = [s.p for s in opt._slots]
+        loop(m, opt, 9, torch.bfloat16)
+        opt.synchronize()
+        split = dict(opt.auto_split)
+        sh_ = opt._share
+        hosted = [p for p in sh_.params if sh_.is_host(p)]
+        ondev = [p for p in sh_.params if not sh_.is_host(p)]
+        sd = opt.state_dict()
+        live = {id(p): sh_.live_state(p) for p in hosted}
+        pinned = [sh_.opt.state[p] for p in hosted]
+        side = sh_.side
+        final = [p.detach().clone() for p in m.parameters()]
+        opt.close()
+    return split, hosted, ondev, offloaded, m, sd, live, side, final, one, pinned
+
+
+def case_host_share():
+    """The host share with a fake device budget (on CUDA for real: pinned
+    state stepped by libaoq's kernel during backward; on the CPU its state
+    is host memory anyway, stepped at step() in torch operations): the
+    late parameters that the device's cap leaves with aoqd move to the
+    host share, at the first probe as many as make it half of all (the
+    daemon's and the share's paces not yet known apart), the parameters
+    pushed first first and none the device took; host_share=False leaves
+    them in aoqd; the state_dict holds their state and a new optimizer
+    loads it; on CUDA the early steps (during backward, on a side stream)
+    give what steps at step() gives, bit for bit."""
+    real = sh._AutoSplit._host_share_ok, sh._AUTO_MIN_PASSED, sh._host_need, sh._AUTO_ROUNDS
+    calls = []
+
+    def need(late, total, host, rc, rg):
+        got = real[2](late, total, host, rc, rg)
+        calls.append((late, total, host, rc, rg, got))
+        return got
+    cuda = DEV.startswith("cuda")
+    try:
+        sh._AUTO_MIN_PASSED = 4096          # the stack's 64 x 64 weights may move
+        sh._AUTO_ROUNDS = 1                 # one probe: its choice does not depend on timings
+        sh._host_need = need
+        if not cuda:
+            sh._AutoSplit._host_share_ok = lambda self: self._host_share and self._share_q8
+        split, hosted, ondev, offloaded, m, sd, live, side, final, one, pinned = _host_run()
+        total = sum(p.numel() for p in offloaded)
+        # the first probe: the late parameters less the device's, at most half of all
+        late, tot, host, rc, rg, got = calls[0]
+        assert tot == total and late == total // 2 - 4096 and host == 0 and rg == rc / 2, calls[0]
+        assert got == min(late, tot // 3) and got <= split["host_params"] < got + 4096, (calls[0], split)
+        assert len(ondev) == 1 and split["device_params"] == 4096 and split["device_bytes"] == one, split
+        assert not set(map(id, hosted)) & set(map(id, ondev)), (len(hosted), len(ondev))
+        assert split["host_bytes"] == sum(sh._share_bytes(p, "adamw", None, q8=True) for p in hosted), split
+        # pushed first first: the head, then the last layers; the device the first layer
+        lin = [mod.weight for mod in m if isinstance(mod, torch.nn.Linear)]
+        assert ondev[0] is lin[1] and hosted[0] is lin[-1], "not in push order"
+        assert all(hosted[i] is lin[-1 - i] for i in range(len(hosted))), "not in push order"
+        for st in pinned:
+            assert all(st[k].device.type == "cpu" and st[k].is_pinned() == cuda for k in
+                       ("m_codes", "v_codes", "m_scale", "v_scale", "master_lo")), "not in pinned host memory"
+        # the state_dict: the host share's state as torch's, and a new optimizer loads it
+        index = {id(p): i for i, p in enumerate(m.parameters())}
+        for p in hosted:
+            st = sd["state"][index[id(p)]]
+            assert float(st["step"]) == 9.0, st["step"]
+            for k in ("exp_avg", "exp_avg_sq", "master"):
+                assert torch.equal(st[k].cpu(), live[id(p)][k].cpu()), k
+        opt2 = OffloadOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-3, socket=SOCKET, gpu_state_budget=0)
+        opt2.load_state_dict(sd)
+        back = opt2.state_dict()
+        opt2.close()
+        for p in hosted:
+            a, b = sd["state"][index[id(p)]], back["state"][index[id(p)]]
+            torch.testing.assert_close(b["exp_avg"].float().cpu(), a["exp_avg"].float().cpu(), rtol=0.07,
+                                       atol=1e-3 * float(a["exp_avg"].abs().max()))
+            torch.testing.assert_close(b["master"].float().cpu(), a["master"].float().cpu(), rtol=0, atol=0)
+        calls.clear()
+        s0 = _host_run(host=False)[0]
+        assert s0["host_params"] == 0 and not calls, (s0, calls)
+        said = "at step()"
+        if cuda:
+            # the early steps ran on a side stream; stepped early or at
+            # step(), the same tensors step alike, bit for bit
+            assert side is not None
+            _early_alike()
+            said = "during backward, as at step() bit for bit"
+        print("ok: the host share: %d parameters' state in %s host memory (%d bytes), %d on the device within its "
+              "cap; the first probe the late (%d) up to a third of all, pushed first first; stepped %s; "
+              "host_share=False keeps them in aoqd; the state_dict holds and loads them"
+              % (split["host_params"], "pinned" if cuda else "plain", split["host_bytes"], split["device_params"],
+                 late, said))
+    finally:
+        sh._AutoSplit._host_share_ok, sh._AUTO_MIN_PASSED, sh._host_need, sh._AUTO_ROUNDS = real
+
+
+def _early_alike():
+    """_DeviceShare.step_early on a side stream, then step(), against step()
+    alone, for host-share tensors (bf16 split, fp32): bit for bit."""
+    runs = []
+    for early in (True, False):
+        torch.manual_seed(3)
+        ps = [torch.nn.Parameter(torch.randn(70000, device=DEV).to(torch.bfloat16)),
+              torch.nn.Parameter(torch.randn(4096 + 5, device=DEV))]
+        groups = [dict(params=ps, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)]
+        share = sh._DeviceShare([(0, p) for p in ps], groups, torch.optim.AdamW, {}, "adamw", fp32_master=True,
+                                q8=True, seed=3, host=True)
+        share.load([(p, {"step": torch.tensor(0.0)}) for p in ps])
+        for _ in range(3):
+            for p in ps:
+                p.grad = torch.randn(p.shape, device=DEV).to(p.dtype) * 1e-2
+                if early:
+                    share.step_early(p, groups)
+            share.step(groups)
+        torch.cuda.synchronize()
+        st = [share.opt.state[p] for p in ps]
+        assert all(st[0][k].is_pinned() for k in ("m_codes", "master_lo")), "not in pinned host memory"
+        assert (share.side is not None) == early
+        runs.append([p.detach().clone() for p in ps] + [x[k].clone() for x in st for k in
+                                                        ("m_codes", "v_codes", "m_scale", "v_scale")])
+    assert all(torch.equal(a, b) for a, b in zip(*runs)), "the early steps differ from step()'s"
+
+
+def case_host_choice():
+    """_host_need and _host_choice: the share's part rg / (rc + rg) of all,
+    no more than the late; the parameters pushed first first, past those
+    taken and those not ok."""
+    assert sh._host_need(100, 200, 0, 1.0, 1.0) == 100           # half of 200, all late
+    assert sh._host_need(60, 200, 0, 1.0, 1.0) == 60             # no more than the late
+    assert sh._host_need(100, 150, 50, 1.0, 1.0) == 50           # half of 200 less the 50 held
+    assert sh._host_need(100, 100, 100, 1.0, 1.0) == 0           # none move back
+    assert sh._host_need(100, 200, 0, 3.0, 1.0) == 50            # a quarter
+    assert sh._host_need(0, 200, 0, 1.0, 1.0) == 0 and sh._host_need(100, 200, 0, 0.0, 1.0) == 0
+    n = [10, 20, 30, 40, 50]
+    ok = [True] * 5
+    assert sh._host_choice(n, ok, [], 25) == [0, 1]
+    assert sh._host_choice(n, ok, [0], 25) == [1, 2]                 # past the device's
+    assert sh._host_choice(n, [True, False, True, True, True], [0], 60) == [2, 3]
+    assert sh._host_choice(n, ok, [], 0) == []
+    print("ok: _host_need and _host_choice even the daemon's updates with the host share's steps")
+
+
 def quadratic(noise, seed, n=8192, steps=2000, lr=0.05, **kw):
     """The kernels' convergence problem (kernels/cpu/test-kernels.c,
     quad_run) through OffloadOptimizer with bf16 parameters: n parameters
@@ -419,7 +570,7 @@ def quadratic_start(seed, n=8192):
 
 
 CASES = {"fp32": case_fp32, "bf16": case_bf16, "auto-cap": case_auto_cap, "default-share": case_default_share,
-         "convergence": case_convergence}
+         "host-choice": case_host_choice, "host-share": case_host_share, "convergence": case_convergence}
 
 
 def main():
