@@ -22,7 +22,8 @@ torchao is torchao's CPUOffloadOptimizer (fused CPU AdamW), deepspeed DeepSpeed 
 offload_optimizer to the CPU (pinned), a process group of one; either prints a row saying why
 when it does not import here.  An aoq mode ending in -auto adds gpu_state_budget="auto"
 (with --max-device, max_device_bytes=), one ending in -off gpu_state_budget=0 (everything
-offloaded; without either, aoq's default share, docs/python.md "The default share").  The last table: s/step, the ratio to gpu-adamw,
+offloaded; without either, aoq's default share, docs/python.md "The default share"), one
+ending in -host host_share=True (docs/python.md, "The host share").  The last table: s/step, the ratio to gpu-adamw,
 the device peaks over the whole run (max_memory_allocated and max_memory_reserved), the
 final loss and the mean loss of the last --loss-tail steps against --loss-ref's, and with
 --host-triad BENCH_KERNELS the host's memory bandwidth (bench-kernels --triad) before and
@@ -80,7 +81,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 MODES = ["gpu-adamw", "gpu-adamw-master", "gpu-adamw-sr", "gpu-adamw-sr24", "aoq-default", "aoq-fp32", "aoq-q8", "aoq-q4", "aoq-bf24", "aoq-bf24-q4", "aoq-bf16",
          "aoq-bf16master", "aoq-delayed", "aoq-delayed-q8", "aoq-bf16-q8", "aoq-delayed-bf16-q8", "aoq-bf16-q4", "aoq-delayed-bf16-q4", "torchao",
          "deepspeed"]
-VARIANTS = ("swap", "attach", "compile", "rcompile", "auto", "off")
+VARIANTS = ("swap", "attach", "compile", "rcompile", "auto", "off", "host")
 DROPIN = ["gpu-adamw", "gpu-adamw-compile", "gpu-adamw-rcompile", "aoq-fp32-swap", "aoq-fp32-attach",
           "aoq-fp32-compile", "aoq-fp32-rcompile", "aoq-q8-swap", "aoq-q8-attach", "aoq-q8-compile",
           "aoq-q8-rcompile"]
@@ -104,7 +105,7 @@ def variant_flags(mode, args):
     of the whole model) or "regional" (each block compiled on its own,
     torch's regional compilation: the waits run between the blocks)."""
     base, v = parse_mode(mode)
-    if v is None or v in ("auto", "off"):
+    if v is None or v in ("auto", "off", "host"):
         return args.attach and not args.compile, "model" if args.compile else False
     return v == "attach", {"compile": "model", "rcompile": "regional"}.get(v, False)
 
@@ -373,6 +374,8 @@ def make_optimizer(mode, model, args, socket):
             kw["gpu_state_budget"] = budget
         if budget == "auto" and args.max_device is not None:
             kw["max_device_bytes"] = args.max_device if args.max_device <= 1 else int(args.max_device * 2 ** 30)
+        if variant == "host":
+            kw["host_share"] = True
         opt = OffloadOptimizer(model.parameters(), torch.optim.AdamW, **kw)
         if variant == "attach":      # the swap alone waits per module through the global pre-hook
             opt.attach(model)
@@ -401,6 +404,8 @@ def make_optimizer(mode, model, args, socket):
         kw["gpu_state_budget"] = budget
     if budget == "auto" and args.max_device is not None:
         kw["max_device_bytes"] = args.max_device if args.max_device <= 1 else int(args.max_device * 2 ** 30)
+    if variant == "host":
+        kw["host_share"] = True
     opt = OffloadOptimizer(model.named_parameters(), torch.optim.AdamW, **kw)
     if attach:
         opt.attach(model)
