@@ -617,6 +617,9 @@ class _AutoSplit:
         if self._host_share_kernel is None:
             self._host_share_kernel = bool(self._host_share and self._share_q8 and self.device.type == "cuda"
                                            and _q8.has_kernel())
+            if self._host_share and self._share_q8 and self.device.type == "cuda" and not self._host_share_kernel:
+                warnings.warn("aoq: host_share=True has no effect: this libaoq was built without CUDA "
+                              "(aoq_device_adam_q8)")
         return self._host_share_kernel
 
     def _move_to_share(self, slots, host=False):

@@ -409,6 +409,10 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
             # not with a lease (a resume would find the moved tensors'
             # state in aoqd as it was at the move)
             self._auto, self._auto_frac = True, DEFAULT_SHARE
+        if self._host_share and not (self._auto and self._share_q8 and tdev.type == "cuda"):
+            warnings.warn("aoq: host_share=True has no effect here: it needs gpu_state_budget='auto' or the default "
+                          "share, q8 moments with an fp32 master (Adam/AdamW) and a CUDA device (docs/python.md, "
+                          "\"The host share\")", stacklevel=3)
         self.job = job
         self._client = None
         self.resumed_step = None   # the last completed step when this resumed a leased session

@@ -449,6 +449,15 @@ def case_host_share():
             torch.testing.assert_close(b["exp_avg"].float().cpu(), a["exp_avg"].float().cpu(), rtol=0.07,
                                        atol=1e-3 * float(a["exp_avg"].abs().max()))
             torch.testing.assert_close(b["master"].float().cpu(), a["master"].float().cpu(), rtol=0, atol=0)
+        # asked for where it cannot act: a warning
+        for what, kw in (("gpu_state_budget=0", dict(gpu_state_budget=0)),
+                         ("fp32 moments", dict(gpu_state_budget="auto", state_precision="fp32"))):
+            with warnings.catch_warnings(record=True) as got:
+                warnings.simplefilter("always")
+                o = OffloadOptimizer(stack().to(torch.bfloat16).parameters(), torch.optim.AdamW, socket=SOCKET,
+                                     host_share=True, **kw)
+                o.close()
+            assert any("host_share=True has no effect" in str(w.message) for w in got), (what, got)
         calls.clear()
         s0 = _host_run(host=False)[0]
         assert s0["host_params"] == 0 and not calls, (s0, calls)
