@@ -367,8 +367,8 @@ class _Q8Adam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None, skip=()):
-        """Steps every tensor with a gradient but those in skip (the host
-        share's, stepped early by step_tensor)."""
+        """Steps every tensor with a gradient but those in skip (a set: the
+        host share's, stepped early, _share._DeviceShare.step_early)."""
         for g in self.param_groups:
             for t in g["params"]:
                 if t not in skip:
