@@ -19,7 +19,7 @@ py=${PYTHON:-python3}
 pass=0 fail=0 skip=0
 # each entry: a script (beside this one, or under the root) and its own arguments
 for t in test_offload.py test_gpt_bf16.py "test_gpt_bf16.py --state-precision default" test_distributed_gpu.py test_masters_memfds.py \
-	"client/python/tests/test_torch_policy.py --device cuda:0"; do
+	"client/python/tests/test_torch_policy.py --device cuda:0" "client/python/tests/test_q8_share.py --device cuda:0"; do
 	echo "== $t $*"
 	read -r -a cmd <<<"$t"
 	script=$here/${cmd[0]}
