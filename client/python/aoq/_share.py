@@ -273,9 +273,11 @@ class _DeviceShare:
         self.param_of = {}       # q8: the tensor stepped (master) -> its parameter
         self.seed_of = {}        # q8: the tensor stepped -> its random bits' seed
         self.group_of = []
+        self.group_index = {}    # the tensor stepped -> its group's index in self.opt.param_groups
         per_group = self._take(share, groups, host)
         opt_groups = []
         for gi in sorted(per_group):
+            self.group_index.update((t, len(opt_groups)) for t in per_group[gi])
             opt_groups.append(self._group(groups, gi, per_group[gi]))
             self.group_of.append(gi)
         if self.q8:
@@ -323,10 +325,13 @@ class _DeviceShare:
         """More parameters (gpu_state_budget="auto" moves them in)."""
         for gi, ts in sorted(self._take(share, groups, host).items()):
             if gi in self.group_of:
-                self.opt.param_groups[self.group_of.index(gi)]["params"].extend(ts)
+                i = self.group_of.index(gi)
+                self.opt.param_groups[i]["params"].extend(ts)
             else:
+                i = len(self.group_of)
                 self.opt.add_param_group(self._group(groups, gi, ts))
                 self.group_of.append(gi)
+            self.group_index.update((t, i) for t in ts)
 
     @staticmethod
     def _hyper(og, g):
@@ -345,12 +350,9 @@ class _DeviceShare:
         done; step() skips p and makes the next work wait for that stream.
         Its PCIe-bound kernel overlaps backward and the daemon's updates."""
         t = self.master.get(p, p)
-        for og, gi in zip(self.opt.param_groups, self.group_of):
-            if any(x is t for x in og["params"]):
-                break
-        else:
-            return
-        self._hyper(og, groups[gi])
+        i = self.group_index[t]
+        og = self.opt.param_groups[i]
+        self._hyper(og, groups[self.group_of[i]])
         cur = torch.cuda.current_stream(p.device)
         if self.side is None:
             self.side = torch.cuda.Stream(p.device)

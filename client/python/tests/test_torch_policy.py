@@ -381,6 +381,9 @@ def _host_run(host=True, **kw):
         opt.synchronize()
         split = dict(opt.auto_split)
         sh_ = opt._share
+        # step_early's lookup: every tensor stepped to the group that holds it
+        assert len(sh_.group_index) == len(sh_.params) and all(
+            any(x is t for x in sh_.opt.param_groups[i]["params"]) for t, i in sh_.group_index.items())
         hosted = [p for p in sh_.params if sh_.is_host(p)]
         ondev = [p for p in sh_.params if not sh_.is_host(p)]
         sd = opt.state_dict()
