@@ -25,8 +25,8 @@ int aoq_device_adam_q8(const struct aoq_device_step *s, void *cuda_stream)
 	/* the struct as it was before max_blocks is still taken */
 	const size_t min_size = offsetof(struct aoq_device_step, max_blocks);
 	if (!s || s->size < min_size)
-		return aoq_set_error(-EINVAL, "aoq_device_adam_q8: struct aoq_device_step of %u bytes, want %zu",
-		                     s ? s->size : 0u, sizeof(*s));
+		return aoq_set_error(-EINVAL, "aoq_device_adam_q8: struct aoq_device_step of %u bytes, want %zu "
+		                     "(%zu without max_blocks)", s ? s->size : 0u, sizeof(*s), min_size);
 	unsigned max_blocks = s->size >= sizeof(*s) ? s->max_blocks : 0;
 	if (s->n == 0)
 		return 0;

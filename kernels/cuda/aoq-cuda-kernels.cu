@@ -452,6 +452,7 @@ extern "C" void aoq_cuda_adam_q8_consts(struct aoq_cuda_adam_q8 *k, double lr, d
 	k->adamw = decoupled && weight_decay != 0.0;
 	k->l2 = !decoupled && weight_decay != 0.0;
 	k->key = aoq_cuda_q8_key(seed, step);
+	k->max_blocks = 0;
 }
 
 extern "C" cudaError_t aoq_cuda_adam_q8_step(void *param, enum aoq_cuda_dtype pt, const void *grad,
