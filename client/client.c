@@ -165,6 +165,7 @@ int aoq_connect(struct aoq_client **out, const struct aoq_options *opts)
 	}
 	c->session_id = w->session_id;
 	c->xfer_at = w->xfer_at;
+	c->release_ok = w->release_tensors;
 	aoq_envelope_free(rep);
 	*out = c;
 	return 0;

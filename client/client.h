@@ -52,6 +52,7 @@ struct tensor {
 	uint64_t param_buf;  /* delayed: bytes from one param buffer to the other */
 	struct aoq_event *last_use; /* recorded at push: the old value's last use */
 	bool pending;        /* delayed: an update waits in the arena */
+	bool released;       /* its state left aoqd (aoq_release_tensors): no more pushes */
 	uint64_t pending_step;
 	void *stream;        /* stream of the last push */
 	/* Replica group: this rank's slice [sb, se); the step of the last
@@ -93,6 +94,7 @@ struct aoq_client {
 	struct aoq_backend *be;
 	uint64_t session_id;
 	bool xfer_at;        /* the daemon takes LoadState/ReadState's `at` (transfer.c) */
+	bool release_ok;     /* the daemon takes ReleaseTensors (transfer.c) */
 	bool resumed;
 	uint64_t resumed_step;
 	uint32_t world;      /* replica group: local ranks (0: none) */

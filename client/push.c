@@ -34,6 +34,8 @@ int aoq_push_grad_ptr(struct aoq_client *c, uint32_t t, const void *grad, unsign
 	if (t >= c->ntensors || !grad || (flags & ~AOQ_PUSH_ACCUMULATE))
 		return aoq_set_error(-EINVAL, "aoq_push_grad: bad tensor %u, buffer or flags", t);
 	struct tensor *x = &c->tensors[t];
+	if (x->released)
+		return aoq_set_error(-EINVAL, "aoq_push_grad: tensor %u's state was released (aoq_release_tensors)", t);
 	int r = 0;
 	pthread_mutex_lock(&c->lock);
 	/* One record of a tensor at a time: its slot is reused, and the

@@ -249,3 +249,36 @@ int aoq_set_tensor_steps(struct aoq_client *c, uint32_t first, uint32_t n, const
 {
 	return tensor_steps(c, first, n, (uint64_t *)steps, true);
 }
+
+int aoq_release_tensors(struct aoq_client *c, const uint32_t *tensors, uint32_t n, uint64_t *bytes)
+{
+	if (!c->registered || !tensors || n == 0)
+		return aoq_set_error(-EINVAL, "aoq_release_tensors: no tensors, or before aoq_register");
+	for (uint32_t i = 0; i < n; i++)
+		if (tensors[i] >= c->ntensors || c->tensors[tensors[i]].released)
+			return aoq_set_error(-EINVAL, "aoq_release_tensors: tensor %u %s", tensors[i],
+			                     tensors[i] >= c->ntensors ? "does not exist" : "was released before");
+	if (!c->release_ok)
+		return aoq_set_error(-EOPNOTSUPP, "aoq_release_tensors: this aoqd keeps every tensor's state (it is "
+		                     "older than ReleaseTensors)");
+	int r = aoq_sync(c, NULL);
+	if (r < 0)
+		return r;
+	Aoq__ReleaseTensors m = AOQ__RELEASE_TENSORS__INIT;
+	m.n_tensors = n;
+	m.tensors = (uint32_t *)tensors;
+	Aoq__Envelope env = AOQ__ENVELOPE__INIT, *rep = NULL;
+	env.msg_case = AOQ__ENVELOPE__MSG_RELEASE_TENSORS;
+	env.release_tensors = &m;
+	pthread_mutex_lock(&c->ctl_lock);
+	r = aoqc_ctl_call(c, &env, AOQ__ENVELOPE__MSG_DONE, &rep);
+	pthread_mutex_unlock(&c->ctl_lock);
+	if (r == 0) {
+		for (uint32_t i = 0; i < n; i++)
+			c->tensors[tensors[i]].released = true;
+		if (bytes)
+			*bytes = rep->done->value;
+	}
+	aoq_envelope_free(rep);
+	return r;
+}

@@ -305,6 +305,10 @@ static bool rec_valid(struct aoqd_session *s, const struct aoqd_session *m, cons
 		return false;
 	}
 	const struct aoqd_tensor *t = &s->st.tensors[r->tensor];
+	if (t->released) {
+		snprintf(why, len, "tensor %u: its state was released (ReleaseTensors)", r->tensor);
+		return false;
+	}
 	if (r->count == 0 || !aoq_range_ok(r->offset, r->count, t->numel)) {
 		snprintf(why, len, "tensor %u: elements %" PRIu64 "+%" PRIu64 " outside 0..%" PRIu64,
 		         r->tensor, r->offset, r->count, t->numel);

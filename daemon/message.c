@@ -118,6 +118,7 @@ static int on_hello(struct aoqd_session *s, const Aoq__Envelope *env, struct aoq
 	w.version = (char *)aoq_full_version();
 	w.limits = &lim;
 	w.xfer_at = true;
+	w.release_tensors = true;
 	Aoq__Envelope r = AOQ__ENVELOPE__INIT;
 	r.msg_case = AOQ__ENVELOPE__MSG_WELCOME;
 	r.welcome = &w;
@@ -179,6 +180,7 @@ static int on_stats(struct aoqd_session *who, const Aoq__Envelope *env, struct a
 		x->pid = (uint32_t)s->conn.peer_pid; /* SO_PEERCRED's, not what Hello claims */
 		x->device = s->conn.device ? s->conn.device : "";
 		x->tensors = s->st.ntensors;
+		x->tensors_released = s->st.nreleased;
 		x->parameters = s->st.parameters; /* no walk over the tensors: Stats costs O(sessions) */
 		x->state = (char *)state_name(s->state);
 		x->precision = s->st.precision;
@@ -340,6 +342,7 @@ static const struct handler handlers[] = {
 	{ AOQ__ENVELOPE__MSG_LOAD_STATE, IN(READY), "LoadState before registration", aoqd_on_load_state },
 	{ AOQ__ENVELOPE__MSG_READ_STATE, IN(READY), "ReadState before registration", aoqd_on_read_state },
 	{ AOQ__ENVELOPE__MSG_TENSOR_STEPS, IN(READY), "TensorSteps before registration", aoqd_on_tensor_steps },
+	{ AOQ__ENVELOPE__MSG_RELEASE_TENSORS, IN(READY), "ReleaseTensors before registration", aoqd_on_release_tensors },
 	{ AOQ__ENVELOPE__MSG_STATS_REQUEST, IN(REGISTERING) | IN(READY) | IN(OBSERVER), "StatsRequest before Hello",
 	  on_stats },
 	{ AOQ__ENVELOPE__MSG_TRACE_REQUEST, IN(REGISTERING) | IN(READY) | IN(OBSERVER), "TraceRequest before Hello",

@@ -47,6 +47,9 @@ struct aoqd_tensor {
 	 * st->mem_fd; map_len covers the slot. */
 	bool in_memfd;
 	uint64_t mem_off;
+	/* The client steps it itself now (ReleaseTensors): no arrays, no
+	 * accumulator; gradients, transfers and snapshots of it are refused. */
+	bool released;
 	float *acc;            /* fp32 micro-batch accumulator, allocated on first use */
 	uint64_t acc_step;     /* step whose micro-batches acc holds */
 	uint64_t steps;        /* updates applied (bias correction) */
@@ -177,6 +180,7 @@ struct aoqd_state {
 	uint64_t state_bytes;  /* state arrays and accumulators */
 	uint64_t locked_bytes; /* of which locked in memory */
 	uint64_t parameters;   /* elements of every tensor */
+	uint32_t nreleased;    /* tensors released (aoqd_state_release) */
 	/* Everything the session holds (tables and names, page-rounded state
 	 * mappings and accumulators, the arena) is charged to its uid's
 	 * account before it is taken; quota is the uid's limit (0: none). */
@@ -362,6 +366,15 @@ void aoqd_state_free(struct aoqd_state *st, _Atomic uint64_t *locked_total);
  * its memfd added to `later` (pool.h), to be let go off the loop. */
 struct aoqd_release;
 void aoqd_state_free_later(struct aoqd_state *st, _Atomic uint64_t *locked_total, struct aoqd_release *later);
+/* Tensor t's state leaves aoqd for its client (ReleaseTensors): its
+ * mapping (and accumulator) added to `later` (pool.h), a slot of the
+ * session's memfd punched, the bytes and locked bytes given back and
+ * uncharged; a master that is the parameter keeps its pages in the masters
+ * memfd (sealed, and the client's), which stay charged.  Loop thread,
+ * nothing in flight, no undo copy.  Returns the bytes st->state_bytes
+ * lost (the uid's charge falls by their whole pages). */
+uint64_t aoqd_state_release(struct aoqd_state *st, struct aoqd_tensor *t, _Atomic uint64_t *locked_total,
+                            struct aoqd_release *later);
 /* The tensor's accumulator, mapped on first use.  0, -EDQUOT (past the
  * uid's quota) or -ENOMEM. */
 int aoqd_state_acc(struct aoqd_state *st, struct aoqd_tensor *t);

@@ -810,6 +810,44 @@ void aoqd_state_free_later(struct aoqd_state *st, _Atomic uint64_t *locked_total
 	st->store_name[0] = '\0';
 }
 
+uint64_t aoqd_state_release(struct aoqd_state *st, struct aoqd_tensor *t, _Atomic uint64_t *locked_total,
+                            struct aoqd_release *later)
+{
+	/* charged at registration: the page-rounded arrays, a master that is
+	 * the parameter on whole pages of its own at their start (no undo
+	 * copy: a state that keeps one is never released) */
+	uint64_t len = t->state_len;
+	uint64_t keep = t->master_off != AOQ_NO_MASTER ? aoqd_page_round(t->numel * 2) : 0;
+	uint64_t charged = aoqd_page_round(len) - keep, bytes = len - keep;
+	if (t->state_mem)
+		aoqd_release(later, t->state_mem, t->map_len ? t->map_len : t->state_len, -1);
+	if (t->in_memfd)
+		fallocate(st->mem_fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)(st->mem_data_off + t->mem_off),
+		          (off_t)slot_len(len));
+	if (t->locked) {
+		st->locked_bytes -= len;
+		atomic_fetch_sub(locked_total, len);
+	}
+	if (t->acc) {
+		aoqd_release(later, t->acc, t->numel * sizeof(float), -1);
+		charged += aoqd_page_round(t->numel * sizeof(float));
+		bytes += t->numel * sizeof(float);
+	}
+	st->state_bytes -= bytes;
+	if (st->account)
+		aoqd_account_uncharge(st->account, charged);
+	st->charged -= charged;
+	struct aoqk_state none = { .precision = t->st.precision, .n = t->st.n };
+	t->st = none;
+	t->state_mem = NULL;
+	t->acc = NULL;
+	t->state_len = t->map_len = 0;
+	t->locked = false;
+	t->released = true;
+	st->nreleased++;
+	return bytes;
+}
+
 /* Moves tensor t's mapping to p, keeping every array's offset. */
 static void rebase(struct aoqd_tensor *t, uint8_t *p)
 {

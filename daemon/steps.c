@@ -170,6 +170,9 @@ int aoqd_steps_snapshot(struct aoqd_session *s, struct aoqd_session *who, struct
 {
 	if (s->st.delayed)
 		return AOQD_REFUSE(err, INVALID, "snapshots of a session with the delayed update are not supported");
+	if (s->st.nreleased)
+		return AOQD_REFUSE(err, INVALID, "session %" PRIu64 " released %u tensors' state to its trainer "
+		                   "(ReleaseTensors): a snapshot would not hold them", s->id, s->st.nreleased);
 	if (s->hub)
 		s = s->hub; /* a replica group's member: the group's state */
 	bool between;
@@ -182,7 +185,7 @@ int aoqd_steps_snapshot(struct aoqd_session *s, struct aoqd_session *who, struct
 static void maybe_snapshot(struct aoqd_session *s, uint64_t step)
 {
 	const struct aoqd_config *cfg = &s->srv->cfg;
-	if ((!cfg->snapshot_every_steps && !cfg->snapshot_every_seconds) || s->st.delayed ||
+	if ((!cfg->snapshot_every_steps && !cfg->snapshot_every_seconds) || s->st.delayed || s->st.nreleased ||
 	    aoqd_snapshot_busy(&s->st))
 		return;
 	uint64_t now = aoqd_now_ns();

@@ -2,7 +2,8 @@
 /*
  * State transfer: LoadState and ReadState move one range of one tensor's
  * state between the arena's transfer area and the state arrays, converting
- * on the way; TensorSteps reads or sets the tensors' step counts.
+ * on the way; TensorSteps reads or sets the tensors' step counts;
+ * ReleaseTensors lets tensors' state go to the client for good.
  *
  * Transfers run on the worker pool in pieces, not on the loop thread: a
  * request converts up to 4 Mi elements, and a model's worth of them at
@@ -14,6 +15,8 @@
 #include <string.h>
 
 #include "arena.h"
+#include "log.h"
+#include "pool.h"
 #include "convert.h"
 #include "server.h"
 #include "session.h"
@@ -57,6 +60,8 @@ static int transfer_valid(struct aoqd_session *m, uint32_t tensor, int what, int
 		return AOQD_REFUSE(err, BUSY, "state transfer while updates are in flight");
 	if (load && aoqd_snapshot_capturing(&s->st))
 		return AOQD_REFUSE(err, BUSY, "state load while a snapshot copies the state");
+	if (tensor < s->st.ntensors && s->st.tensors[tensor].released)
+		return AOQD_FAIL(err, INVALID, "state transfer: tensor %u was released (ReleaseTensors)", tensor);
 	if (tensor >= s->st.ntensors || !aoqd_dtype_valid(dtype) || what < 0 || what > AOQ__STATE_KIND__PARAM ||
 	    (what == AOQ__STATE_KIND__PARAM && !load))
 		return AOQD_FAIL(err, INVALID, "state transfer: tensor %u what %d dtype %d", tensor, what, dtype);
@@ -255,5 +260,53 @@ int aoqd_on_tensor_steps(struct aoqd_session *from, const Aoq__Envelope *env, st
 	reply.tensor_steps = &r;
 	aoqd_conn_send(&from->conn, &reply);
 	free(steps);
+	return AOQD_REPLIED;
+}
+
+/* ReleaseTensors (proto/aoq.proto): the state of tensors the client steps
+ * itself from now on is let go.  Refused where a copy of it must stay: a
+ * lease's undo copy and rollback, a replica group's one state, a snapshot
+ * on its way; the whole request checked before any tensor goes. */
+int aoqd_on_release_tensors(struct aoqd_session *s, const Aoq__Envelope *env, struct aoqd_error *err)
+{
+	const Aoq__ReleaseTensors *m = env->release_tensors;
+	struct aoqd_state *st = &s->st;
+	if (s->hub || s->rep)
+		return AOQD_REFUSE(err, INVALID, "ReleaseTensors in a replica group: its members share one state");
+	if (st->undo)
+		return AOQD_REFUSE(err, INVALID, "ReleaseTensors in a session with a lease: a resume would need the state "
+		                   "(connect with no lease)");
+	if (!aoqd_steps_idle(&s->steps))
+		return AOQD_REFUSE(err, BUSY, "ReleaseTensors while updates are in flight");
+	if (aoqd_snapshot_busy(st))
+		return AOQD_REFUSE(err, BUSY, "ReleaseTensors while a snapshot of this session is being taken");
+	if (m->n_tensors == 0 || m->n_tensors > st->ntensors)
+		return AOQD_FAIL(err, INVALID, "ReleaseTensors: %zu tensors of %u", m->n_tensors, st->ntensors);
+	uint8_t *seen = calloc(st->ntensors, 1);
+	if (!seen)
+		return AOQD_REFUSE(err, NO_MEMORY, "out of memory");
+	int r = 0;
+	for (size_t i = 0; i < m->n_tensors && r == 0; i++) {
+		uint32_t k = m->tensors[i];
+		if (k >= st->ntensors)
+			r = AOQD_FAIL(err, INVALID, "ReleaseTensors: tensor %u of %u", k, st->ntensors);
+		else if (seen[k] || st->tensors[k].released)
+			r = AOQD_FAIL(err, INVALID, "ReleaseTensors: tensor %u %s", k,
+			              seen[k] ? "named twice" : "was released before");
+		else
+			seen[k] = 1;
+	}
+	free(seen);
+	if (r < 0)
+		return r;
+	struct aoqd_release later = AOQD_RELEASE_INIT;
+	uint64_t bytes = 0, before = st->state_bytes;
+	for (size_t i = 0; i < m->n_tensors; i++)
+		bytes += aoqd_state_release(st, &st->tensors[m->tensors[i]], &s->srv->locked_bytes,
+		                            before >= AOQD_RELEASE_OFF_LOOP_BYTES ? &later : NULL);
+	aoqd_release_start(&later);
+	aoqd_info("session", "session %" PRIu64 ": %zu tensors' state (%" PRIu64 " bytes) released to the trainer, %u of "
+	          "%u in all", s->id, m->n_tensors, bytes, st->nreleased, st->ntensors);
+	aoqd_conn_send_done(&s->conn, bytes);
 	return AOQD_REPLIED;
 }

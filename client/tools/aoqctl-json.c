@@ -110,6 +110,7 @@ static json_object *stats_json(const struct view *v)
 		JADD(o, "lease_left_seconds", strcmp(ctl_str_or(s->state, ""), "leased") == 0 ? jdouble(s->lease_left_seconds) : NULL);
 		JADD(o, "precision", json_object_new_string(ctl_precision_name(s->precision, s->master_bits)));
 		JADD(o, "tensors", json_object_new_uint64(s->tensors));
+		JADD(o, "tensors_released", json_object_new_uint64(s->tensors_released));
 		JADD(o, "parameters", json_object_new_uint64(s->parameters));
 		JADD(o, "steps", json_object_new_uint64(s->steps));
 		JADD(o, "bytes_in", json_object_new_uint64(s->bytes_in));

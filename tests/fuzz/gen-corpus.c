@@ -93,7 +93,7 @@ static void frame(struct buf *b, Aoq__Envelope__MsgCase c, void *msg)
 	free(p);
 }
 
-static void hello(struct buf *b, bool observer)
+static void hello_lease(struct buf *b, bool observer, uint32_t lease)
 {
 	Aoq__Hello h = AOQ__HELLO__INIT;
 	h.protocol_version = AOQ_PROTOCOL_VERSION;
@@ -102,7 +102,13 @@ static void hello(struct buf *b, bool observer)
 	h.device = "cpu";
 	h.observer = observer;
 	h.pid = 1;
+	h.lease_seconds = lease;
 	frame(b, AOQ__ENVELOPE__MSG_HELLO, &h);
+}
+
+static void hello(struct buf *b, bool observer)
+{
+	hello_lease(b, observer, 0);
 }
 
 struct reg_opts {
@@ -212,6 +218,14 @@ static void tensor_steps(struct buf *b, bool set)
 		m.count = 2;
 	}
 	frame(b, AOQ__ENVELOPE__MSG_TENSOR_STEPS, &m);
+}
+
+static void release(struct buf *b, uint32_t *tensors, size_t n)
+{
+	Aoq__ReleaseTensors m = AOQ__RELEASE_TENSORS__INIT;
+	m.n_tensors = n;
+	m.tensors = tensors;
+	frame(b, AOQ__ENVELOPE__MSG_RELEASE_TENSORS, &m);
 }
 
 static void stats(struct buf *b)
@@ -329,6 +343,41 @@ static void session_corpus(void)
 	o.kind = AOQ__OPTIMIZER_KIND__LION;
 	o.precision = AOQ__STATE_PRECISION__STATE_BF16_ALL;
 	session_train("train-lion-bf16all", &o);
+
+	/* No lease, q8 state: one step, then tensor 1 released (twice: the
+	 * second ends the session), tensor 0 trains on, then a gradient of
+	 * tensor 1. */
+	{
+		struct buf b = { 0 }, m = { 0 };
+		uint32_t one = 1;
+		o = plain;
+		o.precision = AOQ__STATE_PRECISION__STATE_Q8;
+		o.pdt = AOQ__DTYPE__BF16;
+		o.gdt = AOQ__DTYPE__BF16;
+		hello_lease(&m, false, 0xFFFFFFFFu);
+		reg(&m, &o);
+		s_frames(&b, &m);
+		s_op(&b, FZS_SETTLE);
+		for (uint32_t t = 0; t < 2; t++)
+			s_record(&b, t, t, 0, seed_numel[t], 1, 0);
+		step_end(&m, 1);
+		s_frames(&b, &m);
+		s_op(&b, FZS_POP);
+		s_op(&b, FZS_POP);
+		release(&m, &one, 1);
+		stats(&m);
+		s_frames(&b, &m);
+		s_op(&b, FZS_SETTLE);
+		s_record(&b, 0, 0, 0, seed_numel[0], 2, 0);
+		step_end(&m, 2);
+		s_frames(&b, &m);
+		s_op(&b, FZS_POP);
+		s_record(&b, 1, 1, 0, seed_numel[1], 3, 0);
+		release(&m, &one, 1);
+		s_frames(&b, &m);
+		s_op(&b, FZS_SETTLE);
+		save("session", "release", &b);
+	}
 
 	/* Register in two frames (more). */
 	struct buf b = { 0 }, m = { 0 };

@@ -239,6 +239,12 @@ static void test_bitexact(const struct aoqt_daemon *d, uint32_t world)
 	/* The masters and moments, read from the last rank (all of them:
 	 * reads are not sliced). */
 	same_state(&ranks[world - 1], &ref, world == 2 ? "world 2" : "world 3");
+	/* No member gives the group's one state away (ReleaseTensors), and
+	 * the refusal ends nothing (the rows below) */
+	const uint32_t t0 = 0;
+	int e = aoq_release_tensors(ranks[0].c, &t0, 1, NULL);
+	CHECK(e < 0 && strstr(aoq_last_error(), "replica group"), "world %u: ReleaseTensors in a group: %d %s", world, e,
+	      aoq_last_error());
 	/* Host memory of one replica. */
 	Aoq__Envelope *env = NULL;
 	CHECK_OK(aoqt_stats(d->socket, &env));

@@ -325,6 +325,17 @@ AOQ_API int aoq_load_state(struct aoq_client *c, uint32_t t, enum aoq_state_kind
 AOQ_API int aoq_get_tensor_steps(struct aoq_client *c, uint32_t first, uint32_t n, uint64_t *steps);
 AOQ_API int aoq_set_tensor_steps(struct aoq_client *c, uint32_t first, uint32_t n, const uint64_t *steps);
 
+/* The caller steps tensors[0..n) itself from now on (the PyTorch binding's
+ * GPU share): aoqd frees their state and takes it off the uid's quota
+ * (*bytes, when non-NULL: the bytes given back).  Read their state first
+ * (aoq_read_state): it is gone after.  Their gradients may not be pushed
+ * again, and the session can no longer be snapshot.  Waits for every
+ * update in flight (aoq_sync).  -EINVAL for an index out of range or
+ * released before; -EOPNOTSUPP from an aoqd older than the call; an
+ * error from aoqd (the session goes on) in a session with a lease or in
+ * a replica group, whose state must stay whole. */
+AOQ_API int aoq_release_tensors(struct aoq_client *c, const uint32_t *tensors, uint32_t n, uint64_t *bytes);
+
 /* Ends the session cleanly and frees the client; the borrowed buffers
  * (param, grad, streams) are the caller's again. */
 AOQ_API void aoq_close(struct aoq_client *c);

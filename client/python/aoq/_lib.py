@@ -201,6 +201,7 @@ def _declare(lib):
         "aoq_load_state": (c_int, [P, c_uint32, c_int, c_int, c_uint64, c_uint64, P]),
         "aoq_get_tensor_steps": (c_int, [P, c_uint32, c_uint32, ctypes.POINTER(c_uint64)]),
         "aoq_set_tensor_steps": (c_int, [P, c_uint32, c_uint32, ctypes.POINTER(c_uint64)]),
+        "aoq_release_tensors": (c_int, [P, ctypes.POINTER(c_uint32), c_uint32, ctypes.POINTER(c_uint64)]),
         "aoq_flush": (c_int, [P]),
         "aoq_session_seed": (c_uint64, [P]),
         "aoq_resumed": (c_int, [P, ctypes.POINTER(c_uint64)]),
@@ -208,11 +209,17 @@ def _declare(lib):
         "aoq_device_adam_q8": (c_int, [ctypes.POINTER(DeviceStep), P]),
     }
     for name, (restype, argtypes) in sigs.items():
+        if name in _SINCE and not hasattr(lib, name):
+            continue    # an older libaoq of this ABI: callers check hasattr
         f = getattr(lib, name)
         f.restype = restype
         f.argtypes = argtypes
     lib.Options = opts
     lib.StepResult = res
+
+
+# Calls a libaoq of this ABI may lack (added since the ABI's first release).
+_SINCE = frozenset(["aoq_release_tensors"])
 
 
 def _check(lib):

@@ -554,7 +554,8 @@ class _AutoSplit:
                                host_params=prev.get("host_params", 0) + n_host,
                                host_bytes=prev.get("host_bytes", 0) + sum(
                                    _share_bytes(s.p, self._kind, master, q8) for s in hosted),
-                               device_cap_bytes=cap, peak_bytes=peak, peak_bound_bytes=self._auto_bound)
+                               device_cap_bytes=cap, peak_bytes=peak, peak_bound_bytes=self._auto_bound,
+                               aoqd_released_bytes=self._released)
         again = bool(_agree(dist, int(_auto_again(late, total, n_moved, rounds)))[0])   # any rank: all probe
         self._auto_probe = self._nstep + 2 if again else None
         logging.getLogger("aoq").info(
@@ -647,5 +648,10 @@ class _AutoSplit:
         for s in slots:
             s.moved = True
             del self._slot_of[s.p]
+        if not self._leased and self.local_world <= 1:
+            # aoqd lets their state go: the share holds it now.  Not with a
+            # lease (a resume takes aoqd's state) nor in a replica group
+            # (one state for every rank); an older aoqd keeps it (None).
+            self._released += self._client.release_tensors([s.t for s in slots]) or 0
         self._slots = [s for s in self._slots if s not in gone]
         self._slot_by_addr = {}

@@ -7,6 +7,7 @@ explicit element count and dtype.  Raw addresses are device addresses for a
 device session ("cuda:N") and host addresses for "cpu".
 """
 import ctypes
+import errno as _errno
 from collections import namedtuple
 
 from . import _lib
@@ -319,6 +320,24 @@ class Client:
         steps = list(steps)
         buf = (ctypes.c_uint64 * len(steps))(*steps)
         check(self._lib.aoq_set_tensor_steps(self._handle(), first, len(steps), buf), "aoq_set_tensor_steps")
+
+    def release_tensors(self, tensors):
+        """Tensors whose state the caller keeps from now on (read it first):
+        aoqd frees theirs (aoq_release_tensors).  Returns the bytes aoqd
+        gave back, or None where this libaoq or aoqd cannot release (the
+        state then stays in aoqd, unused)."""
+        ts = sorted(set(int(t) for t in tensors))
+        if not ts:
+            return 0
+        if not hasattr(self._lib, "aoq_release_tensors"):
+            return None
+        buf = (ctypes.c_uint32 * len(ts))(*ts)
+        out = ctypes.c_uint64(0)
+        r = self._lib.aoq_release_tensors(self._handle(), buf, len(ts), ctypes.byref(out))
+        if r == -_errno.EOPNOTSUPP:
+            return None
+        check(r, "aoq_release_tensors")
+        return out.value
 
     # -- lifetime ----------------------------------------------------------
     @property

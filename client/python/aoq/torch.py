@@ -312,6 +312,7 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
         self._auto_peak = 0             # "auto": the largest device peak a probe measured
         self._auto_free0 = None         # "auto", a fraction as cap: the free device memory at the first probe
         self._auto_cost = 0             # "auto": device bytes of the moved state and its step-time copies
+        self._released = 0              # bytes of moved tensors' state aoqd freed (ReleaseTensors)
         self._auto_lease_warned = False  # "auto" in a leased session: its move warned once
         self._nstep = 0
         self._push_log = None           # "auto": the slots in the order of their final push, on the probe step

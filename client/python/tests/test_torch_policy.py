@@ -25,11 +25,17 @@ gpu_state_budget="auto" keeps the device peak within on-GPU AdamW's:
     with the default fp32 master + q8 the share keeps q8 moments and the
     master's low halves (4.03 bytes/parameter), with a bf16 master bf16
     moments (4 bytes/parameter).
+  * release: the state "auto" moves leaves aoqd (ReleaseTensors): its
+    stats row counts the tensors and its state_bytes falls by what
+    auto_split says; training goes on bit for bit as with the release off;
+    a leased session keeps the state.
     test_torch_policy.py [--device cuda:0] [--cases a,b]
 Exit 0 ok, 1 fail, 77 skip without torch (1 when CI / AOQ_REQUIRE_TORCH
 is set)."""
 import argparse
+import json
 import os
+import subprocess
 import sys
 import traceback
 import warnings
@@ -363,6 +369,60 @@ def case_default_share():
           "under torch.distributed; \"auto\" with a lease warns once at its move")
 
 
+def _stats_row(job):
+    """aoqctl stats --json's row of job's session ($AOQCTL, else the build tree's)."""
+    exe = os.environ.get("AOQCTL") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..",
+                                                   "build", "client", "tools", "aoqctl")
+    out = subprocess.run([exe, "--socket", SOCKET, "stats", "--json"], capture_output=True, text=True, timeout=60,
+                         check=True)
+    rows = [r for r in json.loads(out.stdout)["sessions"] if r["job"] == job]
+    assert len(rows) == 1, (job, rows)
+    return rows[0]
+
+
+def case_release():
+    """The state "auto" moves leaves aoqd (ReleaseTensors)."""
+    runs = {}
+    real = aoq.client.Client.release_tensors
+    for name, kw in (("on", dict(lease=0)), ("off", dict(lease=0)), ("lease", dict(lease=30))):
+        job = "policy-release-%s-%d" % (name, os.getpid())
+        m = stack().to(torch.bfloat16)
+        if name == "off":   # what a libaoq or aoqd without the call does
+            aoq.client.Client.release_tensors = lambda self, tensors: None
+        try:
+            with FakeDevice() as fake, warnings.catch_warnings():
+                warnings.simplefilter("ignore")     # "auto" with a lease warns at its move
+                opt = OffloadOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-3, socket=SOCKET, seed=5, job=job,
+                                       gpu_state_budget="auto", **kw)
+                fake.opt = opt
+                loop(m, opt, 2, torch.bfloat16)     # before the first probe
+                opt.synchronize()
+                before = _stats_row(job)
+                loop(m, opt, 7, torch.bfloat16)
+                opt.synchronize()
+                after = _stats_row(job)
+                runs[name] = (before, after, dict(opt.auto_split), len(opt._share.params),
+                              [p.detach().clone() for p in m.parameters()])
+                opt.close()
+        finally:
+            aoq.client.Client.release_tensors = real
+    before, after, split, moved, params = runs["on"]
+    freed = before["state_bytes"] - after["state_bytes"]
+    assert moved > 0 and after["tensors_released"] == moved and before["tensors_released"] == 0, (moved, after)
+    assert freed > 0 and split["aoqd_released_bytes"] == freed, (freed, split)
+    # the default's split master: its high half, the parameter, stays in the
+    # masters memfd; 4 of 6 bytes per parameter and the q8 scales go
+    assert 4 * split["device_params"] <= freed < 5 * split["device_params"], (freed, split["device_params"])
+    for other in ("off", "lease"):
+        b, a, sp, mv, ps = runs[other]
+        assert mv == moved and a["tensors_released"] == 0 and a["state_bytes"] == b["state_bytes"] \
+            and sp["aoqd_released_bytes"] == 0, (other, mv, a, sp)
+    assert all(torch.equal(x, y) for x, y in zip(params, runs["off"][4])), "the release changed the training"
+    print("ok: \"auto\" moved %d tensors' state to the device and aoqd let it go (%d bytes, %d parameters); the "
+          "training bit for bit as with the state kept; a leased session keeps it" % (moved, freed,
+                                                                                    split["device_params"]))
+
+
 def _host_run(host=True, **kw):
     """A stack trained 9 steps with "auto" under a fake device whose cap
     holds one layer's state and which finds half the offloaded parameters
@@ -582,6 +642,7 @@ def quadratic_start(seed, n=8192):
 
 
 CASES = {"fp32": case_fp32, "bf16": case_bf16, "auto-cap": case_auto_cap, "default-share": case_default_share,
+         "release": case_release,
          "host-choice": case_host_choice, "host-share": case_host_share, "convergence": case_convergence}
 
 
