@@ -57,6 +57,12 @@
  *         snapshot read, the trainer resumes at step 5 bit for bit, and
  *         the store is empty once every trainer said Bye.
  *
+ *   release (with q8): a trainer without a lease under the store releases
+ *         its last tensor after two steps (ReleaseTensors): the tensor's
+ *         slot in the stored memfd is punched (the memfd's blocks fall by
+ *         at least the bytes released), the other three train on, and its
+ *         Bye takes the memfd out of the store.
+ *
  * A third argument "q8" (or "q4") trains q8 (q4) state instead of fp32
  * (the default, or "fp32"): the bf16 tensor's master is then split
  * (kernels/README.md, "The split master"), its high half the parameter in
@@ -97,6 +103,7 @@ static const uint64_t sizes[NT] = { 1000, 4097, 33, 70001 };
 static const enum aoq_dtype pdt[NT] = { AOQ_FP32, AOQ_FP32, AOQ_BF16, AOQ_FP32 };
 static enum aoq_precision precision = AOQ_STATE_FP32;
 static uint32_t master_bits; /* 24: "q8m24" */
+static uint32_t lease_opt;   /* the trainer's lease_seconds (0: the daemon's) */
 
 /* q8 and q4 state split their fp32 masters: the high halves are the
  * parameters, in a masters memfd of their own */
@@ -150,6 +157,7 @@ static uint64_t trainer_open(struct trainer *t, const char *sock, const char *jo
 	o.seed = 12345;
 	o.precision = precision;
 	o.master_bits = master_bits;
+	o.lease_seconds = lease_opt;
 	CHECK_OK(aoq_connect(&t->c, &o));
 	for (uint32_t g = 0; g < 2; g++) {
 		struct aoq_group h = group(g, 1);
@@ -549,6 +557,58 @@ static int flood_main(void)
 	return 0;
 }
 
+/* release: a session without a lease gives its last tensor's state back;
+ * its slot of the stored memfd goes back to the system. */
+static int release_main(const char *exe)
+{
+	struct sup s;
+	sup_init(&s, false, NULL);
+	sup_start(&s, exe, NULL, NULL, 0);
+	lease_opt = AOQ_LEASE_NONE;
+	struct trainer run = { 0 };
+	CHECK(trainer_open(&run, s.sock, "released", true) == 0, "a fresh job resumed");
+	for (uint64_t k = 1; k <= 2; k++)
+		CHECK_OK(trainer_step(&run, k, false));
+	while (sup_recv(&s, 200))
+		;
+	int si = 0;
+	CHECK(stored(&s, "aoq-state-", &si) == 1, "%d state memfds in the store", stored(&s, "aoq-state-", NULL));
+	struct stat st0, st1;
+	CHECK(fstat(s.stored_fd[si], &st0) == 0, "fstat: %s", strerror(errno));
+	const uint32_t last = NT - 1;
+	uint64_t bytes = 0;
+	CHECK_OK(aoq_release_tensors(run.c, &last, 1, &bytes));
+	CHECK(fstat(s.stored_fd[si], &st1) == 0, "fstat: %s", strerror(errno));
+	uint64_t fell = (uint64_t)(st0.st_blocks - st1.st_blocks) * 512;
+	printf("released tensor %u: %" PRIu64 " bytes; the stored memfd's blocks fell %" PRIu64 " bytes (%" PRIu64
+	       " -> %" PRIu64 ")\n", last, bytes, fell, (uint64_t)st0.st_blocks * 512, (uint64_t)st1.st_blocks * 512);
+	CHECK(bytes >= sizes[last] * 6 && st1.st_blocks < st0.st_blocks && fell >= bytes,
+	      "released %" PRIu64 " bytes, the memfd fell %" PRIu64, bytes, fell);
+	for (uint64_t k = 3; k <= 4; k++) {
+		for (uint32_t g = 0; g < 2; g++) {
+			struct aoq_group h = group(g, k);
+			CHECK_OK(aoq_set_hyperparams(run.c, g, &h));
+		}
+		for (int i = 0; i < NT - 1; i++) {
+			fill_grad(&run, i, k);
+			CHECK_OK(aoq_push_grad(run.c, (uint32_t)i, 0, NULL));
+		}
+		struct aoq_step_result res = AOQ_STEP_RESULT_INIT;
+		CHECK_OK(aoq_step_end(run.c));
+		CHECK_OK(aoq_sync(run.c, &res));
+		CHECK(res.step == k && res.tensors_updated == NT - 1, "step %" PRIu64 ": %" PRIu64 " tensors updated", k,
+		      res.tensors_updated);
+	}
+	trainer_close(&run);
+	trainer_free(&run);
+	for (int w = 0; w < 50 && stored(&s, "aoq-state-", NULL) > 0; w++)
+		sup_recv(&s, 100);
+	CHECK(stored(&s, "aoq-state-", NULL) == 0, "the state memfd stayed in the store after Bye");
+	sup_kill(&s, SIGTERM);
+	printf("ok\n");
+	return 0;
+}
+
 int main(int argc, char **argv)
 {
 	aoqt_init("integration-fdstore");
@@ -567,6 +627,8 @@ int main(int argc, char **argv)
 		return unit_main(mode);
 	if (strcmp(mode, "flood") == 0)
 		return flood_main();
+	if (strcmp(mode, "release") == 0)
+		return release_main(exe);
 	bool nomasters = strcmp(mode, "nomasters") == 0, oldmasters = strcmp(mode, "oldmasters") == 0;
 	bool term = strcmp(mode, "term") == 0 || oldmasters, nostore = strcmp(mode, "nostore") == 0;
 	bool sigterm = term || nomasters, snapshots = !term, from_snapshot = nostore || nomasters;
