@@ -17,7 +17,8 @@ every other aoq mode names its precision (aoq-fp32, aoq-q8, aoq-q4, aoq-delayed*
 aoq-bf24 / aoq-bf24-q4: the 24-bit master (master_dtype="bf24") with 8- or 4-bit moments;
 aoq-bf16: a bf16 master beside fp32 moments; aoq-bf16master: all bf16; aoq-*bf16-q8 / -q4: a bf16
 master with 8- or 4-bit moments; gpu-adamw-sr: the bf16 master's numerics done by torch on the device;
-gpu-adamw-sr24: the same with a master of 24 bits beside each bf16 parameter, its rounding).
+gpu-adamw-sr24: the same with a master of 24 bits beside each bf16 parameter, its rounding;
+gpu-none: forward and backward with no optimizer step at all, the floor of any optimizer's step).
 torchao is torchao's CPUOffloadOptimizer (fused CPU AdamW), deepspeed DeepSpeed ZeRO-2 with
 offload_optimizer to the CPU (pinned), a process group of one; either prints a row saying why
 when it does not import here.  An aoq mode ending in -auto adds gpu_state_budget="auto"
@@ -78,7 +79,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "client", "python"))
 
-MODES = ["gpu-adamw", "gpu-adamw-master", "gpu-adamw-sr", "gpu-adamw-sr24", "aoq-default", "aoq-fp32", "aoq-q8", "aoq-q4", "aoq-bf24", "aoq-bf24-q4", "aoq-bf16",
+MODES = ["gpu-none", "gpu-adamw", "gpu-adamw-master", "gpu-adamw-sr", "gpu-adamw-sr24", "aoq-default", "aoq-fp32", "aoq-q8", "aoq-q4", "aoq-bf24", "aoq-bf24-q4", "aoq-bf16",
          "aoq-bf16master", "aoq-delayed", "aoq-delayed-q8", "aoq-bf16-q8", "aoq-delayed-bf16-q8", "aoq-bf16-q4", "aoq-delayed-bf16-q4", "torchao",
          "deepspeed"]
 VARIANTS = ("swap", "attach", "compile", "rcompile", "auto", "off", "host")
@@ -333,6 +334,17 @@ class DeepSpeedOffload:
             destroy()
 
 
+class NoStep(torch.optim.Optimizer):
+    """gpu-none: no update at all (the gradients dropped): forward and
+    backward alone, which no optimizer's step can undercut."""
+
+    def __init__(self, params):
+        super().__init__(params, {})
+
+    def step(self, closure=None):
+        return None
+
+
 def make_optimizer(mode, model, args, socket):
     attach, _ = variant_flags(mode, args)
     mode, variant = parse_mode(mode)
@@ -354,6 +366,8 @@ def make_optimizer(mode, model, args, socket):
         return SRAdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     if mode == "gpu-adamw-sr24":
         return SRAdamW(model.parameters(), lr=args.lr, weight_decay=0.1, low_bits=8)
+    if mode == "gpu-none":
+        return NoStep(model.parameters())
     if mode == "gpu-adamw":
         fused = torch.device(args.device).type == "cuda"
         return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=fused)
