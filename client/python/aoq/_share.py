@@ -513,7 +513,16 @@ class _AutoSplit:
         if self._share is not None:
             self._share.timing = None
         hosted = []
-        if self._host_share_ok():
+        defer = False       # the host share waits for the next probe
+        rest = max(0, late - sum(order[i].numel for i in chosen))
+        if self._host_share_ok() and not prev and chosen:
+            # the first probe: the device share moves first, and what is
+            # still late after it is measured at the next probe (where the
+            # device share alone ended the tail, GPT 0.94 B, a host share
+            # moved on this probe's count cost 5-7 %: tests/bench/RESULTS.md,
+            # "The host share")
+            defer = True
+        elif self._host_share_ok() and rest > total * _AUTO_MIN_LATE:
             # the daemon's pace as _auto_late takes it (the first final push
             # to the end of backward, then its tail); the host share's from
             # its early steps' kernels
@@ -524,7 +533,7 @@ class _AutoSplit:
             # back, so the first move errs small (tests/bench/RESULTS.md,
             # "The host share": 3.8-4.3 G/s against the daemon's 7)
             rg = host / hs if host and hs > 0 else rc / 2
-            need = _host_need(max(0, late - sum(order[i].numel for i in chosen)), total, host, rc, rg)
+            need = _host_need(rest, total, host, rc, rg)
             ok = [s.numel >= _AUTO_MIN_PASSED and s.p.dtype in (torch.bfloat16, torch.float32) for s in order]
             hosted = _first_ranks(dist, [order[i] for i in _host_choice([s.numel for s in order], ok, chosen, need)],
                                   self._slots)
@@ -556,7 +565,7 @@ class _AutoSplit:
                                    _share_bytes(s.p, self._kind, master, q8) for s in hosted),
                                device_cap_bytes=cap, peak_bytes=peak, peak_bound_bytes=self._auto_bound,
                                aoqd_released_bytes=self._released)
-        again = bool(_agree(dist, int(_auto_again(late, total, n_moved, rounds)))[0])   # any rank: all probe
+        again = bool(_agree(dist, int(_auto_again(late, total, n_moved, rounds) or defer))[0])   # any rank: all probe
         self._auto_probe = self._nstep + 2 if again else None
         logging.getLogger("aoq").info(
             "aoq: gpu_state_budget='auto', probe %d: the update ended %.1f ms after backward (%.1f ms after the "

@@ -423,7 +423,24 @@ def case_release():
                                                                                     split["device_params"]))
 
 
-def _host_run(host=True, **kw):
+class LateOnce(FakeDevice):
+    """A fake device that finds half the offloaded parameters late at the
+    first probe and almost none after (the device share's move ended the
+    tail)."""
+
+    probes = 0
+
+    @property
+    def late_frac(self):
+        self.probes += 1
+        return 0.5 if self.probes == 1 else 0.005
+
+    @late_frac.setter
+    def late_frac(self, v):
+        pass
+
+
+def _host_run(host=True, fake=None, **kw):
     """A stack trained 9 steps with "auto" under a fake device whose cap
     holds one layer's state and which finds half the offloaded parameters
     late: (auto_split, hosted, on the device, offloaded, model, state_dict,
@@ -432,7 +449,7 @@ def _host_run(host=True, **kw):
     parameters' raw state)."""
     one = sh._share_bytes(stack()[1].weight.to(torch.bfloat16), "adamw", None, q8=True)
     m = stack().to(torch.bfloat16)
-    with FakeDevice(late_frac=0.5) as fake:
+    with fake or FakeDevice(late_frac=0.5) as fake:
         opt = OffloadOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-3, socket=SOCKET, gpu_state_budget="auto",
                                max_device_bytes=one, host_share=host, **kw)
         fake.opt = opt
@@ -460,7 +477,8 @@ def case_host_share():
     state stepped by libaoq's kernel during backward; on the CPU its state
     is host memory anyway, stepped at step() in torch operations): the
     late parameters that the device's cap leaves with aoqd move to the
-    host share, at the first probe as many as make it half of all (the
+    host share, not at the first probe, where the device share moves
+    first, but at the next, as many as make it a third of all (the
     daemon's and the share's paces not yet known apart), the parameters
     pushed first first and none the device took; host_share=False leaves
     them in aoqd; the state_dict holds their state and a new optimizer
@@ -476,15 +494,17 @@ def case_host_share():
     cuda = DEV.startswith("cuda")
     try:
         sh._AUTO_MIN_PASSED = 4096          # the stack's 64 x 64 weights may move
-        sh._AUTO_ROUNDS = 1                 # one probe: its choice does not depend on timings
+        sh._AUTO_ROUNDS = 1                 # one probe, and the one the host share adds: no timings
         sh._host_need = need
         if not cuda:
             sh._AutoSplit._host_share_ok = lambda self: self._host_share and self._share_q8
         split, hosted, ondev, offloaded, m, sd, live, side, final, one, pinned = _host_run()
         total = sum(p.numel() for p in offloaded)
-        # the first probe: the late parameters less the device's, at most half of all
+        # the second probe (the first moved the device's layer): what is
+        # still late, at most a third of all
+        assert len(calls) == 1 and split["rounds"] == 2, (calls, split)
         late, tot, host, rc, rg, got = calls[0]
-        assert tot == total and late == total // 2 - 4096 and host == 0 and rg == rc / 2, calls[0]
+        assert tot == total - 4096 and late == tot // 2 and host == 0 and rg == rc / 2, calls[0]
         assert got == min(late, tot // 3) and got <= split["host_params"] < got + 4096, (calls[0], split)
         assert len(ondev) == 1 and split["device_params"] == 4096 and split["device_bytes"] == one, split
         assert not set(map(id, hosted)) & set(map(id, ondev)), (len(hosted), len(ondev))
@@ -524,6 +544,10 @@ def case_host_share():
         calls.clear()
         s0 = _host_run(host=False)[0]
         assert s0["host_params"] == 0 and not calls, (s0, calls)
+        # nothing (or 1 % or less of the offloaded) late once the device
+        # share moved: nothing moves to the host share
+        s1 = _host_run(fake=LateOnce())[0]
+        assert s1["host_params"] == 0 and s1["rounds"] == 2 and s1["device_params"] == 4096 and not calls, (s1, calls)
         said = "at step()"
         if cuda:
             # the early steps ran on a side stream; stepped early or at
@@ -532,8 +556,9 @@ def case_host_share():
             _early_alike()
             said = "during backward, as at step() bit for bit"
         print("ok: the host share: %d parameters' state in %s host memory (%d bytes), %d on the device within its "
-              "cap; the first probe the late (%d) up to a third of all, pushed first first; stepped %s; "
-              "host_share=False keeps them in aoqd; the state_dict holds and loads them"
+              "cap; the second probe the late (%d) up to a third of all, pushed first first, none where the device "
+              "share's move left 1 %% or less late; stepped %s; host_share=False keeps them in aoqd; the "
+              "state_dict holds and loads them"
               % (split["host_params"], "pinned" if cuda else "plain", split["host_bytes"], split["device_params"],
                  late, said))
     finally:
