@@ -105,6 +105,7 @@ static void prom_session_summary(FILE *f, const Aoq__Stats *st, const char *name
 #define GETTER(fname, expr) \
 	static double fname(const Aoq__SessionStats *s) { return (double)(expr); }
 GETTER(get_tensors, s->tensors)
+GETTER(get_released, s->tensors_released)
 GETTER(get_parameters, s->parameters)
 GETTER(get_steps, s->steps)
 GETTER(get_bytes_in, s->bytes_in)
@@ -160,6 +161,8 @@ int ctl_print_stats_prometheus(const struct view *v, FILE *f)
 		}
 	}
 	prom_session_family(f, st, "aoq_session_tensors", "gauge", "Tensors registered by the session.", get_tensors);
+	prom_session_family(f, st, "aoq_session_tensors_released", "gauge",
+	                    "Tensors whose state the trainer took back (ReleaseTensors): not in state_bytes.", get_released);
 	prom_session_family(f, st, "aoq_session_parameters", "gauge", "Parameters (elements) registered by the session.",
 	                    get_parameters);
 	prom_session_family(f, st, "aoq_session_steps_total", "counter", "Optimizer steps completed.", get_steps);

@@ -186,8 +186,9 @@ def main():
         ss = st["sessions"]
         for s in ss:
             for key in ("id", "job", "rank", "uid", "steps", "parameters", "bytes_in", "bytes_out",
-                        "optimizer_cpu_seconds", "rates", "state_bytes"):
+                        "optimizer_cpu_seconds", "rates", "state_bytes", "tensors_released"):
                 check(key in s, f"session has {key}")
+            check(s["tensors_released"] == 0, f"session {s['id']}: {s['tensors_released']} tensors released")
         check(weird in [s["job"] for s in ss], "the odd job name survives JSON escaping")
         jobs = {(j["uid"], j["job"]): j for j in st["jobs"]}
         check(len(jobs) == 2, f"two job rows, got {list(jobs)}")
@@ -247,7 +248,8 @@ def main():
         fams = strict_prometheus(text)
         for name, typ in (("aoq_session_bytes_in_total", "counter"), ("aoq_session_steps_total", "counter"),
                           ("aoq_session_optimizer_cpu_seconds_total", "counter"),
-                          ("aoq_session_state_bytes", "gauge"), ("aoq_daemon_threads", "gauge"),
+                          ("aoq_session_state_bytes", "gauge"), ("aoq_session_tensors_released", "gauge"),
+                          ("aoq_daemon_threads", "gauge"),
                           ("aoq_daemon_loop_spin_setting_seconds", "gauge"),
                           ("aoq_daemon_loop_spin_seconds_total", "counter"),
                           ("aoq_daemon_loop_spin_takes_total", "counter"),
