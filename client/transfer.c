@@ -274,8 +274,15 @@ int aoq_release_tensors(struct aoq_client *c, const uint32_t *tensors, uint32_t 
 	r = aoqc_ctl_call(c, &env, AOQ__ENVELOPE__MSG_DONE, &rep);
 	pthread_mutex_unlock(&c->ctl_lock);
 	if (r == 0) {
-		for (uint32_t i = 0; i < n; i++)
+		/* the caller read the state, the pending update's master with it
+		 * (delayed update): nothing of aoqd's may land on the parameter
+		 * again (aoq_flush) */
+		pthread_mutex_lock(&c->lock);
+		for (uint32_t i = 0; i < n; i++) {
 			c->tensors[tensors[i]].released = true;
+			c->tensors[tensors[i]].pending = false;
+		}
+		pthread_mutex_unlock(&c->lock);
 		if (bytes)
 			*bytes = rep->done->value;
 	}

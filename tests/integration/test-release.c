@@ -14,7 +14,8 @@
  * released tensor and a second release of it; aoqd refuses a snapshot of
  * the session and, in a leased session, the release itself (that session
  * goes on training).  A state read of a released tensor fails that session
- * alone: the twin trains on.
+ * alone: the twin trains on.  With the delayed update, a released
+ * tensor's pending update never lands on its parameter (aoq_flush).
  *
  * A second daemon with lease_seconds = 0 takes raw clients' bad requests:
  * a tensor named twice, out of range, released before, an empty list, and
@@ -37,6 +38,8 @@ struct run {
 	uint16_t *param[NT], *grad[NT];
 };
 
+static bool delayed; /* open_run: the delayed update */
+
 static void open_run(struct run *r, const char *job, enum aoq_precision prec, uint32_t lease)
 {
 	struct aoq_options o = AOQ_OPTIONS_INIT;
@@ -46,6 +49,7 @@ static void open_run(struct run *r, const char *job, enum aoq_precision prec, ui
 	o.precision = prec;
 	o.seed = 0x5eed;
 	o.lease_seconds = lease;
+	o.delayed_update = delayed;
 	CHECK_OK(aoq_connect(&r->c, &o));
 	struct aoq_group g = aoqt_adamw(1e-3);
 	CHECK_OK(aoq_add_group(r->c, &g));
@@ -220,6 +224,30 @@ static void trained(void)
 	close_run(&c);
 }
 
+/* The delayed update: a released tensor's pending update never lands on
+ * its parameter (the trainer read it with the state), aoq_flush or not. */
+static void pending(void)
+{
+	static struct run a;
+	delayed = true;
+	open_run(&a, "rel-delayed", AOQ_STATE_Q8, AOQ_LEASE_NONE);
+	delayed = false;
+	for (uint64_t k = 1; k <= 2; k++)
+		CHECK_OK(step(&a, k, 0xf));
+	uint16_t *was = aoqt_xmalloc(sizes[2] * 2), *kept = aoqt_xmalloc(sizes[1] * 2);
+	memcpy(was, a.param[2], sizes[2] * 2);
+	memcpy(kept, a.param[1], sizes[1] * 2);
+	const uint32_t two = 2;
+	CHECK_OK(aoq_release_tensors(a.c, &two, 1, NULL));
+	CHECK_OK(aoq_flush(a.c));
+	CHECK(memcmp(was, a.param[2], sizes[2] * 2) == 0, "aoq_flush wrote a released tensor's parameter");
+	CHECK(memcmp(kept, a.param[1], sizes[1] * 2) != 0, "aoq_flush left the pending update of a kept tensor");
+	free(kept);
+	printf("ok: the delayed update: a released tensor's pending update does not land, a kept one's does\n");
+	free(was);
+	close_run(&a);
+}
+
 /* A raw session of two fp32 tensors of n elements on the lease-free daemon
  * sends ReleaseTensors of tensors[0..k); returns the reply's case (Done's
  * value in *value) or the Error's code with its message, and leaves the
@@ -302,6 +330,7 @@ int main(int argc, char **argv)
 	const char *args[] = { "--threads", "2", "--state-dir", sd, NULL };
 	CHECK_OK(aoqt_daemon_start(&d, exe, args));
 	trained();
+	pending();
 	CHECK(aoqt_daemon_alive(&d), "aoqd died");
 	aoqt_daemon_stop(&d, 30000, true);
 	rmdir(sd);

@@ -329,7 +329,8 @@ AOQ_API int aoq_set_tensor_steps(struct aoq_client *c, uint32_t first, uint32_t 
  * GPU share): aoqd frees their state and takes it off the uid's quota
  * (*bytes, when non-NULL: the bytes given back).  Read their state first
  * (aoq_read_state): it is gone after.  Their gradients may not be pushed
- * again, and the session can no longer be snapshot.  Waits for every
+ * again, a delayed update still pending for them never lands (aoq_flush
+ * leaves them alone), and the session can no longer be snapshot.  Waits for every
  * update in flight (aoq_sync).  -EINVAL for an index out of range or
  * released before; -EOPNOTSUPP from an aoqd older than the call; an
  * error from aoqd (the session goes on) in a session with a lease or in

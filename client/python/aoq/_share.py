@@ -637,6 +637,11 @@ class _AutoSplit:
     def _move_to_share(self, slots, host=False):
         """The state of slots (synchronized) leaves aoqd for the device share
         (host: for the host share, its state in pinned host memory)."""
+        if self.delayed_update:
+            # every update pending in aoqd lands now: the moved parameters'
+            # last one is in the master read below, and none may land on
+            # them later (flush() would put that old value back)
+            self.flush()
         steps = self._client.get_tensor_steps()
         entries = []
         for s in slots:

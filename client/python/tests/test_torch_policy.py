@@ -418,8 +418,27 @@ def case_release():
         assert mv == moved and a["tensors_released"] == 0 and a["state_bytes"] == b["state_bytes"] \
             and sp["aoqd_released_bytes"] == 0, (other, mv, a, sp)
     assert all(torch.equal(x, y) for x, y in zip(params, runs["off"][4])), "the release changed the training"
+    # the delayed update: an update pending in aoqd at the move never lands
+    # on a moved parameter later (flush() once put the move's value back)
+    for lease in (0, 30):
+        m = stack().to(torch.bfloat16)
+        with FakeDevice() as fake, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt = OffloadOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-3, socket=SOCKET, delayed_update=True,
+                                   job="policy-release-delayed-%d-%d" % (lease, os.getpid()), lease=lease,
+                                   gpu_state_budget="auto")
+            fake.opt = opt
+            loop(m, opt, 9, torch.bfloat16)
+            opt.synchronize()
+            shared = list(opt._share.params)
+            was = [p.detach().clone() for p in shared]
+            opt.flush()
+            assert shared and all(torch.equal(a, p) for a, p in zip(was, shared)), \
+                "lease %d: flush() changed a moved parameter" % lease
+            opt.close()
     print("ok: \"auto\" moved %d tensors' state to the device and aoqd let it go (%d bytes, %d parameters); the "
-          "training bit for bit as with the state kept; a leased session keeps it" % (moved, freed,
+          "training bit for bit as with the state kept; a leased session keeps it; with the delayed update flush() "
+          "leaves the moved parameters alone" % (moved, freed,
                                                                                     split["device_params"]))
 
 
