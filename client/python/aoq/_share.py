@@ -550,12 +550,6 @@ class _AutoSplit:
                 self._move_to_share(moved)
             if hosted:
                 self._move_to_share(hosted, host=True)
-            if self.device.type == "cuda":
-                # each tensor's fp32 master and moments were split and
-                # encoded on the device: the allocator keeps those blocks
-                # (3-4 GiB more reserved at 3.48 B with the host share,
-                # none of it allocated again); give them back
-                torch.cuda.empty_cache()
         rounds = prev.get("rounds", 0) + 1
         n_host = sum(s.numel for s in hosted)
         n_moved = sum(s.numel for s in moved) + n_host
