@@ -33,6 +33,7 @@ M_SHIFT, U_SHIFT = 23 - _M_MB, 23 - _U_MB
 M_C0 = (127 << _M_MB) + (1 << _M_MB) - 1 - 127
 U_C0 = (127 << _U_MB) + (1 << _U_MB) - 1 - 255
 _CHUNK = 1 << 20                          # torch path: elements per pass (a multiple of BLOCK)
+_LOAD_PIECE = 1 << 24                     # set_moments: elements per piece (a multiple of BLOCK)
 # The host share's grid (blocks of 256 threads): its kernel waits on PCIe,
 # and at 32 blocks an H100's bf16 matmuls beside it kept 0.99 of their
 # speed while it stepped 6 G parameters/s (64: 8.4 G/s, matmuls 0.80; no
@@ -351,19 +352,35 @@ class _Q8Adam(torch.optim.Optimizer):
     def set_moments(self, t, d, master=None):
         """Loads "step", "exp_avg" and "exp_avg_sq" of d (to the nearest
         codes) and, for a split master, master (an fp32 tensor; without it
-        the parameter as it is)."""
+        the parameter as it is).  In pieces of _LOAD_PIECE elements (whole
+        blocks, so the codes are the whole tensor's): a split and an encode
+        take several int64 and fp32 copies of what they convert, which for
+        a 134 M-element embedding were gigabytes of device memory."""
         st = self._init_state(t)
-        if master is not None and self.split(t):
-            hi, low = split_master(master.to(device=t.device, dtype=torch.float32).reshape(-1))
-            with torch.no_grad():
-                _local(t.data).view(-1).copy_(hi)
-            st["master_lo"].copy_(low)
         if d.get("step") is not None:
             st["step"] = torch.tensor(float(d["step"]))
-        if d.get("exp_avg") is not None and d.get("exp_avg_sq") is not None:
-            codes = state_from(_local(d["exp_avg"]).to(t.device), _local(d["exp_avg_sq"]).to(t.device))
-            for k, x in zip(("m_codes", "v_codes", "m_scale", "v_scale"), codes):
-                st[k].copy_(x)
+        split = master is not None and self.split(t)
+        both = d.get("exp_avg") is not None and d.get("exp_avg_sq") is not None
+        if not split and not both:
+            return
+        n = t.numel()
+        w = master.reshape(-1) if split else None
+        m = _local(d["exp_avg"]).reshape(-1) if both else None
+        v = _local(d["exp_avg_sq"]).reshape(-1) if both else None
+        tv = _local(t.data).view(-1)
+        for a in range(0, n, _LOAD_PIECE):
+            b = min(n, a + _LOAD_PIECE)
+            if split:
+                hi, low = split_master(w[a:b].to(device=t.device, dtype=torch.float32))
+                with torch.no_grad():
+                    tv[a:b].copy_(hi)
+                st["master_lo"][a:b].copy_(low)
+            if both:
+                mc, vc, ms, vs = state_from(m[a:b].to(t.device), v[a:b].to(t.device))
+                st["m_codes"][a:b].copy_(mc)
+                st["v_codes"][a:b].copy_(vc)
+                st["m_scale"][a // BLOCK:blocks(b)].copy_(ms)
+                st["v_scale"][a // BLOCK:blocks(b)].copy_(vs)
 
     @torch.no_grad()
     def step(self, closure=None, skip=()):

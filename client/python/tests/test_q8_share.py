@@ -474,7 +474,33 @@ def case_host():
           % ("pinned" if cuda else "plain"))
 
 
-CASES = {"format": case_format, "split": case_split, "step": case_step, "rounding": case_rounding,
+def case_pieces():
+    """set_moments loads a tensor in pieces of _LOAD_PIECE elements: the
+    same codes, scales, low halves and parameter as in one piece, bit for
+    bit (bf16 split and fp32, a length that ends inside a block)."""
+    real = q8._LOAD_PIECE
+    try:
+        for dtype in (torch.bfloat16, torch.float32):
+            n = 5 * 512 + 77
+            g = torch.Generator().manual_seed(n)
+            d = {"step": torch.tensor(3.0), "exp_avg": torch.randn(n, generator=g) * 1e-3,
+                 "exp_avg_sq": torch.rand(n, generator=g) * 1e-6}
+            w = torch.randn(n, generator=g)
+            got = []
+            for piece in (1 << 24, 512):
+                q8._LOAD_PIECE = piece
+                p = torch.nn.Parameter(w.to(dtype).to(DEV))
+                o = q8._Q8Adam([p], {p: p}, {p: 5}, decoupled=True, lr=1e-2)
+                o.set_moments(p, d, master=w if dtype == torch.bfloat16 else None)
+                st = o.state[p]
+                got.append([p.detach().clone()] + [st[k].clone() for k in sorted(st) if k != "step"])
+            assert len(got[0]) == len(got[1]) and all(torch.equal(a, b) for a, b in zip(*got)), dtype
+    finally:
+        q8._LOAD_PIECE = real
+    print("ok: set_moments in pieces of 512 elements loads what one piece loads, bit for bit (bf16 split, fp32)")
+
+
+CASES = {"format": case_format, "pieces": case_pieces, "split": case_split, "step": case_step, "rounding": case_rounding,
          "state_dict": case_state_dict, "convergence": case_convergence,
          "kernel": case_kernel, "no_cuda": case_no_cuda, "host": case_host}
 
