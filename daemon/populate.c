@@ -21,7 +21,8 @@
  * leased or restored state (settled: no reference but the list's, so no
  * chunk of ours), and the undo swap (snapshot.c) remaps the undo copies,
  * which are not populated here (the first step's saves touch them, a
- * fault per huge page).  A state in a memfd (state.h) has no undo swap
+ * fault per huge page).  A released tensor (ReleaseTensors) keeps its
+ * mapping, its pages dropped: a chunk passes over it once it is marked.  A state in a memfd (state.h) has no undo swap
  * and no huge pages (shmem_enabled=never): its undo copies are populated
  * too, last, and so is the undo copy of a resumed one (a state restored
  * from a snapshot gets it at the resume).
@@ -54,6 +55,7 @@
 struct piece {
 	uint8_t *p;
 	size_t len;
+	const bool *released; /* its tensor's (ReleaseTensors: passed over); NULL for the arena */
 };
 
 struct chunk {
@@ -124,6 +126,8 @@ static void chunk_run(struct aoqd_task *task, unsigned worker)
 	(void)worker;
 	for (uint32_t i = 0; i < c->n && !stopped(pop); i++) {
 		const struct piece *pc = &pop->pieces[c->first + i];
+		if (pc->released && __atomic_load_n(pc->released, __ATOMIC_ACQUIRE))
+			continue;
 		int r = fault_in(pc->p, pc->len);
 		if (r < 0 && !atomic_exchange(&pop->failed, true)) {
 			static _Atomic bool warned;
@@ -161,7 +165,7 @@ static uint64_t tensor_pieces(const struct aoqd_tensor *x, int pass, struct piec
 	for (uint64_t o = b; o < e; o += CHUNK, n++) {
 		uint64_t len = e - o < CHUNK ? e - o : CHUNK;
 		if (pc)
-			pc[n] = (struct piece){ (uint8_t *)x->state_mem + o, (size_t)len };
+			pc[n] = (struct piece){ (uint8_t *)x->state_mem + o, (size_t)len, &x->released };
 		*bytes += len;
 	}
 	return n;
@@ -307,7 +311,7 @@ void aoqd_populate_arena(struct aoqd_session *s)
 		return; /* the pages fault in at first use */
 	for (uint64_t i = 0; i < n; i++) {
 		uint64_t o = i * CHUNK, len = a->size - o < CHUNK ? a->size - o : CHUNK;
-		pieces[i] = (struct piece){ a->base + o, (size_t)len };
+		pieces[i] = (struct piece){ a->base + o, (size_t)len, NULL };
 	}
 	submit(s, pieces, n, a->size);
 }

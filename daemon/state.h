@@ -47,8 +47,10 @@ struct aoqd_tensor {
 	 * st->mem_fd; map_len covers the slot. */
 	bool in_memfd;
 	uint64_t mem_off;
-	/* The client steps it itself now (ReleaseTensors): no arrays, no
-	 * accumulator; gradients, transfers and snapshots of it are refused. */
+	/* The client steps it itself now (ReleaseTensors): its arrays' pages
+	 * dropped, no accumulator; gradients, transfers and snapshots of it
+	 * are refused.  Set with __atomic_store_n: populate.c's workers read
+	 * it. */
 	bool released;
 	float *acc;            /* fp32 micro-batch accumulator, allocated on first use */
 	uint64_t acc_step;     /* step whose micro-batches acc holds */
@@ -367,12 +369,13 @@ void aoqd_state_free(struct aoqd_state *st, _Atomic uint64_t *locked_total);
 struct aoqd_release;
 void aoqd_state_free_later(struct aoqd_state *st, _Atomic uint64_t *locked_total, struct aoqd_release *later);
 /* Tensor t's state leaves aoqd for its client (ReleaseTensors): its
- * mapping (and accumulator) added to `later` (pool.h), a slot of the
- * session's memfd punched, the bytes and locked bytes given back and
- * uncharged; a master that is the parameter keeps its pages in the masters
- * memfd (sealed, and the client's), which stay charged.  Loop thread,
- * nothing in flight, no undo copy.  Returns the bytes st->state_bytes
- * lost (the uid's charge falls by their whole pages). */
+ * arrays' pages dropped (a slot of the session's memfd punched; the
+ * mapping itself stays until aoqd_state_free), its accumulator added to
+ * `later` (pool.h), unlocked, the bytes given back and uncharged; a
+ * master that is the parameter keeps its pages in the masters memfd
+ * (sealed, and the client's), which stay charged.  Loop thread, nothing
+ * in flight, no undo copy.  Returns the bytes st->state_bytes lost (the
+ * uid's charge falls by their whole pages). */
 uint64_t aoqd_state_release(struct aoqd_state *st, struct aoqd_tensor *t, _Atomic uint64_t *locked_total,
                             struct aoqd_release *later);
 /* The tensor's accumulator, mapped on first use.  0, -EDQUOT (past the

@@ -819,11 +819,19 @@ uint64_t aoqd_state_release(struct aoqd_state *st, struct aoqd_tensor *t, _Atomi
 	uint64_t len = t->state_len;
 	uint64_t keep = t->master_off != AOQ_NO_MASTER ? aoqd_page_round(t->numel * 2) : 0;
 	uint64_t charged = aoqd_page_round(len) - keep, bytes = len - keep;
-	if (t->state_mem)
-		aoqd_release(later, t->state_mem, t->map_len ? t->map_len : t->state_len, -1);
-	if (t->in_memfd)
+	/* Marked first: the populate chunks (populate.c) that have not reached
+	 * the tensor pass over it.  The mapping stays until the state is
+	 * freed, its pages go now: a chunk already at it faults in at most
+	 * its own 2 MiB again, never into an unmapped range. */
+	__atomic_store_n(&t->released, true, __ATOMIC_RELEASE);
+	uint8_t *p = t->state_mem;
+	if (p && t->locked)
+		munlock(p, len);
+	if (p && t->in_memfd)
 		fallocate(st->mem_fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)(st->mem_data_off + t->mem_off),
 		          (off_t)slot_len(len));
+	else if (p && len > keep)
+		madvise(p + keep, len - keep, MADV_DONTNEED);
 	if (t->locked) {
 		st->locked_bytes -= len;
 		atomic_fetch_sub(locked_total, len);
@@ -839,11 +847,8 @@ uint64_t aoqd_state_release(struct aoqd_state *st, struct aoqd_tensor *t, _Atomi
 	st->charged -= charged;
 	struct aoqk_state none = { .precision = t->st.precision, .n = t->st.n };
 	t->st = none;
-	t->state_mem = NULL;
 	t->acc = NULL;
-	t->state_len = t->map_len = 0;
 	t->locked = false;
-	t->released = true;
 	st->nreleased++;
 	return bytes;
 }
