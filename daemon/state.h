@@ -368,16 +368,33 @@ void aoqd_state_free(struct aoqd_state *st, _Atomic uint64_t *locked_total);
  * its memfd added to `later` (pool.h), to be let go off the loop. */
 struct aoqd_release;
 void aoqd_state_free_later(struct aoqd_state *st, _Atomic uint64_t *locked_total, struct aoqd_release *later);
-/* Tensor t's state leaves aoqd for its client (ReleaseTensors): its
- * arrays' pages dropped (a slot of the session's memfd punched; the
- * mapping itself stays until aoqd_state_free), its accumulator added to
- * `later` (pool.h), unlocked, the bytes given back and uncharged; a
- * master that is the parameter keeps its pages in the masters memfd
- * (sealed, and the client's), which stay charged.  Loop thread, nothing
- * in flight, no undo copy.  Returns the bytes st->state_bytes lost (the
- * uid's charge falls by their whole pages). */
+/* Tensor t's state leaves aoqd for its client (ReleaseTensors): the
+ * accounting done now (the bytes given back and uncharged, the locked
+ * bytes), its accumulator added to `later` (pool.h), and what frees its
+ * pages added to `drop` (aoqd_state_drop; NULL or no memory for the list:
+ * done here): unlocked, dropped (MADV_DONTNEED) or, in the session's
+ * memfd, its slot punched.  The mapping itself stays until aoqd_state_free
+ * (populate.c's workers may still be on their way to it).  A master that
+ * is the parameter keeps its pages in the masters memfd (sealed, and the
+ * client's), which stay charged.  Loop thread, nothing in flight, no undo
+ * copy.  Returns the bytes st->state_bytes lost (the uid's charge falls
+ * by their whole pages). */
+struct aoqd_drop {
+	size_t n, cap;
+	struct aoqd_drop_item {
+		uint8_t *p;         /* the tensor's mapping */
+		size_t unlock;      /* bytes to munlock from p (0: none) */
+		size_t keep, len;   /* MADV_DONTNEED [p + keep, p + len) (len 0: none) */
+		int fd;             /* -1, or punch [off, off + flen) of this memfd */
+		off_t off, flen;
+	} *v;
+};
+#define AOQD_DROP_INIT { 0, 0, NULL }
 uint64_t aoqd_state_release(struct aoqd_state *st, struct aoqd_tensor *t, _Atomic uint64_t *locked_total,
-                            struct aoqd_release *later);
+                            struct aoqd_release *later, struct aoqd_drop *drop);
+/* Frees the pages in d and empties it (any thread: the caller keeps the
+ * session, and with it the mappings and the memfd, until it returns). */
+void aoqd_state_drop(struct aoqd_drop *d);
 /* The tensor's accumulator, mapped on first use.  0, -EDQUOT (past the
  * uid's quota) or -ENOMEM. */
 int aoqd_state_acc(struct aoqd_state *st, struct aoqd_tensor *t);

@@ -810,8 +810,27 @@ void aoqd_state_free_later(struct aoqd_state *st, _Atomic uint64_t *locked_total
 	st->store_name[0] = '\0';
 }
 
+static void drop_item(const struct aoqd_drop_item *x)
+{
+	if (x->unlock)
+		munlock(x->p, x->unlock);
+	if (x->fd >= 0)
+		fallocate(x->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, x->off, x->flen);
+	else if (x->len > x->keep)
+		madvise(x->p + x->keep, x->len - x->keep, MADV_DONTNEED);
+}
+
+void aoqd_state_drop(struct aoqd_drop *d)
+{
+	for (size_t i = 0; i < d->n; i++)
+		drop_item(&d->v[i]);
+	free(d->v);
+	d->v = NULL;
+	d->n = d->cap = 0;
+}
+
 uint64_t aoqd_state_release(struct aoqd_state *st, struct aoqd_tensor *t, _Atomic uint64_t *locked_total,
-                            struct aoqd_release *later)
+                            struct aoqd_release *later, struct aoqd_drop *drop)
 {
 	/* charged at registration: the page-rounded arrays, a master that is
 	 * the parameter on whole pages of its own at their start (no undo
@@ -820,18 +839,29 @@ uint64_t aoqd_state_release(struct aoqd_state *st, struct aoqd_tensor *t, _Atomi
 	uint64_t keep = t->master_off != AOQ_NO_MASTER ? aoqd_page_round(t->numel * 2) : 0;
 	uint64_t charged = aoqd_page_round(len) - keep, bytes = len - keep;
 	/* Marked first: the populate chunks (populate.c) that have not reached
-	 * the tensor pass over it.  The mapping stays until the state is
-	 * freed, its pages go now: a chunk already at it faults in at most
-	 * its own 2 MiB again, never into an unmapped range. */
+	 * the tensor pass over it; one already at it faults in at most its own
+	 * 2 MiB again, never into an unmapped range. */
 	__atomic_store_n(&t->released, true, __ATOMIC_RELEASE);
-	uint8_t *p = t->state_mem;
-	if (p && t->locked)
-		munlock(p, len);
-	if (p && t->in_memfd)
-		fallocate(st->mem_fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)(st->mem_data_off + t->mem_off),
-		          (off_t)slot_len(len));
-	else if (p && len > keep)
-		madvise(p + keep, len - keep, MADV_DONTNEED);
+	struct aoqd_drop_item x = { (uint8_t *)t->state_mem, t->locked ? len : 0, keep, len, -1, 0, 0 };
+	if (t->in_memfd) {
+		x.fd = st->mem_fd;
+		x.off = (off_t)(st->mem_data_off + t->mem_off);
+		x.flen = (off_t)slot_len(len);
+	}
+	if (!x.p) {
+		/* nothing mapped */
+	} else if (drop && drop->n == drop->cap) {
+		size_t cap = drop->cap ? 2 * drop->cap : 16;
+		struct aoqd_drop_item *v = realloc(drop->v, cap * sizeof(*v));
+		if (v) {
+			drop->v = v;
+			drop->cap = cap;
+		}
+	}
+	if (x.p && drop && drop->n < drop->cap)
+		drop->v[drop->n++] = x;
+	else if (x.p)
+		drop_item(&x);
 	if (t->locked) {
 		st->locked_bytes -= len;
 		atomic_fetch_sub(locked_total, len);

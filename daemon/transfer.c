@@ -263,6 +263,42 @@ int aoqd_on_tensor_steps(struct aoqd_session *from, const Aoq__Envelope *env, st
 	return AOQD_REPLIED;
 }
 
+/* A release's pages freed on a thread of its own: gigabytes of them (7 GB
+ * at 3.48 B with the host share) would hold the loop, and every session
+ * of the node with it, for a second.  The thread holds the session, so its
+ * mappings and memfd stay until it is done.  False: no thread (the caller
+ * frees them). */
+struct drop_job {
+	struct aoqd_session *s;
+	struct aoqd_drop d;
+};
+
+static void *drop_run(void *arg)
+{
+	struct drop_job *j = arg;
+	aoqd_state_drop(&j->d);
+	aoqd_session_unref(j->s);
+	free(j);
+	return NULL;
+}
+
+static bool drop_off_loop(struct aoqd_session *s, struct aoqd_drop *d)
+{
+	struct drop_job *j = malloc(sizeof(*j));
+	if (!j)
+		return false;
+	j->s = s;
+	j->d = *d;
+	aoqd_session_ref(s);
+	if (aoqd_thread_detached(drop_run, j) != 0) {
+		aoqd_session_unref(s);
+		free(j);
+		return false;
+	}
+	*d = (struct aoqd_drop)AOQD_DROP_INIT;
+	return true;
+}
+
 /* ReleaseTensors (proto/aoq.proto): the state of tensors the client steps
  * itself from now on is let go.  Refused where a copy of it must stay: a
  * lease's undo copy and rollback, a replica group's one state, a snapshot
@@ -300,13 +336,17 @@ int aoqd_on_release_tensors(struct aoqd_session *s, const Aoq__Envelope *env, st
 	if (r < 0)
 		return r;
 	struct aoqd_release later = AOQD_RELEASE_INIT;
-	uint64_t bytes = 0, before = st->state_bytes;
+	struct aoqd_drop drop = AOQD_DROP_INIT;
+	uint64_t bytes = 0;
 	for (size_t i = 0; i < m->n_tensors; i++)
-		bytes += aoqd_state_release(st, &st->tensors[m->tensors[i]], &s->srv->locked_bytes,
-		                            before >= AOQD_RELEASE_OFF_LOOP_BYTES ? &later : NULL);
+		bytes += aoqd_state_release(st, &st->tensors[m->tensors[i]], &s->srv->locked_bytes, &later, &drop);
 	aoqd_release_start(&later);
+	bool off = bytes >= AOQD_RELEASE_OFF_LOOP_BYTES && drop_off_loop(s, &drop);
+	if (!off)
+		aoqd_state_drop(&drop);
 	aoqd_info("session", "session %" PRIu64 ": %zu tensors' state (%" PRIu64 " bytes) released to the trainer, %u of "
-	          "%u in all", s->id, m->n_tensors, bytes, st->nreleased, st->ntensors);
+	          "%u in all%s", s->id, m->n_tensors, bytes, st->nreleased, st->ntensors,
+	          off ? "; its pages go on a thread of their own" : "");
 	aoqd_conn_send_done(&s->conn, bytes);
 	return AOQD_REPLIED;
 }
