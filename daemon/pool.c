@@ -464,6 +464,35 @@ static void *release_run(void *arg)
 	return NULL;
 }
 
+struct waited {
+	void *(*fn)(void *);
+	void *arg;
+};
+
+static void *waited_run(void *arg)
+{
+	struct waited w = *(struct waited *)arg;
+	free(arg);
+	w.fn(w.arg);
+	atomic_fetch_sub_explicit(&releasing, 1, memory_order_release);
+	return NULL;
+}
+
+int aoqd_thread_waited(void *(*fn)(void *), void *arg)
+{
+	struct waited *w = malloc(sizeof(*w));
+	if (!w)
+		return ENOMEM;
+	*w = (struct waited){ fn, arg };
+	atomic_fetch_add_explicit(&releasing, 1, memory_order_acq_rel);
+	int e = aoqd_thread_detached(waited_run, w);
+	if (e != 0) {
+		atomic_fetch_sub_explicit(&releasing, 1, memory_order_release);
+		free(w);
+	}
+	return e;
+}
+
 void aoqd_release_start(struct aoqd_release *r)
 {
 	struct aoqd_release *mine = r->n ? malloc(sizeof(*mine)) : NULL;

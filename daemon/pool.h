@@ -70,6 +70,9 @@ void aoqd_threads_run(void *(*fn)(void *), void *args, size_t size, unsigned n);
  * large registration's build, a dead trainer's rollback): 0, or the
  * error pthread gave (nothing started). */
 int aoqd_thread_detached(void *(*fn)(void *), void *arg);
+/* The same, and aoqd_release_wait waits for it too (a release's pages
+ * dropped: transfer.c). */
+int aoqd_thread_waited(void *(*fn)(void *), void *arg);
 /* Asks done(arg) every millisecond until it says true (true), or for `ms`
  * milliseconds at most (false): a stop waiting for detached threads. */
 bool aoqd_poll_until(bool (*done)(void *), void *arg, unsigned ms);

@@ -290,7 +290,7 @@ static bool drop_off_loop(struct aoqd_session *s, struct aoqd_drop *d)
 	j->s = s;
 	j->d = *d;
 	aoqd_session_ref(s);
-	if (aoqd_thread_detached(drop_run, j) != 0) {
+	if (aoqd_thread_waited(drop_run, j) != 0) {
 		aoqd_session_unref(s);
 		free(j);
 		return false;
