@@ -372,8 +372,8 @@ void aoqd_state_free_later(struct aoqd_state *st, _Atomic uint64_t *locked_total
  * accounting done now (the bytes given back and uncharged, the locked
  * bytes), its accumulator added to `later` (pool.h), and what frees its
  * pages added to `drop` (aoqd_state_drop; NULL or no memory for the list:
- * done here): unlocked, dropped (MADV_DONTNEED) or, in the session's
- * memfd, its slot punched.  The mapping itself stays until aoqd_state_free
+ * done here): unlocked, a fresh anonymous mapping put in place of the
+ * arrays or, in the session's memfd, its slot punched.  The mapping itself stays until aoqd_state_free
  * (populate.c's workers may still be on their way to it).  A master that
  * is the parameter keeps its pages in the masters memfd (sealed, and the
  * client's), which stay charged.  Loop thread, nothing in flight, no undo
@@ -384,7 +384,7 @@ struct aoqd_drop {
 	struct aoqd_drop_item {
 		uint8_t *p;         /* the tensor's mapping */
 		size_t unlock;      /* bytes to munlock from p (0: none) */
-		size_t keep, len;   /* MADV_DONTNEED [p + keep, p + len) (len 0: none) */
+		size_t keep, len;   /* a fresh mapping over [p + keep, p + len) (len 0: none) */
 		int fd;             /* -1, or punch [off, off + flen) of this memfd */
 		off_t off, flen;
 	} *v;

@@ -817,7 +817,12 @@ static void drop_item(const struct aoqd_drop_item *x)
 	if (x->fd >= 0)
 		fallocate(x->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, x->off, x->flen);
 	else if (x->len > x->keep)
-		madvise(x->p + x->keep, x->len - x->keep, MADV_DONTNEED);
+		/* a fresh mapping in place of the arrays: their pages go whether
+		 * or not munlock took (MADV_DONTNEED refuses locked pages, and
+		 * AddressSanitizer makes munlock a no-op), and the range is never
+		 * unmapped (populate.c) */
+		mmap(x->p + x->keep, x->len - x->keep, PROT_READ | PROT_WRITE,
+		     MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
 }
 
 void aoqd_state_drop(struct aoqd_drop *d)
