@@ -546,6 +546,12 @@ class _AutoSplit:
                               "a resume from aoqd's lease gets the moved parameters and their state as of step %d; "
                               "the trainer's own checkpoint must hold them (docs/python.md, \"The default share\")"
                               % self._nstep)
+            if self.delayed_update:
+                # every update pending in aoqd lands now: the moved
+                # parameters' last one is in the master _move_to_share
+                # reads, and none may land on them later (flush() would
+                # put that old value back)
+                self.flush()
             if moved:
                 self._move_to_share(moved)
             if hosted:
@@ -635,13 +641,9 @@ class _AutoSplit:
         return self._host_share_kernel
 
     def _move_to_share(self, slots, host=False):
-        """The state of slots (synchronized) leaves aoqd for the device share
-        (host: for the host share, its state in pinned host memory)."""
-        if self.delayed_update:
-            # every update pending in aoqd lands now: the moved parameters'
-            # last one is in the master read below, and none may land on
-            # them later (flush() would put that old value back)
-            self.flush()
+        """The state of slots (synchronized; with the delayed update,
+        flushed) leaves aoqd for the device share (host: for the host share,
+        its state in pinned host memory)."""
         steps = self._client.get_tensor_steps()
         entries = []
         for s in slots:

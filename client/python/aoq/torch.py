@@ -153,8 +153,9 @@ class OffloadOptimizer(_PushPath, _Distributed, _StateDict, _AutoSplit, torch.op
     host_share: with "auto" or the default share, late parameters that the
     device's cap leaves with aoqd may move to the host share: their state
     (q8 moments and the master's low halves, 4.03 bytes per parameter) in
-    the trainer's pinned host memory, stepped by the device over PCIe after
-    backward while the daemon updates the rest; no device memory (default
+    the trainer's pinned host memory, stepped by the device over PCIe as
+    each gradient is final, during backward, while the daemon updates the
+    rest; no device memory (default
     False; a CUDA device, q8 in the share, bf16 or fp32 parameters of 1 Mi
     elements or more; docs/python.md, "The host share").
     staging_window: bytes of host staging (the session's arena) that
