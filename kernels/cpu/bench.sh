@@ -36,6 +36,8 @@ trap 'rm -rf "$tmp"' EXIT
 cc=${CC:-gcc}
 base="-std=gnu11 -O2 -ffp-contract=off -fno-math-errno -I$here/.. -I$here"
 a512="-mavx512f -mavx512bw -mavx512vl -mavx2 -mfma -mf16c -maes"
+# the avx512bf16 variant: kernels/meson.build's flags for it (DQ classifies floats)
+abf="$a512 -mavx512dq -mavx512bf16 -mavx512vbmi -mvaes -DAOQK_AVX512BF16"
 {
 	echo "# $(date -u +%Y-%m-%dT%H:%M:%SZ) $(uname -srm)"
 	echo "# $($cc --version | head -1)"
@@ -47,20 +49,20 @@ t0=$(date +%s)
 $cc $base -c "$here/kernel-scalar.c" -o "$tmp/scalar.o" &
 $cc $base -mavx2 -mfma -mf16c -maes -c "$here/kernel-avx2.c" -o "$tmp/avx2.o" &
 $cc $base $a512 -c "$here/kernel-avx512.c" -o "$tmp/avx512.o" &
-$cc $base $a512 -mavx512bf16 -mavx512vbmi -mvaes -DAOQK_AVX512BF16 -c "$here/kernel-avx512.c" -o "$tmp/avx512bf16.o" &
+$cc $base $abf -c "$here/kernel-avx512.c" -o "$tmp/avx512bf16.o" &
 for d in decode hash encode; do
 	D=$(echo $d | tr a-z A-Z)
-	$cc $base $a512 -mavx512bf16 -mavx512vbmi -mvaes -DAOQK_AVX512BF16 -DAOQK_KVAR=q8_no$d -DAOQK_DROP_$D=1 \
+	$cc $base $abf -DAOQK_KVAR=q8_no$d -DAOQK_DROP_$D=1 \
 		-c "$here/kernel-avx512.c" -o "$tmp/drop-$d.o" &
 done
 # the divider's share: no sqrt (1), no sqrt and no division (2)
 for d in 1 2; do
-	$cc $base $a512 -mavx512bf16 -mavx512vbmi -mvaes -DAOQK_AVX512BF16 -DAOQK_KVAR=q8_nodiv$d -DAOQK_DROP_DIV=$d \
+	$cc $base $abf -DAOQK_KVAR=q8_nodiv$d -DAOQK_DROP_DIV=$d \
 		-c "$here/kernel-avx512.c" -o "$tmp/drop-div$d.o" &
 done
 # the q8 update with IEEE's sqrt and division (the library's approximates):
 # the A/B of "q8: the approximate divider" in one run
-$cc $base $a512 -mavx512bf16 -mavx512vbmi -mvaes -DAOQK_AVX512BF16 -DAOQK_KVAR=q8_exact -DAOQK_Q8_EXACT=1 \
+$cc $base $abf -DAOQK_KVAR=q8_exact -DAOQK_Q8_EXACT=1 \
 	-c "$here/kernel-avx512.c" -o "$tmp/q8-exact.o" &
 $cc $base -DAOQK_HAVE_AVX2 -DAOQK_HAVE_AVX512 -DAOQK_HAVE_AVX512BF16 -c "$here/dispatch.c" -o "$tmp/dispatch.o" &
 $cc $base -c "$here/bench-kernels.c" -o "$tmp/bench.o" &
