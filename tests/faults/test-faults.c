@@ -603,7 +603,9 @@ static void case_unloaded(void)
 	int st;
 	CHECK(waitpid(pid, &st, 0) == pid && WIFSIGNALED(st) && WTERMSIG(st) == SIGSEGV,
 	      "unloaded: the trainer did not fault loading its parameters (%d)", st);
-	/* It died after Registered: the daemon registered its state. */
+	/* It died after Registered: the daemon registered its state.  aoqd
+	 * logs that after sending Registered, so the trainer can be gone
+	 * before the line is written: the log is read until it is there. */
 	char *log = aoqt_daemon_log(&daemon_);
 	char hello[64], registered[64];
 	snprintf(hello, sizeof(hello), "hello from pid %d ", (int)pid);
@@ -614,6 +616,11 @@ static void case_unloaded(void)
 	CHECK(h && sscanf(h, "%*[^:]: session %lu: hello", &id) == 1, "unloaded: no hello from pid %d in the log",
 	      (int)pid);
 	snprintf(registered, sizeof(registered), "session %lu: registered ", id);
+	for (double t0 = aoqt_now(); !strstr(log, registered) && aoqt_now() - t0 < 10;) {
+		usleep(10000);
+		free(log);
+		log = aoqt_daemon_log(&daemon_);
+	}
 	CHECK(strstr(log, registered), "unloaded: session %lu was not registered", id);
 	free(log);
 	Aoq__Envelope *e = NULL;
