@@ -1,10 +1,12 @@
 #!/bin/bash
 # SPDX-License-Identifier: MIT
-# The offload table: on-GPU fused AdamW, the peers (torchao's
-# CPUOffloadOptimizer, DeepSpeed ZeRO-2 with its optimizer offloaded to the
-# CPU) and aoq's modes at one model size, each mode in its own process, one
-# aoqd for all; tests/bench/train_gpt.py prints per mode s/step, the ratio
-# to on-GPU AdamW, the device peak (allocated and reserved) and the loss.
+# The offload table: the floor (gpu-none: forward and backward with no
+# step), on-GPU fused AdamW, the peers (torchao's CPUOffloadOptimizer,
+# DeepSpeed ZeRO-2 with its optimizer offloaded to the CPU) and aoq's modes
+# at one model size, each mode in its own process, one aoqd for all;
+# tests/bench/train_gpt.py prints per mode s/step, its ratios to on-GPU
+# AdamW, to torchao and to the floor, the device peak (allocated and
+# reserved) and the loss.
 #
 #   tests/bench/offload_table.sh [--bin DIR] 0.94|3.48 [train_gpt.py options]
 #
@@ -41,12 +43,12 @@ case $size in
 0.94)
 	shape=(--d-model 2048 --layers 16 --heads 16 --batch 8 --seq 2048)
 	steps=${STEPS:-8}
-	modes=${MODES:-gpu-adamw,torchao,deepspeed,aoq-default,aoq-default-off,aoq-fp32,aoq-bf16-q8,aoq-bf16master,aoq-bf16-q4,aoq-delayed-bf16-q4,aoq-default-auto,aoq-fp32-auto,aoq-delayed-bf16-q8-auto,aoq-delayed-bf16-q4-auto}
+	modes=${MODES:-gpu-none,gpu-adamw,torchao,deepspeed,aoq-default,aoq-default-off,aoq-fp32,aoq-bf16-q8,aoq-bf16master,aoq-bf16-q4,aoq-delayed-bf16-q4,aoq-default-auto,aoq-fp32-auto,aoq-delayed-bf16-q8-auto,aoq-delayed-bf16-q4-auto}
 	;;
 3.48)
 	shape=(--d-model 4096 --layers 16 --heads 32 --batch 4 --seq 2048 --init-on-device)
 	steps=${STEPS:-4}
-	modes=${MODES:-gpu-adamw,torchao,deepspeed,aoq-default,aoq-default-off,aoq-fp32,aoq-bf16-q8,aoq-delayed-bf16-q4,aoq-default-auto,aoq-fp32-auto,aoq-delayed-bf16-q8-auto}
+	modes=${MODES:-gpu-none,gpu-adamw,torchao,deepspeed,aoq-default,aoq-default-off,aoq-fp32,aoq-bf16-q8,aoq-delayed-bf16-q4,aoq-default-auto,aoq-fp32-auto,aoq-delayed-bf16-q8-auto}
 	;;
 *)
 	echo "offload_table.sh: size 0.94 or 3.48, not $size" >&2; exit 2 ;;

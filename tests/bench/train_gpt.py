@@ -24,8 +24,8 @@ offload_optimizer to the CPU (pinned), a process group of one; either prints a r
 when it does not import here.  An aoq mode ending in -auto adds gpu_state_budget="auto"
 (with --max-device, max_device_bytes=), one ending in -off gpu_state_budget=0 (everything
 offloaded; without either, aoq's default share, docs/python.md "The default share"), one
-ending in -host host_share=True (docs/python.md, "The host share").  The last table: s/step, the ratio to gpu-adamw,
-the device peaks over the whole run (max_memory_allocated and max_memory_reserved), the
+ending in -host host_share=True (docs/python.md, "The host share").  The last table: s/step, the ratios to gpu-adamw,
+torchao and gpu-none (where they ran), the device peaks over the whole run (max_memory_allocated and max_memory_reserved), the
 final loss and the mean loss of the last --loss-tail steps against --loss-ref's, and with
 --host-triad BENCH_KERNELS the host's memory bandwidth (bench-kernels --triad) before and
 after each mode: an offloaded step is the host's memory traffic, and on a shared host the
@@ -934,24 +934,30 @@ def main():
 
 
 def peer_table(results, missing, args):
-    """One row per mode: s/step, the ratio to on-GPU AdamW, the device
-    peaks (allocated and reserved by torch's caching allocator, over the
-    whole run: setup, warm-up and timed steps), the final loss and the mean
-    loss of the last --loss-tail steps, against --loss-ref's."""
-    base = next((r for r in results if r["mode"] == "gpu-adamw"), None)
+    """One row per mode: s/step, its ratios to on-GPU AdamW, to torchao's
+    CPUOffloadOptimizer and to the floor (gpu-none: forward and backward
+    with no step), each where that mode ran, the device peaks (allocated
+    and reserved by torch's caching allocator, over the whole run: setup,
+    warm-up and timed steps), the final loss and the mean loss of the last
+    --loss-tail steps, against --loss-ref's."""
+    def ratio(r, mode):
+        b = next((x for x in results if x["mode"] == mode), None)
+        return "%.2f" % (r["step_s"] / b["step_s"]) if b else "-"
     ref = next((r for r in results if r["mode"] == args.loss_ref), None)
     tri = bool(args.host_triad)
-    print("| mode | s/step | x on-GPU AdamW | device peak GiB (allocated) | reserved GiB | final loss | "
-          "loss, mean of the last steps | vs %s |%s" % (args.loss_ref, " host triad GB/s, before / after |" * tri))
-    print("|---|---|---|---|---|---|---|---|" + "---|" * tri)
+    print("| mode | s/step | x on-GPU AdamW | x torchao | x the floor | device peak GiB (allocated) | reserved GiB | "
+          "final loss | loss, mean of the last steps | vs %s |%s"
+          % (args.loss_ref, " host triad GB/s, before / after |" * tri))
+    print("|---|---|---|---|---|---|---|---|---|---|" + "---|" * tri)
     for r in results:
-        print("| %s | %.3f | %s | %.2f | %.2f | %.4f | %.4f (%d) | %s |%s" % (
-            r["mode"], r["step_s"], "%.2f" % (r["step_s"] / base["step_s"]) if base else "-",
+        print("| %s | %.3f | %s | %s | %s | %.2f | %.2f | %.4f | %.4f (%d) | %s |%s" % (
+            r["mode"], r["step_s"], ratio(r, "gpu-adamw"), ratio(r, "torchao"), ratio(r, "gpu-none"),
             r["run_peak_gib"], r["reserved_gib"], r["loss"], r["loss_tail"], r["loss_tail_steps"],
             "%+.2f%%" % (100 * (r["loss_tail"] / ref["loss_tail"] - 1)) if ref else "-",
             " %s |" % " / ".join("%.1f" % t if t else "?" for t in r.get("triad_gbps", (None, None))) * tri))
     for r in missing:
-        print("| %s | not run: %s | | | | | | |%s" % (r["mode"], r.get("unavailable") or r.get("failed"), " |" * tri))
+        print("| %s | not run: %s | | | | | | | | |%s"
+              % (r["mode"], r.get("unavailable") or r.get("failed"), " |" * tri))
 
 
 def targets(results):
