@@ -515,14 +515,15 @@ class _AutoSplit:
         hosted = []
         defer = False       # the host share waits for the next probe
         rest = max(0, late - sum(order[i].numel for i in chosen))
-        if self._host_share_ok() and not prev and chosen:
+        host_ok = self._host_share_ok()
+        if host_ok and not prev and chosen:
             # the first probe: the device share moves first, and what is
             # still late after it is measured at the next probe (where the
             # device share alone ended the tail, GPT 0.94 B, a host share
             # moved on this probe's count cost 5-7 %: tests/bench/RESULTS.md,
             # "The host share")
             defer = True
-        elif self._host_share_ok() and rest > total * _AUTO_MIN_LATE:
+        elif host_ok and rest > total * _AUTO_MIN_LATE:
             # the daemon's pace as _auto_late takes it (the first final push
             # to the end of backward, then its tail); the host share's from
             # its early steps' kernels
